@@ -1,0 +1,46 @@
+//! tandem-runtime: Llama-family models over candle with a truncatable KV cache, one-pass block
+//! verification, sampling and the lossless speculative acceptance rule. Model code here knows
+//! nothing of gRPC.
+
+pub mod acceptance;
+mod error;
+pub mod generator;
+pub mod kv_cache;
+pub mod model;
+pub mod quantize;
+pub mod rng;
+pub mod sampling;
+pub mod speculative;
+pub mod synthetic;
+pub mod tokenizer;
+
+pub use acceptance::{Verdict, verify};
+pub use error::{Error, Result};
+pub use generator::{
+    FinishReason, GenerateRequest, Generation, GenerationStats, SpeculativeGenerator, default_stop_tokens,
+};
+pub use kv_cache::KvCache;
+pub use model::{LoadOptions, Logits, Model, ModelConfig};
+pub use rng::Rng;
+pub use sampling::{Distribution, SamplingParams};
+pub use speculative::{Drafter, Proposal, Verifier};
+pub use tokenizer::Tokenizer;
+
+/// Sets the CPU thread pools to the core count unless the user chose. Unset, candle re-reads
+/// /proc/cpuinfo on every matmul, a 5× slowdown on small models (see DESIGN.md).
+pub fn init_cpu_threads() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).to_string();
+    for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
+        if std::env::var_os(var).is_none() {
+            // SAFETY-free: set_var is safe to call before other threads read the environment;
+            // callers do this first thing in main or test setup.
+            set_env(var, &cores);
+        }
+    }
+}
+
+#[allow(unsafe_code, reason = "std::env::set_var is unsafe in edition 2024")]
+fn set_env(var: &str, value: &str) {
+    // SAFETY: called at start-up before threads that read the environment exist.
+    unsafe { std::env::set_var(var, value) };
+}

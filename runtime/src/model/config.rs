@@ -1,0 +1,312 @@
+//! Model hyper-parameters: read from a Hugging Face `config.json` (plus `generation_config.json`)
+//! or from GGUF metadata, normalised into one [`ModelConfig`].
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::{Error, Result};
+
+/// The model families the runtime implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// Llama 1/2/3, TinyLlama, SmolLM, Mistral (no bias, optional GQA and rope scaling).
+    Llama,
+    /// Qwen2 / Qwen2.5: Llama with q/k/v biases.
+    Qwen2,
+}
+
+pub(crate) const SUPPORTED: &str = "llama, mistral, qwen2 (and their GGUF equivalents)";
+
+impl Architecture {
+    pub(crate) fn parse(name: &str, path: &Path) -> Result<Self> {
+        match name {
+            "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM" => Ok(Self::Llama),
+            "qwen2" | "Qwen2ForCausalLM" => Ok(Self::Qwen2),
+            other => Err(Error::UnsupportedArchitecture {
+                path: path.to_path_buf(),
+                found: other.to_string(),
+                supported: SUPPORTED,
+            }),
+        }
+    }
+}
+
+/// Rotary position embedding frequencies.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Plain rope: inv_freq_i = theta^(-2i/d).
+    None,
+    /// Positions divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3.1 frequency-dependent scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+    /// Per-frequency divisors stored with the model (GGUF `rope_freqs.weight`).
+    Factors(Vec<f32>),
+}
+
+/// Normalised hyper-parameters of a Llama-family model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    /// Longest sequence (prompt plus generated tokens) the model accepts.
+    pub max_context: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    /// GGUF llama checkpoints store q/k rows permuted for interleaved rope.
+    pub rope_interleaved: bool,
+    pub tie_word_embeddings: bool,
+    /// Bias on the q, k and v projections (Qwen2, Llama with `attention_bias`).
+    pub qkv_bias: bool,
+    /// Bias on the output projection (Llama with `attention_bias`).
+    pub o_bias: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    fn into_vec(self) -> Vec<u32> {
+        match self {
+            Self::One(id) => vec![id],
+            Self::Many(ids) => ids,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct HfRopeScaling {
+    #[serde(alias = "type")]
+    rope_type: String,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+struct HfConfig {
+    model_type: Option<String>,
+    architectures: Option<Vec<String>>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    #[serde(default = "default_context")]
+    max_position_embeddings: usize,
+    #[serde(default = "default_eps")]
+    rms_norm_eps: f64,
+    #[serde(default = "default_theta")]
+    rope_theta: f64,
+    rope_scaling: Option<HfRopeScaling>,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    attention_bias: Option<bool>,
+    hidden_act: Option<String>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<TokenIds>,
+}
+
+#[derive(Debug, Deserialize)]
+struct HfGenerationConfig {
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<TokenIds>,
+}
+
+fn default_context() -> usize {
+    2048
+}
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    10_000.0
+}
+
+pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(Error::io(path))?;
+    serde_json::from_str(&text).map_err(|e| Error::InvalidFile {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+impl ModelConfig {
+    /// Reads `config.json` and, when present, `generation_config.json` from a model folder.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        if !path.exists() {
+            return Err(Error::MissingFile {
+                path,
+                what: "a Hugging Face model folder needs config.json",
+            });
+        }
+        let hf: HfConfig = read_json(&path)?;
+        let arch_name = hf
+            .model_type
+            .clone()
+            .or_else(|| hf.architectures.as_ref().and_then(|a| a.first().cloned()))
+            .unwrap_or_default();
+        let architecture = Architecture::parse(&arch_name, &path)?;
+        if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
+            return Err(Error::InvalidFile {
+                path,
+                reason: format!("hidden_act `{act}` is not supported; supported: silu"),
+            });
+        }
+        let rope_scaling = match hf.rope_scaling {
+            None => RopeScaling::None,
+            Some(s) => rope_scaling_from_hf(s, &path)?,
+        };
+        let mut bos_token_id = hf.bos_token_id;
+        let mut eos_token_ids = hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default();
+        let gen_path = dir.join("generation_config.json");
+        if gen_path.exists() {
+            let generation: HfGenerationConfig = read_json(&gen_path)?;
+            bos_token_id = generation.bos_token_id.or(bos_token_id);
+            if let Some(eos) = generation.eos_token_id {
+                eos_token_ids = eos.into_vec();
+            }
+        }
+        let attention_bias = hf.attention_bias.unwrap_or(false);
+        let config = Self {
+            architecture,
+            hidden_size: hf.hidden_size,
+            intermediate_size: hf.intermediate_size,
+            num_layers: hf.num_hidden_layers,
+            num_heads: hf.num_attention_heads,
+            num_kv_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
+            head_dim: hf
+                .head_dim
+                .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
+            vocab_size: hf.vocab_size,
+            max_context: hf.max_position_embeddings,
+            rms_norm_eps: hf.rms_norm_eps,
+            rope_theta: hf.rope_theta,
+            rope_scaling,
+            rope_interleaved: false,
+            tie_word_embeddings: hf.tie_word_embeddings,
+            qkv_bias: architecture == Architecture::Qwen2 || attention_bias,
+            o_bias: attention_bias,
+            bos_token_id,
+            eos_token_ids,
+        };
+        config.validate(&path)?;
+        Ok(config)
+    }
+
+    /// Checks the shape relations the forward pass relies on.
+    pub(crate) fn validate(&self, path: &Path) -> Result<()> {
+        let fail = |reason: String| {
+            Err(Error::InvalidFile {
+                path: path.to_path_buf(),
+                reason,
+            })
+        };
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_layers == 0 {
+            return fail("num_attention_heads, num_key_value_heads and num_hidden_layers must be positive".into());
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return fail(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return fail(format!("head_dim {} must be even for rope", self.head_dim));
+        }
+        if self.vocab_size == 0 || self.max_context == 0 {
+            return fail("vocab_size and max_position_embeddings must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// Inverse rope frequencies, one per pair of head dimensions, with scaling applied.
+    pub(crate) fn inv_freq(&self) -> Vec<f32> {
+        let d = self.head_dim;
+        let base: Vec<f64> = (0..d / 2)
+            .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d as f64))
+            .collect();
+        let scaled: Vec<f64> = match &self.rope_scaling {
+            RopeScaling::None => base,
+            RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+            RopeScaling::Factors(factors) => base
+                .iter()
+                .zip(factors.iter().chain(std::iter::repeat(&1.0)))
+                .map(|(f, s)| f / f64::from(*s))
+                .collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let old = *original_max_position_embeddings as f64;
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                base.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth =
+                                (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        };
+        scaled.into_iter().map(|f| f as f32).collect()
+    }
+}
+
+fn rope_scaling_from_hf(s: HfRopeScaling, path: &Path) -> Result<RopeScaling> {
+    let missing = |field: &str| Error::InvalidFile {
+        path: path.to_path_buf(),
+        reason: format!("rope_scaling of type `{}` needs `{field}`", s.rope_type),
+    };
+    match s.rope_type.as_str() {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: s.factor.ok_or_else(|| missing("factor"))?,
+        }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: s.factor.ok_or_else(|| missing("factor"))?,
+            low_freq_factor: s.low_freq_factor.ok_or_else(|| missing("low_freq_factor"))?,
+            high_freq_factor: s.high_freq_factor.ok_or_else(|| missing("high_freq_factor"))?,
+            original_max_position_embeddings: s
+                .original_max_position_embeddings
+                .ok_or_else(|| missing("original_max_position_embeddings"))?,
+        }),
+        other => Err(Error::InvalidFile {
+            path: path.to_path_buf(),
+            reason: format!("rope_scaling type `{other}` is not supported; supported: default, linear, llama3"),
+        }),
+    }
+}

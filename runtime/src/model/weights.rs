@@ -1,0 +1,225 @@
+//! Where a model's tensors come from. Models name tensors once, in Hugging Face layout, through
+//! [`Vb::pp`]; GGUF files are read through the same names, mapped to llama.cpp's.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Tensor};
+
+use crate::{Error, Result};
+
+/// A model's tensors: dense (safetensors) or quantized (GGUF).
+pub(crate) enum Weights {
+    Dense {
+        path: PathBuf,
+        vb: candle_nn::VarBuilder<'static>,
+    },
+    Gguf {
+        path: PathBuf,
+        tensors: HashMap<String, Arc<QTensor>>,
+        device: Device,
+    },
+}
+
+impl Weights {
+    /// Memory-maps the safetensors files of a Hugging Face folder.
+    #[allow(unsafe_code, reason = "memory-mapping safetensors, as every candle loader does")]
+    pub(crate) fn from_safetensors(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        let files = safetensors_files(dir)?;
+        // SAFETY: the files are opened read-only; a concurrent writer could change the mapped
+        // bytes, which the model folders this reads are not expected to have.
+        let vb = unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(&files, dtype, device) }
+            .map_err(|e| Error::InvalidFile {
+                path: dir.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+        Ok(Self::Dense {
+            path: dir.to_path_buf(),
+            vb,
+        })
+    }
+
+    fn path(&self) -> &Path {
+        match self {
+            Self::Dense { path, .. } | Self::Gguf { path, .. } => path,
+        }
+    }
+
+    fn missing(&self, name: &str) -> Error {
+        let name = match self {
+            Self::Dense { .. } => name.to_string(),
+            Self::Gguf { .. } => gguf_name(name),
+        };
+        Error::MissingTensor {
+            path: self.path().to_path_buf(),
+            name,
+        }
+    }
+
+    fn check_shape(&self, name: &str, found: &[usize], expected: &[usize]) -> Result<()> {
+        if found == expected {
+            return Ok(());
+        }
+        Err(Error::InvalidFile {
+            path: self.path().to_path_buf(),
+            reason: format!("tensor `{name}` has shape {found:?}, the config implies {expected:?}"),
+        })
+    }
+
+    fn qtensor(&self, name: &str, shape: &[usize]) -> Result<Arc<QTensor>> {
+        let Self::Gguf { tensors, .. } = self else {
+            unreachable!("qtensor is only called on GGUF weights")
+        };
+        let t = tensors.get(&gguf_name(name)).ok_or_else(|| self.missing(name))?;
+        self.check_shape(name, t.shape().dims(), shape)?;
+        Ok(t.clone())
+    }
+
+    fn dense(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        match self {
+            Self::Dense { vb, .. } => {
+                if !vb.contains_tensor(name) {
+                    return Err(self.missing(name));
+                }
+                vb.get(shape, name).map_err(|e| Error::InvalidFile {
+                    path: self.path().to_path_buf(),
+                    reason: format!("tensor `{name}`: {e}"),
+                })
+            }
+            Self::Gguf { device, .. } => Ok(self.qtensor(name, shape)?.dequantize(device)?),
+        }
+    }
+}
+
+/// A prefix into [`Weights`], in candle's `VarBuilder` style.
+#[derive(Clone)]
+pub(crate) struct Vb<'a> {
+    weights: &'a Weights,
+    prefix: String,
+}
+
+impl<'a> Vb<'a> {
+    pub(crate) fn new(weights: &'a Weights) -> Self {
+        Self {
+            weights,
+            prefix: String::new(),
+        }
+    }
+
+    pub(crate) fn pp(&self, name: impl std::fmt::Display) -> Self {
+        let prefix = if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        };
+        Self {
+            weights: self.weights,
+            prefix,
+        }
+    }
+
+    fn name(&self, leaf: &str) -> String {
+        format!("{}.{leaf}", self.prefix)
+    }
+
+    /// A dense tensor (norm weights, biases, embeddings), dequantized if stored quantized.
+    pub(crate) fn tensor(&self, leaf: &str, shape: &[usize]) -> Result<Tensor> {
+        self.weights.dense(&self.name(leaf), shape)
+    }
+
+    /// The `weight` of a linear layer of shape (out, in), kept quantized where it is.
+    pub(crate) fn matmul(&self, out_dim: usize, in_dim: usize) -> Result<QMatMul> {
+        let name = self.name("weight");
+        match self.weights {
+            Weights::Dense { .. } => Ok(QMatMul::Tensor(
+                self.weights.dense(&name, &[out_dim, in_dim])?,
+            )),
+            Weights::Gguf { .. } => Ok(QMatMul::from_arc(
+                self.weights.qtensor(&name, &[out_dim, in_dim])?,
+            )?),
+        }
+    }
+}
+
+/// Maps a Hugging Face tensor name to llama.cpp's GGUF name.
+pub(crate) fn gguf_name(hf: &str) -> String {
+    const LAYER_PARTS: [(&str, &str); 9] = [
+        ("input_layernorm", "attn_norm"),
+        ("post_attention_layernorm", "ffn_norm"),
+        ("self_attn.q_proj", "attn_q"),
+        ("self_attn.k_proj", "attn_k"),
+        ("self_attn.v_proj", "attn_v"),
+        ("self_attn.o_proj", "attn_output"),
+        ("mlp.gate_proj", "ffn_gate"),
+        ("mlp.up_proj", "ffn_up"),
+        ("mlp.down_proj", "ffn_down"),
+    ];
+    match hf {
+        "model.embed_tokens.weight" => return "token_embd.weight".into(),
+        "model.norm.weight" => return "output_norm.weight".into(),
+        "lm_head.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    if let Some(rest) = hf.strip_prefix("model.layers.")
+        && let Some((layer, part)) = rest.split_once('.')
+        && let Some((module, leaf)) = part.rsplit_once('.')
+        && let Some((_, gguf)) = LAYER_PARTS.iter().find(|(h, _)| *h == module)
+    {
+        return format!("blk.{layer}.{gguf}.{leaf}");
+    }
+    hf.to_string()
+}
+
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.exists() {
+        return Err(Error::MissingFile {
+            path: single,
+            what: "weights must be model.safetensors or shards listed in model.safetensors.index.json",
+        });
+    }
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: HashMap<String, String>,
+    }
+    let index_json: Index = super::config::read_json(&index)?;
+    let mut shards: Vec<String> = index_json.weight_map.into_values().collect();
+    shards.sort();
+    shards.dedup();
+    let files: Vec<PathBuf> = shards.iter().map(|s| dir.join(s)).collect();
+    if let Some(missing) = files.iter().find(|f| !f.exists()) {
+        return Err(Error::MissingFile {
+            path: missing.clone(),
+            what: "a shard listed in model.safetensors.index.json",
+        });
+    }
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gguf_name;
+
+    #[test]
+    fn maps_hf_names_to_gguf() {
+        assert_eq!(gguf_name("model.embed_tokens.weight"), "token_embd.weight");
+        assert_eq!(
+            gguf_name("model.layers.3.self_attn.q_proj.bias"),
+            "blk.3.attn_q.bias"
+        );
+        assert_eq!(
+            gguf_name("model.layers.11.mlp.down_proj.weight"),
+            "blk.11.ffn_down.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.post_attention_layernorm.weight"),
+            "blk.0.ffn_norm.weight"
+        );
+    }
+}

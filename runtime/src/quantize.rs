@@ -1,0 +1,320 @@
+//! Writes a Hugging Face Llama folder as a GGUF file, quantized the way llama.cpp lays it out
+//! (llama.cpp tensor names, q/k rows permuted for interleaved rope, SentencePiece vocabulary in
+//! the metadata), so drafts for edge CPUs can be made from any target checkpoint.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use serde::Deserialize;
+
+use crate::model::weights::gguf_name;
+use crate::model::{Architecture, ModelConfig, RopeScaling};
+use crate::{Error, Result};
+
+/// Quantization schemes for [`quantize_to_gguf`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantType {
+    F32,
+    F16,
+    Q8_0,
+    Q4_0,
+    /// Q4_K for most matrices, Q6_K for the output, attn_v and ffn_down (llama.cpp's Q4_K_M mix).
+    Q4KM,
+}
+
+impl std::str::FromStr for QuantType {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(Self::F32),
+            "f16" => Ok(Self::F16),
+            "q8_0" => Ok(Self::Q8_0),
+            "q4_0" => Ok(Self::Q4_0),
+            "q4_k_m" => Ok(Self::Q4KM),
+            other => Err(Error::invalid("quant_type", other, "must be one of f32, f16, q8_0, q4_0, q4_k_m")),
+        }
+    }
+}
+
+impl QuantType {
+    fn for_tensor(self, gguf: &str) -> GgmlDType {
+        match self {
+            Self::F32 => GgmlDType::F32,
+            Self::F16 => GgmlDType::F16,
+            Self::Q8_0 => GgmlDType::Q8_0,
+            Self::Q4_0 => GgmlDType::Q4_0,
+            Self::Q4KM if gguf == "output.weight" || gguf.ends_with("attn_v.weight") || gguf.ends_with("ffn_down.weight") => {
+                GgmlDType::Q6K
+            }
+            Self::Q4KM => GgmlDType::Q4K,
+        }
+    }
+
+    /// llama.cpp's `general.file_type` code.
+    fn file_type(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q4_0 => 2,
+            Self::Q8_0 => 7,
+            Self::Q4KM => 15,
+        }
+    }
+}
+
+/// What [`quantize_to_gguf`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QuantizeReport {
+    pub tensors: usize,
+    /// Matrices left in f32 because their rows do not split into whole quantization blocks.
+    pub kept_f32: Vec<String>,
+    pub tokenizer_in_metadata: bool,
+    pub bytes: u64,
+}
+
+/// Converts the Hugging Face model folder `dir` to a GGUF file at `out`.
+pub fn quantize_to_gguf(dir: &Path, out: &Path, quant: QuantType) -> Result<QuantizeReport> {
+    let config = ModelConfig::from_hf_dir(dir)?;
+    let tensors = read_safetensors(dir)?;
+    let mut report = QuantizeReport::default();
+    let mut qtensors: Vec<(String, QTensor)> = Vec::new();
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    for name in names {
+        if name.ends_with("rotary_emb.inv_freq") {
+            continue;
+        }
+        let gguf = gguf_name(name);
+        let mut t = tensors[name].to_dtype(DType::F32)?;
+        if config.architecture == Architecture::Llama {
+            if name.contains("q_proj") {
+                t = permute_for_interleaved_rope(&t, config.num_heads)?;
+            } else if name.contains("k_proj") {
+                t = permute_for_interleaved_rope(&t, config.num_kv_heads)?;
+            }
+        }
+        let wanted = if t.rank() == 2 { quant.for_tensor(&gguf) } else { GgmlDType::F32 };
+        let row = t.dims().last().copied().unwrap_or(0);
+        let dtype = if row % wanted.block_size() == 0 {
+            wanted
+        } else {
+            report.kept_f32.push(gguf.clone());
+            GgmlDType::F32
+        };
+        qtensors.push((gguf, QTensor::quantize(&t, dtype)?));
+    }
+    if let RopeScaling::Llama3 { .. } = config.rope_scaling {
+        let plain = ModelConfig {
+            rope_scaling: RopeScaling::None,
+            ..config.clone()
+        };
+        let factors: Vec<f32> = plain
+            .inv_freq()
+            .iter()
+            .zip(config.inv_freq())
+            .map(|(base, scaled)| base / scaled)
+            .collect();
+        let n = factors.len();
+        let t = Tensor::from_vec(factors, n, &Device::Cpu)?;
+        qtensors.push(("rope_freqs.weight".into(), QTensor::quantize(&t, GgmlDType::F32)?));
+    }
+    let mut metadata = model_metadata(&config, quant, dir);
+    let tokenizer_path = dir.join("tokenizer.json");
+    if tokenizer_path.exists() {
+        if let Some(tok) = sentencepiece_metadata(&tokenizer_path, &config)? {
+            metadata.extend(tok);
+            report.tokenizer_in_metadata = true;
+        }
+    }
+    let meta_refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut file = std::fs::File::create(out).map_err(Error::io(out))?;
+    gguf_file::write(&mut file, &meta_refs, &tensor_refs)?;
+    report.tensors = qtensors.len();
+    report.bytes = std::fs::metadata(out).map_err(Error::io(out))?.len();
+    Ok(report)
+}
+
+fn read_safetensors(dir: &Path) -> Result<HashMap<String, Tensor>> {
+    let single = dir.join("model.safetensors");
+    let files = if single.exists() {
+        vec![single]
+    } else {
+        let mut shards: Vec<_> = std::fs::read_dir(dir)
+            .map_err(Error::io(dir))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        shards.sort();
+        shards
+    };
+    let mut all = HashMap::new();
+    for file in &files {
+        all.extend(candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| Error::InvalidFile {
+            path: file.clone(),
+            reason: e.to_string(),
+        })?);
+    }
+    if all.is_empty() {
+        return Err(Error::MissingFile {
+            path: dir.join("model.safetensors"),
+            what: "no safetensors weights in the model folder",
+        });
+    }
+    Ok(all)
+}
+
+/// The permutation llama.cpp's converter applies to q/k rows: from the rotate-half layout
+/// (pairs i, i + d/2) to the interleaved one (pairs 2i, 2i + 1).
+fn permute_for_interleaved_rope(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let dims = w.dims().to_vec();
+    let rows = dims[0];
+    let rest: usize = dims[1..].iter().product();
+    Ok(w
+        .reshape((heads, 2, rows / heads / 2, rest))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)?)
+}
+
+fn model_metadata(config: &ModelConfig, quant: QuantType, dir: &Path) -> Vec<(String, Value)> {
+    let a = match config.architecture {
+        Architecture::Llama => "llama",
+        Architecture::Qwen2 => "qwen2",
+    };
+    let name = dir
+        .file_name()
+        .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned());
+    let u = |v: usize| Value::U32(v as u32);
+    let mut m = vec![
+        ("general.architecture".to_string(), Value::String(a.into())),
+        ("general.name".to_string(), Value::String(name)),
+        ("general.file_type".to_string(), Value::U32(quant.file_type())),
+        (format!("{a}.context_length"), u(config.max_context)),
+        (format!("{a}.embedding_length"), u(config.hidden_size)),
+        (format!("{a}.block_count"), u(config.num_layers)),
+        (format!("{a}.feed_forward_length"), u(config.intermediate_size)),
+        (format!("{a}.attention.head_count"), u(config.num_heads)),
+        (format!("{a}.attention.head_count_kv"), u(config.num_kv_heads)),
+        (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(config.rms_norm_eps as f32)),
+        (format!("{a}.rope.freq_base"), Value::F32(config.rope_theta as f32)),
+        (format!("{a}.rope.dimension_count"), u(config.head_dim)),
+    ];
+    if let RopeScaling::Linear { factor } = config.rope_scaling {
+        m.push((format!("{a}.rope.scaling.type"), Value::String("linear".into())));
+        m.push((format!("{a}.rope.scaling.factor"), Value::F32(factor as f32)));
+    }
+    if let Some(bos) = config.bos_token_id {
+        m.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(bos)));
+    }
+    if let Some(&eos) = config.eos_token_ids.first() {
+        m.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)));
+    }
+    m
+}
+
+#[derive(Deserialize)]
+struct TokenizerFile {
+    model: BpeModel,
+    #[serde(default)]
+    added_tokens: Vec<AddedToken>,
+}
+
+#[derive(Deserialize)]
+struct BpeModel {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    byte_fallback: bool,
+    vocab: HashMap<String, u32>,
+    #[serde(default)]
+    merges: Vec<Merge>,
+    unk_token: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Merge {
+    Joined(String),
+    Pair(Vec<String>),
+}
+
+#[derive(Deserialize)]
+struct AddedToken {
+    id: u32,
+    #[serde(default)]
+    special: bool,
+}
+
+/// `tokenizer.ggml.*` for a SentencePiece-style BPE tokenizer (byte fallback, ▁ for spaces);
+/// `None` for other tokenizers, whose tokenizer.json must then travel beside the GGUF file.
+fn sentencepiece_metadata(path: &Path, config: &ModelConfig) -> Result<Option<Vec<(String, Value)>>> {
+    let file: TokenizerFile = crate::model::read_json(path)?;
+    if file.model.kind != "BPE" || !file.model.byte_fallback {
+        return Ok(None);
+    }
+    let n = file.model.vocab.len().max(config.vocab_size);
+    let mut tokens = vec![String::new(); n];
+    for (text, &id) in &file.model.vocab {
+        if let Some(slot) = tokens.get_mut(id as usize) {
+            *slot = text.clone();
+        }
+    }
+    for (i, t) in tokens.iter_mut().enumerate().filter(|(_, t)| t.is_empty()) {
+        *t = format!("<unused{i}>");
+    }
+    // A piece's score is minus the rank of the first merge that makes it: the merge order that
+    // SentencePiece's scores encode, which the reader turns back into merges.
+    let mut scores = vec![0f32; n];
+    let mut scored = vec![false; n];
+    for (rank, merge) in file.model.merges.iter().enumerate() {
+        let joined = match merge {
+            Merge::Joined(s) => s.replacen(' ', "", 1),
+            Merge::Pair(p) => p.concat(),
+        };
+        if let Some(&id) = file.model.vocab.get(&joined)
+            && !scored[id as usize]
+        {
+            scored[id as usize] = true;
+            scores[id as usize] = -(rank as f32);
+        }
+    }
+    let unk = file.model.unk_token.as_deref().and_then(|u| file.model.vocab.get(u)).copied();
+    let special: Vec<u32> = file.added_tokens.iter().filter(|t| t.special).map(|t| t.id).collect();
+    let types: Vec<Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(id, t)| {
+            let id = id as u32;
+            Value::I32(if Some(id) == unk {
+                2
+            } else if special.contains(&id) {
+                3
+            } else if t.len() == 6 && t.starts_with("<0x") && t.ends_with('>') {
+                6
+            } else {
+                1
+            })
+        })
+        .collect();
+    let mut m = vec![
+        ("tokenizer.ggml.model".to_string(), Value::String("llama".into())),
+        (
+            "tokenizer.ggml.tokens".to_string(),
+            Value::Array(tokens.into_iter().map(Value::String).collect()),
+        ),
+        (
+            "tokenizer.ggml.scores".to_string(),
+            Value::Array(scores.into_iter().map(Value::F32).collect()),
+        ),
+        ("tokenizer.ggml.token_type".to_string(), Value::Array(types)),
+        ("tokenizer.ggml.add_bos_token".to_string(), Value::Bool(config.bos_token_id.is_some())),
+    ];
+    if let Some(unk) = unk {
+        m.push(("tokenizer.ggml.unknown_token_id".into(), Value::U32(unk)));
+    }
+    Ok(Some(m))
+}

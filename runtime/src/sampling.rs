@@ -1,0 +1,266 @@
+//! Logits → the probability distribution that sampling uses. One function,
+//! [`distribution`], serves the draft (q) and the target (p), so both see the same transform:
+//! repetition penalty, temperature, top-k, top-p, min-p, normalisation.
+
+use crate::rng::Rng;
+use crate::{Error, Result};
+
+/// How tokens are chosen. `temperature == 0` is greedy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 disables.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches p; 1 disables.
+    pub top_p: f32,
+    /// Drop tokens below min_p × the top probability; 0 disables.
+    pub min_p: f32,
+    /// Divide positive (multiply negative) logits of recently seen tokens; 1 disables.
+    pub repetition_penalty: f32,
+    /// How many of the most recent tokens the penalty looks at.
+    pub repeat_last_n: usize,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+        }
+    }
+}
+
+/// Upper bound on temperature: above it sampling is noise.
+pub const MAX_TEMPERATURE: f32 = 100.0;
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Checks every field against its range, naming the first that is out of it.
+    pub fn validate(&self) -> Result<()> {
+        if !(0.0..=MAX_TEMPERATURE).contains(&self.temperature) {
+            return Err(Error::invalid(
+                "temperature",
+                self.temperature,
+                format!("must be in [0, {MAX_TEMPERATURE}] (0 is greedy)"),
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(Error::invalid("top_p", self.top_p, "must be in (0, 1]"));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(Error::invalid("min_p", self.min_p, "must be in [0, 1]"));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(Error::invalid(
+                "repetition_penalty",
+                self.repetition_penalty,
+                "must be a positive finite number (1 disables)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A distribution over the vocabulary.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Distribution {
+    /// All mass on one token: what greedy decoding samples from.
+    OneHot(u32),
+    /// Probabilities indexed by token id, summing to 1.
+    Dense(Vec<f32>),
+}
+
+impl Distribution {
+    /// Probability of `token`.
+    pub fn prob(&self, token: u32) -> f32 {
+        match self {
+            Self::OneHot(t) => f32::from(u8::from(*t == token)),
+            Self::Dense(p) => p.get(token as usize).copied().unwrap_or(0.0),
+        }
+    }
+
+    /// Draws one token. A one-hot distribution consumes no randomness.
+    pub fn sample(&self, rng: &mut Rng) -> u32 {
+        match self {
+            Self::OneHot(t) => *t,
+            Self::Dense(p) => sample_weights(p, rng),
+        }
+    }
+
+    /// The most likely token.
+    pub fn argmax(&self) -> u32 {
+        match self {
+            Self::OneHot(t) => *t,
+            Self::Dense(p) => argmax(p),
+        }
+    }
+}
+
+/// Index of the largest value; the first one on ties.
+pub fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Draws an index with probability proportional to `weights` (which need not sum to 1).
+pub(crate) fn sample_weights(weights: &[f32], rng: &mut Rng) -> u32 {
+    let total: f64 = weights.iter().map(|&w| f64::from(w)).sum();
+    let mut threshold = rng.uniform() * total;
+    let mut last_positive = 0;
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            last_positive = i;
+            threshold -= f64::from(w);
+            if threshold < 0.0 {
+                return i as u32;
+            }
+        }
+    }
+    // Rounding left a sliver of mass: it belongs to the last token with any.
+    last_positive as u32
+}
+
+/// The sampling distribution at one position: `logits` of that position after `history` (the
+/// tokens before it, used by the repetition penalty).
+pub fn distribution(logits: &[f32], params: &SamplingParams, history: &[u32]) -> Distribution {
+    let mut logits = logits.to_vec();
+    if params.repetition_penalty != 1.0 {
+        let start = history.len().saturating_sub(params.repeat_last_n);
+        let mut seen = std::collections::HashSet::new();
+        for &t in &history[start..] {
+            if let Some(l) = logits.get_mut(t as usize)
+                && seen.insert(t)
+            {
+                *l = if *l > 0.0 {
+                    *l / params.repetition_penalty
+                } else {
+                    *l * params.repetition_penalty
+                };
+            }
+        }
+    }
+    if params.is_greedy() {
+        return Distribution::OneHot(argmax(&logits));
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let inv_t = 1.0 / params.temperature;
+    let mut probs: Vec<f32> = logits.iter().map(|&l| ((l - max) * inv_t).exp()).collect();
+    normalize(&mut probs);
+    let truncating = (params.top_k > 0 && params.top_k < probs.len()) || params.top_p < 1.0;
+    if truncating {
+        let mut order: Vec<u32> = (0..probs.len() as u32).collect();
+        // Descending probability, ties by id: a total order, so draft and target agree.
+        order.sort_unstable_by(|&a, &b| probs[b as usize].total_cmp(&probs[a as usize]).then(a.cmp(&b)));
+        let mut keep = if params.top_k > 0 { params.top_k.min(order.len()) } else { order.len() };
+        if params.top_p < 1.0 {
+            let mut cumulative = 0.0f32;
+            for (rank, &id) in order.iter().enumerate().take(keep) {
+                cumulative += probs[id as usize];
+                if cumulative >= params.top_p {
+                    keep = rank + 1;
+                    break;
+                }
+            }
+        }
+        for &id in &order[keep..] {
+            probs[id as usize] = 0.0;
+        }
+        normalize(&mut probs);
+    }
+    if params.min_p > 0.0 {
+        let floor = params.min_p * probs.iter().copied().fold(0.0, f32::max);
+        for p in probs.iter_mut().filter(|p| **p < floor) {
+            *p = 0.0;
+        }
+        normalize(&mut probs);
+    }
+    Distribution::Dense(probs)
+}
+
+fn normalize(probs: &mut [f32]) {
+    let sum: f32 = probs.iter().sum();
+    if sum > 0.0 {
+        probs.iter_mut().for_each(|p| *p /= sum);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dense(d: &Distribution) -> &[f32] {
+        match d {
+            Distribution::Dense(p) => p,
+            Distribution::OneHot(_) => panic!("expected a dense distribution"),
+        }
+    }
+
+    #[test]
+    fn greedy_is_one_hot_at_argmax() {
+        let d = distribution(&[0.1, 2.0, -1.0, 2.0], &SamplingParams::greedy(), &[]);
+        assert_eq!(d, Distribution::OneHot(1));
+        assert_eq!(d.prob(1), 1.0);
+        assert_eq!(d.prob(3), 0.0);
+    }
+
+    #[test]
+    fn temperature_top_k_top_p_min_p() {
+        let logits = [3.0f32, 2.0, 1.0, 0.0];
+        let params = SamplingParams { temperature: 1.0, ..Default::default() };
+        let p = distribution(&logits, &params, &[]);
+        let expected: Vec<f32> = {
+            let e: Vec<f32> = logits.iter().map(|l| (l - 3.0f32).exp()).collect();
+            let s: f32 = e.iter().sum();
+            e.iter().map(|x| x / s).collect()
+        };
+        for (a, b) in dense(&p).iter().zip(&expected) {
+            assert!((a - b).abs() < 1e-6);
+        }
+        let top_k = distribution(&logits, &SamplingParams { top_k: 2, ..params.clone() }, &[]);
+        assert_eq!(dense(&top_k)[2], 0.0);
+        assert!((dense(&top_k)[0] + dense(&top_k)[1] - 1.0).abs() < 1e-6);
+        // p = [0.644, 0.237, 0.087, 0.032]: top_p 0.8 keeps the first two.
+        let top_p = distribution(&logits, &SamplingParams { top_p: 0.8, ..params.clone() }, &[]);
+        assert!(dense(&top_p)[1] > 0.0 && dense(&top_p)[2] == 0.0);
+        // min_p 0.1 drops tokens below 0.0644: the last one.
+        let min_p = distribution(&logits, &SamplingParams { min_p: 0.1, ..params.clone() }, &[]);
+        assert!(dense(&min_p)[2] > 0.0 && dense(&min_p)[3] == 0.0);
+    }
+
+    #[test]
+    fn repetition_penalty_lowers_seen_tokens() {
+        let params = SamplingParams { repetition_penalty: 2.0, ..Default::default() };
+        // Token 0 (logit 2) was seen: 2 / 2 = 1 < 1.5, so greedy moves to token 1.
+        assert_eq!(distribution(&[2.0, 1.5], &params, &[0]), Distribution::OneHot(1));
+        assert_eq!(distribution(&[2.0, 1.5], &params, &[]), Distribution::OneHot(0));
+    }
+
+    #[test]
+    fn validate_names_the_field() {
+        let bad = SamplingParams { temperature: -1.0, ..Default::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("temperature"));
+        let bad = SamplingParams { top_p: 0.0, ..Default::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("top_p"));
+        let bad = SamplingParams { min_p: 2.0, ..Default::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("min_p"));
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+}

@@ -1,0 +1,201 @@
+//! Per-sequence building blocks of speculative decoding, shared by the in-process generator and
+//! the nodes: a [`Drafter`] proposes K tokens with their distributions q, a [`Verifier`] scores
+//! them in one forward pass and applies the acceptance rule. Both keep a KV cache in step with a
+//! canonical token log they are handed: what they cached beyond the log's common prefix is
+//! truncated, never recomputed.
+
+use std::time::Instant;
+
+use crate::acceptance::{self, Verdict};
+use crate::kv_cache::KvCache;
+use crate::model::{Logits, Model};
+use crate::rng::Rng;
+use crate::sampling::{Distribution, SamplingParams, distribution};
+use crate::{Error, Result};
+
+/// Stream separation so that the draft's and the target's draws never coincide.
+const DRAFT_STREAM: u64 = 0x5eed_d4af_7000_0001;
+const TARGET_STREAM: u64 = 0x5eed_7a46_e700_0002;
+
+/// A model's cache with the tokens it holds (`tokens.len() == cache.len()`).
+#[derive(Debug)]
+struct CachedSequence {
+    cache: KvCache,
+    tokens: Vec<u32>,
+}
+
+impl CachedSequence {
+    /// Truncates to the longest prefix shared with `log`, keeping at least one token of `log`
+    /// uncached so that the next forward yields its logits. Returns the tokens to feed.
+    fn sync<'a>(&mut self, log: &'a [u32]) -> Result<&'a [u32]> {
+        let common = self
+            .tokens
+            .iter()
+            .zip(log)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(log.len().saturating_sub(1));
+        self.cache.truncate(common)?;
+        self.tokens.truncate(common);
+        Ok(&log[common..])
+    }
+
+    fn forward(&mut self, model: &Model, tokens: &[u32], logits: Logits) -> Result<Vec<Vec<f32>>> {
+        let rows = model.forward(tokens, &mut self.cache, logits)?;
+        self.tokens.extend_from_slice(tokens);
+        Ok(rows)
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.cache.truncate(len)?;
+        self.tokens.truncate(len);
+        Ok(())
+    }
+}
+
+/// Feeds all but the last prompt token, so that the first step feeds exactly one token.
+fn prefill(model: &Model, seq: &mut CachedSequence, prompt: &[u32]) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(Error::EmptyPrompt);
+    }
+    if prompt.len() > model.config().max_context {
+        return Err(Error::ContextFull {
+            len: prompt.len(),
+            limit: model.config().max_context,
+        });
+    }
+    let head = &prompt[..prompt.len() - 1];
+    seq.sync(prompt)?;
+    if seq.tokens.len() < head.len() {
+        let rest = head[seq.tokens.len()..].to_vec();
+        seq.forward(model, &rest, Logits::Last)?;
+    }
+    Ok(())
+}
+
+/// K drafted tokens and the distributions they were sampled from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    pub q: Vec<Distribution>,
+}
+
+/// The draft side of one sequence.
+#[derive(Debug)]
+pub struct Drafter<'m> {
+    model: &'m Model,
+    seq: CachedSequence,
+    params: SamplingParams,
+    rng: Rng,
+}
+
+impl<'m> Drafter<'m> {
+    pub fn new(model: &'m Model, params: SamplingParams) -> Self {
+        Self {
+            model,
+            seq: CachedSequence {
+                cache: model.new_cache(),
+                tokens: Vec::new(),
+            },
+            rng: Rng::new(params.seed ^ DRAFT_STREAM),
+            params,
+        }
+    }
+
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
+        prefill(self.model, &mut self.seq, prompt)
+    }
+
+    /// Proposes `k` tokens continuing `log`, the committed tokens so far.
+    pub fn propose(&mut self, log: &[u32], k: usize) -> Result<Proposal> {
+        let mut context = log.to_vec();
+        let mut feed = self.seq.sync(log)?.to_vec();
+        let mut proposal = Proposal {
+            tokens: Vec::with_capacity(k),
+            q: Vec::with_capacity(k),
+        };
+        for _ in 0..k {
+            let rows = self.seq.forward(self.model, &feed, Logits::Last)?;
+            let q = distribution(&rows[0], &self.params, &context);
+            let token = q.sample(&mut self.rng);
+            context.push(token);
+            proposal.tokens.push(token);
+            proposal.q.push(q);
+            feed = vec![token];
+        }
+        Ok(proposal)
+    }
+
+    /// Bytes held by this sequence's cache.
+    pub fn cache_bytes(&self) -> usize {
+        self.seq.cache.bytes()
+    }
+}
+
+/// The target side of one sequence.
+#[derive(Debug)]
+pub struct Verifier<'m> {
+    model: &'m Model,
+    seq: CachedSequence,
+    params: SamplingParams,
+    rng: Rng,
+}
+
+impl<'m> Verifier<'m> {
+    pub fn new(model: &'m Model, params: SamplingParams) -> Self {
+        Self {
+            model,
+            seq: CachedSequence {
+                cache: model.new_cache(),
+                tokens: Vec::new(),
+            },
+            rng: Rng::new(params.seed ^ TARGET_STREAM),
+            params,
+        }
+    }
+
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
+        prefill(self.model, &mut self.seq, prompt)
+    }
+
+    /// Scores `[uncached tail of log, drafts…]` in one forward pass and applies the acceptance
+    /// rule. With no drafts this is one step of plain decoding. Afterwards the cache holds the
+    /// log plus the accepted drafts: everything committed except the returned next token.
+    pub fn verify(&mut self, log: &[u32], drafts: &[u32], q: &[Distribution]) -> Result<Verdict> {
+        if q.len() != drafts.len() {
+            return Err(Error::invalid(
+                "draft_probs",
+                q.len(),
+                format!("must hold one distribution per draft token ({})", drafts.len()),
+            ));
+        }
+        let mut block = self.seq.sync(log)?.to_vec();
+        block.extend_from_slice(drafts);
+        let logits = if drafts.is_empty() { Logits::Last } else { Logits::All };
+        let rows = self.seq.forward(self.model, &block, logits)?;
+        let rows = &rows[rows.len() - (drafts.len() + 1)..];
+        let mut context = log.to_vec();
+        let mut p = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            p.push(distribution(row, &self.params, &context));
+            if let Some(&d) = drafts.get(i) {
+                context.push(d);
+            }
+        }
+        let verdict = acceptance::verify(drafts, q, &p, &mut self.rng);
+        self.seq.truncate(log.len() + verdict.accepted)?;
+        Ok(verdict)
+    }
+
+    /// Bytes held by this sequence's cache.
+    pub fn cache_bytes(&self) -> usize {
+        self.seq.cache.bytes()
+    }
+}
+
+/// Wall-clock seconds of a closure, with its result.
+pub(crate) fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
+    let start = Instant::now();
+    let out = f();
+    (out, start.elapsed().as_secs_f64())
+}

@@ -1,0 +1,132 @@
+//! Random-weight Llama checkpoints, written deterministically from a seed as a Hugging Face
+//! folder. Tests use tiny ones; benchmarks build pairs of realistic cost (the stories110M shape)
+//! without downloading anything.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use serde_json::json;
+
+use crate::rng::Rng;
+use crate::{Error, Result};
+
+/// The shape and seed of a random-weight model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SyntheticSpec {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub max_context: usize,
+    /// Standard deviation of embedding entries; larger gives peakier next-token distributions.
+    pub embed_std: f32,
+    pub seed: u64,
+}
+
+impl SyntheticSpec {
+    /// A few-thousand-parameter model for tests.
+    pub fn tiny(seed: u64) -> Self {
+        Self {
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            max_context: 512,
+            embed_std: 0.5,
+            seed,
+        }
+    }
+
+    /// The stories110M / Llama-2-style 110M shape: dim 768, 12 layers, 12 heads.
+    pub fn stories110m(seed: u64) -> Self {
+        Self {
+            hidden_size: 768,
+            intermediate_size: 2048,
+            num_layers: 12,
+            num_heads: 12,
+            num_kv_heads: 12,
+            max_context: 1024,
+            embed_std: 0.5,
+            seed,
+        }
+    }
+}
+
+/// Seeded standard-normal tensor (Box–Muller over [`Rng`]).
+fn normal(rng: &mut Rng, dims: &[usize], std: f32) -> Result<Tensor> {
+    let n: usize = dims.iter().product();
+    let mut values = Vec::with_capacity(n + 1);
+    while values.len() < n {
+        let u1 = rng.uniform().max(f64::MIN_POSITIVE);
+        let u2 = rng.uniform();
+        let r = (-2.0 * u1.ln()).sqrt();
+        let theta = 2.0 * std::f64::consts::PI * u2;
+        values.push((r * theta.cos()) as f32 * std);
+        values.push((r * theta.sin()) as f32 * std);
+    }
+    values.truncate(n);
+    Ok(Tensor::from_vec(values, dims, &Device::Cpu)?)
+}
+
+/// Writes `config.json`, `model.safetensors` (f32) and the tokenizer files of `tokenizer_dir`
+/// into `dir`: a random-weight model with that tokenizer's vocabulary.
+pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        let src = tokenizer_dir.join(file);
+        if src.exists() {
+            std::fs::copy(&src, dir.join(file)).map_err(Error::io(&src))?;
+        }
+    }
+    let tokenizer = crate::tokenizer::Tokenizer::for_model(dir)?;
+    let vocab = tokenizer.vocab_size();
+    let (h, i) = (spec.hidden_size, spec.intermediate_size);
+    let head_dim = h / spec.num_heads;
+    let kv = spec.num_kv_heads * head_dim;
+    let mut rng = Rng::new(spec.seed);
+    let mut tensors = HashMap::new();
+    let mut add = |name: String, t: Tensor| {
+        tensors.insert(name, t);
+    };
+    let linear = |rng: &mut Rng, out: usize, inp: usize| normal(rng, &[out, inp], 1.0 / (inp as f32).sqrt());
+    add("model.embed_tokens.weight".into(), normal(&mut rng, &[vocab, h], spec.embed_std)?);
+    add("model.norm.weight".into(), Tensor::ones(h, candle_core::DType::F32, &Device::Cpu)?);
+    for l in 0..spec.num_layers {
+        let p = format!("model.layers.{l}");
+        add(format!("{p}.self_attn.q_proj.weight"), linear(&mut rng, h, h)?);
+        add(format!("{p}.self_attn.k_proj.weight"), linear(&mut rng, kv, h)?);
+        add(format!("{p}.self_attn.v_proj.weight"), linear(&mut rng, kv, h)?);
+        add(format!("{p}.self_attn.o_proj.weight"), linear(&mut rng, h, h)?);
+        add(format!("{p}.mlp.gate_proj.weight"), linear(&mut rng, i, h)?);
+        add(format!("{p}.mlp.up_proj.weight"), linear(&mut rng, i, h)?);
+        add(format!("{p}.mlp.down_proj.weight"), linear(&mut rng, h, i)?);
+        for norm in ["input_layernorm", "post_attention_layernorm"] {
+            add(format!("{p}.{norm}.weight"), Tensor::ones(h, candle_core::DType::F32, &Device::Cpu)?);
+        }
+    }
+    let config = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": i,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "vocab_size": vocab,
+        "max_position_embeddings": spec.max_context,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": true,
+        "bos_token_id": tokenizer.bos_id(),
+        "eos_token_id": tokenizer.eos_id(),
+    });
+    let config_path = dir.join("config.json");
+    std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap_or_default())
+        .map_err(Error::io(&config_path))?;
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
+    Ok(())
+}
