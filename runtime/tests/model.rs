@@ -30,3 +30,178 @@ fn stories260k_reproduces_reference_greedy_story() {
         "got:      {story:?}\nexpected: {REFERENCE_STORY:?}"
     );
 }
+
+/// Tokens of a real story: the positions the anchors below compare.
+fn story_tokens() -> Vec<u32> {
+    tokenizer().encode(REFERENCE_STORY).expect("encode")
+}
+
+/// Logits of every position of `tokens` from an empty cache in one block.
+fn fresh_logits(model: &tandem_runtime::Model, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache();
+    model.forward(tokens, &mut cache, Logits::All).expect("forward")
+}
+
+/// Tolerance for logits computed along different paths (block shapes change the gemm
+/// summation order); logits of these models are O(1)–O(10).
+const TOL: f32 = 1e-4;
+
+fn assert_truncate_then_reforward(model: &tandem_runtime::Model) {
+    let tokens = story_tokens();
+    let fresh = fresh_logits(model, &tokens);
+    let keep = 20;
+    let mut cache = model.new_cache();
+    // Feed a wrong continuation (as a rejected draft block would), then roll it back.
+    let mut wrong = tokens[..keep].to_vec();
+    wrong.extend([7u32, 8, 9, 10, 11, 12]);
+    model.forward(&wrong, &mut cache, Logits::All).expect("forward");
+    cache.truncate(keep).expect("truncate");
+    assert_eq!(cache.len(), keep);
+    let again = model.forward(&tokens[keep..], &mut cache, Logits::All).expect("forward");
+    for (i, row) in again.iter().enumerate() {
+        let d = max_diff(row, &fresh[keep + i]);
+        assert!(d < TOL, "position {}: max |Δlogit| = {d}", keep + i);
+    }
+}
+
+#[test]
+fn truncate_then_reforward_equals_fresh_forward_safetensors() {
+    assert_truncate_then_reforward(&load(&stories_dir()));
+}
+
+#[test]
+fn truncate_then_reforward_equals_fresh_forward_gguf() {
+    assert_truncate_then_reforward(&load(&stories_gguf(QuantType::Q8_0)));
+}
+
+#[test]
+fn block_forward_equals_single_token_forwards() {
+    for path in [stories_dir(), stories_gguf(QuantType::Q8_0), tiny_random(3)] {
+        let model = load(&path);
+        let tokens = story_tokens();
+        let (prefix, block) = (&tokens[..10], &tokens[10..18]);
+        let mut block_cache = model.new_cache();
+        model.forward(prefix, &mut block_cache, Logits::Last).expect("prefix");
+        let rows = model.forward(block, &mut block_cache, Logits::All).expect("block");
+        assert_eq!(rows.len(), block.len());
+        let mut single_cache = model.new_cache();
+        model.forward(prefix, &mut single_cache, Logits::Last).expect("prefix");
+        for (i, &t) in block.iter().enumerate() {
+            let single = model.forward(&[t], &mut single_cache, Logits::Last).expect("single");
+            let d = max_diff(&single[0], &rows[i]);
+            assert!(d < TOL, "{}: block position {i}: max |Δlogit| = {d}", path.display());
+        }
+        assert_eq!(block_cache.len(), single_cache.len());
+        // Logits::Last is the last row of Logits::All.
+        let last = model.forward(&tokens[..12], &mut model.new_cache(), Logits::Last).expect("last");
+        let all = fresh_logits(&model, &tokens[..12]);
+        assert!(max_diff(&last[0], &all[11]) < TOL);
+    }
+}
+
+/// An f32 GGUF holds the same numbers with q/k rows permuted for interleaved rope: logits must
+/// match the safetensors model, which checks the permutation and the rope variant together.
+#[test]
+fn f32_gguf_matches_safetensors() {
+    let tokens = story_tokens();
+    let dense = fresh_logits(&load(&stories_dir()), &tokens);
+    let gguf = fresh_logits(&load(&stories_gguf(QuantType::F32)), &tokens);
+    for (i, (a, b)) in dense.iter().zip(&gguf).enumerate() {
+        let d = max_diff(a, b);
+        assert!(d < TOL, "position {i}: max |Δlogit| = {d}");
+    }
+}
+
+/// Fraction of positions where two models pick the same top token.
+fn top1_agreement(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let same = a
+        .iter()
+        .zip(b)
+        .filter(|(x, y)| tandem_runtime::sampling::argmax(x) == tandem_runtime::sampling::argmax(y))
+        .count();
+    same as f64 / a.len() as f64
+}
+
+#[test]
+fn quantized_ggufs_load_and_track_the_f32_model() {
+    let tokens = story_tokens();
+    let dense = fresh_logits(&load(&stories_dir()), &tokens);
+    for (quant, min_agreement) in [(QuantType::Q8_0, 0.95), (QuantType::Q4_0, 0.6)] {
+        let q = fresh_logits(&load(&stories_gguf(quant)), &tokens);
+        let agreement = top1_agreement(&dense, &q);
+        assert!(agreement >= min_agreement, "{quant:?}: top-1 agreement {agreement}");
+    }
+    // stories260K rows (64, 172) do not split into 256-wide K-quant blocks: a wider random
+    // model exercises Q4_K / Q6_K.
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec = tandem_runtime::synthetic::SyntheticSpec {
+        hidden_size: 256,
+        intermediate_size: 512,
+        num_layers: 1,
+        num_heads: 4,
+        num_kv_heads: 2,
+        ..tandem_runtime::synthetic::SyntheticSpec::tiny(5)
+    };
+    let model_dir = dir.path().join("wide");
+    tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &stories_dir()).expect("write");
+    let gguf = dir.path().join("wide-q4km.gguf");
+    let report = tandem_runtime::quantize::quantize_to_gguf(&model_dir, &gguf, QuantType::Q4KM).expect("quantize");
+    assert!(report.kept_f32.is_empty(), "kept f32: {:?}", report.kept_f32);
+    let dense = fresh_logits(&load(&model_dir), &tokens);
+    let q = fresh_logits(&load(&gguf), &tokens);
+    let agreement = top1_agreement(&dense, &q);
+    assert!(agreement >= 0.6, "Q4_K_M top-1 agreement {agreement}");
+}
+
+/// A GGUF with no tokenizer.json beside it gets its tokenizer from the metadata, which must
+/// encode and decode exactly as the original tokenizer.json.
+#[test]
+fn tokenizer_rebuilt_from_gguf_metadata_matches_tokenizer_json() {
+    let texts = [
+        "Once upon a time, there was a little girl named Lily.",
+        "The café served crème brûlée — and 3.14 apples! 日本",
+        "\"Hello,\" said Tom. He ran\nto the tree.",
+    ];
+    let dir = tempfile::tempdir().expect("tmp");
+    for (name, tokenizer_dir) in [
+        ("stories", stories_dir()),
+        ("llama2", fixtures().join("llama2-tokenizer")),
+    ] {
+        let model_dir = dir.path().join(name);
+        let spec = tandem_runtime::synthetic::SyntheticSpec { num_layers: 1, ..tandem_runtime::synthetic::SyntheticSpec::tiny(1) };
+        tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &tokenizer_dir).expect("write");
+        let gguf_dir = dir.path().join(format!("{name}-gguf"));
+        std::fs::create_dir(&gguf_dir).expect("mkdir");
+        let gguf = gguf_dir.join("model.gguf");
+        let report = tandem_runtime::quantize::quantize_to_gguf(&model_dir, &gguf, QuantType::F16).expect("quantize");
+        assert!(report.tokenizer_in_metadata);
+        let original = tandem_runtime::Tokenizer::for_model(&model_dir).expect("tokenizer.json");
+        let rebuilt = tandem_runtime::Tokenizer::for_model(&gguf).expect("from metadata");
+        assert_eq!(original.vocab_size(), rebuilt.vocab_size(), "{name}");
+        assert_eq!(original.vocab_hash(), rebuilt.vocab_hash(), "{name}");
+        for text in texts {
+            let ids = original.encode(text).expect("encode");
+            assert_eq!(rebuilt.encode(text).expect("encode"), ids, "{name}: {text:?}");
+            assert_eq!(rebuilt.decode(&ids).expect("decode"), original.decode(&ids).expect("decode"));
+        }
+        tandem_runtime::Tokenizer::check_compatible(&rebuilt, &original).expect("compatible");
+    }
+}
+
+#[test]
+fn kv_cache_reports_length_and_bytes_and_grows_by_doubling() {
+    let model = load(&stories_dir());
+    let mut cache = model.new_cache();
+    assert_eq!((cache.len(), cache.bytes()), (0, 0));
+    model.forward(&story_tokens()[..5], &mut cache, Logits::Last).expect("forward");
+    let cfg = model.config();
+    let per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4;
+    assert_eq!(cache.len(), 5);
+    assert_eq!(cache.bytes(), 64 * per_position, "first allocation holds 64 positions");
+    let tokens: Vec<u32> = std::iter::repeat_n(story_tokens(), 3).flatten().take(70).collect();
+    model.forward(&tokens, &mut cache, Logits::Last).expect("forward");
+    assert_eq!(cache.len(), 75);
+    assert_eq!(cache.bytes(), 128 * per_position, "capacity doubles");
+    cache.truncate(3).expect("truncate");
+    assert_eq!((cache.len(), cache.bytes()), (3, 128 * per_position));
+}
