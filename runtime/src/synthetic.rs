@@ -22,6 +22,8 @@ pub struct SyntheticSpec {
     pub max_context: usize,
     /// Standard deviation of embedding entries; larger gives peakier next-token distributions.
     pub embed_std: f32,
+    /// Write a Qwen2 checkpoint (q/k/v biases) instead of a Llama one.
+    pub qwen2: bool,
     pub seed: u64,
 }
 
@@ -36,6 +38,7 @@ impl SyntheticSpec {
             num_kv_heads: 2,
             max_context: 512,
             embed_std: 0.5,
+            qwen2: false,
             seed,
         }
     }
@@ -50,6 +53,7 @@ impl SyntheticSpec {
             num_kv_heads: 12,
             max_context: 1024,
             embed_std: 0.5,
+            qwen2: false,
             seed,
         }
     }
@@ -100,6 +104,11 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
         add(format!("{p}.self_attn.k_proj.weight"), linear(&mut rng, kv, h)?);
         add(format!("{p}.self_attn.v_proj.weight"), linear(&mut rng, kv, h)?);
         add(format!("{p}.self_attn.o_proj.weight"), linear(&mut rng, h, h)?);
+        if spec.qwen2 {
+            for (name, size) in [("q_proj", h), ("k_proj", kv), ("v_proj", kv)] {
+                add(format!("{p}.self_attn.{name}.bias"), normal(&mut rng, &[size], 0.1)?);
+            }
+        }
         add(format!("{p}.mlp.gate_proj.weight"), linear(&mut rng, i, h)?);
         add(format!("{p}.mlp.up_proj.weight"), linear(&mut rng, i, h)?);
         add(format!("{p}.mlp.down_proj.weight"), linear(&mut rng, h, i)?);
@@ -108,8 +117,8 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
         }
     }
     let config = json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [if spec.qwen2 { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+        "model_type": if spec.qwen2 { "qwen2" } else { "llama" },
         "hidden_size": h,
         "intermediate_size": i,
         "num_hidden_layers": spec.num_layers,

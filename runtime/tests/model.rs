@@ -205,3 +205,58 @@ fn kv_cache_reports_length_and_bytes_and_grows_by_doubling() {
     cache.truncate(3).expect("truncate");
     assert_eq!((cache.len(), cache.bytes()), (3, 128 * per_position));
 }
+
+/// Qwen2 (q/k/v biases, rope in halves layout, no permutation in GGUF) through both formats.
+#[test]
+fn qwen2_biases_load_and_gguf_matches_safetensors() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let model_dir = dir.path().join("qwen2");
+    let spec = tandem_runtime::synthetic::SyntheticSpec { qwen2: true, ..tandem_runtime::synthetic::SyntheticSpec::tiny(9) };
+    tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &stories_dir()).expect("write");
+    let dense_model = load(&model_dir);
+    assert_eq!(dense_model.config().architecture, tandem_runtime::model::Architecture::Qwen2);
+    assert!(dense_model.config().qkv_bias && !dense_model.config().o_bias);
+    let gguf = dir.path().join("qwen2.gguf");
+    tandem_runtime::quantize::quantize_to_gguf(&model_dir, &gguf, QuantType::F32).expect("quantize");
+    let gguf_model = load(&gguf);
+    assert!(!gguf_model.config().rope_interleaved && gguf_model.config().qkv_bias);
+    let tokens = story_tokens();
+    let (a, b) = (fresh_logits(&dense_model, &tokens), fresh_logits(&gguf_model, &tokens));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(max_diff(x, y) < TOL, "position {i}");
+    }
+    // The biases matter: dropping them changes the logits.
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model_dir.join("config.json")).expect("read")).expect("json");
+    config["model_type"] = "llama".into();
+    std::fs::write(model_dir.join("config.json"), config.to_string()).expect("write");
+    let no_bias = fresh_logits(&load(&model_dir), &tokens);
+    assert!(max_diff(&no_bias[3], &a[3]) > 1e-3);
+}
+
+/// A checkpoint split into shards listed by model.safetensors.index.json loads like one file.
+#[test]
+fn sharded_safetensors_load() {
+    let dir = tempfile::tempdir().expect("tmp");
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(stories_dir().join(file), dir.path().join(file)).expect("copy");
+    }
+    let all = candle_core::safetensors::load(stories_dir().join("model.safetensors"), &candle_core::Device::Cpu).expect("load");
+    let (mut first, mut second) = (std::collections::HashMap::new(), std::collections::HashMap::new());
+    let mut weight_map = serde_json::Map::new();
+    for (name, tensor) in all {
+        let shard = if name.contains("layers.0.") || name.contains("embed") { "model-00001-of-00002.safetensors" } else { "model-00002-of-00002.safetensors" };
+        weight_map.insert(name.clone(), shard.into());
+        if shard.starts_with("model-00001") { first.insert(name, tensor) } else { second.insert(name, tensor) };
+    }
+    candle_core::safetensors::save(&first, dir.path().join("model-00001-of-00002.safetensors")).expect("save");
+    candle_core::safetensors::save(&second, dir.path().join("model-00002-of-00002.safetensors")).expect("save");
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).expect("write");
+    let tokens = story_tokens();
+    let (a, b) = (fresh_logits(&load(&stories_dir()), &tokens), fresh_logits(&load(dir.path()), &tokens));
+    assert_eq!(a, b);
+    std::fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).expect("rm");
+    let e = tandem_runtime::Model::load(dir.path(), &Default::default()).expect_err("missing shard");
+    assert!(e.to_string().contains("model-00002-of-00002.safetensors"), "{e}");
+}

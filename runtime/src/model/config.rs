@@ -310,3 +310,80 @@ fn rope_scaling_from_hf(s: HfRopeScaling, path: &Path) -> Result<RopeScaling> {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(rope_scaling: RopeScaling) -> ModelConfig {
+        ModelConfig {
+            architecture: Architecture::Llama,
+            hidden_size: 4096,
+            intermediate_size: 14336,
+            num_layers: 1,
+            num_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            vocab_size: 128_256,
+            max_context: 8192,
+            rms_norm_eps: 1e-5,
+            rope_theta: 500_000.0,
+            rope_scaling,
+            rope_interleaved: false,
+            tie_word_embeddings: false,
+            qkv_bias: false,
+            o_bias: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    /// Llama 3.1's scaling keeps high frequencies, divides low ones by `factor`, and blends
+    /// in between (values of the reference implementation's formula).
+    #[test]
+    fn llama3_rope_scaling() {
+        let plain = config(RopeScaling::None).inv_freq();
+        let scaled = config(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        })
+        .inv_freq();
+        assert_eq!(plain.len(), 64);
+        assert_eq!(scaled[0], plain[0], "wavelength 2π < 2048: unchanged");
+        assert!((scaled[63] - plain[63] / 8.0).abs() < 1e-12, "longest wavelength: divided by 8");
+        let mid = (0..64)
+            .find(|&i| {
+                let wavelen = 2.0 * std::f32::consts::PI / plain[i];
+                wavelen > 2048.0 && wavelen < 8192.0
+            })
+            .expect("a blended frequency");
+        assert!(scaled[mid] < plain[mid] && scaled[mid] > plain[mid] / 8.0);
+        let linear = config(RopeScaling::Linear { factor: 2.0 }).inv_freq();
+        assert!((linear[5] - plain[5] / 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn hf_config_reads_rope_scaling_and_generation_config() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let cfg = serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 100, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "eos_token_id": 2,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        });
+        std::fs::write(dir.path().join("config.json"), cfg.to_string()).expect("write");
+        std::fs::write(dir.path().join("generation_config.json"), r#"{"eos_token_id": [2, 7], "bos_token_id": 1}"#)
+            .expect("write");
+        let c = ModelConfig::from_hf_dir(dir.path()).expect("config");
+        assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+        assert_eq!((c.eos_token_ids.clone(), c.bos_token_id, c.head_dim), (vec![2, 7], Some(1), 16));
+        let bad = cfg.to_string().replace("llama3", "yarn");
+        std::fs::write(dir.path().join("config.json"), bad).expect("write");
+        let e = ModelConfig::from_hf_dir(dir.path()).expect_err("yarn");
+        assert!(e.to_string().contains("rope_scaling type `yarn` is not supported"), "{e}");
+    }
+}

@@ -3,10 +3,10 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
 
 use candle_core::Device;
 use candle_core::quantized::gguf_file::{Content, Value};
+use candle_transformers::quantized_var_builder::VarBuilder as QVarBuilder;
 use serde_json::json;
 
 use super::config::{Architecture, ModelConfig, RopeScaling};
@@ -38,13 +38,7 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
             invalid(path, format!("not a readable GGUF file: {msg}"))
         }
     })?;
-    let mut tensors = HashMap::new();
-    for name in content.tensor_infos.keys() {
-        let tensor = content
-            .tensor(&mut file, name, device)
-            .map_err(|e| invalid(path, format!("tensor `{name}`: {e}")))?;
-        tensors.insert(name.clone(), Arc::new(tensor));
-    }
+    let tensors = QVarBuilder::from_gguf(path, device).map_err(|e| invalid(path, e.to_string()))?;
     let meta = Meta {
         path,
         metadata: &content.metadata,
@@ -54,16 +48,16 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
     let a = arch_name;
     let hidden_size = meta.usize(&format!("{a}.embedding_length"))?;
     let num_heads = meta.usize(&format!("{a}.attention.head_count"))?;
-    let vocab_size = match tensors.get("token_embd.weight") {
-        Some(t) => t.shape().dims()[0],
-        None => {
+    let vocab_size = match tensors.get_no_shape("token_embd.weight") {
+        Ok(t) => t.shape().dims()[0],
+        Err(_) => {
             return Err(Error::MissingTensor {
                 path: path.to_path_buf(),
                 name: "token_embd.weight".into(),
             });
         }
     };
-    let rope_scaling = if let Some(freqs) = tensors.get("rope_freqs.weight") {
+    let rope_scaling = if let Ok(freqs) = tensors.get_no_shape("rope_freqs.weight") {
         RopeScaling::Factors(freqs.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
     } else if meta.opt_string(&format!("{a}.rope.scaling.type")) == Some("linear") {
         RopeScaling::Linear {
@@ -108,7 +102,6 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
         weights: Weights::Gguf {
             path: path.to_path_buf(),
             tensors,
-            device: device.clone(),
         },
     })
 }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 
+
 use crate::{Error, Result};
 
 /// A model's tensors: dense (safetensors) or quantized (GGUF).
@@ -18,8 +19,7 @@ pub(crate) enum Weights {
     },
     Gguf {
         path: PathBuf,
-        tensors: HashMap<String, Arc<QTensor>>,
-        device: Device,
+        tensors: candle_transformers::quantized_var_builder::VarBuilder,
     },
 }
 
@@ -72,9 +72,13 @@ impl Weights {
         let Self::Gguf { tensors, .. } = self else {
             unreachable!("qtensor is only called on GGUF weights")
         };
-        let t = tensors.get(&gguf_name(name)).ok_or_else(|| self.missing(name))?;
+        let gguf = gguf_name(name);
+        if !tensors.contains_key(&gguf) {
+            return Err(self.missing(name));
+        }
+        let t = tensors.get_no_shape(&gguf)?;
         self.check_shape(name, t.shape().dims(), shape)?;
-        Ok(t.clone())
+        Ok(t)
     }
 
     fn dense(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
@@ -88,7 +92,7 @@ impl Weights {
                     reason: format!("tensor `{name}`: {e}"),
                 })
             }
-            Self::Gguf { device, .. } => Ok(self.qtensor(name, shape)?.dequantize(device)?),
+            Self::Gguf { tensors, .. } => Ok(self.qtensor(name, shape)?.dequantize(tensors.device())?),
         }
     }
 }
