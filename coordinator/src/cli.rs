@@ -5,7 +5,11 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "coordinator", version, about = "Tandem: distributed speculative decoding")]
+#[command(
+    name = "coordinator",
+    version,
+    about = "Tandem: distributed speculative decoding"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -22,10 +26,18 @@ pub enum Command {
 #[derive(Debug, Args)]
 pub struct ModelArgs {
     /// Target model: a Hugging Face folder or a .gguf file.
-    #[arg(long, env = "TANDEM_TARGET_MODEL", default_value = "fixtures/stories260K")]
+    #[arg(
+        long,
+        env = "TANDEM_TARGET_MODEL",
+        default_value = "fixtures/stories260K"
+    )]
     pub target_model: PathBuf,
     /// Draft model sharing the target's vocabulary.
-    #[arg(long, env = "TANDEM_DRAFT_MODEL", default_value = "fixtures/stories260K-q8_0.gguf")]
+    #[arg(
+        long,
+        env = "TANDEM_DRAFT_MODEL",
+        default_value = "fixtures/stories260K-q8_0.gguf"
+    )]
     pub draft_model: PathBuf,
     /// Device for both models: cpu, or cuda:N (needs the `cuda` feature).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]

@@ -8,8 +8,8 @@ use serde_json::json;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::tokenizer::StreamDecoder;
 use tandem_runtime::{
-    GenerateRequest, Generation, LoadOptions, Model, SamplingParams, SpeculativeGenerator, Tokenizer,
-    default_stop_tokens,
+    GenerateRequest, Generation, LoadOptions, Model, SamplingParams, SpeculativeGenerator,
+    Tokenizer, default_stop_tokens,
 };
 
 use crate::cli::{GenerateArgs, QuantizeArgs};
@@ -22,7 +22,11 @@ fn parse_device(spec: &str) -> anyhow::Result<Device> {
                 .strip_prefix("cuda")
                 .map(|rest| rest.trim_start_matches(':'))
                 .with_context(|| format!("invalid --device `{s}`: expected cpu or cuda:N"))?;
-            let ordinal: usize = if ordinal.is_empty() { 0 } else { ordinal.parse()? };
+            let ordinal: usize = if ordinal.is_empty() {
+                0
+            } else {
+                ordinal.parse()?
+            };
             Device::new_cuda(ordinal).with_context(|| format!("cannot open --device `{s}`"))
         }
     }
@@ -35,10 +39,12 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     };
     let m = &args.models;
     let target = Model::load(&m.target_model, &options).context("loading --target-model")?;
-    let tokenizer = Tokenizer::for_model(&m.target_model).context("loading the target tokenizer")?;
+    let tokenizer =
+        Tokenizer::for_model(&m.target_model).context("loading the target tokenizer")?;
     let draft = if args.draft_tokens > 0 {
         let draft = Model::load(&m.draft_model, &options).context("loading --draft-model")?;
-        let draft_tokenizer = Tokenizer::for_model(&m.draft_model).context("loading the draft tokenizer")?;
+        let draft_tokenizer =
+            Tokenizer::for_model(&m.draft_model).context("loading the draft tokenizer")?;
         Tokenizer::check_compatible(&draft_tokenizer, &tokenizer)?;
         Some(draft)
     } else {
@@ -87,7 +93,13 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         None
     } else {
         let target_only = SpeculativeGenerator::new(&target, None, &tokenizer)?;
-        Some(target_only.generate(&GenerateRequest { draft_tokens: 0, ..request.clone() }, |_| {})?)
+        Some(target_only.generate(
+            &GenerateRequest {
+                draft_tokens: 0,
+                ..request.clone()
+            },
+            |_| {},
+        )?)
     };
     report(args, &spec, baseline.as_ref());
     Ok(())
@@ -133,7 +145,11 @@ fn report(args: &GenerateArgs, spec: &Generation, baseline: Option<&Generation>)
         1e3 * st.target_seconds,
     );
     if let (Some(b), Some(x)) = (baseline, speedup) {
-        let same = if b.token_ids == spec.token_ids { ", identical output" } else { "" };
+        let same = if b.token_ids == spec.token_ids {
+            ", identical output"
+        } else {
+            ""
+        };
         eprintln!(
             "target-only: {:.0} tokens/s; speedup {x:.2}x{same}",
             b.stats.tokens_per_second()
@@ -152,7 +168,10 @@ pub fn quantize(args: &QuantizeArgs) -> anyhow::Result<()> {
         if report.kept_f32.is_empty() {
             String::new()
         } else {
-            format!("; kept in f32 (rows not a multiple of the block): {}", report.kept_f32.join(", "))
+            format!(
+                "; kept in f32 (rows not a multiple of the block): {}",
+                report.kept_f32.join(", ")
+            )
         },
         if report.tokenizer_in_metadata {
             "; tokenizer in metadata"

@@ -13,7 +13,10 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
-use tandem_runtime::{GenerateRequest, Generation, LoadOptions, Model, SamplingParams, SpeculativeGenerator, Tokenizer};
+use tandem_runtime::{
+    GenerateRequest, Generation, LoadOptions, Model, SamplingParams, SpeculativeGenerator,
+    Tokenizer,
+};
 
 struct Pair {
     name: &'static str,
@@ -26,7 +29,11 @@ struct Pair {
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     let n = xs.len();
-    if n % 2 == 1 { xs[n / 2] } else { 0.5 * (xs[n / 2 - 1] + xs[n / 2]) }
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        0.5 * (xs[n / 2 - 1] + xs[n / 2])
+    }
 }
 
 fn env_list(name: &str, default: &str) -> Vec<String> {
@@ -52,14 +59,24 @@ fn build_pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
             max_new_tokens: 256,
         });
     }
-    let big: Vec<(&str, QuantType, &'static str)> = [("110m-q8_0", QuantType::Q8_0, "110M-shape f32 / Q8_0"), ("110m-q4_0", QuantType::Q4_0, "110M-shape f32 / Q4_0")]
-        .into_iter()
-        .filter(|(key, _, _)| wanted.iter().any(|w| w == key))
-        .collect();
+    let big: Vec<(&str, QuantType, &'static str)> = [
+        ("110m-q8_0", QuantType::Q8_0, "110M-shape f32 / Q8_0"),
+        ("110m-q4_0", QuantType::Q4_0, "110M-shape f32 / Q4_0"),
+    ]
+    .into_iter()
+    .filter(|(key, _, _)| wanted.iter().any(|w| w == key))
+    .collect();
     if !big.is_empty() {
         let target = scratch.join("random-110m");
-        eprintln!("writing a random-weight 110M-shape model to {}", target.display());
-        write_random_llama(&target, &SyntheticSpec::stories110m(110), &root.join("llama2-tokenizer"))?;
+        eprintln!(
+            "writing a random-weight 110M-shape model to {}",
+            target.display()
+        );
+        write_random_llama(
+            &target,
+            &SyntheticSpec::stories110m(110),
+            &root.join("llama2-tokenizer"),
+        )?;
         for (_, quant, name) in big {
             let draft = scratch.join(format!("random-110m-{quant:?}.gguf"));
             quantize_to_gguf(&target, &draft, quant)?;
@@ -75,7 +92,13 @@ fn build_pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
     Ok(pairs)
 }
 
-fn run(target: &Model, draft: &Model, tok: &Tokenizer, pair: &Pair, k: usize) -> anyhow::Result<Generation> {
+fn run(
+    target: &Model,
+    draft: &Model,
+    tok: &Tokenizer,
+    pair: &Pair,
+    k: usize,
+) -> anyhow::Result<Generation> {
     let generator = SpeculativeGenerator::new(target, Some(draft), tok)?;
     let request = GenerateRequest {
         prompt: tok.encode(pair.prompt)?,
@@ -90,15 +113,32 @@ fn run(target: &Model, draft: &Model, tok: &Tokenizer, pair: &Pair, k: usize) ->
 
 fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
-    let reps: usize = std::env::var("BENCH_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
-    let ks: Vec<usize> = env_list("BENCH_K", "4,8").iter().filter_map(|k| k.parse().ok()).collect();
+    let reps: usize = std::env::var("BENCH_REPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    let ks: Vec<usize> = env_list("BENCH_K", "4,8")
+        .iter()
+        .filter_map(|k| k.parse().ok())
+        .collect();
     let wanted = env_list("BENCH_PAIRS", "stories260k,110m-q8_0,110m-q4_0");
     let scratch = tempfile::tempdir()?;
     let pairs = build_pairs(scratch.path(), &wanted)?;
 
     println!(
         "{:<24} {:>2} {:>9} {:>9} {:>7} {:>6} {:>6} {:>8} {:>8} {:>8} {:>7} {:>6}",
-        "pair", "K", "base t/s", "spec t/s", "speedup", "α", "len", "t_d ms", "t_v ms", "t_tgt ms", "bound", "eff"
+        "pair",
+        "K",
+        "base t/s",
+        "spec t/s",
+        "speedup",
+        "α",
+        "len",
+        "t_d ms",
+        "t_v ms",
+        "t_tgt ms",
+        "bound",
+        "eff"
     );
     for pair in &pairs {
         let options = LoadOptions::default();
@@ -114,35 +154,73 @@ fn main() -> anyhow::Result<()> {
             for _ in 0..reps {
                 let b = run(&target, &draft, &tok, pair, 0)?;
                 let s = run(&target, &draft, &tok, pair, k)?;
-                anyhow::ensure!(b.token_ids == s.token_ids, "{}: speculative output differs from target-only", pair.name);
+                anyhow::ensure!(
+                    b.token_ids == s.token_ids,
+                    "{}: speculative output differs from target-only",
+                    pair.name
+                );
                 reference.get_or_insert(b.token_ids.clone());
                 base.push(b.stats);
                 spec.push(s.stats);
             }
             let base_tps = median(base.iter().map(|s| s.tokens_per_second()).collect());
             let spec_tps = median(spec.iter().map(|s| s.tokens_per_second()).collect());
-            let speedups: Vec<f64> = base.iter().zip(&spec).map(|(b, s)| s.tokens_per_second() / b.tokens_per_second()).collect();
+            let speedups: Vec<f64> = base
+                .iter()
+                .zip(&spec)
+                .map(|(b, s)| s.tokens_per_second() / b.tokens_per_second())
+                .collect();
             let speedup = median(speedups);
             let s = &spec[0];
             let alpha = s.acceptance_rate();
             let mean_len = s.mean_accepted_length();
             // t_d: draft seconds per drafted token; t_v: target seconds per verify round;
             // t_target: target-only seconds per token.
-            let t_d = median(spec.iter().map(|s| s.draft_seconds / s.drafted.max(1) as f64).collect());
-            let t_v = median(spec.iter().map(|s| s.target_seconds / s.rounds.max(1) as f64).collect());
-            let t_target = median(base.iter().map(|s| s.decode_seconds / s.generated_tokens.max(1) as f64).collect());
-            let tokens_per_round = if alpha >= 1.0 { (k + 1) as f64 } else { (1.0 - alpha.powi(k as i32 + 1)) / (1.0 - alpha) };
+            let t_d = median(
+                spec.iter()
+                    .map(|s| s.draft_seconds / s.drafted.max(1) as f64)
+                    .collect(),
+            );
+            let t_v = median(
+                spec.iter()
+                    .map(|s| s.target_seconds / s.rounds.max(1) as f64)
+                    .collect(),
+            );
+            let t_target = median(
+                base.iter()
+                    .map(|s| s.decode_seconds / s.generated_tokens.max(1) as f64)
+                    .collect(),
+            );
+            let tokens_per_round = if alpha >= 1.0 {
+                (k + 1) as f64
+            } else {
+                (1.0 - alpha.powi(k as i32 + 1)) / (1.0 - alpha)
+            };
             let bound = tokens_per_round * t_target / (k as f64 * t_d + t_v);
             let efficiency = speedup / bound;
             // Per-round time not spent in the models: sampling, acceptance, bookkeeping.
             let overhead_us = median(
                 spec.iter()
-                    .map(|s| 1e6 * (s.decode_seconds - s.draft_seconds - s.target_seconds) / s.rounds.max(1) as f64)
+                    .map(|s| {
+                        1e6 * (s.decode_seconds - s.draft_seconds - s.target_seconds)
+                            / s.rounds.max(1) as f64
+                    })
                     .collect(),
             );
             println!(
                 "{:<24} {:>2} {:>9.1} {:>9.1} {:>6.2}x {:>6.3} {:>6.2} {:>8.3} {:>8.3} {:>8.3} {:>6.2}x {:>6.2}",
-                pair.name, k, base_tps, spec_tps, speedup, alpha, mean_len, 1e3 * t_d, 1e3 * t_v, 1e3 * t_target, bound, efficiency
+                pair.name,
+                k,
+                base_tps,
+                spec_tps,
+                speedup,
+                alpha,
+                mean_len,
+                1e3 * t_d,
+                1e3 * t_v,
+                1e3 * t_target,
+                bound,
+                efficiency
             );
             let record = json!({
                 "pair": pair.name, "k": k, "reps": reps, "tokens": pair.max_new_tokens,

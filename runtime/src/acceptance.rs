@@ -23,7 +23,11 @@ pub struct Verdict {
 /// same block.
 pub fn verify(drafts: &[u32], q: &[Distribution], p: &[Distribution], rng: &mut Rng) -> Verdict {
     assert_eq!(q.len(), drafts.len(), "one draft distribution per draft");
-    assert_eq!(p.len(), drafts.len() + 1, "one target distribution per draft plus the bonus");
+    assert_eq!(
+        p.len(),
+        drafts.len() + 1,
+        "one target distribution per draft plus the bonus"
+    );
     for (i, &x) in drafts.iter().enumerate() {
         let (px, qx) = (p[i].prob(x), q[i].prob(x));
         // Ratios of 0 and ≥ 1 decide without a draw (always so for a greedy target).
@@ -75,12 +79,34 @@ mod tests {
     #[test]
     fn greedy_target_is_exact_match() {
         let mut rng = Rng::new(0);
-        let p = [Distribution::OneHot(5), Distribution::OneHot(6), Distribution::OneHot(7)];
+        let p = [
+            Distribution::OneHot(5),
+            Distribution::OneHot(6),
+            Distribution::OneHot(7),
+        ];
         let q = [Distribution::OneHot(5), Distribution::OneHot(9)];
-        assert_eq!(verify(&[5, 9], &q, &p, &mut rng), Verdict { accepted: 1, next: 6 });
+        assert_eq!(
+            verify(&[5, 9], &q, &p, &mut rng),
+            Verdict {
+                accepted: 1,
+                next: 6
+            }
+        );
         let q = [Distribution::OneHot(5), Distribution::OneHot(6)];
-        assert_eq!(verify(&[5, 6], &q, &p, &mut rng), Verdict { accepted: 2, next: 7 });
-        assert_eq!(verify(&[], &[], &p[..1], &mut rng), Verdict { accepted: 0, next: 5 });
+        assert_eq!(
+            verify(&[5, 6], &q, &p, &mut rng),
+            Verdict {
+                accepted: 2,
+                next: 7
+            }
+        );
+        assert_eq!(
+            verify(&[], &[], &p[..1], &mut rng),
+            Verdict {
+                accepted: 0,
+                next: 5
+            }
+        );
     }
 
     /// Pearson chi-square statistic of observed counts against expected probabilities.
@@ -108,7 +134,12 @@ mod tests {
         let n = 200_000;
         for _ in 0..n {
             let x = qd.sample(&mut rng);
-            let v = verify(&[x], std::slice::from_ref(&qd), &[pd.clone(), pd.clone()], &mut rng);
+            let v = verify(
+                &[x],
+                std::slice::from_ref(&qd),
+                &[pd.clone(), pd.clone()],
+                &mut rng,
+            );
             let first = if v.accepted == 1 { x } else { v.next };
             counts[first as usize] += 1;
         }
@@ -126,12 +157,16 @@ mod tests {
     fn a_wrong_residual_rule_fails_the_test() {
         let p = vec![0.5f32, 0.3, 0.15, 0.05];
         let q = vec![0.1f32, 0.1, 0.2, 0.6];
-        let (pd, qd) = (Distribution::Dense(p.clone()), Distribution::Dense(q.clone()));
+        let (pd, qd) = (
+            Distribution::Dense(p.clone()),
+            Distribution::Dense(q.clone()),
+        );
         let mut rng = Rng::new(1);
         let mut counts = [0u64; 4];
         for _ in 0..50_000 {
             let x = qd.sample(&mut rng);
-            let accept = rng.uniform() < (f64::from(p[x as usize]) / f64::from(q[x as usize])).min(1.0);
+            let accept =
+                rng.uniform() < (f64::from(p[x as usize]) / f64::from(q[x as usize])).min(1.0);
             let first = if accept { x } else { pd.sample(&mut rng) };
             counts[first as usize] += 1;
         }

@@ -101,7 +101,11 @@ pub struct SpeculativeGenerator<'a> {
 impl<'a> SpeculativeGenerator<'a> {
     /// `draft` must share the target's vocabulary: check tokenizers with
     /// [`Tokenizer::check_compatible`]; this checks that the logits line up.
-    pub fn new(target: &'a Model, draft: Option<&'a Model>, tokenizer: &'a Tokenizer) -> Result<Self> {
+    pub fn new(
+        target: &'a Model,
+        draft: Option<&'a Model>,
+        tokenizer: &'a Tokenizer,
+    ) -> Result<Self> {
         if let Some(d) = draft {
             let (dv, tv) = (d.config().vocab_size, target.config().vocab_size);
             if dv != tv {
@@ -151,9 +155,17 @@ impl<'a> SpeculativeGenerator<'a> {
     }
 
     /// Runs one generation; `on_tokens` sees each round's committed tokens as they come.
-    pub fn generate(&self, request: &GenerateRequest, mut on_tokens: impl FnMut(&[u32])) -> Result<Generation> {
+    pub fn generate(
+        &self,
+        request: &GenerateRequest,
+        mut on_tokens: impl FnMut(&[u32]),
+    ) -> Result<Generation> {
         self.validate(request)?;
-        let k_max = if self.draft.is_some() { request.draft_tokens } else { 0 };
+        let k_max = if self.draft.is_some() {
+            request.draft_tokens
+        } else {
+            0
+        };
         let mut verifier = Verifier::new(self.target, request.sampling.clone());
         let mut drafter = self
             .draft
@@ -202,7 +214,10 @@ impl<'a> SpeculativeGenerator<'a> {
             let mut committed = proposal.tokens[..verdict.accepted].to_vec();
             committed.push(verdict.next);
             let mut stopped = false;
-            if let Some(i) = committed.iter().position(|t| request.stop_token_ids.contains(t)) {
+            if let Some(i) = committed
+                .iter()
+                .position(|t| request.stop_token_ids.contains(t))
+            {
                 committed.truncate(i);
                 stopped = true;
             }
@@ -210,7 +225,12 @@ impl<'a> SpeculativeGenerator<'a> {
             output.extend_from_slice(&committed);
             if !request.stop_strings.is_empty() {
                 text = self.tokenizer.decode(&output)?;
-                if let Some(cut) = request.stop_strings.iter().filter_map(|s| text.find(s.as_str())).min() {
+                if let Some(cut) = request
+                    .stop_strings
+                    .iter()
+                    .filter_map(|s| text.find(s.as_str()))
+                    .min()
+                {
                     text.truncate(cut);
                     stopped = true;
                 }

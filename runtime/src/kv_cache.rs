@@ -122,7 +122,10 @@ impl KvCache {
         let (ck, cv) = &self.layers[layer];
         ck.slice_set(k, 2, self.len)?;
         cv.slice_set(v, 2, self.len)?;
-        Ok((ck.narrow(2, 0, self.len + n)?, cv.narrow(2, 0, self.len + n)?))
+        Ok((
+            ck.narrow(2, 0, self.len + n)?,
+            cv.narrow(2, 0, self.len + n)?,
+        ))
     }
 
     pub(crate) fn advance(&mut self, n: usize) {

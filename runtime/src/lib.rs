@@ -17,7 +17,8 @@ pub mod tokenizer;
 pub use acceptance::{Verdict, verify};
 pub use error::{Error, Result};
 pub use generator::{
-    FinishReason, GenerateRequest, Generation, GenerationStats, SpeculativeGenerator, default_stop_tokens,
+    FinishReason, GenerateRequest, Generation, GenerationStats, SpeculativeGenerator,
+    default_stop_tokens,
 };
 pub use kv_cache::KvCache;
 pub use model::{LoadOptions, Logits, Model, ModelConfig};
@@ -29,7 +30,9 @@ pub use tokenizer::Tokenizer;
 /// Sets the CPU thread pools to the core count unless the user chose. Unset, candle re-reads
 /// /proc/cpuinfo on every matmul, a 5× slowdown on small models (see DESIGN.md).
 pub fn init_cpu_threads() {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).to_string();
+    let cores = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .to_string();
     for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
         if std::env::var_os(var).is_none() {
             // SAFETY-free: set_var is safe to call before other threads read the environment;

@@ -34,7 +34,11 @@ impl std::str::FromStr for QuantType {
             "q8_0" => Ok(Self::Q8_0),
             "q4_0" => Ok(Self::Q4_0),
             "q4_k_m" => Ok(Self::Q4KM),
-            other => Err(Error::invalid("quant_type", other, "must be one of f32, f16, q8_0, q4_0, q4_k_m")),
+            other => Err(Error::invalid(
+                "quant_type",
+                other,
+                "must be one of f32, f16, q8_0, q4_0, q4_k_m",
+            )),
         }
     }
 }
@@ -46,7 +50,11 @@ impl QuantType {
             Self::F16 => GgmlDType::F16,
             Self::Q8_0 => GgmlDType::Q8_0,
             Self::Q4_0 => GgmlDType::Q4_0,
-            Self::Q4KM if gguf == "output.weight" || gguf.ends_with("attn_v.weight") || gguf.ends_with("ffn_down.weight") => {
+            Self::Q4KM
+                if gguf == "output.weight"
+                    || gguf.ends_with("attn_v.weight")
+                    || gguf.ends_with("ffn_down.weight") =>
+            {
                 GgmlDType::Q6K
             }
             Self::Q4KM => GgmlDType::Q4K,
@@ -96,7 +104,11 @@ pub fn quantize_to_gguf(dir: &Path, out: &Path, quant: QuantType) -> Result<Quan
                 t = permute_for_interleaved_rope(&t, config.num_kv_heads)?;
             }
         }
-        let wanted = if t.rank() == 2 { quant.for_tensor(&gguf) } else { GgmlDType::F32 };
+        let wanted = if t.rank() == 2 {
+            quant.for_tensor(&gguf)
+        } else {
+            GgmlDType::F32
+        };
         let row = t.dims().last().copied().unwrap_or(0);
         let dtype = if row % wanted.block_size() == 0 {
             wanted
@@ -119,7 +131,10 @@ pub fn quantize_to_gguf(dir: &Path, out: &Path, quant: QuantType) -> Result<Quan
             .collect();
         let n = factors.len();
         let t = Tensor::from_vec(factors, n, &Device::Cpu)?;
-        qtensors.push(("rope_freqs.weight".into(), QTensor::quantize(&t, GgmlDType::F32)?));
+        qtensors.push((
+            "rope_freqs.weight".into(),
+            QTensor::quantize(&t, GgmlDType::F32)?,
+        ));
     }
     let mut metadata = model_metadata(&config, quant, dir);
     let tokenizer_path = dir.join("tokenizer.json");
@@ -130,7 +145,8 @@ pub fn quantize_to_gguf(dir: &Path, out: &Path, quant: QuantType) -> Result<Quan
         }
     }
     let meta_refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let tensor_refs: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> =
+        qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut file = std::fs::File::create(out).map_err(Error::io(out))?;
     gguf_file::write(&mut file, &meta_refs, &tensor_refs)?;
     report.tensors = qtensors.len();
@@ -153,10 +169,12 @@ fn read_safetensors(dir: &Path) -> Result<HashMap<String, Tensor>> {
     };
     let mut all = HashMap::new();
     for file in &files {
-        all.extend(candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| Error::InvalidFile {
-            path: file.clone(),
-            reason: e.to_string(),
-        })?);
+        all.extend(
+            candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| Error::InvalidFile {
+                path: file.clone(),
+                reason: e.to_string(),
+            })?,
+        );
     }
     if all.is_empty() {
         return Err(Error::MissingFile {
@@ -173,8 +191,7 @@ fn permute_for_interleaved_rope(w: &Tensor, heads: usize) -> Result<Tensor> {
     let dims = w.dims().to_vec();
     let rows = dims[0];
     let rest: usize = dims[1..].iter().product();
-    Ok(w
-        .reshape((heads, 2, rows / heads / 2, rest))?
+    Ok(w.reshape((heads, 2, rows / heads / 2, rest))?
         .transpose(1, 2)?
         .contiguous()?
         .reshape(dims)?)
@@ -192,20 +209,41 @@ fn model_metadata(config: &ModelConfig, quant: QuantType, dir: &Path) -> Vec<(St
     let mut m = vec![
         ("general.architecture".to_string(), Value::String(a.into())),
         ("general.name".to_string(), Value::String(name)),
-        ("general.file_type".to_string(), Value::U32(quant.file_type())),
+        (
+            "general.file_type".to_string(),
+            Value::U32(quant.file_type()),
+        ),
         (format!("{a}.context_length"), u(config.max_context)),
         (format!("{a}.embedding_length"), u(config.hidden_size)),
         (format!("{a}.block_count"), u(config.num_layers)),
-        (format!("{a}.feed_forward_length"), u(config.intermediate_size)),
+        (
+            format!("{a}.feed_forward_length"),
+            u(config.intermediate_size),
+        ),
         (format!("{a}.attention.head_count"), u(config.num_heads)),
-        (format!("{a}.attention.head_count_kv"), u(config.num_kv_heads)),
-        (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(config.rms_norm_eps as f32)),
-        (format!("{a}.rope.freq_base"), Value::F32(config.rope_theta as f32)),
+        (
+            format!("{a}.attention.head_count_kv"),
+            u(config.num_kv_heads),
+        ),
+        (
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            Value::F32(config.rms_norm_eps as f32),
+        ),
+        (
+            format!("{a}.rope.freq_base"),
+            Value::F32(config.rope_theta as f32),
+        ),
         (format!("{a}.rope.dimension_count"), u(config.head_dim)),
     ];
     if let RopeScaling::Linear { factor } = config.rope_scaling {
-        m.push((format!("{a}.rope.scaling.type"), Value::String("linear".into())));
-        m.push((format!("{a}.rope.scaling.factor"), Value::F32(factor as f32)));
+        m.push((
+            format!("{a}.rope.scaling.type"),
+            Value::String("linear".into()),
+        ));
+        m.push((
+            format!("{a}.rope.scaling.factor"),
+            Value::F32(factor as f32),
+        ));
     }
     if let Some(bos) = config.bos_token_id {
         m.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(bos)));
@@ -251,7 +289,10 @@ struct AddedToken {
 
 /// `tokenizer.ggml.*` for a SentencePiece-style BPE tokenizer (byte fallback, ▁ for spaces);
 /// `None` for other tokenizers, whose tokenizer.json must then travel beside the GGUF file.
-fn sentencepiece_metadata(path: &Path, config: &ModelConfig) -> Result<Option<Vec<(String, Value)>>> {
+fn sentencepiece_metadata(
+    path: &Path,
+    config: &ModelConfig,
+) -> Result<Option<Vec<(String, Value)>>> {
     let file: TokenizerFile = crate::model::read_json(path)?;
     if file.model.kind != "BPE" || !file.model.byte_fallback {
         return Ok(None);
@@ -282,8 +323,18 @@ fn sentencepiece_metadata(path: &Path, config: &ModelConfig) -> Result<Option<Ve
             scores[id as usize] = -(rank as f32);
         }
     }
-    let unk = file.model.unk_token.as_deref().and_then(|u| file.model.vocab.get(u)).copied();
-    let special: Vec<u32> = file.added_tokens.iter().filter(|t| t.special).map(|t| t.id).collect();
+    let unk = file
+        .model
+        .unk_token
+        .as_deref()
+        .and_then(|u| file.model.vocab.get(u))
+        .copied();
+    let special: Vec<u32> = file
+        .added_tokens
+        .iter()
+        .filter(|t| t.special)
+        .map(|t| t.id)
+        .collect();
     let types: Vec<Value> = tokens
         .iter()
         .enumerate()
@@ -301,7 +352,10 @@ fn sentencepiece_metadata(path: &Path, config: &ModelConfig) -> Result<Option<Ve
         })
         .collect();
     let mut m = vec![
-        ("tokenizer.ggml.model".to_string(), Value::String("llama".into())),
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::String("llama".into()),
+        ),
         (
             "tokenizer.ggml.tokens".to_string(),
             Value::Array(tokens.into_iter().map(Value::String).collect()),
@@ -311,7 +365,10 @@ fn sentencepiece_metadata(path: &Path, config: &ModelConfig) -> Result<Option<Ve
             Value::Array(scores.into_iter().map(Value::F32).collect()),
         ),
         ("tokenizer.ggml.token_type".to_string(), Value::Array(types)),
-        ("tokenizer.ggml.add_bos_token".to_string(), Value::Bool(config.bos_token_id.is_some())),
+        (
+            "tokenizer.ggml.add_bos_token".to_string(),
+            Value::Bool(config.bos_token_id.is_some()),
+        ),
     ];
     if let Some(unk) = unk {
         m.push(("tokenizer.ggml.unknown_token_id".into(), Value::U32(unk)));

@@ -55,7 +55,11 @@ mod tests {
             assert!((0.0..1.0).contains(&u));
             sum += u;
         }
-        assert!((sum / 10_000.0 - 0.5).abs() < 0.02, "mean {}", sum / 10_000.0);
+        assert!(
+            (sum / 10_000.0 - 0.5).abs() < 0.02,
+            "mean {}",
+            sum / 10_000.0
+        );
         assert_ne!(Rng::new(1).next_u64(), Rng::new(2).next_u64());
     }
 }

@@ -168,8 +168,16 @@ pub fn distribution(logits: &[f32], params: &SamplingParams, history: &[u32]) ->
     if truncating {
         let mut order: Vec<u32> = (0..probs.len() as u32).collect();
         // Descending probability, ties by id: a total order, so draft and target agree.
-        order.sort_unstable_by(|&a, &b| probs[b as usize].total_cmp(&probs[a as usize]).then(a.cmp(&b)));
-        let mut keep = if params.top_k > 0 { params.top_k.min(order.len()) } else { order.len() };
+        order.sort_unstable_by(|&a, &b| {
+            probs[b as usize]
+                .total_cmp(&probs[a as usize])
+                .then(a.cmp(&b))
+        });
+        let mut keep = if params.top_k > 0 {
+            params.top_k.min(order.len())
+        } else {
+            order.len()
+        };
         if params.top_p < 1.0 {
             let mut cumulative = 0.0f32;
             for (rank, &id) in order.iter().enumerate().take(keep) {
@@ -224,7 +232,10 @@ mod tests {
     #[test]
     fn temperature_top_k_top_p_min_p() {
         let logits = [3.0f32, 2.0, 1.0, 0.0];
-        let params = SamplingParams { temperature: 1.0, ..Default::default() };
+        let params = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
         let p = distribution(&logits, &params, &[]);
         let expected: Vec<f32> = {
             let e: Vec<f32> = logits.iter().map(|l| (l - 3.0f32).exp()).collect();
@@ -234,32 +245,76 @@ mod tests {
         for (a, b) in dense(&p).iter().zip(&expected) {
             assert!((a - b).abs() < 1e-6);
         }
-        let top_k = distribution(&logits, &SamplingParams { top_k: 2, ..params.clone() }, &[]);
+        let top_k = distribution(
+            &logits,
+            &SamplingParams {
+                top_k: 2,
+                ..params.clone()
+            },
+            &[],
+        );
         assert_eq!(dense(&top_k)[2], 0.0);
         assert!((dense(&top_k)[0] + dense(&top_k)[1] - 1.0).abs() < 1e-6);
         // p = [0.644, 0.237, 0.087, 0.032]: top_p 0.8 keeps the first two.
-        let top_p = distribution(&logits, &SamplingParams { top_p: 0.8, ..params.clone() }, &[]);
+        let top_p = distribution(
+            &logits,
+            &SamplingParams {
+                top_p: 0.8,
+                ..params.clone()
+            },
+            &[],
+        );
         assert!(dense(&top_p)[1] > 0.0 && dense(&top_p)[2] == 0.0);
         // min_p 0.1 drops tokens below 0.0644: the last one.
-        let min_p = distribution(&logits, &SamplingParams { min_p: 0.1, ..params.clone() }, &[]);
+        let min_p = distribution(
+            &logits,
+            &SamplingParams {
+                min_p: 0.1,
+                ..params.clone()
+            },
+            &[],
+        );
         assert!(dense(&min_p)[2] > 0.0 && dense(&min_p)[3] == 0.0);
     }
 
     #[test]
     fn repetition_penalty_lowers_seen_tokens() {
-        let params = SamplingParams { repetition_penalty: 2.0, ..Default::default() };
+        let params = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
         // Token 0 (logit 2) was seen: 2 / 2 = 1 < 1.5, so greedy moves to token 1.
-        assert_eq!(distribution(&[2.0, 1.5], &params, &[0]), Distribution::OneHot(1));
-        assert_eq!(distribution(&[2.0, 1.5], &params, &[]), Distribution::OneHot(0));
+        assert_eq!(
+            distribution(&[2.0, 1.5], &params, &[0]),
+            Distribution::OneHot(1)
+        );
+        assert_eq!(
+            distribution(&[2.0, 1.5], &params, &[]),
+            Distribution::OneHot(0)
+        );
     }
 
     #[test]
     fn validate_names_the_field() {
-        let bad = SamplingParams { temperature: -1.0, ..Default::default() };
-        assert!(bad.validate().unwrap_err().to_string().contains("temperature"));
-        let bad = SamplingParams { top_p: 0.0, ..Default::default() };
+        let bad = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("temperature")
+        );
+        let bad = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        };
         assert!(bad.validate().unwrap_err().to_string().contains("top_p"));
-        let bad = SamplingParams { min_p: 2.0, ..Default::default() };
+        let bad = SamplingParams {
+            min_p: 2.0,
+            ..Default::default()
+        };
         assert!(bad.validate().unwrap_err().to_string().contains("min_p"));
         assert!(SamplingParams::default().validate().is_ok());
     }

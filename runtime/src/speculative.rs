@@ -166,12 +166,19 @@ impl<'m> Verifier<'m> {
             return Err(Error::invalid(
                 "draft_probs",
                 q.len(),
-                format!("must hold one distribution per draft token ({})", drafts.len()),
+                format!(
+                    "must hold one distribution per draft token ({})",
+                    drafts.len()
+                ),
             ));
         }
         let mut block = self.seq.sync(log)?.to_vec();
         block.extend_from_slice(drafts);
-        let logits = if drafts.is_empty() { Logits::Last } else { Logits::All };
+        let logits = if drafts.is_empty() {
+            Logits::Last
+        } else {
+            Logits::All
+        };
         let rows = self.seq.forward(self.model, &block, logits)?;
         let rows = &rows[rows.len() - (drafts.len() + 1)..];
         let mut context = log.to_vec();

@@ -95,25 +95,50 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
     let mut add = |name: String, t: Tensor| {
         tensors.insert(name, t);
     };
-    let linear = |rng: &mut Rng, out: usize, inp: usize| normal(rng, &[out, inp], 1.0 / (inp as f32).sqrt());
-    add("model.embed_tokens.weight".into(), normal(&mut rng, &[vocab, h], spec.embed_std)?);
-    add("model.norm.weight".into(), Tensor::ones(h, candle_core::DType::F32, &Device::Cpu)?);
+    let linear =
+        |rng: &mut Rng, out: usize, inp: usize| normal(rng, &[out, inp], 1.0 / (inp as f32).sqrt());
+    add(
+        "model.embed_tokens.weight".into(),
+        normal(&mut rng, &[vocab, h], spec.embed_std)?,
+    );
+    add(
+        "model.norm.weight".into(),
+        Tensor::ones(h, candle_core::DType::F32, &Device::Cpu)?,
+    );
     for l in 0..spec.num_layers {
         let p = format!("model.layers.{l}");
-        add(format!("{p}.self_attn.q_proj.weight"), linear(&mut rng, h, h)?);
-        add(format!("{p}.self_attn.k_proj.weight"), linear(&mut rng, kv, h)?);
-        add(format!("{p}.self_attn.v_proj.weight"), linear(&mut rng, kv, h)?);
-        add(format!("{p}.self_attn.o_proj.weight"), linear(&mut rng, h, h)?);
+        add(
+            format!("{p}.self_attn.q_proj.weight"),
+            linear(&mut rng, h, h)?,
+        );
+        add(
+            format!("{p}.self_attn.k_proj.weight"),
+            linear(&mut rng, kv, h)?,
+        );
+        add(
+            format!("{p}.self_attn.v_proj.weight"),
+            linear(&mut rng, kv, h)?,
+        );
+        add(
+            format!("{p}.self_attn.o_proj.weight"),
+            linear(&mut rng, h, h)?,
+        );
         if spec.qwen2 {
             for (name, size) in [("q_proj", h), ("k_proj", kv), ("v_proj", kv)] {
-                add(format!("{p}.self_attn.{name}.bias"), normal(&mut rng, &[size], 0.1)?);
+                add(
+                    format!("{p}.self_attn.{name}.bias"),
+                    normal(&mut rng, &[size], 0.1)?,
+                );
             }
         }
         add(format!("{p}.mlp.gate_proj.weight"), linear(&mut rng, i, h)?);
         add(format!("{p}.mlp.up_proj.weight"), linear(&mut rng, i, h)?);
         add(format!("{p}.mlp.down_proj.weight"), linear(&mut rng, h, i)?);
         for norm in ["input_layernorm", "post_attention_layernorm"] {
-            add(format!("{p}.{norm}.weight"), Tensor::ones(h, candle_core::DType::F32, &Device::Cpu)?);
+            add(
+                format!("{p}.{norm}.weight"),
+                Tensor::ones(h, candle_core::DType::F32, &Device::Cpu)?,
+            );
         }
     }
     let config = json!({
@@ -134,8 +159,11 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
         "eos_token_id": tokenizer.eos_id(),
     });
     let config_path = dir.join("config.json");
-    std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap_or_default())
-        .map_err(Error::io(&config_path))?;
+    std::fs::write(
+        &config_path,
+        serde_json::to_string_pretty(&config).unwrap_or_default(),
+    )
+    .map_err(Error::io(&config_path))?;
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
     Ok(())
 }

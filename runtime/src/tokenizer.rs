@@ -30,10 +30,11 @@ impl Tokenizer {
             (dir.join("tokenizer.json"), dir)
         };
         if json.exists() {
-            let inner = tokenizers::Tokenizer::from_file(&json).map_err(|e| Error::InvalidFile {
-                path: json.clone(),
-                reason: e.to_string(),
-            })?;
+            let inner =
+                tokenizers::Tokenizer::from_file(&json).map_err(|e| Error::InvalidFile {
+                    path: json.clone(),
+                    reason: e.to_string(),
+                })?;
             return Ok(Self::with_config(inner, &dir, json));
         }
         if model_path.is_dir() {
@@ -63,14 +64,18 @@ impl Tokenizer {
 
     /// Reads bos/eos from `tokenizer_config.json` when present, else guesses `<s>`/`</s>`.
     fn with_config(inner: tokenizers::Tokenizer, dir: &Path, source: PathBuf) -> Self {
-        let config: Option<serde_json::Value> = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok());
+        let config: Option<serde_json::Value> =
+            std::fs::read_to_string(dir.join("tokenizer_config.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok());
         let special = |key: &str, default: &str| {
             let text = config
                 .as_ref()
                 .and_then(|c| c.get(key))
-                .and_then(|v| v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str())))
+                .and_then(|v| {
+                    v.as_str()
+                        .or_else(|| v.get("content").and_then(|c| c.as_str()))
+                })
                 .unwrap_or(default)
                 .to_string();
             inner.token_to_id(&text)
@@ -195,7 +200,10 @@ impl StreamDecoder {
     pub fn next(&mut self, tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {
         let prefix = tokenizer.decode(&ids[self.prefix_offset..self.read_offset])?;
         let full = tokenizer.decode(&ids[self.prefix_offset..])?;
-        if full.len() > prefix.len() && !full.ends_with('\u{fffd}') && full.is_char_boundary(prefix.len()) {
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{fffd}')
+            && full.is_char_boundary(prefix.len())
+        {
             let delta = full[prefix.len()..].to_string();
             self.prefix_offset = self.read_offset;
             self.read_offset = ids.len();

@@ -4,7 +4,9 @@ mod common;
 
 use common::*;
 use tandem_runtime::quantize::QuantType;
-use tandem_runtime::{GenerateRequest, Logits, SamplingParams, SpeculativeGenerator, default_stop_tokens};
+use tandem_runtime::{
+    GenerateRequest, Logits, SamplingParams, SpeculativeGenerator, default_stop_tokens,
+};
 
 fn greedy_story(model: &tandem_runtime::Model, max_new_tokens: usize) -> String {
     let tok = tokenizer();
@@ -39,7 +41,9 @@ fn story_tokens() -> Vec<u32> {
 /// Logits of every position of `tokens` from an empty cache in one block.
 fn fresh_logits(model: &tandem_runtime::Model, tokens: &[u32]) -> Vec<Vec<f32>> {
     let mut cache = model.new_cache();
-    model.forward(tokens, &mut cache, Logits::All).expect("forward")
+    model
+        .forward(tokens, &mut cache, Logits::All)
+        .expect("forward")
 }
 
 /// Tolerance for logits computed along different paths (block shapes change the gemm
@@ -54,10 +58,14 @@ fn assert_truncate_then_reforward(model: &tandem_runtime::Model) {
     // Feed a wrong continuation (as a rejected draft block would), then roll it back.
     let mut wrong = tokens[..keep].to_vec();
     wrong.extend([7u32, 8, 9, 10, 11, 12]);
-    model.forward(&wrong, &mut cache, Logits::All).expect("forward");
+    model
+        .forward(&wrong, &mut cache, Logits::All)
+        .expect("forward");
     cache.truncate(keep).expect("truncate");
     assert_eq!(cache.len(), keep);
-    let again = model.forward(&tokens[keep..], &mut cache, Logits::All).expect("forward");
+    let again = model
+        .forward(&tokens[keep..], &mut cache, Logits::All)
+        .expect("forward");
     for (i, row) in again.iter().enumerate() {
         let d = max_diff(row, &fresh[keep + i]);
         assert!(d < TOL, "position {}: max |Δlogit| = {d}", keep + i);
@@ -81,19 +89,33 @@ fn block_forward_equals_single_token_forwards() {
         let tokens = story_tokens();
         let (prefix, block) = (&tokens[..10], &tokens[10..18]);
         let mut block_cache = model.new_cache();
-        model.forward(prefix, &mut block_cache, Logits::Last).expect("prefix");
-        let rows = model.forward(block, &mut block_cache, Logits::All).expect("block");
+        model
+            .forward(prefix, &mut block_cache, Logits::Last)
+            .expect("prefix");
+        let rows = model
+            .forward(block, &mut block_cache, Logits::All)
+            .expect("block");
         assert_eq!(rows.len(), block.len());
         let mut single_cache = model.new_cache();
-        model.forward(prefix, &mut single_cache, Logits::Last).expect("prefix");
+        model
+            .forward(prefix, &mut single_cache, Logits::Last)
+            .expect("prefix");
         for (i, &t) in block.iter().enumerate() {
-            let single = model.forward(&[t], &mut single_cache, Logits::Last).expect("single");
+            let single = model
+                .forward(&[t], &mut single_cache, Logits::Last)
+                .expect("single");
             let d = max_diff(&single[0], &rows[i]);
-            assert!(d < TOL, "{}: block position {i}: max |Δlogit| = {d}", path.display());
+            assert!(
+                d < TOL,
+                "{}: block position {i}: max |Δlogit| = {d}",
+                path.display()
+            );
         }
         assert_eq!(block_cache.len(), single_cache.len());
         // Logits::Last is the last row of Logits::All.
-        let last = model.forward(&tokens[..12], &mut model.new_cache(), Logits::Last).expect("last");
+        let last = model
+            .forward(&tokens[..12], &mut model.new_cache(), Logits::Last)
+            .expect("last");
         let all = fresh_logits(&model, &tokens[..12]);
         assert!(max_diff(&last[0], &all[11]) < TOL);
     }
@@ -129,7 +151,10 @@ fn quantized_ggufs_load_and_track_the_f32_model() {
     for (quant, min_agreement) in [(QuantType::Q8_0, 0.95), (QuantType::Q4_0, 0.6)] {
         let q = fresh_logits(&load(&stories_gguf(quant)), &tokens);
         let agreement = top1_agreement(&dense, &q);
-        assert!(agreement >= min_agreement, "{quant:?}: top-1 agreement {agreement}");
+        assert!(
+            agreement >= min_agreement,
+            "{quant:?}: top-1 agreement {agreement}"
+        );
     }
     // stories260K rows (64, 172) do not split into 256-wide K-quant blocks: a wider random
     // model exercises Q4_K / Q6_K.
@@ -143,10 +168,16 @@ fn quantized_ggufs_load_and_track_the_f32_model() {
         ..tandem_runtime::synthetic::SyntheticSpec::tiny(5)
     };
     let model_dir = dir.path().join("wide");
-    tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &stories_dir()).expect("write");
+    tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &stories_dir())
+        .expect("write");
     let gguf = dir.path().join("wide-q4km.gguf");
-    let report = tandem_runtime::quantize::quantize_to_gguf(&model_dir, &gguf, QuantType::Q4KM).expect("quantize");
-    assert!(report.kept_f32.is_empty(), "kept f32: {:?}", report.kept_f32);
+    let report = tandem_runtime::quantize::quantize_to_gguf(&model_dir, &gguf, QuantType::Q4KM)
+        .expect("quantize");
+    assert!(
+        report.kept_f32.is_empty(),
+        "kept f32: {:?}",
+        report.kept_f32
+    );
     let dense = fresh_logits(&load(&model_dir), &tokens);
     let q = fresh_logits(&load(&gguf), &tokens);
     let agreement = top1_agreement(&dense, &q);
@@ -168,12 +199,17 @@ fn tokenizer_rebuilt_from_gguf_metadata_matches_tokenizer_json() {
         ("llama2", fixtures().join("llama2-tokenizer")),
     ] {
         let model_dir = dir.path().join(name);
-        let spec = tandem_runtime::synthetic::SyntheticSpec { num_layers: 1, ..tandem_runtime::synthetic::SyntheticSpec::tiny(1) };
-        tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &tokenizer_dir).expect("write");
+        let spec = tandem_runtime::synthetic::SyntheticSpec {
+            num_layers: 1,
+            ..tandem_runtime::synthetic::SyntheticSpec::tiny(1)
+        };
+        tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &tokenizer_dir)
+            .expect("write");
         let gguf_dir = dir.path().join(format!("{name}-gguf"));
         std::fs::create_dir(&gguf_dir).expect("mkdir");
         let gguf = gguf_dir.join("model.gguf");
-        let report = tandem_runtime::quantize::quantize_to_gguf(&model_dir, &gguf, QuantType::F16).expect("quantize");
+        let report = tandem_runtime::quantize::quantize_to_gguf(&model_dir, &gguf, QuantType::F16)
+            .expect("quantize");
         assert!(report.tokenizer_in_metadata);
         let original = tandem_runtime::Tokenizer::for_model(&model_dir).expect("tokenizer.json");
         let rebuilt = tandem_runtime::Tokenizer::for_model(&gguf).expect("from metadata");
@@ -181,8 +217,15 @@ fn tokenizer_rebuilt_from_gguf_metadata_matches_tokenizer_json() {
         assert_eq!(original.vocab_hash(), rebuilt.vocab_hash(), "{name}");
         for text in texts {
             let ids = original.encode(text).expect("encode");
-            assert_eq!(rebuilt.encode(text).expect("encode"), ids, "{name}: {text:?}");
-            assert_eq!(rebuilt.decode(&ids).expect("decode"), original.decode(&ids).expect("decode"));
+            assert_eq!(
+                rebuilt.encode(text).expect("encode"),
+                ids,
+                "{name}: {text:?}"
+            );
+            assert_eq!(
+                rebuilt.decode(&ids).expect("decode"),
+                original.decode(&ids).expect("decode")
+            );
         }
         tandem_runtime::Tokenizer::check_compatible(&rebuilt, &original).expect("compatible");
     }
@@ -193,13 +236,24 @@ fn kv_cache_reports_length_and_bytes_and_grows_by_doubling() {
     let model = load(&stories_dir());
     let mut cache = model.new_cache();
     assert_eq!((cache.len(), cache.bytes()), (0, 0));
-    model.forward(&story_tokens()[..5], &mut cache, Logits::Last).expect("forward");
+    model
+        .forward(&story_tokens()[..5], &mut cache, Logits::Last)
+        .expect("forward");
     let cfg = model.config();
     let per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4;
     assert_eq!(cache.len(), 5);
-    assert_eq!(cache.bytes(), 64 * per_position, "first allocation holds 64 positions");
-    let tokens: Vec<u32> = std::iter::repeat_n(story_tokens(), 3).flatten().take(70).collect();
-    model.forward(&tokens, &mut cache, Logits::Last).expect("forward");
+    assert_eq!(
+        cache.bytes(),
+        64 * per_position,
+        "first allocation holds 64 positions"
+    );
+    let tokens: Vec<u32> = std::iter::repeat_n(story_tokens(), 3)
+        .flatten()
+        .take(70)
+        .collect();
+    model
+        .forward(&tokens, &mut cache, Logits::Last)
+        .expect("forward");
     assert_eq!(cache.len(), 75);
     assert_eq!(cache.bytes(), 128 * per_position, "capacity doubles");
     cache.truncate(3).expect("truncate");
@@ -211,23 +265,36 @@ fn kv_cache_reports_length_and_bytes_and_grows_by_doubling() {
 fn qwen2_biases_load_and_gguf_matches_safetensors() {
     let dir = tempfile::tempdir().expect("tmp");
     let model_dir = dir.path().join("qwen2");
-    let spec = tandem_runtime::synthetic::SyntheticSpec { qwen2: true, ..tandem_runtime::synthetic::SyntheticSpec::tiny(9) };
-    tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &stories_dir()).expect("write");
+    let spec = tandem_runtime::synthetic::SyntheticSpec {
+        qwen2: true,
+        ..tandem_runtime::synthetic::SyntheticSpec::tiny(9)
+    };
+    tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &stories_dir())
+        .expect("write");
     let dense_model = load(&model_dir);
-    assert_eq!(dense_model.config().architecture, tandem_runtime::model::Architecture::Qwen2);
+    assert_eq!(
+        dense_model.config().architecture,
+        tandem_runtime::model::Architecture::Qwen2
+    );
     assert!(dense_model.config().qkv_bias && !dense_model.config().o_bias);
     let gguf = dir.path().join("qwen2.gguf");
-    tandem_runtime::quantize::quantize_to_gguf(&model_dir, &gguf, QuantType::F32).expect("quantize");
+    tandem_runtime::quantize::quantize_to_gguf(&model_dir, &gguf, QuantType::F32)
+        .expect("quantize");
     let gguf_model = load(&gguf);
     assert!(!gguf_model.config().rope_interleaved && gguf_model.config().qkv_bias);
     let tokens = story_tokens();
-    let (a, b) = (fresh_logits(&dense_model, &tokens), fresh_logits(&gguf_model, &tokens));
+    let (a, b) = (
+        fresh_logits(&dense_model, &tokens),
+        fresh_logits(&gguf_model, &tokens),
+    );
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         assert!(max_diff(x, y) < TOL, "position {i}");
     }
     // The biases matter: dropping them changes the logits.
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model_dir.join("config.json")).expect("read")).expect("json");
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir.join("config.json")).expect("read"),
+    )
+    .expect("json");
     config["model_type"] = "llama".into();
     std::fs::write(model_dir.join("config.json"), config.to_string()).expect("write");
     let no_bias = fresh_logits(&load(&model_dir), &tokens);
@@ -241,22 +308,50 @@ fn sharded_safetensors_load() {
     for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(stories_dir().join(file), dir.path().join(file)).expect("copy");
     }
-    let all = candle_core::safetensors::load(stories_dir().join("model.safetensors"), &candle_core::Device::Cpu).expect("load");
-    let (mut first, mut second) = (std::collections::HashMap::new(), std::collections::HashMap::new());
+    let all = candle_core::safetensors::load(
+        stories_dir().join("model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .expect("load");
+    let (mut first, mut second) = (
+        std::collections::HashMap::new(),
+        std::collections::HashMap::new(),
+    );
     let mut weight_map = serde_json::Map::new();
     for (name, tensor) in all {
-        let shard = if name.contains("layers.0.") || name.contains("embed") { "model-00001-of-00002.safetensors" } else { "model-00002-of-00002.safetensors" };
+        let shard = if name.contains("layers.0.") || name.contains("embed") {
+            "model-00001-of-00002.safetensors"
+        } else {
+            "model-00002-of-00002.safetensors"
+        };
         weight_map.insert(name.clone(), shard.into());
-        if shard.starts_with("model-00001") { first.insert(name, tensor) } else { second.insert(name, tensor) };
+        if shard.starts_with("model-00001") {
+            first.insert(name, tensor)
+        } else {
+            second.insert(name, tensor)
+        };
     }
-    candle_core::safetensors::save(&first, dir.path().join("model-00001-of-00002.safetensors")).expect("save");
-    candle_core::safetensors::save(&second, dir.path().join("model-00002-of-00002.safetensors")).expect("save");
+    candle_core::safetensors::save(&first, dir.path().join("model-00001-of-00002.safetensors"))
+        .expect("save");
+    candle_core::safetensors::save(&second, dir.path().join("model-00002-of-00002.safetensors"))
+        .expect("save");
     let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
-    std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).expect("write");
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .expect("write");
     let tokens = story_tokens();
-    let (a, b) = (fresh_logits(&load(&stories_dir()), &tokens), fresh_logits(&load(dir.path()), &tokens));
+    let (a, b) = (
+        fresh_logits(&load(&stories_dir()), &tokens),
+        fresh_logits(&load(dir.path()), &tokens),
+    );
     assert_eq!(a, b);
     std::fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).expect("rm");
-    let e = tandem_runtime::Model::load(dir.path(), &Default::default()).expect_err("missing shard");
-    assert!(e.to_string().contains("model-00002-of-00002.safetensors"), "{e}");
+    let e =
+        tandem_runtime::Model::load(dir.path(), &Default::default()).expect_err("missing shard");
+    assert!(
+        e.to_string().contains("model-00002-of-00002.safetensors"),
+        "{e}"
+    );
 }

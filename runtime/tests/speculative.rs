@@ -8,9 +8,16 @@ use std::collections::HashMap;
 use common::*;
 use tandem_runtime::quantize::QuantType;
 use tandem_runtime::sampling::distribution;
-use tandem_runtime::{GenerateRequest, Generation, Logits, Model, SamplingParams, SpeculativeGenerator};
+use tandem_runtime::{
+    GenerateRequest, Generation, Logits, Model, SamplingParams, SpeculativeGenerator,
+};
 
-fn request(prompt: &str, max_new_tokens: usize, k: usize, sampling: SamplingParams) -> GenerateRequest {
+fn request(
+    prompt: &str,
+    max_new_tokens: usize,
+    k: usize,
+    sampling: SamplingParams,
+) -> GenerateRequest {
     GenerateRequest {
         prompt: tokenizer().encode(prompt).expect("encode"),
         max_new_tokens,
@@ -35,12 +42,23 @@ fn run(target: &Model, draft: Option<&Model>, req: &GenerateRequest) -> Generati
 fn assert_greedy_lossless(target: &Model, draft: &Model, prompts: &[&str]) -> f64 {
     let mut alpha = 0.0;
     for prompt in prompts {
-        let baseline = run(target, None, &request(prompt, 60, 0, SamplingParams::greedy()));
+        let baseline = run(
+            target,
+            None,
+            &request(prompt, 60, 0, SamplingParams::greedy()),
+        );
         assert_eq!(baseline.token_ids.len(), 60);
         assert_eq!(baseline.stats.drafted, 0);
         for k in [1, 2, 4, 8] {
-            let spec = run(target, Some(draft), &request(prompt, 60, k, SamplingParams::greedy()));
-            assert_eq!(spec.token_ids, baseline.token_ids, "K = {k}, prompt {prompt:?}");
+            let spec = run(
+                target,
+                Some(draft),
+                &request(prompt, 60, k, SamplingParams::greedy()),
+            );
+            assert_eq!(
+                spec.token_ids, baseline.token_ids,
+                "K = {k}, prompt {prompt:?}"
+            );
             assert_eq!(spec.text, baseline.text);
             // Every round commits its accepted drafts plus one token.
             assert_eq!(spec.stats.accepted + spec.stats.rounds, 60, "K = {k}");
@@ -56,7 +74,10 @@ fn assert_greedy_lossless(target: &Model, draft: &Model, prompts: &[&str]) -> f6
 fn greedy_speculative_equals_target_only_low_acceptance_pair() {
     let (target, draft) = (load(&tiny_random(11)), load(&tiny_random(12)));
     let alpha = assert_greedy_lossless(&target, &draft, &["Once upon a time", "The cat"]);
-    assert!(alpha < 0.5, "two unrelated random models should rarely agree: α = {alpha}");
+    assert!(
+        alpha < 0.5,
+        "two unrelated random models should rarely agree: α = {alpha}"
+    );
 }
 
 #[test]
@@ -75,8 +96,16 @@ fn stop_tokens_stop_strings_and_max_tokens() {
     req.stop_token_ids = tandem_runtime::default_stop_tokens(&target, &tok);
     assert!(req.stop_token_ids.contains(&1) && req.stop_token_ids.contains(&2));
     let full = run(&target, Some(&draft), &req);
-    assert!(full.text.starts_with(&REFERENCE_STORY["Once upon a time".len()..]));
-    assert!(!full.token_ids.iter().any(|t| req.stop_token_ids.contains(t)));
+    assert!(
+        full.text
+            .starts_with(&REFERENCE_STORY["Once upon a time".len()..])
+    );
+    assert!(
+        !full
+            .token_ids
+            .iter()
+            .any(|t| req.stop_token_ids.contains(t))
+    );
 
     let mut streamed = Vec::new();
     req.stop_strings = vec!["Lily".into()];
@@ -86,7 +115,10 @@ fn stop_tokens_stop_strings_and_max_tokens() {
         .expect("generate");
     assert_eq!(cut.text, ", there was a little girl named ");
     assert_eq!(cut.finish_reason, tandem_runtime::FinishReason::Stop);
-    assert_eq!(streamed, cut.token_ids, "the callback sees exactly the committed tokens");
+    assert_eq!(
+        streamed, cut.token_ids,
+        "the callback sees exactly the committed tokens"
+    );
 
     req.stop_strings.clear();
     req.max_new_tokens = 7;
@@ -132,7 +164,10 @@ fn chi_square_critical(df: usize) -> f64 {
 #[test]
 fn sampled_speculative_tokens_follow_target_distribution() {
     let (target, draft) = (load(&tiny_random(21)), load(&tiny_random(22)));
-    let sampling = SamplingParams { temperature: 1.0, ..Default::default() };
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
     let prompt = tokenizer().encode("Once upon a time").expect("encode");
     let n = 12_000u64;
     let mut first: HashMap<u32, u64> = HashMap::new();
@@ -140,7 +175,15 @@ fn sampled_speculative_tokens_follow_target_distribution() {
     let mut drafted = 0;
     let mut accepted = 0;
     for seed in 0..n {
-        let mut req = request("Once upon a time", 3, 2, SamplingParams { seed, ..sampling.clone() });
+        let mut req = request(
+            "Once upon a time",
+            3,
+            2,
+            SamplingParams {
+                seed,
+                ..sampling.clone()
+            },
+        );
         req.prompt = prompt.clone();
         let out = run(&target, Some(&draft), &req);
         *first.entry(out.token_ids[0]).or_default() += 1;
@@ -149,10 +192,15 @@ fn sampled_speculative_tokens_follow_target_distribution() {
         accepted += out.stats.accepted;
     }
     let alpha = accepted as f64 / drafted as f64;
-    assert!(alpha > 0.02 && alpha < 0.9, "both accept and reject paths must occur: α = {alpha}");
+    assert!(
+        alpha > 0.02 && alpha < 0.9,
+        "both accept and reject paths must occur: α = {alpha}"
+    );
 
     let exact = |context: &[u32]| -> Vec<f32> {
-        let rows = target.forward(context, &mut target.new_cache(), Logits::Last).expect("forward");
+        let rows = target
+            .forward(context, &mut target.new_cache(), Logits::Last)
+            .expect("forward");
         match distribution(&rows[0], &sampling, context) {
             tandem_runtime::Distribution::Dense(p) => p,
             other => panic!("expected dense, got {other:?}"),
@@ -161,7 +209,10 @@ fn sampled_speculative_tokens_follow_target_distribution() {
     let p1 = exact(&prompt);
     let (stat, df) = chi_square(&first, &p1, n);
     assert!(df >= 3, "too few cells: {df}");
-    assert!(stat < chi_square_critical(df), "first token: chi-square {stat} with {df} df");
+    assert!(
+        stat < chi_square_critical(df),
+        "first token: chi-square {stat} with {df} df"
+    );
 
     let (&mode, _) = first.iter().max_by_key(|(_, c)| **c).expect("samples");
     let mut second: HashMap<u32, u64> = HashMap::new();
@@ -175,16 +226,48 @@ fn sampled_speculative_tokens_follow_target_distribution() {
     context.push(mode);
     let (stat, df) = chi_square(&second, &exact(&context), m);
     assert!(df >= 2, "too few cells: {df}");
-    assert!(stat < chi_square_critical(df), "second token: chi-square {stat} with {df} df over {m} samples");
+    assert!(
+        stat < chi_square_critical(df),
+        "second token: chi-square {stat} with {df} df over {m} samples"
+    );
 }
 
 #[test]
 fn same_seed_same_sampled_output() {
     let (target, draft) = (load(&stories_dir()), load(&stories_gguf(QuantType::Q4_0)));
-    let sampling = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 7, ..Default::default() };
-    let a = run(&target, Some(&draft), &request("Once upon a time", 40, 4, sampling.clone()));
-    let b = run(&target, Some(&draft), &request("Once upon a time", 40, 4, sampling.clone()));
+    let sampling = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 7,
+        ..Default::default()
+    };
+    let a = run(
+        &target,
+        Some(&draft),
+        &request("Once upon a time", 40, 4, sampling.clone()),
+    );
+    let b = run(
+        &target,
+        Some(&draft),
+        &request("Once upon a time", 40, 4, sampling.clone()),
+    );
     assert_eq!(a.token_ids, b.token_ids);
-    let c = run(&target, Some(&draft), &request("Once upon a time", 40, 4, SamplingParams { seed: 8, ..sampling }));
-    assert_ne!(a.token_ids, c.token_ids, "another seed should give another story");
+    let c = run(
+        &target,
+        Some(&draft),
+        &request(
+            "Once upon a time",
+            40,
+            4,
+            SamplingParams {
+                seed: 8,
+                ..sampling
+            },
+        ),
+    );
+    assert_ne!(
+        a.token_ids, c.token_ids,
+        "another seed should give another story"
+    );
 }

@@ -226,7 +226,10 @@ impl ModelConfig {
             })
         };
         if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_layers == 0 {
-            return fail("num_attention_heads, num_key_value_heads and num_hidden_layers must be positive".into());
+            return fail(
+                "num_attention_heads, num_key_value_heads and num_hidden_layers must be positive"
+                    .into(),
+            );
         }
         if self.num_heads % self.num_kv_heads != 0 {
             return fail(format!(
@@ -274,8 +277,8 @@ impl ModelConfig {
                         } else if wavelen > low_wavelen {
                             f / factor
                         } else {
-                            let smooth =
-                                (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            let smooth = (old / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })
@@ -298,15 +301,21 @@ fn rope_scaling_from_hf(s: HfRopeScaling, path: &Path) -> Result<RopeScaling> {
         }),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: s.factor.ok_or_else(|| missing("factor"))?,
-            low_freq_factor: s.low_freq_factor.ok_or_else(|| missing("low_freq_factor"))?,
-            high_freq_factor: s.high_freq_factor.ok_or_else(|| missing("high_freq_factor"))?,
+            low_freq_factor: s
+                .low_freq_factor
+                .ok_or_else(|| missing("low_freq_factor"))?,
+            high_freq_factor: s
+                .high_freq_factor
+                .ok_or_else(|| missing("high_freq_factor"))?,
             original_max_position_embeddings: s
                 .original_max_position_embeddings
                 .ok_or_else(|| missing("original_max_position_embeddings"))?,
         }),
         other => Err(Error::InvalidFile {
             path: path.to_path_buf(),
-            reason: format!("rope_scaling type `{other}` is not supported; supported: default, linear, llama3"),
+            reason: format!(
+                "rope_scaling type `{other}` is not supported; supported: default, linear, llama3"
+            ),
         }),
     }
 }
@@ -352,7 +361,10 @@ mod tests {
         .inv_freq();
         assert_eq!(plain.len(), 64);
         assert_eq!(scaled[0], plain[0], "wavelength 2π < 2048: unchanged");
-        assert!((scaled[63] - plain[63] / 8.0).abs() < 1e-12, "longest wavelength: divided by 8");
+        assert!(
+            (scaled[63] - plain[63] / 8.0).abs() < 1e-12,
+            "longest wavelength: divided by 8"
+        );
         let mid = (0..64)
             .find(|&i| {
                 let wavelen = 2.0 * std::f32::consts::PI / plain[i];
@@ -376,14 +388,24 @@ mod tests {
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         });
         std::fs::write(dir.path().join("config.json"), cfg.to_string()).expect("write");
-        std::fs::write(dir.path().join("generation_config.json"), r#"{"eos_token_id": [2, 7], "bos_token_id": 1}"#)
-            .expect("write");
+        std::fs::write(
+            dir.path().join("generation_config.json"),
+            r#"{"eos_token_id": [2, 7], "bos_token_id": 1}"#,
+        )
+        .expect("write");
         let c = ModelConfig::from_hf_dir(dir.path()).expect("config");
         assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
-        assert_eq!((c.eos_token_ids.clone(), c.bos_token_id, c.head_dim), (vec![2, 7], Some(1), 16));
+        assert_eq!(
+            (c.eos_token_ids.clone(), c.bos_token_id, c.head_dim),
+            (vec![2, 7], Some(1), 16)
+        );
         let bad = cfg.to_string().replace("llama3", "yarn");
         std::fs::write(dir.path().join("config.json"), bad).expect("write");
         let e = ModelConfig::from_hf_dir(dir.path()).expect_err("yarn");
-        assert!(e.to_string().contains("rope_scaling type `yarn` is not supported"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("rope_scaling type `yarn` is not supported"),
+            "{e}"
+        );
     }
 }

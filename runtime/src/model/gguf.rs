@@ -13,7 +13,8 @@ use super::config::{Architecture, ModelConfig, RopeScaling};
 use super::weights::Weights;
 use crate::{Error, Result};
 
-const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K";
+const SUPPORTED_TYPES: &str =
+    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K";
 
 /// An open GGUF file: metadata plus every tensor, loaded onto `device`.
 pub(crate) struct GgufModel {
@@ -33,7 +34,10 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
     let content = Content::read(&mut file).map_err(|e| {
         let msg = e.to_string();
         if msg.contains("unknown dtype") {
-            invalid(path, format!("{msg}; supported tensor types: {SUPPORTED_TYPES}"))
+            invalid(
+                path,
+                format!("{msg}; supported tensor types: {SUPPORTED_TYPES}"),
+            )
         } else {
             invalid(path, format!("not a readable GGUF file: {msg}"))
         }
@@ -90,7 +94,9 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
         tie_word_embeddings: !tensors.contains_key("output.weight"),
         qkv_bias: tensors.contains_key("blk.0.attn_q.bias"),
         o_bias: tensors.contains_key("blk.0.attn_output.bias"),
-        bos_token_id: meta.opt_usize("tokenizer.ggml.bos_token_id").map(|v| v as u32),
+        bos_token_id: meta
+            .opt_usize("tokenizer.ggml.bos_token_id")
+            .map(|v| v as u32),
         eos_token_ids: meta
             .opt_usize("tokenizer.ggml.eos_token_id")
             .map(|v| vec![v as u32])
@@ -139,9 +145,12 @@ impl Meta<'_> {
 
     fn usize(&self, key: &str) -> Result<usize> {
         let v = self.get(key)?;
-        as_u64(v)
-            .map(|v| v as usize)
-            .ok_or_else(|| invalid(self.path, format!("metadata `{key}` is {v:?}, expected an integer")))
+        as_u64(v).map(|v| v as usize).ok_or_else(|| {
+            invalid(
+                self.path,
+                format!("metadata `{key}` is {v:?}, expected an integer"),
+            )
+        })
     }
 
     fn opt_f64(&self, key: &str) -> Option<f64> {
@@ -174,7 +183,10 @@ impl Meta<'_> {
     fn array(&self, key: &str) -> Result<&[Value]> {
         match self.get(key)? {
             Value::Array(a) => Ok(a),
-            other => Err(invalid(self.path, format!("metadata `{key}` is {other:?}, expected an array"))),
+            other => Err(invalid(
+                self.path,
+                format!("metadata `{key}` is {other:?}, expected an array"),
+            )),
         }
     }
 }
@@ -225,7 +237,10 @@ pub(crate) fn tokenizer_json(path: &Path, metadata: &HashMap<String, Value>) -> 
     let vocab: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (*t, i)).collect();
     let mut merges: Vec<(f32, usize, usize, usize)> = Vec::new();
     for (id, piece) in tokens.iter().enumerate() {
-        if !matches!(types.get(id), Some(&TOKEN_NORMAL) | Some(&TOKEN_USER_DEFINED)) {
+        if !matches!(
+            types.get(id),
+            Some(&TOKEN_NORMAL) | Some(&TOKEN_USER_DEFINED)
+        ) {
             continue;
         }
         for (split, _) in piece.char_indices().skip(1) {
@@ -235,7 +250,10 @@ pub(crate) fn tokenizer_json(path: &Path, metadata: &HashMap<String, Value>) -> 
         }
     }
     // Highest score first; within a piece, by the ids of its halves (a stable, total order).
-    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3))));
+    merges.sort_by(|a, b| {
+        b.0.total_cmp(&a.0)
+            .then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3)))
+    });
     let merges: Vec<String> = merges
         .iter()
         .map(|(_, _, l, r)| format!("{} {}", tokens[*l], tokens[*r]))
@@ -250,7 +268,10 @@ pub(crate) fn tokenizer_json(path: &Path, metadata: &HashMap<String, Value>) -> 
         })
         .collect();
     let bos = meta.opt_usize("tokenizer.ggml.bos_token_id");
-    let add_bos = !matches!(metadata.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(false)));
+    let add_bos = !matches!(
+        metadata.get("tokenizer.ggml.add_bos_token"),
+        Some(Value::Bool(false))
+    );
     let post_processor = match bos {
         Some(b) if add_bos => {
             let bos_text = tokens.get(b).copied().unwrap_or("<s>");

@@ -6,8 +6,8 @@ use candle_core::{DType, Device, Module, Tensor};
 
 use super::config::ModelConfig;
 use super::weights::Vb;
-use crate::kv_cache::KvCache;
 use crate::Result;
+use crate::kv_cache::KvCache;
 
 /// A linear layer whose weight may be quantized, with an optional bias.
 struct Linear {
@@ -180,15 +180,13 @@ impl Block {
         rope: &Rope,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let attn = self.self_attn.forward(
-            &self.input_layernorm.forward(xs)?,
-            layer,
-            cache,
-            rope,
-            mask,
-        )?;
+        let attn =
+            self.self_attn
+                .forward(&self.input_layernorm.forward(xs)?, layer, cache, rope, mask)?;
         let xs = (xs + attn)?;
-        let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&xs)?)?;
+        let mlp = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&xs)?)?;
         Ok((xs + mlp)?)
     }
 }
@@ -231,7 +229,8 @@ impl Llama {
         let norm = RmsNorm::load(m.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
         // Tied embeddings reuse the embedding matrix, kept quantized in GGUF files.
         let lm_head = if cfg.tie_word_embeddings {
-            m.pp("embed_tokens").matmul(cfg.vocab_size, cfg.hidden_size)?
+            m.pp("embed_tokens")
+                .matmul(cfg.vocab_size, cfg.hidden_size)?
         } else {
             vb.pp("lm_head").matmul(cfg.vocab_size, cfg.hidden_size)?
         };
@@ -255,7 +254,12 @@ impl Llama {
 
     /// Runs `tokens` at positions `cache.len()..`, appending their keys and values to `cache`.
     /// Returns f32 logits of shape (positions, vocab).
-    pub(crate) fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits) -> Result<Tensor> {
+    pub(crate) fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        logits: Logits,
+    ) -> Result<Tensor> {
         let n = tokens.len();
         let pos = cache.len();
         cache.reserve(n)?;

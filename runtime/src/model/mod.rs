@@ -103,7 +103,8 @@ impl Model {
             let config = cap(gguf.config);
             // Quantized matmuls take f32 activations.
             let dtype = DType::F32;
-            let llama = llama::Llama::load(weights::Vb::new(&gguf.weights), &config, dtype, device)?;
+            let llama =
+                llama::Llama::load(weights::Vb::new(&gguf.weights), &config, dtype, device)?;
             Ok(Self {
                 config,
                 llama,
@@ -153,7 +154,12 @@ impl Model {
 
     /// Runs a block of tokens at positions `cache.len()..`, appending to `cache`, and returns one
     /// row of logits per position (or only for the last, see [`Logits`]).
-    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits) -> Result<Vec<Vec<f32>>> {
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        logits: Logits,
+    ) -> Result<Vec<Vec<f32>>> {
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
         }
@@ -161,6 +167,9 @@ impl Model {
         if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
             return Err(Error::TokenOutOfRange { token, vocab_size });
         }
-        Ok(self.llama.forward(tokens, cache, logits)?.to_vec2::<f32>()?)
+        Ok(self
+            .llama
+            .forward(tokens, cache, logits)?
+            .to_vec2::<f32>()?)
     }
 }

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-
 use crate::{Error, Result};
 
 /// A model's tensors: dense (safetensors) or quantized (GGUF).
@@ -25,16 +24,19 @@ pub(crate) enum Weights {
 
 impl Weights {
     /// Memory-maps the safetensors files of a Hugging Face folder.
-    #[allow(unsafe_code, reason = "memory-mapping safetensors, as every candle loader does")]
+    #[allow(
+        unsafe_code,
+        reason = "memory-mapping safetensors, as every candle loader does"
+    )]
     pub(crate) fn from_safetensors(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
         let files = safetensors_files(dir)?;
         // SAFETY: the files are opened read-only; a concurrent writer could change the mapped
         // bytes, which the model folders this reads are not expected to have.
         let vb = unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(&files, dtype, device) }
             .map_err(|e| Error::InvalidFile {
-                path: dir.to_path_buf(),
-                reason: e.to_string(),
-            })?;
+            path: dir.to_path_buf(),
+            reason: e.to_string(),
+        })?;
         Ok(Self::Dense {
             path: dir.to_path_buf(),
             vb,
@@ -92,7 +94,9 @@ impl Weights {
                     reason: format!("tensor `{name}`: {e}"),
                 })
             }
-            Self::Gguf { tensors, .. } => Ok(self.qtensor(name, shape)?.dequantize(tensors.device())?),
+            Self::Gguf { tensors, .. } => {
+                Ok(self.qtensor(name, shape)?.dequantize(tensors.device())?)
+            }
         }
     }
 }

@@ -22,7 +22,8 @@ pub fn stories_dir() -> PathBuf {
 
 fn scratch() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir")).path()
+    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"))
+        .path()
 }
 
 /// A GGUF copy of stories260K, written once per test binary and quantization.
@@ -42,7 +43,8 @@ pub fn tiny_random(seed: u64) -> PathBuf {
     let _guard = LOCK.lock().expect("fixture lock");
     let dir = scratch().join(format!("tiny-{seed}"));
     if !dir.exists() {
-        write_random_llama(&dir, &SyntheticSpec::tiny(seed), &stories_dir()).expect("write random model");
+        write_random_llama(&dir, &SyntheticSpec::tiny(seed), &stories_dir())
+            .expect("write random model");
     }
     dir
 }
@@ -58,5 +60,8 @@ pub fn tokenizer() -> Tokenizer {
 /// Largest absolute difference between two logit rows.
 pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
