@@ -302,7 +302,7 @@ mod tests {
         };
         assert!(
             bad.validate()
-                .unwrap_err()
+                .expect_err("must be refused")
                 .to_string()
                 .contains("temperature")
         );
@@ -310,12 +310,22 @@ mod tests {
             top_p: 0.0,
             ..Default::default()
         };
-        assert!(bad.validate().unwrap_err().to_string().contains("top_p"));
+        assert!(
+            bad.validate()
+                .expect_err("must be refused")
+                .to_string()
+                .contains("top_p")
+        );
         let bad = SamplingParams {
             min_p: 2.0,
             ..Default::default()
         };
-        assert!(bad.validate().unwrap_err().to_string().contains("min_p"));
+        assert!(
+            bad.validate()
+                .expect_err("must be refused")
+                .to_string()
+                .contains("min_p")
+        );
         assert!(SamplingParams::default().validate().is_ok());
     }
 }

@@ -53,24 +53,48 @@ impl CachedSequence {
     }
 }
 
-/// Feeds all but the last prompt token, so that the first step feeds exactly one token.
-fn prefill(model: &Model, seq: &mut CachedSequence, prompt: &[u32]) -> Result<()> {
-    if prompt.is_empty() {
-        return Err(Error::EmptyPrompt);
+/// What each side of a sequence holds: its model, cache, sampling parameters and random stream.
+#[derive(Debug)]
+struct SequenceState<'m> {
+    model: &'m Model,
+    seq: CachedSequence,
+    params: SamplingParams,
+    rng: Rng,
+}
+
+impl<'m> SequenceState<'m> {
+    fn new(model: &'m Model, params: SamplingParams, stream: u64) -> Self {
+        Self {
+            model,
+            seq: CachedSequence {
+                cache: model.new_cache(),
+                tokens: Vec::new(),
+            },
+            rng: Rng::new(params.seed ^ stream),
+            params,
+        }
     }
-    if prompt.len() > model.config().max_context {
-        return Err(Error::ContextFull {
-            len: prompt.len(),
-            limit: model.config().max_context,
-        });
+
+    /// Feeds all but the last prompt token, so that the first step feeds exactly one token.
+    fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        let limit = self.model.config().max_context;
+        if prompt.len() > limit {
+            return Err(Error::ContextFull {
+                len: prompt.len(),
+                limit,
+            });
+        }
+        let head = &prompt[..prompt.len() - 1];
+        self.seq.sync(prompt)?;
+        if self.seq.tokens.len() < head.len() {
+            let rest = head[self.seq.tokens.len()..].to_vec();
+            self.seq.forward(self.model, &rest, Logits::Last)?;
+        }
+        Ok(())
     }
-    let head = &prompt[..prompt.len() - 1];
-    seq.sync(prompt)?;
-    if seq.tokens.len() < head.len() {
-        let rest = head[seq.tokens.len()..].to_vec();
-        seq.forward(model, &rest, Logits::Last)?;
-    }
-    Ok(())
 }
 
 /// K drafted tokens and the distributions they were sampled from.
@@ -82,42 +106,30 @@ pub struct Proposal {
 
 /// The draft side of one sequence.
 #[derive(Debug)]
-pub struct Drafter<'m> {
-    model: &'m Model,
-    seq: CachedSequence,
-    params: SamplingParams,
-    rng: Rng,
-}
+pub struct Drafter<'m>(SequenceState<'m>);
 
 impl<'m> Drafter<'m> {
     pub fn new(model: &'m Model, params: SamplingParams) -> Self {
-        Self {
-            model,
-            seq: CachedSequence {
-                cache: model.new_cache(),
-                tokens: Vec::new(),
-            },
-            rng: Rng::new(params.seed ^ DRAFT_STREAM),
-            params,
-        }
+        Self(SequenceState::new(model, params, DRAFT_STREAM))
     }
 
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
-        prefill(self.model, &mut self.seq, prompt)
+        self.0.prefill(prompt)
     }
 
     /// Proposes `k` tokens continuing `log`, the committed tokens so far.
     pub fn propose(&mut self, log: &[u32], k: usize) -> Result<Proposal> {
         let mut context = log.to_vec();
-        let mut feed = self.seq.sync(log)?.to_vec();
+        let st = &mut self.0;
+        let mut feed = st.seq.sync(log)?.to_vec();
         let mut proposal = Proposal {
             tokens: Vec::with_capacity(k),
             q: Vec::with_capacity(k),
         };
         for _ in 0..k {
-            let rows = self.seq.forward(self.model, &feed, Logits::Last)?;
-            let q = distribution(&rows[0], &self.params, &context);
-            let token = q.sample(&mut self.rng);
+            let rows = st.seq.forward(st.model, &feed, Logits::Last)?;
+            let q = distribution(&rows[0], &st.params, &context);
+            let token = q.sample(&mut st.rng);
             context.push(token);
             proposal.tokens.push(token);
             proposal.q.push(q);
@@ -128,34 +140,21 @@ impl<'m> Drafter<'m> {
 
     /// Bytes held by this sequence's cache.
     pub fn cache_bytes(&self) -> usize {
-        self.seq.cache.bytes()
+        self.0.seq.cache.bytes()
     }
 }
 
 /// The target side of one sequence.
 #[derive(Debug)]
-pub struct Verifier<'m> {
-    model: &'m Model,
-    seq: CachedSequence,
-    params: SamplingParams,
-    rng: Rng,
-}
+pub struct Verifier<'m>(SequenceState<'m>);
 
 impl<'m> Verifier<'m> {
     pub fn new(model: &'m Model, params: SamplingParams) -> Self {
-        Self {
-            model,
-            seq: CachedSequence {
-                cache: model.new_cache(),
-                tokens: Vec::new(),
-            },
-            rng: Rng::new(params.seed ^ TARGET_STREAM),
-            params,
-        }
+        Self(SequenceState::new(model, params, TARGET_STREAM))
     }
 
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
-        prefill(self.model, &mut self.seq, prompt)
+        self.0.prefill(prompt)
     }
 
     /// Scores `[uncached tail of log, drafts…]` in one forward pass and applies the acceptance
@@ -172,31 +171,32 @@ impl<'m> Verifier<'m> {
                 ),
             ));
         }
-        let mut block = self.seq.sync(log)?.to_vec();
+        let st = &mut self.0;
+        let mut block = st.seq.sync(log)?.to_vec();
         block.extend_from_slice(drafts);
         let logits = if drafts.is_empty() {
             Logits::Last
         } else {
             Logits::All
         };
-        let rows = self.seq.forward(self.model, &block, logits)?;
+        let rows = st.seq.forward(st.model, &block, logits)?;
         let rows = &rows[rows.len() - (drafts.len() + 1)..];
         let mut context = log.to_vec();
         let mut p = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
-            p.push(distribution(row, &self.params, &context));
+            p.push(distribution(row, &st.params, &context));
             if let Some(&d) = drafts.get(i) {
                 context.push(d);
             }
         }
-        let verdict = acceptance::verify(drafts, q, &p, &mut self.rng);
-        self.seq.truncate(log.len() + verdict.accepted)?;
+        let verdict = acceptance::verify(drafts, q, &p, &mut st.rng);
+        st.seq.truncate(log.len() + verdict.accepted)?;
         Ok(verdict)
     }
 
     /// Bytes held by this sequence's cache.
     pub fn cache_bytes(&self) -> usize {
-        self.seq.cache.bytes()
+        self.0.seq.cache.bytes()
     }
 }
 
