@@ -28,15 +28,14 @@ pub use speculative::{Drafter, Proposal, Verifier};
 pub use tokenizer::Tokenizer;
 
 /// Sets the CPU thread pools to the core count unless the user chose. Unset, candle re-reads
-/// /proc/cpuinfo on every matmul, a 5× slowdown on small models (see DESIGN.md).
+/// /proc/cpuinfo on every matmul, a 5× slowdown on small models (see DESIGN.md). Call it first
+/// thing in `main`, before any other thread exists.
 pub fn init_cpu_threads() {
     let cores = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .to_string();
     for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
         if std::env::var_os(var).is_none() {
-            // SAFETY-free: set_var is safe to call before other threads read the environment;
-            // callers do this first thing in main or test setup.
             set_env(var, &cores);
         }
     }
