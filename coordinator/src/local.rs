@@ -8,7 +8,7 @@ use serde_json::json;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::tokenizer::StreamDecoder;
 use tandem_runtime::{
-    GenerateRequest, Generation, LoadOptions, Model, SamplingParams, SpeculativeGenerator,
+    GenerateRequest, Generation, LoadOptions, Logits, Model, SamplingParams, SpeculativeGenerator,
     Tokenizer, default_stop_tokens,
 };
 
@@ -68,6 +68,12 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         stop_strings: args.stop.clone(),
     };
     let generator = SpeculativeGenerator::new(&target, draft.as_ref(), &tokenizer)?;
+    generator.validate(&request)?;
+    // First forwards pay for thread-pool start-up and page faults: keep them out of the timings
+    // that the speedup compares.
+    for model in std::iter::once(&target).chain(draft.as_ref()) {
+        model.forward(&request.prompt[..1], &mut model.new_cache(), Logits::Last)?;
+    }
     tracing::info!(target = %target.name(), draft = ?draft.as_ref().map(Model::name), k = args.draft_tokens, "generating");
 
     let mut decoder = StreamDecoder::default();
