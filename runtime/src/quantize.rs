@@ -10,7 +10,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 
-use crate::model::weights::gguf_name;
+use crate::model::weights::{gguf_name, safetensors_files};
 use crate::model::{Architecture, ModelConfig, RopeScaling};
 use crate::{Error, Result};
 
@@ -154,19 +154,9 @@ pub fn quantize_to_gguf(dir: &Path, out: &Path, quant: QuantType) -> Result<Quan
     Ok(report)
 }
 
+/// Every tensor of the folder's safetensors (single file or the shards its index lists).
 fn read_safetensors(dir: &Path) -> Result<HashMap<String, Tensor>> {
-    let single = dir.join("model.safetensors");
-    let files = if single.exists() {
-        vec![single]
-    } else {
-        let mut shards: Vec<_> = std::fs::read_dir(dir)
-            .map_err(Error::io(dir))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect();
-        shards.sort();
-        shards
-    };
+    let files = safetensors_files(dir)?;
     let mut all = HashMap::new();
     for file in &files {
         all.extend(

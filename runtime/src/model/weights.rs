@@ -180,7 +180,7 @@ pub(crate) fn gguf_name(hf: &str) -> String {
     hf.to_string()
 }
 
-fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let single = dir.join("model.safetensors");
     if single.exists() {
         return Ok(vec![single]);
