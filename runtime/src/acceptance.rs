@@ -15,6 +15,15 @@ pub struct Verdict {
     pub next: u32,
 }
 
+impl Verdict {
+    /// The tokens this verdict commits: the accepted drafts, then the next token.
+    pub fn committed(&self, drafts: &[u32]) -> Vec<u32> {
+        let mut tokens = drafts[..self.accepted].to_vec();
+        tokens.push(self.next);
+        tokens
+    }
+}
+
 /// Verifies `drafts` (sampled from `q`, one distribution per draft) against the target's `p`
 /// (one per draft plus one for the bonus position).
 ///

@@ -53,6 +53,13 @@ pub enum Error {
     Tokenizer(String),
     #[error("cannot truncate the kv cache to {requested}: it holds {len} entries")]
     TruncateBeyondLength { requested: usize, len: usize },
+    #[error(
+        "committed prefix mismatch: the request assumes {expected}, this sequence holds {held}"
+    )]
+    PrefixMismatch {
+        expected: crate::token_log::Prefix,
+        held: crate::token_log::Prefix,
+    },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
@@ -61,7 +68,7 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    pub(crate) fn invalid(field: &'static str, value: impl ToString, limit: impl ToString) -> Self {
+    pub fn invalid(field: &'static str, value: impl ToString, limit: impl ToString) -> Self {
         Self::InvalidParameter {
             field,
             value: value.to_string(),

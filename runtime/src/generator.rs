@@ -8,6 +8,7 @@ use crate::model::Model;
 use crate::sampling::SamplingParams;
 use crate::speculative::{Drafter, Proposal, Verifier, timed};
 use crate::tokenizer::Tokenizer;
+use crate::transcript::Transcript;
 use crate::{Error, Result};
 
 /// Largest block a round may draft.
@@ -53,6 +54,13 @@ pub struct GenerationStats {
 }
 
 impl GenerationStats {
+    /// Counts one round that drafted `drafted` tokens and accepted `accepted` of them.
+    pub fn record_round(&mut self, drafted: usize, accepted: usize) {
+        self.rounds += 1;
+        self.drafted += drafted;
+        self.accepted += accepted;
+    }
+
     /// Accepted drafts over drafted tokens (α); 0 when nothing was drafted.
     pub fn acceptance_rate(&self) -> f64 {
         if self.drafted == 0 {
@@ -183,16 +191,19 @@ impl<'a> SpeculativeGenerator<'a> {
         stats.prefill_seconds = prefill_seconds;
 
         let mut log = request.prompt.clone();
-        let mut output: Vec<u32> = Vec::new();
-        let mut text = String::new();
+        let mut transcript = Transcript::new(
+            self.tokenizer,
+            &request.stop_token_ids,
+            &request.stop_strings,
+            request.max_new_tokens,
+        );
         let decode_start = std::time::Instant::now();
         let finish = loop {
-            let remaining = request.max_new_tokens - output.len();
-            if remaining == 0 {
-                break FinishReason::Length;
+            if let Some(finish) = transcript.finish_reason() {
+                break finish;
             }
             // A round commits at most k + 1 tokens: never draft past what may be emitted.
-            let k = k_max.min(remaining - 1);
+            let k = k_max.min(transcript.remaining() - 1);
             let proposal = match drafter.as_mut().filter(|_| k > 0) {
                 Some(d) => {
                     let (p, secs) = timed(|| d.propose(&log, k));
@@ -207,44 +218,14 @@ impl<'a> SpeculativeGenerator<'a> {
             let (verdict, secs) = timed(|| verifier.verify(&log, &proposal.tokens, &proposal.q));
             stats.target_seconds += secs;
             let verdict = verdict?;
-            stats.rounds += 1;
-            stats.drafted += proposal.tokens.len();
-            stats.accepted += verdict.accepted;
-
-            let mut committed = proposal.tokens[..verdict.accepted].to_vec();
-            committed.push(verdict.next);
-            let mut stopped = false;
-            if let Some(i) = committed
-                .iter()
-                .position(|t| request.stop_token_ids.contains(t))
-            {
-                committed.truncate(i);
-                stopped = true;
-            }
-            log.extend_from_slice(&committed);
-            output.extend_from_slice(&committed);
-            if !request.stop_strings.is_empty() {
-                text = self.tokenizer.decode(&output)?;
-                if let Some(cut) = request
-                    .stop_strings
-                    .iter()
-                    .filter_map(|s| text.find(s.as_str()))
-                    .min()
-                {
-                    text.truncate(cut);
-                    stopped = true;
-                }
-            }
-            on_tokens(&committed);
-            if stopped {
-                break FinishReason::Stop;
-            }
+            stats.record_round(proposal.tokens.len(), verdict.accepted);
+            let commit = transcript.commit(&verdict.committed(&proposal.tokens))?;
+            log.extend_from_slice(&commit.tokens);
+            on_tokens(&commit.tokens);
         };
         stats.decode_seconds = decode_start.elapsed().as_secs_f64();
+        let (text, output) = transcript.into_output();
         stats.generated_tokens = output.len();
-        if finish == FinishReason::Length || request.stop_strings.is_empty() {
-            text = self.tokenizer.decode(&output)?;
-        }
         Ok(Generation {
             text,
             token_ids: output,

@@ -12,7 +12,9 @@ pub mod rng;
 pub mod sampling;
 pub mod speculative;
 pub mod synthetic;
+pub mod token_log;
 pub mod tokenizer;
+pub mod transcript;
 
 pub use acceptance::{Verdict, verify};
 pub use error::{Error, Result};
@@ -25,7 +27,9 @@ pub use model::{LoadOptions, Logits, Model, ModelConfig};
 pub use rng::Rng;
 pub use sampling::{Distribution, SamplingParams};
 pub use speculative::{Drafter, Proposal, Verifier};
+pub use token_log::{Prefix, TokenLog};
 pub use tokenizer::Tokenizer;
+pub use transcript::{Commit, Transcript};
 
 /// Sets the CPU thread pools to the core count unless the user chose. Unset, candle re-reads
 /// /proc/cpuinfo on every matmul, a 5× slowdown on small models (see DESIGN.md). Call it first

@@ -55,17 +55,17 @@ impl CachedSequence {
 
 /// What each side of a sequence holds: its model, cache, sampling parameters and random stream.
 #[derive(Debug)]
-struct SequenceState<'m> {
-    model: &'m Model,
+struct SequenceState {
+    model: Model,
     seq: CachedSequence,
     params: SamplingParams,
     rng: Rng,
 }
 
-impl<'m> SequenceState<'m> {
-    fn new(model: &'m Model, params: SamplingParams, stream: u64) -> Self {
+impl SequenceState {
+    fn new(model: &Model, params: SamplingParams, stream: u64) -> Self {
         Self {
-            model,
+            model: model.clone(),
             seq: CachedSequence {
                 cache: model.new_cache(),
                 tokens: Vec::new(),
@@ -91,7 +91,7 @@ impl<'m> SequenceState<'m> {
         self.seq.sync(prompt)?;
         if self.seq.tokens.len() < head.len() {
             let rest = head[self.seq.tokens.len()..].to_vec();
-            self.seq.forward(self.model, &rest, Logits::Last)?;
+            self.seq.forward(&self.model, &rest, Logits::Last)?;
         }
         Ok(())
     }
@@ -106,10 +106,10 @@ pub struct Proposal {
 
 /// The draft side of one sequence.
 #[derive(Debug)]
-pub struct Drafter<'m>(SequenceState<'m>);
+pub struct Drafter(SequenceState);
 
-impl<'m> Drafter<'m> {
-    pub fn new(model: &'m Model, params: SamplingParams) -> Self {
+impl Drafter {
+    pub fn new(model: &Model, params: SamplingParams) -> Self {
         Self(SequenceState::new(model, params, DRAFT_STREAM))
     }
 
@@ -127,7 +127,7 @@ impl<'m> Drafter<'m> {
             q: Vec::with_capacity(k),
         };
         for _ in 0..k {
-            let rows = st.seq.forward(st.model, &feed, Logits::Last)?;
+            let rows = st.seq.forward(&st.model, &feed, Logits::Last)?;
             let q = distribution(&rows[0], &st.params, &context);
             let token = q.sample(&mut st.rng);
             context.push(token);
@@ -146,10 +146,10 @@ impl<'m> Drafter<'m> {
 
 /// The target side of one sequence.
 #[derive(Debug)]
-pub struct Verifier<'m>(SequenceState<'m>);
+pub struct Verifier(SequenceState);
 
-impl<'m> Verifier<'m> {
-    pub fn new(model: &'m Model, params: SamplingParams) -> Self {
+impl Verifier {
+    pub fn new(model: &Model, params: SamplingParams) -> Self {
         Self(SequenceState::new(model, params, TARGET_STREAM))
     }
 
@@ -179,7 +179,7 @@ impl<'m> Verifier<'m> {
         } else {
             Logits::All
         };
-        let rows = st.seq.forward(st.model, &block, logits)?;
+        let rows = st.seq.forward(&st.model, &block, logits)?;
         let rows = &rows[rows.len() - (drafts.len() + 1)..];
         let mut context = log.to_vec();
         let mut p = Vec::with_capacity(rows.len());

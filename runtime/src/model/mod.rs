@@ -7,6 +7,7 @@ mod llama;
 pub(crate) mod weights;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::{DType, Device};
 
@@ -44,10 +45,11 @@ pub enum ModelFormat {
 }
 
 /// A loaded model: immutable weights shared by any number of sequences, each with its own
-/// [`KvCache`].
+/// [`KvCache`]. Cloning is cheap: clones share the weights.
+#[derive(Clone)]
 pub struct Model {
     config: ModelConfig,
-    llama: llama::Llama,
+    llama: Arc<llama::Llama>,
     path: PathBuf,
     format: ModelFormat,
     dtype: DType,
@@ -89,7 +91,12 @@ impl Model {
                 DType::BF16
             });
             let weights = weights::Weights::from_safetensors(path, dtype, device)?;
-            let llama = llama::Llama::load(weights::Vb::new(&weights), &config, dtype, device)?;
+            let llama = Arc::new(llama::Llama::load(
+                weights::Vb::new(&weights),
+                &config,
+                dtype,
+                device,
+            )?);
             Ok(Self {
                 config,
                 llama,
@@ -103,8 +110,12 @@ impl Model {
             let config = cap(gguf.config);
             // Quantized matmuls take f32 activations.
             let dtype = DType::F32;
-            let llama =
-                llama::Llama::load(weights::Vb::new(&gguf.weights), &config, dtype, device)?;
+            let llama = Arc::new(llama::Llama::load(
+                weights::Vb::new(&gguf.weights),
+                &config,
+                dtype,
+                device,
+            )?);
             Ok(Self {
                 config,
                 llama,
