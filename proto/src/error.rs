@@ -1,0 +1,79 @@
+//! The service errors of every Tandem process and their one mapping to gRPC status codes.
+
+use tonic::{Code, Status};
+
+/// Errors a node or the coordinator answers with. Messages are lowercase and name the offending
+/// field and its limit.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Runtime(#[from] tandem_runtime::Error),
+    #[error("missing field `{0}`")]
+    MissingField(&'static str),
+    #[error("no session is open on this stream: send `open` first")]
+    NoSession,
+    #[error("a session is already open on this stream")]
+    SessionAlreadyOpen,
+    #[error("too many sessions: {limit} are open, the limit (--max-sessions) is {limit}")]
+    TooManySessions { limit: usize },
+    #[error("session idle for more than {secs} s (--idle-timeout-secs): closed")]
+    IdleTimeout { secs: u64 },
+    #[error("{node} is unavailable at {endpoint}: {reason}")]
+    Unavailable {
+        node: &'static str,
+        endpoint: String,
+        reason: String,
+    },
+    #[error("{node} answered out of protocol: {what}")]
+    Protocol { node: &'static str, what: String },
+    #[error("{node}: {status}", status = .status.message())]
+    Remote { node: &'static str, status: Status },
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+/// Result alias of the services.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// The gRPC code of this error: the only place that decides it.
+    pub fn code(&self) -> Code {
+        use tandem_runtime::Error as R;
+        match self {
+            Self::Runtime(e) => match e {
+                R::EmptyPrompt
+                | R::PromptTooLong { .. }
+                | R::TokenOutOfRange { .. }
+                | R::InvalidParameter { .. } => Code::InvalidArgument,
+                R::ContextFull { .. } => Code::OutOfRange,
+                R::PrefixMismatch { .. } | R::VocabularyMismatch(_) => Code::FailedPrecondition,
+                _ => Code::Internal,
+            },
+            Self::MissingField(_) => Code::InvalidArgument,
+            Self::NoSession => Code::NotFound,
+            Self::SessionAlreadyOpen => Code::FailedPrecondition,
+            Self::TooManySessions { .. } => Code::ResourceExhausted,
+            Self::IdleTimeout { .. } => Code::DeadlineExceeded,
+            Self::Unavailable { .. } | Self::ShuttingDown => Code::Unavailable,
+            Self::Protocol { .. } => Code::Internal,
+            Self::Remote { status, .. } => status.code(),
+        }
+    }
+
+    /// Whether the session survives this error (the node answers in-band and keeps it open).
+    pub fn is_recoverable(&self) -> bool {
+        matches!(
+            self,
+            Self::Runtime(tandem_runtime::Error::PrefixMismatch { .. })
+        )
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Remote { status, .. } => status,
+            e => Status::new(e.code(), e.to_string()),
+        }
+    }
+}

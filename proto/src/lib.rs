@@ -1,0 +1,18 @@
+//! tandem-proto: the wire contract of Tandem (package `tandem.v1`), the conversions between
+//! wire and runtime types that every service shares, and the one mapping of errors to
+//! [`tonic::Code`].
+
+mod convert;
+mod error;
+
+/// Generated messages, clients and servers of `tandem.v1`.
+#[allow(missing_debug_implementations, clippy::all, reason = "generated code")]
+pub mod v1 {
+    tonic::include_proto!("tandem.v1");
+}
+
+pub use convert::{distribution_from_wire, distribution_to_wire, prefix_from_wire, prefix_to_wire};
+pub use error::{Error, Result};
+
+/// Largest gRPC message either side accepts: a tokenizer.json, or K dense distributions.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
