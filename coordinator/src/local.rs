@@ -3,8 +3,8 @@
 use std::io::Write;
 
 use anyhow::Context;
-use candle_core::Device;
 use serde_json::json;
+use tandem_runtime::model::parse_device;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::tokenizer::StreamDecoder;
 use tandem_runtime::{
@@ -13,24 +13,6 @@ use tandem_runtime::{
 };
 
 use crate::cli::{GenerateArgs, QuantizeArgs};
-
-fn parse_device(spec: &str) -> anyhow::Result<Device> {
-    match spec {
-        "cpu" => Ok(Device::Cpu),
-        s => {
-            let ordinal = s
-                .strip_prefix("cuda")
-                .map(|rest| rest.trim_start_matches(':'))
-                .with_context(|| format!("invalid --device `{s}`: expected cpu or cuda:N"))?;
-            let ordinal: usize = if ordinal.is_empty() {
-                0
-            } else {
-                ordinal.parse()?
-            };
-            Device::new_cuda(ordinal).with_context(|| format!("cannot open --device `{s}`"))
-        }
-    }
-}
 
 pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let options = LoadOptions {

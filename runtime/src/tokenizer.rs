@@ -62,6 +62,23 @@ impl Tokenizer {
         Ok(tokenizer)
     }
 
+    /// The tokenizer serialised as tokenizer.json text, e.g. to send to a coordinator.
+    pub fn to_json(&self) -> Result<String> {
+        self.inner.to_string(false).map_err(tokenizer_error)
+    }
+
+    /// A tokenizer received as tokenizer.json text with its special ids; `source` names where it
+    /// came from in messages.
+    pub fn from_json(json: &str, bos: Option<u32>, eos: Option<u32>, source: &str) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_bytes(json.as_bytes()).map_err(tokenizer_error)?;
+        Ok(Self {
+            inner,
+            bos,
+            eos,
+            source: PathBuf::from(source),
+        })
+    }
+
     /// Reads bos/eos from `tokenizer_config.json` when present, else guesses `<s>`/`</s>`.
     fn with_config(inner: tokenizers::Tokenizer, dir: &Path, source: PathBuf) -> Self {
         let config: Option<serde_json::Value> =

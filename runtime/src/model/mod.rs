@@ -37,6 +37,28 @@ impl Default for LoadOptions {
     }
 }
 
+/// Parses a device name: `cpu`, `cuda` or `cuda:N` (the latter need the `cuda` feature).
+pub fn parse_device(spec: &str) -> Result<Device> {
+    let bad = |limit: &str| Error::invalid("device", spec, limit);
+    match spec {
+        "cpu" => Ok(Device::Cpu),
+        s => {
+            let ordinal = s
+                .strip_prefix("cuda")
+                .map(|rest| rest.trim_start_matches(':'))
+                .ok_or_else(|| bad("expected cpu, cuda or cuda:N"))?;
+            let ordinal: usize = if ordinal.is_empty() {
+                0
+            } else {
+                ordinal
+                    .parse()
+                    .map_err(|_| bad("expected cpu, cuda or cuda:N"))?
+            };
+            Ok(Device::new_cuda(ordinal)?)
+        }
+    }
+}
+
 /// The on-disk format a model came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelFormat {

@@ -1,0 +1,22 @@
+//! `draft-node --model PATH --listen ADDR`: serves a draft model to coordinators.
+
+use clap::Parser;
+use tandem_node::{NodeArgs, Role};
+
+/// Tandem draft-node: proposes K tokens per step for a coordinator.
+#[derive(Debug, Parser)]
+#[command(name = "draft-node", version)]
+struct Cli {
+    #[command(flatten)]
+    node: NodeArgs,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tandem_runtime::init_cpu_threads();
+    tandem_node::init_logging();
+    let (state, listener) = tandem_node::start(Role::Draft, Cli::parse().node).await?;
+    tandem_draft_node::serve(listener, state, tandem_node::shutdown_signal()).await?;
+    tracing::info!("draft-node stopped");
+    Ok(())
+}

@@ -1,0 +1,54 @@
+//! Command-line and `TANDEM_*` environment configuration shared by both nodes.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Args;
+
+/// What every node is started with.
+#[derive(Debug, Clone, Args)]
+pub struct NodeArgs {
+    /// Model: a Hugging Face folder or a .gguf file.
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: PathBuf,
+    /// Address to listen on for gRPC.
+    #[arg(long, env = "TANDEM_LISTEN")]
+    pub listen: SocketAddr,
+    /// Device: cpu, or cuda:N (needs the `cuda` feature).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Caps the context below the model's own (sizes rope tables and caches).
+    #[arg(long, env = "TANDEM_MAX_CONTEXT")]
+    pub max_context: Option<usize>,
+    #[command(flatten)]
+    pub limits: LimitsArgs,
+}
+
+/// Per-node limits; a request beyond one is refused with a status naming it.
+#[derive(Debug, Clone, Args)]
+pub struct LimitsArgs {
+    /// Sessions open at once.
+    #[arg(long, env = "TANDEM_MAX_SESSIONS", default_value_t = 64)]
+    pub max_sessions: usize,
+    /// Largest committed length (prompt + generated tokens) of one session; 0: the model's
+    /// context.
+    #[arg(long, env = "TANDEM_MAX_SESSION_TOKENS", default_value_t = 0)]
+    pub max_session_tokens: usize,
+    /// Largest K of one draft step or verify block.
+    #[arg(long, env = "TANDEM_MAX_DRAFT_TOKENS", default_value_t = 32)]
+    pub max_draft_tokens: usize,
+    /// A session with no message for this long is closed and its cache freed.
+    #[arg(long, env = "TANDEM_IDLE_TIMEOUT_SECS", default_value_t = 300)]
+    pub idle_timeout_secs: u64,
+}
+
+impl Default for LimitsArgs {
+    fn default() -> Self {
+        Self {
+            max_sessions: 64,
+            max_session_tokens: 0,
+            max_draft_tokens: 32,
+            idle_timeout_secs: 300,
+        }
+    }
+}

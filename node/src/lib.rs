@@ -1,0 +1,16 @@
+//! tandem-node: the parts of draft-node and target-node that do not depend on their role: the
+//! command line, model loading, the session table with its limits, the driver of one session's
+//! bidirectional stream (model work on blocking threads, idle timeout, in-band rejections),
+//! node info, health, and serving.
+
+mod config;
+mod serve;
+mod sessions;
+mod state;
+mod stream;
+
+pub use config::{LimitsArgs, NodeArgs};
+pub use serve::{init_logging, serve, shutdown_signal, start};
+pub use sessions::{SessionSlot, SessionTable};
+pub use state::{Limits, NodeState, Role};
+pub use stream::{Incoming, Session, drive_session};

@@ -1,0 +1,125 @@
+//! Serving a node: NodeService (info, tokenizer), standard gRPC health, the role's own service,
+//! logging, and shutdown on SIGINT/SIGTERM.
+
+use std::sync::Arc;
+
+use tandem_proto::v1;
+use tandem_proto::v1::node_service_server::{NodeService, NodeServiceServer};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::Router;
+use tonic::{Request, Response, Status};
+
+use crate::config::NodeArgs;
+use crate::state::{NodeState, Role};
+
+#[derive(Debug)]
+struct NodeInfoService(Arc<NodeState>);
+
+#[tonic::async_trait]
+impl NodeService for NodeInfoService {
+    async fn info(&self, _: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
+        Ok(Response::new(self.0.info()))
+    }
+
+    async fn tokenizer(
+        &self,
+        _: Request<v1::TokenizerRequest>,
+    ) -> Result<Response<v1::TokenizerReply>, Status> {
+        let t = &self.0.tokenizer;
+        Ok(Response::new(v1::TokenizerReply {
+            tokenizer_json: t.to_json().map_err(tandem_proto::Error::from)?,
+            bos_id: t.bos_id(),
+            eos_id: t.eos_id(),
+        }))
+    }
+}
+
+/// Serves `role_service` (already added to a router by the caller's `add`) with NodeService
+/// and health on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<NodeState>,
+    service_name: &'static str,
+    add: impl FnOnce(Router) -> Router,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status(service_name, tonic_health::ServingStatus::Serving)
+        .await;
+    let node = NodeServiceServer::new(NodeInfoService(state))
+        .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
+    let router = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health)
+        .add_service(node);
+    add(router)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+/// Readable logs on stderr, `RUST_LOG` (default info) choosing what.
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Loads the model (on a blocking thread) and binds the listener, logging what was loaded,
+/// on which device, and where the node listens.
+pub async fn start(
+    role: Role,
+    args: NodeArgs,
+) -> anyhow::Result<(Arc<NodeState>, tokio::net::TcpListener)> {
+    use anyhow::Context;
+    tracing::info!(role = role.as_str(), model = %args.model.display(), device = %args.device, "loading model");
+    let listen = args.listen;
+    let state = tokio::task::spawn_blocking(move || NodeState::load(role, &args))
+        .await?
+        .with_context(|| format!("loading the {} model", role.as_str()))?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    let config = state.model.config();
+    tracing::info!(
+        role = role.as_str(),
+        model = %state.model.name(),
+        layers = config.num_layers,
+        vocab = config.vocab_size,
+        context = config.max_context,
+        device = %state.device,
+        listen = %listener.local_addr()?,
+        max_sessions = state.limits.max_sessions,
+        max_session_tokens = state.limits.max_session_tokens,
+        max_draft_tokens = state.limits.max_draft_tokens,
+        "node ready"
+    );
+    Ok((Arc::new(state), listener))
+}

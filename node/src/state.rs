@@ -1,0 +1,190 @@
+//! What a node serves from: its model and tokenizer, resolved limits and the session table, with
+//! the checks every incoming request passes before it touches a cache.
+
+use tandem_proto::v1;
+use tandem_proto::{Error, Result};
+use tandem_runtime::{
+    LoadOptions, Model, SamplingParams, Tokenizer, default_stop_tokens, model::parse_device,
+};
+
+use crate::config::{LimitsArgs, NodeArgs};
+use crate::sessions::SessionTable;
+
+/// Which side of speculation a node serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Draft,
+    Target,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Draft => "draft",
+            Self::Target => "target",
+        }
+    }
+}
+
+/// Limits resolved against the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_sessions: usize,
+    pub max_session_tokens: usize,
+    pub max_draft_tokens: usize,
+    pub idle_timeout: std::time::Duration,
+}
+
+/// A loaded node.
+#[derive(Debug)]
+pub struct NodeState {
+    pub role: Role,
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub limits: Limits,
+    pub sessions: SessionTable,
+    pub device: String,
+    vocab_hash: u64,
+    stop_token_ids: Vec<u32>,
+}
+
+impl NodeState {
+    /// Loads the model and tokenizer named by `args` (blocking: call before serving).
+    pub fn load(role: Role, args: &NodeArgs) -> Result<Self> {
+        let options = LoadOptions {
+            device: parse_device(&args.device)?,
+            max_context: args.max_context,
+            ..LoadOptions::default()
+        };
+        let model = Model::load(&args.model, &options)?;
+        let tokenizer = Tokenizer::for_model(&args.model)?;
+        Ok(Self::new(
+            role,
+            model,
+            tokenizer,
+            &args.device,
+            &args.limits,
+        ))
+    }
+
+    pub fn new(
+        role: Role,
+        model: Model,
+        tokenizer: Tokenizer,
+        device: &str,
+        limits: &LimitsArgs,
+    ) -> Self {
+        let context = model.config().max_context;
+        let max_session_tokens = match limits.max_session_tokens {
+            0 => context,
+            n => n.min(context),
+        };
+        Self {
+            role,
+            limits: Limits {
+                max_sessions: limits.max_sessions,
+                max_session_tokens,
+                max_draft_tokens: limits.max_draft_tokens,
+                idle_timeout: std::time::Duration::from_secs(limits.idle_timeout_secs),
+            },
+            sessions: SessionTable::new(limits.max_sessions),
+            device: device.to_string(),
+            vocab_hash: tokenizer.vocab_hash(),
+            stop_token_ids: default_stop_tokens(&model, &tokenizer),
+            model,
+            tokenizer,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+
+    pub fn info(&self) -> v1::NodeInfo {
+        let l = &self.limits;
+        v1::NodeInfo {
+            role: self.role.as_str().into(),
+            model_name: self.model.name(),
+            device: self.device.clone(),
+            vocab_size: self.vocab_size() as u32,
+            vocab_hash: self.vocab_hash,
+            max_context: self.model.config().max_context as u32,
+            limits: Some(v1::NodeLimits {
+                max_sessions: l.max_sessions as u32,
+                max_session_tokens: l.max_session_tokens as u32,
+                max_draft_tokens: l.max_draft_tokens as u32,
+                idle_timeout_secs: l.idle_timeout.as_secs() as u32,
+            }),
+            active_sessions: self.sessions.active() as u32,
+            kv_cache_bytes: self.sessions.kv_bytes() as u64,
+            version: env!("CARGO_PKG_VERSION").into(),
+            stop_token_ids: self.stop_token_ids.clone(),
+        }
+    }
+
+    /// Checks an open request: a non-empty prompt of known tokens that, with the tokens it may
+    /// generate, fits the session limit; sampling values in range.
+    pub fn check_open(&self, open: &v1::OpenSession) -> Result<SamplingParams> {
+        if open.prompt.is_empty() {
+            return Err(tandem_runtime::Error::EmptyPrompt.into());
+        }
+        self.check_tokens("prompt", &open.prompt)?;
+        let limit = self.limits.max_session_tokens;
+        let max_new = open.max_new_tokens as usize;
+        if open.prompt.len() + max_new > limit {
+            return Err(tandem_runtime::Error::PromptTooLong {
+                len: open.prompt.len(),
+                max_new,
+                limit,
+            }
+            .into());
+        }
+        open.sampling
+            .as_ref()
+            .ok_or(Error::MissingField("sampling"))?
+            .to_runtime()
+    }
+
+    /// Checks a step before it changes anything: K within the limit, known tokens, and room in
+    /// the session for the committed prefix, the new tokens and the block (plus `extra`).
+    pub fn check_step(
+        &self,
+        committed: usize,
+        new_tokens: &[u32],
+        k: usize,
+        extra: usize,
+    ) -> Result<()> {
+        let max_k = self.limits.max_draft_tokens;
+        if k > max_k {
+            return Err(invalid(
+                "k",
+                k,
+                format!("must be at most {max_k} (--max-draft-tokens)"),
+            ));
+        }
+        self.check_tokens("new_tokens", new_tokens)?;
+        let len = committed + new_tokens.len() + k + extra;
+        let limit = self.limits.max_session_tokens;
+        if len > limit {
+            return Err(tandem_runtime::Error::ContextFull { len, limit }.into());
+        }
+        Ok(())
+    }
+
+    /// Refuses token ids outside the vocabulary, naming the field.
+    pub fn check_tokens(&self, field: &'static str, tokens: &[u32]) -> Result<()> {
+        let vocab = self.vocab_size();
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(t) => Err(invalid(
+                field,
+                format!("token {t}"),
+                format!("ids must be below the vocabulary size {vocab}"),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+fn invalid(field: &'static str, value: impl ToString, limit: impl ToString) -> Error {
+    tandem_runtime::Error::invalid(field, value, limit).into()
+}

@@ -1,0 +1,160 @@
+//! The driver of one session's bidirectional stream, the same for both roles: the first message
+//! opens the session, later ones work on it, `close` or the end of the stream frees it, and so
+//! does an idle timeout. Model work runs on blocking threads, never on the async workers.
+//! A refused request that left the session intact (a prefix mismatch, a value out of range) is
+//! answered in-band with a `Rejection` naming what the node holds; anything else ends the stream
+//! with a status.
+
+use std::sync::Arc;
+
+use tandem_proto::v1;
+use tandem_proto::{Error, Result, prefix_to_wire};
+use tandem_runtime::Prefix;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Status, Streaming};
+use tracing::Instrument;
+
+use crate::state::NodeState;
+
+/// What a request on a session stream asks for.
+#[derive(Debug)]
+pub enum Incoming<W> {
+    Open(v1::OpenSession),
+    Work(W),
+    Close,
+}
+
+/// One role's session: its wire messages and what it does with them.
+pub trait Session: Sized + Send + 'static {
+    type Request: Send + 'static;
+    type Response: Send + 'static;
+    /// The role's own request (a draft step, a verify block).
+    type Work: Send + 'static;
+
+    fn classify(request: Self::Request) -> Result<Incoming<Self::Work>>;
+    fn opened(opened: v1::Opened) -> Self::Response;
+    fn closed() -> Self::Response;
+    fn rejected(rejection: v1::Rejection) -> Self::Response;
+
+    /// Checks the request and prefills the prompt (blocking).
+    fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self>;
+    /// Does one piece of work (blocking). On error the session must be as it was.
+    fn handle(&mut self, state: &NodeState, work: Self::Work) -> Result<Self::Response>;
+    /// The committed prefix the session holds.
+    fn held(&self) -> Prefix;
+    fn kv_bytes(&self) -> usize;
+}
+
+type Outbound<S> = mpsc::Sender<Result<<S as Session>::Response, Status>>;
+
+/// Serves one session stream; the returned stream is the gRPC response.
+pub fn drive_session<S: Session>(
+    state: Arc<NodeState>,
+    inbound: Streaming<S::Request>,
+) -> ReceiverStream<Result<S::Response, Status>> {
+    let (tx, rx) = mpsc::channel(2);
+    let span = tracing::info_span!(
+        "session",
+        role = state.role.as_str(),
+        session_id = tracing::field::Empty
+    );
+    tokio::spawn(
+        async move {
+            if let Err(e) = run::<S>(&state, inbound, &tx).await {
+                tracing::info!(error = %e, "session ended with an error");
+                let _ = tx.send(Err(e.into())).await;
+            }
+        }
+        .instrument(span),
+    );
+    ReceiverStream::new(rx)
+}
+
+/// Runs a blocking closure on the blocking pool.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Protocol {
+            node: "node",
+            what: format!("model task failed: {e}"),
+        })
+}
+
+async fn run<S: Session>(
+    state: &Arc<NodeState>,
+    mut inbound: Streaming<S::Request>,
+    tx: &Outbound<S>,
+) -> Result<()> {
+    let mut session: Option<(S, crate::SessionSlot)> = None;
+    let idle = state.limits.idle_timeout;
+    loop {
+        let request = match tokio::time::timeout(idle, inbound.message()).await {
+            Err(_) => {
+                return Err(Error::IdleTimeout {
+                    secs: idle.as_secs(),
+                });
+            }
+            // The client closed or reset the stream: the session goes with it.
+            Ok(Ok(None) | Err(_)) => return Ok(()),
+            Ok(Ok(Some(request))) => request,
+        };
+        let reply = match S::classify(request)? {
+            Incoming::Open(open) => {
+                if session.is_some() {
+                    return Err(Error::SessionAlreadyOpen);
+                }
+                tracing::Span::current().record("session_id", open.session_id.as_str());
+                let slot = state.sessions.acquire()?;
+                let st = Arc::clone(state);
+                let s = blocking(move || S::open(&st, open)).await??;
+                slot.set_kv_bytes(s.kv_bytes());
+                let reply = S::opened(v1::Opened {
+                    committed: Some(prefix_to_wire(s.held())),
+                });
+                session = Some((s, slot));
+                tracing::debug!("opened");
+                reply
+            }
+            Incoming::Work(work) => {
+                let (mut s, slot) = session.take().ok_or(Error::NoSession)?;
+                let st = Arc::clone(state);
+                let (s, result) = blocking(move || {
+                    let r = s.handle(&st, work);
+                    (s, r)
+                })
+                .await?;
+                slot.set_kv_bytes(s.kv_bytes());
+                let reply = match result {
+                    Ok(reply) => reply,
+                    Err(e) if in_band(&e) => {
+                        tracing::info!(error = %e, "rejected");
+                        S::rejected(v1::Rejection {
+                            code: e.code() as i32,
+                            message: e.to_string(),
+                            held: Some(prefix_to_wire(s.held())),
+                        })
+                    }
+                    Err(e) => return Err(e),
+                };
+                session = Some((s, slot));
+                reply
+            }
+            Incoming::Close => {
+                let _ = tx.send(Ok(S::closed())).await;
+                return Ok(());
+            }
+        };
+        if tx.send(Ok(reply)).await.is_err() {
+            return Ok(()); // nobody listens any more
+        }
+    }
+}
+
+/// Errors a session survives, answered with a `Rejection`.
+fn in_band(e: &Error) -> bool {
+    matches!(
+        e.code(),
+        Code::FailedPrecondition | Code::InvalidArgument | Code::OutOfRange
+    )
+}

@@ -1,0 +1,22 @@
+//! `target-node --model PATH --listen ADDR`: serves a target model to coordinators.
+
+use clap::Parser;
+use tandem_node::{NodeArgs, Role};
+
+/// Tandem target-node: verifies drafted blocks in one forward pass for a coordinator.
+#[derive(Debug, Parser)]
+#[command(name = "target-node", version)]
+struct Cli {
+    #[command(flatten)]
+    node: NodeArgs,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tandem_runtime::init_cpu_threads();
+    tandem_node::init_logging();
+    let (state, listener) = tandem_node::start(Role::Target, Cli::parse().node).await?;
+    tandem_target_node::serve(listener, state, tandem_node::shutdown_signal()).await?;
+    tracing::info!("target-node stopped");
+    Ok(())
+}
