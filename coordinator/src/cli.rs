@@ -17,13 +17,16 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Generate text with a draft and a target model in this process.
+    /// Generate text: with both nodes started in this process on loopback gRPC, or with
+    /// `--endpoint` from a running coordinator.
     Generate(GenerateArgs),
+    /// Serve the public gRPC API over a running target-node and draft-node.
+    Serve(ServeArgs),
     /// Write a Hugging Face Llama/Qwen2 folder as a (quantized) GGUF file, e.g. a draft model.
     Quantize(QuantizeArgs),
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// Target model: a Hugging Face folder or a .gguf file.
     #[arg(
@@ -47,7 +50,7 @@ pub struct ModelArgs {
 #[derive(Debug, Args)]
 pub struct SamplingArgs {
     /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "TANDEM_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f32,
     /// Keep the k most likely tokens (0: all).
     #[arg(long, default_value_t = 0)]
@@ -64,6 +67,9 @@ pub struct SamplingArgs {
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
+    /// A running coordinator (e.g. http://coordinator:50050); unset runs everything here.
+    #[arg(long, env = "TANDEM_ENDPOINT")]
+    pub endpoint: Option<String>,
     #[command(flatten)]
     pub models: ModelArgs,
     #[command(flatten)]
@@ -81,9 +87,28 @@ pub struct GenerateArgs {
     /// Skip the target-only run that measures the speedup.
     #[arg(long)]
     pub no_baseline: bool,
+    /// Keep the model's EOS/BOS from ending the generation.
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The target-node's URL.
+    #[arg(long, env = "TANDEM_TARGET")]
+    pub target: String,
+    /// The draft-node's URL; unset decodes with the target alone.
+    #[arg(long, env = "TANDEM_DRAFT")]
+    pub draft: Option<String>,
+    /// Address of the public gRPC API.
+    #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:50050")]
+    pub listen: std::net::SocketAddr,
+    /// K for requests that do not name one.
+    #[arg(long, env = "TANDEM_DRAFT_TOKENS", default_value_t = 4)]
+    pub draft_tokens: usize,
 }
 
 #[derive(Debug, Args)]

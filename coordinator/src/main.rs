@@ -1,21 +1,56 @@
-//! `coordinator`: Tandem's front door. `generate` runs a local all-in-one speculative
-//! generation; `quantize` writes a GGUF draft from a Hugging Face checkpoint.
+//! `coordinator`: Tandem's front door. `generate` runs a speculative generation (locally, with
+//! both nodes in this process on loopback gRPC, or against `--endpoint`); `serve` runs the
+//! public gRPC API over remote nodes; `quantize` writes a GGUF draft.
 
-mod cli;
-mod local;
+use std::sync::Arc;
 
+use anyhow::Context;
 use clap::Parser;
+use tandem_coordinator::cli::{Cli, Command, ServeArgs};
+use tandem_coordinator::{Engine, client, local};
 
-fn main() -> anyhow::Result<()> {
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
+    let cli = Cli::parse();
+    let default_level = match cli.command {
+        Command::Serve(_) => "info",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| default_level.into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    match cli::Cli::parse().command {
-        cli::Command::Generate(args) => local::generate(&args),
-        cli::Command::Quantize(args) => local::quantize(&args),
+    match cli.command {
+        Command::Generate(args) => match &args.endpoint {
+            Some(url) => client::generate(url, &args).await,
+            None => local::generate(&args).await,
+        },
+        Command::Serve(args) => serve(&args).await,
+        Command::Quantize(args) => local::quantize(&args),
     }
+}
+
+async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
+    let engine = Engine::connect(&args.target, args.draft.as_deref(), args.draft_tokens)
+        .await
+        .context("connecting to the nodes")?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    tracing::info!(
+        target_node = %args.target,
+        target_model = %engine.target.info.model_name,
+        draft_node = ?args.draft,
+        draft_model = ?engine.draft.as_ref().map(|d| d.info.model_name.clone()),
+        draft_tokens = args.draft_tokens,
+        listen = %listener.local_addr()?,
+        "coordinator ready"
+    );
+    tandem_coordinator::serve(listener, Arc::new(engine), tandem_node::shutdown_signal()).await?;
+    tracing::info!("coordinator stopped");
+    Ok(())
 }

@@ -30,6 +30,8 @@ pub enum Error {
     Remote { node: &'static str, status: Status },
     #[error("the server is shutting down")]
     ShuttingDown,
+    #[error("the client cancelled the request")]
+    Cancelled,
 }
 
 /// Result alias of the services.
@@ -56,6 +58,7 @@ impl Error {
             Self::IdleTimeout { .. } => Code::DeadlineExceeded,
             Self::Unavailable { .. } | Self::ShuttingDown => Code::Unavailable,
             Self::Protocol { .. } => Code::Internal,
+            Self::Cancelled => Code::Cancelled,
             Self::Remote { status, .. } => status.code(),
         }
     }

@@ -1,0 +1,150 @@
+//! A client of the public gRPC API: `coordinator generate --endpoint URL`, and the local mode
+//! once its in-process coordinator is up. Prints the text as it streams, then the statistics
+//! (or one JSON object with `--json`).
+
+use std::io::Write;
+
+use anyhow::Context;
+use serde_json::json;
+use tandem_proto::v1;
+use tandem_proto::v1::coordinator_client::CoordinatorClient;
+use tonic::transport::Channel;
+
+use crate::cli::GenerateArgs;
+
+/// The request the command line describes.
+pub fn request_from_args(args: &GenerateArgs) -> v1::GenerateRequest {
+    let s = &args.sampling;
+    v1::GenerateRequest {
+        prompt: args.prompt.clone(),
+        prompt_tokens: Vec::new(),
+        max_tokens: args.max_tokens as u32,
+        sampling: Some(v1::SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k as u32,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            repetition_penalty: s.repetition_penalty,
+            repeat_last_n: 0,
+            seed: s.seed,
+        }),
+        draft_tokens: Some(args.draft_tokens as u32),
+        stop: args.stop.clone(),
+        ignore_eos: args.ignore_eos,
+    }
+}
+
+/// Runs one request to completion; `on_delta` sees each streamed delta.
+pub async fn run(
+    client: &mut CoordinatorClient<Channel>,
+    request: v1::GenerateRequest,
+    mut on_delta: impl FnMut(&v1::TokenDelta),
+) -> Result<v1::GenerateDone, tonic::Status> {
+    let mut stream = client.generate(request).await?.into_inner();
+    while let Some(message) = stream.message().await? {
+        match message.kind {
+            Some(v1::generate_response::Kind::Delta(d)) => on_delta(&d),
+            Some(v1::generate_response::Kind::Done(done)) => return Ok(done),
+            None => {}
+        }
+    }
+    Err(tonic::Status::unavailable(
+        "the coordinator ended the stream before the final statistics",
+    ))
+}
+
+/// `coordinator generate` against the coordinator at `url`.
+pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .with_context(|| format!("invalid --endpoint `{url}`"))?
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .with_context(|| format!("cannot connect to the coordinator at {url}"))?;
+    let mut client = CoordinatorClient::new(channel);
+    let request = request_from_args(args);
+    if !args.json {
+        print!("{}", args.prompt);
+    }
+    let mut stdout = std::io::stdout();
+    let done = run(&mut client, request.clone(), |delta| {
+        if !args.json {
+            print!("{}", delta.text);
+            let _ = stdout.flush();
+        }
+    })
+    .await?;
+    let baseline = if args.no_baseline || args.draft_tokens == 0 {
+        None
+    } else {
+        let target_only = v1::GenerateRequest {
+            draft_tokens: Some(0),
+            ..request
+        };
+        Some(run(&mut client, target_only, |_| {}).await?)
+    };
+    report(args, &done, baseline.as_ref());
+    Ok(())
+}
+
+fn report(args: &GenerateArgs, done: &v1::GenerateDone, baseline: Option<&v1::GenerateDone>) {
+    let st = done.stats.unwrap_or_default();
+    let base_tps = baseline.and_then(|b| b.stats).map(|s| s.tokens_per_second);
+    let speedup = base_tps.map(|b| st.tokens_per_second / b);
+    if args.json {
+        let out = json!({
+            "text": done.text,
+            "token_ids": done.token_ids,
+            "finish_reason": done.finish_reason,
+            "stats": {
+                "generated_tokens": st.generated_tokens,
+                "rounds": st.rounds,
+                "drafted": st.drafted,
+                "accepted": st.accepted,
+                "acceptance_rate": st.acceptance_rate,
+                "mean_accepted_length": st.mean_accepted_length,
+                "tokens_per_second": st.tokens_per_second,
+                "prefill_seconds": st.prefill_seconds,
+                "decode_seconds": st.decode_seconds,
+                "draft_seconds": st.draft_seconds,
+                "target_seconds": st.target_seconds,
+                "repairs": st.repairs,
+                "draft_lost": st.draft_lost,
+                "bytes_sent": st.bytes_sent,
+                "bytes_received": st.bytes_received,
+            },
+            "baseline_tokens_per_second": base_tps,
+            "speedup": speedup,
+        });
+        println!("{out}");
+        return;
+    }
+    println!("\n");
+    let rounds = f64::from(st.rounds.max(1));
+    let overhead = st.decode_seconds - st.draft_seconds - st.target_seconds;
+    eprintln!(
+        "{} tokens in {} rounds (K = {}): acceptance {:.1}%, {:.2} tokens/round, {:.0} tokens/s \
+         (draft {:.1} ms, target {:.1} ms, network and overhead {:.0} µs/round, {:.0} bytes/round)",
+        st.generated_tokens,
+        st.rounds,
+        args.draft_tokens,
+        100.0 * st.acceptance_rate,
+        st.mean_accepted_length,
+        st.tokens_per_second,
+        1e3 * st.draft_seconds,
+        1e3 * st.target_seconds,
+        1e6 * overhead / rounds,
+        (st.bytes_sent + st.bytes_received) as f64 / rounds,
+    );
+    if let (Some(b), Some(x)) = (baseline, speedup) {
+        let same = if b.token_ids == done.token_ids {
+            ", identical output"
+        } else {
+            ""
+        };
+        eprintln!(
+            "target-only: {:.0} tokens/s; speedup {x:.2}x{same}",
+            base_tps.unwrap_or_default()
+        );
+    }
+}

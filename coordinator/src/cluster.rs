@@ -1,0 +1,94 @@
+//! An in-process cluster: a target-node and a draft-node served on loopback gRPC
+//! (127.0.0.1, ports chosen by the OS) and an engine connected to them. The local all-in-one
+//! `generate` runs on it, and so do the cross-node tests.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tandem_node::NodeState;
+use tandem_proto::{Error, Result};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::engine::Engine;
+
+/// Nodes served by this process; they stop when the cluster is dropped.
+#[derive(Debug)]
+pub struct LocalCluster {
+    pub target_addr: SocketAddr,
+    pub draft_addr: Option<SocketAddr>,
+    stop: watch::Sender<bool>,
+}
+
+async fn bind() -> Result<TcpListener> {
+    TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| Error::Unavailable {
+            node: "local cluster",
+            endpoint: "127.0.0.1:0".into(),
+            reason: e.to_string(),
+        })
+}
+
+fn addr(listener: &TcpListener) -> Result<SocketAddr> {
+    listener.local_addr().map_err(|e| Error::Unavailable {
+        node: "local cluster",
+        endpoint: "127.0.0.1:0".into(),
+        reason: e.to_string(),
+    })
+}
+
+impl LocalCluster {
+    /// Serves the nodes on loopback.
+    pub async fn start(target: NodeState, draft: Option<NodeState>) -> Result<Self> {
+        let (stop, _) = watch::channel(false);
+        let stopped = |stop: &watch::Sender<bool>| {
+            let mut rx = stop.subscribe();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        };
+        let listener = bind().await?;
+        let target_addr = addr(&listener)?;
+        tokio::spawn(tandem_target_node::serve(
+            listener,
+            Arc::new(target),
+            stopped(&stop),
+        ));
+        let draft_addr = match draft {
+            Some(d) => {
+                let listener = bind().await?;
+                let a = addr(&listener)?;
+                tokio::spawn(tandem_draft_node::serve(
+                    listener,
+                    Arc::new(d),
+                    stopped(&stop),
+                ));
+                Some(a)
+            }
+            None => None,
+        };
+        Ok(Self {
+            target_addr,
+            draft_addr,
+            stop,
+        })
+    }
+
+    /// An engine connected to this cluster's nodes.
+    pub async fn engine(&self, default_draft_tokens: usize) -> Result<Engine> {
+        let draft = self.draft_addr.map(|a| format!("http://{a}"));
+        Engine::connect(
+            &format!("http://{}", self.target_addr),
+            draft.as_deref(),
+            default_draft_tokens,
+        )
+        .await
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}

@@ -1,0 +1,423 @@
+//! The round loop over gRPC (DESIGN.md "Data flow of one round"): the coordinator keeps each
+//! session's canonical log, asks the draft-node for K tokens, has the target-node verify them in
+//! one pass, commits the verdict and streams it. Losing the draft costs speed, not output: the
+//! loop goes on target-only. A lost target session is rebuilt by replaying the log.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use tandem_proto::v1;
+use tandem_proto::{Error, Result};
+use tandem_runtime::generator::MAX_DRAFT_TOKENS;
+use tandem_runtime::{
+    Commit, FinishReason, GenerationStats, SamplingParams, TokenLog, Tokenizer, Transcript,
+};
+use tonic::Code;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::links::{Draft, NodeSession, SessionSpec, Target, Traffic};
+
+/// A node the coordinator talks to.
+#[derive(Debug, Clone)]
+pub struct NodeHandle {
+    pub endpoint: String,
+    pub channel: Channel,
+    pub info: v1::NodeInfo,
+}
+
+impl NodeHandle {
+    /// Connects and reads the node's info.
+    pub async fn connect(node: &'static str, endpoint: &str) -> Result<Self> {
+        let unavailable = |reason: String| Error::Unavailable {
+            node,
+            endpoint: endpoint.to_string(),
+            reason,
+        };
+        let channel = Endpoint::from_shared(endpoint.to_string())
+            .map_err(|e| unavailable(format!("invalid URL: {e}")))?
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(10))
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .connect()
+            .await
+            .map_err(|e| unavailable(format!("{e}")))?;
+        let info = v1::node_service_client::NodeServiceClient::new(channel.clone())
+            .info(v1::InfoRequest {})
+            .await
+            .map_err(|status| Error::Remote { node, status })?
+            .into_inner();
+        Ok(Self {
+            endpoint: endpoint.to_string(),
+            channel,
+            info,
+        })
+    }
+
+    fn limits(&self) -> v1::NodeLimits {
+        self.info.limits.unwrap_or_default()
+    }
+}
+
+/// A validated request.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    pub draft_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub stop_strings: Vec<String>,
+}
+
+/// Statistics of a distributed generation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stats {
+    /// Rounds, drafted, accepted, and times: draft and target seconds are the nodes' compute.
+    pub base: GenerationStats,
+    pub repairs: u32,
+    pub draft_lost: bool,
+    pub traffic: Traffic,
+}
+
+/// A finished generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub finish_reason: FinishReason,
+    pub stats: Stats,
+}
+
+/// Default generation length when a request names none.
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+
+/// The coordinator's view of one target and an optional draft.
+#[derive(Debug)]
+pub struct Engine {
+    pub target: NodeHandle,
+    pub draft: Option<NodeHandle>,
+    pub tokenizer: Tokenizer,
+    pub default_draft_tokens: usize,
+    active: AtomicUsize,
+    next_id: AtomicUsize,
+}
+
+impl Engine {
+    /// Connects to the nodes, fetches the target's tokenizer, and refuses a draft whose
+    /// vocabulary differs from the target's.
+    pub async fn connect(
+        target: &str,
+        draft: Option<&str>,
+        default_draft_tokens: usize,
+    ) -> Result<Self> {
+        let target = NodeHandle::connect("target-node", target).await?;
+        let draft = match draft {
+            Some(url) => Some(NodeHandle::connect("draft-node", url).await?),
+            None => None,
+        };
+        if let Some(d) = &draft {
+            let (t, di) = (&target.info, &d.info);
+            if t.vocab_size != di.vocab_size || t.vocab_hash != di.vocab_hash {
+                return Err(tandem_runtime::Error::VocabularyMismatch(format!(
+                    "draft-node {} serves {} ({} tokens, vocabulary hash {:016x}), target-node {} \
+                     serves {} ({} tokens, vocabulary hash {:016x})",
+                    d.endpoint,
+                    di.model_name,
+                    di.vocab_size,
+                    di.vocab_hash,
+                    target.endpoint,
+                    t.model_name,
+                    t.vocab_size,
+                    t.vocab_hash
+                ))
+                .into());
+            }
+        }
+        let reply = v1::node_service_client::NodeServiceClient::new(target.channel.clone())
+            .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
+            .tokenizer(v1::TokenizerRequest {})
+            .await
+            .map_err(|status| Error::Remote {
+                node: "target-node",
+                status,
+            })?
+            .into_inner();
+        let tokenizer = Tokenizer::from_json(
+            &reply.tokenizer_json,
+            reply.bos_id,
+            reply.eos_id,
+            &target.endpoint,
+        )?;
+        Ok(Self {
+            target,
+            draft,
+            tokenizer,
+            default_draft_tokens,
+            active: AtomicUsize::new(0),
+            next_id: AtomicUsize::new(0),
+        })
+    }
+
+    /// Generations running now.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// Checks a request against the nodes' limits, naming the field and the limit.
+    pub fn prepare(&self, request: &v1::GenerateRequest) -> Result<Job> {
+        let invalid = |field, value: String, limit: String| -> Error {
+            tandem_runtime::Error::invalid(field, value, limit).into()
+        };
+        let prompt = if request.prompt_tokens.is_empty() {
+            self.tokenizer.encode(&request.prompt)?
+        } else {
+            request.prompt_tokens.clone()
+        };
+        if prompt.is_empty() || (request.prompt_tokens.is_empty() && request.prompt.is_empty()) {
+            return Err(tandem_runtime::Error::EmptyPrompt.into());
+        }
+        let vocab = self.target.info.vocab_size as usize;
+        if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(tandem_runtime::Error::TokenOutOfRange {
+                token,
+                vocab_size: vocab,
+            }
+            .into());
+        }
+        let max_new_tokens = match request.max_tokens {
+            0 => DEFAULT_MAX_TOKENS,
+            n => n as usize,
+        };
+        let mut limit = self.target.limits().max_session_tokens as usize;
+        let mut max_k = (self.target.limits().max_draft_tokens as usize).min(MAX_DRAFT_TOKENS);
+        if let Some(d) = &self.draft {
+            limit = limit.min(d.limits().max_session_tokens as usize);
+            max_k = max_k.min(d.limits().max_draft_tokens as usize);
+        }
+        if prompt.len() + max_new_tokens > limit {
+            return Err(tandem_runtime::Error::PromptTooLong {
+                len: prompt.len(),
+                max_new: max_new_tokens,
+                limit,
+            }
+            .into());
+        }
+        let draft_tokens = request
+            .draft_tokens
+            .map_or(self.default_draft_tokens, |k| k as usize);
+        if draft_tokens > max_k {
+            return Err(invalid(
+                "draft_tokens",
+                draft_tokens.to_string(),
+                format!("must be at most {max_k} (the nodes' --max-draft-tokens)"),
+            ));
+        }
+        let sampling = request.sampling.as_ref().map_or(
+            Ok(SamplingParams::default()),
+            v1::SamplingParams::to_runtime,
+        )?;
+        Ok(Job {
+            prompt,
+            max_new_tokens,
+            sampling,
+            draft_tokens,
+            stop_token_ids: if request.ignore_eos {
+                Vec::new()
+            } else {
+                self.target.info.stop_token_ids.clone()
+            },
+            stop_strings: request.stop.clone(),
+        })
+    }
+
+    /// Runs one generation. `on_commit` sees each round's commit as it happens and returns
+    /// false when the client has gone, which cancels the generation and frees both sessions.
+    pub async fn generate(
+        &self,
+        job: &Job,
+        mut on_commit: impl FnMut(&Commit) -> bool,
+    ) -> Result<Outcome> {
+        self.active.fetch_add(1, Ordering::Relaxed);
+        let _active = ActiveGuard(&self.active);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let spec = SessionSpec {
+            session_id: format!("gen-{id}"),
+            sampling: job.sampling.clone(),
+            max_len: job.prompt.len() + job.max_new_tokens,
+        };
+        let mut log = TokenLog::new(&job.prompt);
+        let mut stats = Stats::default();
+        let prefill_start = Instant::now();
+        let use_draft = self
+            .draft
+            .as_ref()
+            .filter(|_| job.draft_tokens > 0 && job.max_new_tokens > 1);
+        let (target, draft) = tokio::join!(
+            NodeSession::<Target>::open(self.target.channel.clone(), spec.clone(), &log),
+            async {
+                match use_draft {
+                    Some(d) => Some(
+                        NodeSession::<Draft>::open(d.channel.clone(), spec.clone(), &log).await,
+                    ),
+                    None => None,
+                }
+            }
+        );
+        let mut target = target?;
+        let mut draft = match draft {
+            Some(Ok(d)) => Some(d),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "draft-node unavailable: decoding with the target alone");
+                stats.draft_lost = true;
+                None
+            }
+            None => None,
+        };
+        stats.base.prefill_seconds = prefill_start.elapsed().as_secs_f64();
+
+        let mut transcript = Transcript::new(
+            &self.tokenizer,
+            &job.stop_token_ids,
+            &job.stop_strings,
+            job.max_new_tokens,
+        );
+        let decode_start = Instant::now();
+        let result = loop {
+            if let Some(finish) = transcript.finish_reason() {
+                break Ok(finish);
+            }
+            let k = job.draft_tokens.min(transcript.remaining() - 1);
+            let proposal = match draft.as_mut().filter(|_| k > 0) {
+                Some(d) => match d
+                    .call(&log, |committed, new_tokens| v1::DraftRequest {
+                        kind: Some(v1::draft_request::Kind::Step(v1::DraftStep {
+                            committed: Some(committed),
+                            new_tokens,
+                            k: k as u32,
+                        })),
+                    })
+                    .await
+                {
+                    Ok(p) => Some(p),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "lost the draft-node: going on with the target alone");
+                        stats.draft_lost = true;
+                        if let Some(d) = draft.take() {
+                            stats.repairs += d.repairs;
+                            stats.traffic = add(stats.traffic, d.traffic());
+                        }
+                        None
+                    }
+                },
+                None => None,
+            };
+            let (drafts, q) = match proposal {
+                Some(p) => {
+                    stats.base.draft_seconds += p.compute_micros as f64 * 1e-6;
+                    (p.tokens, p.q)
+                }
+                None => (Vec::new(), Vec::new()),
+            };
+            let verdict = match self.verify(&mut target, &log, &drafts, &q).await {
+                Ok(v) => v,
+                Err(e) => break Err(e),
+            };
+            stats.base.target_seconds += verdict.compute_micros as f64 * 1e-6;
+            let accepted = verdict.accepted as usize;
+            if accepted > drafts.len() {
+                break Err(Error::Protocol {
+                    node: "target-node",
+                    what: format!("accepted {accepted} of {} drafts", drafts.len()),
+                });
+            }
+            stats.base.record_round(drafts.len(), accepted);
+            let mut round = drafts[..accepted].to_vec();
+            round.push(verdict.next_token);
+            let commit = match transcript.commit(&round) {
+                Ok(c) => c,
+                Err(e) => break Err(e.into()),
+            };
+            log.extend(&commit.tokens);
+            if !on_commit(&commit) {
+                break Err(Error::Cancelled);
+            }
+        };
+        stats.base.decode_seconds = decode_start.elapsed().as_secs_f64();
+        stats.repairs += target.repairs;
+        stats.traffic = add(stats.traffic, target.traffic());
+        target.close();
+        if let Some(d) = draft {
+            stats.repairs += d.repairs;
+            stats.traffic = add(stats.traffic, d.traffic());
+            d.close();
+        }
+        let finish_reason = result?;
+        let (text, token_ids) = transcript.into_output();
+        stats.base.generated_tokens = token_ids.len();
+        Ok(Outcome {
+            text,
+            token_ids,
+            finish_reason,
+            stats,
+        })
+    }
+
+    /// One verify on the target; a session the node lost is rebuilt once from the log.
+    async fn verify(
+        &self,
+        target: &mut NodeSession<Target>,
+        log: &TokenLog,
+        drafts: &[u32],
+        q: &[v1::Distribution],
+    ) -> Result<v1::VerdictReply> {
+        let make = |committed, new_tokens| v1::TargetRequest {
+            kind: Some(v1::target_request::Kind::Verify(v1::VerifyBlock {
+                committed: Some(committed),
+                new_tokens,
+                drafts: drafts.to_vec(),
+                q: q.to_vec(),
+            })),
+        };
+        match target.call(log, make).await {
+            Err(e) if session_lost(&e) => {
+                tracing::warn!(error = %e, "target session lost: replaying the log");
+                target.repairs += 1;
+                target.replay(log).await?;
+                target.call(log, make).await
+            }
+            r => r,
+        }
+    }
+}
+
+/// Errors after which a node may serve the session again if it is replayed.
+fn session_lost(e: &Error) -> bool {
+    matches!(e, Error::Protocol { .. })
+        || matches!(
+            e.code(),
+            Code::Unavailable
+                | Code::NotFound
+                | Code::DeadlineExceeded
+                | Code::Aborted
+                | Code::Unknown
+        )
+}
+
+fn add(a: Traffic, b: Traffic) -> Traffic {
+    Traffic {
+        sent: a.sent + b.sent,
+        received: a.received + b.received,
+    }
+}
+
+struct ActiveGuard<'a>(&'a AtomicUsize);
+
+impl Drop for ActiveGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Shares an engine between request handlers.
+pub type SharedEngine = Arc<Engine>;

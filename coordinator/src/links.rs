@@ -1,0 +1,348 @@
+//! The coordinator's side of the node session streams. A [`SessionLink`] is one long-lived
+//! bidirectional stream (a round costs no set-up); [`DraftLink`] and [`TargetLink`] track the
+//! committed prefix the node holds and name it in every step, and repair a mismatch: by rolling
+//! the node back when it holds a prefix of the log, else by replaying the log into a new session.
+
+use prost::Message;
+use std::future::Future;
+use tandem_proto::v1::draft_service_client::DraftServiceClient;
+use tandem_proto::v1::target_service_client::TargetServiceClient;
+use tandem_proto::v1::{self, draft_request, draft_response, target_request, target_response};
+use tandem_proto::{Error, Result, prefix_from_wire, prefix_to_wire};
+use tandem_runtime::{Prefix, SamplingParams, TokenLog};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Code, Status, Streaming};
+
+/// gRPC adds a 5-byte frame header to every message.
+const FRAME_HEADER: u64 = 5;
+
+/// Bytes a session moved, counted as gRPC messages (protobuf plus frame header).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Traffic {
+    pub sent: u64,
+    pub received: u64,
+}
+
+/// One bidirectional session stream.
+#[derive(Debug)]
+struct SessionLink<Req, Resp> {
+    node: &'static str,
+    tx: mpsc::Sender<Req>,
+    rx: Streaming<Resp>,
+    traffic: Traffic,
+}
+
+impl<Req: Message, Resp: Message + Default> SessionLink<Req, Resp> {
+    async fn call(&mut self, request: Req) -> Result<Resp> {
+        self.traffic.sent += request.encoded_len() as u64 + FRAME_HEADER;
+        let closed = |node| Error::Protocol {
+            node,
+            what: "the session stream closed".into(),
+        };
+        self.tx.send(request).await.map_err(|_| closed(self.node))?;
+        match self.rx.message().await {
+            Ok(Some(reply)) => {
+                self.traffic.received += reply.encoded_len() as u64 + FRAME_HEADER;
+                Ok(reply)
+            }
+            Ok(None) => Err(closed(self.node)),
+            Err(status) => Err(Error::Remote {
+                node: self.node,
+                status,
+            }),
+        }
+    }
+
+    /// Tells the node the session is over, without waiting for the answer.
+    fn close(&self, request: Req) {
+        let _ = self.tx.try_send(request);
+    }
+}
+
+/// What a session is opened with, kept to replay it into a new session.
+#[derive(Debug, Clone)]
+pub struct SessionSpec {
+    pub session_id: String,
+    pub sampling: SamplingParams,
+    /// Largest committed length the session will reach.
+    pub max_len: usize,
+}
+
+impl SessionSpec {
+    fn open(&self, log: &TokenLog) -> v1::OpenSession {
+        v1::OpenSession {
+            session_id: self.session_id.clone(),
+            prompt: log.tokens().to_vec(),
+            sampling: Some((&self.sampling).into()),
+            max_new_tokens: (self.max_len.saturating_sub(log.len())) as u32,
+        }
+    }
+}
+
+fn rejected(node: &'static str, r: v1::Rejection) -> Error {
+    Error::Remote {
+        node,
+        status: Status::new(Code::from_i32(r.code), r.message),
+    }
+}
+
+fn unexpected(node: &'static str, what: &str) -> Error {
+    Error::Protocol {
+        node,
+        what: format!("expected {what}"),
+    }
+}
+
+/// Where the next message should say the node stands: its held prefix when the log contains
+/// it, else the longest prefix of the log it could hold (the node checks and may refuse).
+fn resume_point(log: &TokenLog, held: Prefix) -> Prefix {
+    match log.prefix_at(held.len) {
+        Some(p) if p == held => held,
+        _ => log
+            .prefix_at(held.len.min(log.len()))
+            .unwrap_or(log.prefix()),
+    }
+}
+
+/// How a node's refusal is repaired: the prefix to resume from, or a replay.
+fn repair(log: &TokenLog, rejection: &v1::Rejection) -> Option<Prefix> {
+    let held = prefix_from_wire(rejection.held).ok()?;
+    (log.prefix_at(held.len) == Some(held)).then_some(held)
+}
+
+/// What a reply on a session stream is.
+#[derive(Debug)]
+pub enum Reply<A> {
+    Opened(Option<v1::Prefix>),
+    Answer(A),
+    Rejected(v1::Rejection),
+    Closed,
+}
+
+/// One role's wire messages, as the coordinator uses them.
+pub trait Wire: Send + 'static {
+    type Req: Message + Send + 'static;
+    type Resp: Message + Default + Send + 'static;
+    /// What a step or verify answers.
+    type Answer: Send;
+    const NODE: &'static str;
+
+    fn open(open: v1::OpenSession) -> Self::Req;
+    fn close() -> Self::Req;
+    fn classify(resp: Self::Resp) -> Option<Reply<Self::Answer>>;
+    /// The committed prefix the node holds after answering.
+    fn committed(answer: &Self::Answer) -> Option<v1::Prefix>;
+    fn connect(
+        channel: Channel,
+        requests: ReceiverStream<Self::Req>,
+    ) -> impl Future<Output = Result<Streaming<Self::Resp>, Status>> + Send;
+}
+
+/// The draft side.
+#[derive(Debug)]
+pub struct Draft;
+
+impl Wire for Draft {
+    type Req = v1::DraftRequest;
+    type Resp = v1::DraftResponse;
+    type Answer = v1::Proposal;
+    const NODE: &'static str = "draft-node";
+
+    fn open(open: v1::OpenSession) -> v1::DraftRequest {
+        v1::DraftRequest {
+            kind: Some(draft_request::Kind::Open(open)),
+        }
+    }
+
+    fn close() -> v1::DraftRequest {
+        v1::DraftRequest {
+            kind: Some(draft_request::Kind::Close(v1::CloseSession {})),
+        }
+    }
+
+    fn classify(resp: v1::DraftResponse) -> Option<Reply<v1::Proposal>> {
+        use draft_response::Kind;
+        Some(match resp.kind? {
+            Kind::Opened(o) => Reply::Opened(o.committed),
+            Kind::Proposal(p) => Reply::Answer(p),
+            Kind::Rejected(r) => Reply::Rejected(r),
+            Kind::Closed(_) => Reply::Closed,
+        })
+    }
+
+    fn committed(answer: &v1::Proposal) -> Option<v1::Prefix> {
+        answer.committed
+    }
+
+    async fn connect(
+        channel: Channel,
+        requests: ReceiverStream<v1::DraftRequest>,
+    ) -> Result<Streaming<v1::DraftResponse>, Status> {
+        let mut client = DraftServiceClient::new(channel)
+            .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
+        Ok(client.session(requests).await?.into_inner())
+    }
+}
+
+/// The target side.
+#[derive(Debug)]
+pub struct Target;
+
+impl Wire for Target {
+    type Req = v1::TargetRequest;
+    type Resp = v1::TargetResponse;
+    type Answer = v1::VerdictReply;
+    const NODE: &'static str = "target-node";
+
+    fn open(open: v1::OpenSession) -> v1::TargetRequest {
+        v1::TargetRequest {
+            kind: Some(target_request::Kind::Open(open)),
+        }
+    }
+
+    fn close() -> v1::TargetRequest {
+        v1::TargetRequest {
+            kind: Some(target_request::Kind::Close(v1::CloseSession {})),
+        }
+    }
+
+    fn classify(resp: v1::TargetResponse) -> Option<Reply<v1::VerdictReply>> {
+        use target_response::Kind;
+        Some(match resp.kind? {
+            Kind::Opened(o) => Reply::Opened(o.committed),
+            Kind::Verdict(v) => Reply::Answer(v),
+            Kind::Rejected(r) => Reply::Rejected(r),
+            Kind::Closed(_) => Reply::Closed,
+        })
+    }
+
+    fn committed(answer: &v1::VerdictReply) -> Option<v1::Prefix> {
+        answer.committed
+    }
+
+    async fn connect(
+        channel: Channel,
+        requests: ReceiverStream<v1::TargetRequest>,
+    ) -> Result<Streaming<v1::TargetResponse>, Status> {
+        let mut client = TargetServiceClient::new(channel)
+            .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
+        Ok(client.session(requests).await?.into_inner())
+    }
+}
+
+/// Attempts of one request before a persisting mismatch is an error.
+const MAX_ATTEMPTS: usize = 3;
+
+/// A session on one node with the committed prefix it holds.
+#[derive(Debug)]
+pub struct NodeSession<W: Wire> {
+    channel: Channel,
+    spec: SessionSpec,
+    link: SessionLink<W::Req, W::Resp>,
+    held: Prefix,
+    /// Traffic of sessions replaced by replays.
+    past: Traffic,
+    /// Mismatches repaired by rollback or replay.
+    pub repairs: u32,
+}
+
+impl<W: Wire> NodeSession<W> {
+    /// Opens a session holding `log` (the prompt, or everything committed on a replay).
+    pub async fn open(channel: Channel, spec: SessionSpec, log: &TokenLog) -> Result<Self> {
+        let (link, held) = Self::start(&channel, &spec, log).await?;
+        Ok(Self {
+            channel,
+            spec,
+            link,
+            held,
+            past: Traffic::default(),
+            repairs: 0,
+        })
+    }
+
+    async fn start(
+        channel: &Channel,
+        spec: &SessionSpec,
+        log: &TokenLog,
+    ) -> Result<(SessionLink<W::Req, W::Resp>, Prefix)> {
+        let (tx, rx) = mpsc::channel(2);
+        let rx = W::connect(channel.clone(), ReceiverStream::new(rx))
+            .await
+            .map_err(|status| Error::Remote {
+                node: W::NODE,
+                status,
+            })?;
+        let mut link = SessionLink {
+            node: W::NODE,
+            tx,
+            rx,
+            traffic: Traffic::default(),
+        };
+        let reply = link.call(W::open(spec.open(log))).await?;
+        match W::classify(reply) {
+            Some(Reply::Opened(held)) => Ok((link, prefix_from_wire(held)?)),
+            Some(Reply::Rejected(r)) => Err(rejected(W::NODE, r)),
+            _ => Err(unexpected(W::NODE, "opened")),
+        }
+    }
+
+    /// Replays `log` into a new session, replacing this one.
+    pub async fn replay(&mut self, log: &TokenLog) -> Result<()> {
+        let (link, held) = Self::start(&self.channel, &self.spec, log).await?;
+        let old = std::mem::replace(&mut self.link, link);
+        old.close(W::close());
+        self.past.sent += old.traffic.sent;
+        self.past.received += old.traffic.received;
+        self.held = held;
+        Ok(())
+    }
+
+    /// Sends the request `make(committed prefix, new tokens)` builds for `log`, repairing a
+    /// prefix mismatch by rollback (the node holds a prefix of the log) or replay.
+    pub async fn call(
+        &mut self,
+        log: &TokenLog,
+        make: impl Fn(v1::Prefix, Vec<u32>) -> W::Req,
+    ) -> Result<W::Answer> {
+        for _ in 0..MAX_ATTEMPTS {
+            let from = resume_point(log, self.held);
+            let request = make(prefix_to_wire(from), log.tokens()[from.len..].to_vec());
+            match W::classify(self.link.call(request).await?) {
+                Some(Reply::Answer(answer)) => {
+                    self.held = prefix_from_wire(W::committed(&answer))?;
+                    return Ok(answer);
+                }
+                Some(Reply::Rejected(r)) if r.code == Code::FailedPrecondition as i32 => {
+                    tracing::info!(node = W::NODE, message = %r.message, "repairing a prefix mismatch");
+                    self.repairs += 1;
+                    match repair(log, &r) {
+                        Some(held) => self.held = held,
+                        None => self.replay(log).await?,
+                    }
+                }
+                Some(Reply::Rejected(r)) => return Err(rejected(W::NODE, r)),
+                _ => return Err(unexpected(W::NODE, "an answer")),
+            }
+        }
+        Err(Error::Protocol {
+            node: W::NODE,
+            what: format!("the committed prefix still mismatched after {MAX_ATTEMPTS} repairs"),
+        })
+    }
+
+    pub fn traffic(&self) -> Traffic {
+        Traffic {
+            sent: self.past.sent + self.link.traffic.sent,
+            received: self.past.received + self.link.traffic.received,
+        }
+    }
+
+    /// Closes the session (the node frees it).
+    pub fn close(self) {
+        self.link.close(W::close());
+    }
+}

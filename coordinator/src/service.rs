@@ -1,0 +1,110 @@
+//! The public gRPC API (`tandem.v1.Coordinator`) and the conversions of the engine's results to
+//! wire messages.
+
+use std::sync::Arc;
+
+use tandem_proto::v1;
+use tandem_proto::v1::coordinator_server::{Coordinator, CoordinatorServer};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::engine::{Engine, Outcome};
+
+/// The statistics of an outcome on the wire.
+pub fn stats_to_wire(o: &Outcome) -> v1::GenerationStats {
+    let (s, b) = (&o.stats, &o.stats.base);
+    v1::GenerationStats {
+        generated_tokens: b.generated_tokens as u32,
+        rounds: b.rounds as u32,
+        drafted: b.drafted as u32,
+        accepted: b.accepted as u32,
+        acceptance_rate: b.acceptance_rate(),
+        mean_accepted_length: b.mean_accepted_length(),
+        tokens_per_second: b.tokens_per_second(),
+        prefill_seconds: b.prefill_seconds,
+        decode_seconds: b.decode_seconds,
+        draft_seconds: b.draft_seconds,
+        target_seconds: b.target_seconds,
+        repairs: s.repairs,
+        draft_lost: s.draft_lost,
+        bytes_sent: s.traffic.sent,
+        bytes_received: s.traffic.received,
+    }
+}
+
+/// The final message of a generation.
+pub fn done_to_wire(o: &Outcome) -> v1::GenerateDone {
+    v1::GenerateDone {
+        finish_reason: match o.finish_reason {
+            tandem_runtime::FinishReason::Length => "length",
+            tandem_runtime::FinishReason::Stop => "stop",
+        }
+        .into(),
+        stats: Some(stats_to_wire(o)),
+        text: o.text.clone(),
+        token_ids: o.token_ids.clone(),
+    }
+}
+
+fn message(kind: v1::generate_response::Kind) -> Result<v1::GenerateResponse, Status> {
+    Ok(v1::GenerateResponse { kind: Some(kind) })
+}
+
+/// `tandem.v1.Coordinator` over an engine.
+#[derive(Debug, Clone)]
+pub struct CoordinatorService(pub Arc<Engine>);
+
+impl CoordinatorService {
+    pub fn into_server(self) -> CoordinatorServer<Self> {
+        CoordinatorServer::new(self)
+    }
+}
+
+#[tonic::async_trait]
+impl Coordinator for CoordinatorService {
+    type GenerateStream = UnboundedReceiverStream<Result<v1::GenerateResponse, Status>>;
+
+    async fn generate(
+        &self,
+        request: Request<v1::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let job = self.0.prepare(request.get_ref())?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let engine = Arc::clone(&self.0);
+        tokio::spawn(async move {
+            let outcome = engine
+                .generate(&job, |commit| {
+                    let delta = v1::TokenDelta {
+                        text: commit.text.clone(),
+                        token_ids: commit.tokens.clone(),
+                    };
+                    tx.send(message(v1::generate_response::Kind::Delta(delta)))
+                        .is_ok()
+                })
+                .await;
+            let last = match outcome {
+                Ok(o) => message(v1::generate_response::Kind::Done(done_to_wire(&o))),
+                Err(e) => {
+                    tracing::info!(error = %e, "generation failed");
+                    Err(e.into())
+                }
+            };
+            let _ = tx.send(last);
+        });
+        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    }
+
+    async fn info(
+        &self,
+        _: Request<v1::InfoRequest>,
+    ) -> Result<Response<v1::CoordinatorInfo>, Status> {
+        let e = &self.0;
+        Ok(Response::new(v1::CoordinatorInfo {
+            target: Some(e.target.info.clone()),
+            draft: e.draft.as_ref().map(|d| d.info.clone()),
+            default_draft_tokens: e.default_draft_tokens as u32,
+            active_generations: e.active() as u32,
+        }))
+    }
+}
