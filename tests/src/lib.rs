@@ -1,0 +1,160 @@
+//! Fixtures of the cross-node tests: model pairs, nodes and clusters in this process, the real
+//! binaries as processes, and the in-process generator the distributed output is compared to.
+
+pub mod processes;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use tandem_coordinator::LocalCluster;
+use tandem_node::{LimitsArgs, NodeState, Role};
+use tandem_proto::v1;
+use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
+use tandem_runtime::{
+    GenerateRequest, Generation, LoadOptions, Model, SamplingParams, SpeculativeGenerator,
+    Tokenizer,
+};
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures")
+}
+
+/// stories260K (f32 safetensors): the high-acceptance target.
+pub fn stories() -> PathBuf {
+    fixtures().join("stories260K")
+}
+
+/// Its Q8_0 copy: the high-acceptance draft.
+pub fn stories_q8() -> PathBuf {
+    fixtures().join("stories260K-q8_0.gguf")
+}
+
+fn scratch() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"))
+        .path()
+}
+
+/// A tiny random-weight model with the stories260K tokenizer (two seeds make a low-acceptance
+/// pair), written once per test binary.
+pub fn random_model(seed: u64) -> PathBuf {
+    static LOCK: Mutex<()> = Mutex::new(());
+    let _guard = LOCK.lock().expect("fixture lock");
+    let dir = scratch().join(format!("tiny-{seed}"));
+    if !dir.exists() {
+        write_random_llama(&dir, &SyntheticSpec::tiny(seed), &stories()).expect("random model");
+    }
+    dir
+}
+
+/// A random model whose vocabulary differs from stories260K's: two token ids swapped.
+pub fn foreign_vocab_model() -> PathBuf {
+    static LOCK: Mutex<()> = Mutex::new(());
+    let _guard = LOCK.lock().expect("fixture lock");
+    let dir = scratch().join("foreign-vocab");
+    if !dir.exists() {
+        write_random_llama(&dir, &SyntheticSpec::tiny(99), &stories()).expect("random model");
+        let path = dir.join("tokenizer.json");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        let vocab = json["model"]["vocab"].as_object_mut().expect("vocab");
+        let (a, b) = (vocab["▁the"].clone(), vocab["▁a"].clone());
+        vocab.insert("▁the".into(), b);
+        vocab.insert("▁a".into(), a);
+        std::fs::write(&path, json.to_string()).expect("write tokenizer.json");
+    }
+    dir
+}
+
+pub fn load(path: &Path) -> Model {
+    Model::load(path, &LoadOptions::default()).expect("load model")
+}
+
+pub fn tokenizer(path: &Path) -> Tokenizer {
+    Tokenizer::for_model(path).expect("tokenizer")
+}
+
+/// A node of `role` serving the model at `path`.
+pub fn node(role: Role, path: &Path, limits: &LimitsArgs) -> NodeState {
+    NodeState::new(role, load(path), tokenizer(path), "cpu", limits)
+}
+
+/// Target and (optional) draft nodes on 127.0.0.1:0 in this process.
+pub async fn cluster(target: &Path, draft: Option<&Path>, limits: &LimitsArgs) -> LocalCluster {
+    let t = node(Role::Target, target, limits);
+    let d = draft.map(|p| node(Role::Draft, p, limits));
+    LocalCluster::start(t, d).await.expect("start cluster")
+}
+
+/// A request by token ids, greedy unless `sampling` says otherwise, with no stop tokens so
+/// that every token is compared.
+pub fn request(
+    prompt: &[u32],
+    max_tokens: u32,
+    k: u32,
+    sampling: &SamplingParams,
+) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        prompt_tokens: prompt.to_vec(),
+        max_tokens,
+        sampling: Some(sampling.into()),
+        draft_tokens: Some(k),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// The same request run by the in-process generator (no gRPC).
+pub fn in_process(target: &Path, draft: Option<&Path>, req: &v1::GenerateRequest) -> Generation {
+    let (target_model, draft_model) = (load(target), draft.map(load));
+    let tok = tokenizer(target);
+    let request = GenerateRequest {
+        prompt: req.prompt_tokens.clone(),
+        max_new_tokens: req.max_tokens as usize,
+        sampling: req
+            .sampling
+            .as_ref()
+            .map(|s| s.to_runtime().expect("sampling"))
+            .unwrap_or_default(),
+        draft_tokens: req.draft_tokens.unwrap_or(0) as usize,
+        stop_token_ids: Vec::new(),
+        stop_strings: req.stop.clone(),
+    };
+    SpeculativeGenerator::new(&target_model, draft_model.as_ref(), &tok)
+        .expect("generator")
+        .generate(&request, |_| {})
+        .expect("in-process generation")
+}
+
+/// Node info over gRPC.
+pub async fn node_info(addr: std::net::SocketAddr) -> v1::NodeInfo {
+    v1::node_service_client::NodeServiceClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect")
+        .info(v1::InfoRequest {})
+        .await
+        .expect("info")
+        .into_inner()
+}
+
+/// Polls until `f` holds, for up to five seconds.
+pub async fn eventually(mut f: impl AsyncFnMut() -> bool) -> bool {
+    for _ in 0..100 {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// Sampling parameters for seeded sampling tests.
+pub fn sampled(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        seed,
+        ..SamplingParams::default()
+    }
+}

@@ -1,0 +1,88 @@
+//! The real binaries as processes: built on demand, started on free loopback ports, killed when
+//! dropped.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The workspace's target directory, found from this test executable
+/// (`target/<profile>/deps/<test>`).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .to_path_buf()
+}
+
+/// The path of binary `name`, built first if this test run has not built it.
+pub fn binary(name: &str) -> PathBuf {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = LOCK.lock().expect("build lock");
+    let path = profile_dir().join(name);
+    if !path.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "--bin", name])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("run cargo build");
+        assert!(status.success(), "cargo build --bin {name} failed");
+    }
+    path
+}
+
+/// A free loopback port (bound, then released for the child to take).
+pub fn free_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+}
+
+/// A child process, killed on drop.
+#[derive(Debug)]
+pub struct Proc {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Proc {
+    /// Starts `name` with `args` (which should make it listen on `addr`) and waits until it
+    /// accepts connections.
+    pub fn start(name: &str, args: &[&str], addr: SocketAddr) -> Self {
+        let child = Command::new(binary(name))
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {name}: {e}"));
+        let mut proc = Self { child, addr };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::net::TcpStream::connect(addr).is_err() {
+            if let Ok(Some(status)) = proc.child.try_wait() {
+                panic!("{name} exited early: {status}");
+            }
+            assert!(Instant::now() < deadline, "{name} did not listen on {addr}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        proc
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Sends SIGKILL: the machine's plug pulled.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

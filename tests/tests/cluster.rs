@@ -1,0 +1,165 @@
+//! The in-process cluster: target-node and draft-node on 127.0.0.1:0, the coordinator's engine
+//! in the test. Distributed output must equal target-only and the in-process generator.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tandem_coordinator::{Engine, Outcome};
+use tandem_node::LimitsArgs;
+use tandem_proto::v1;
+use tandem_runtime::SamplingParams;
+use tandem_tests::*;
+
+async fn run(engine: &Engine, req: &v1::GenerateRequest) -> Outcome {
+    let job = engine.prepare(req).expect("valid request");
+    engine.generate(&job, |_| true).await.expect("generation")
+}
+
+fn prompt(text: &str) -> Vec<u32> {
+    tokenizer(&stories()).encode(text).expect("encode")
+}
+
+/// Greedy distributed output equals target-only greedy and the in-process generator for
+/// K ∈ {1, 2, 4, 8}. Returns α at K = 4.
+async fn assert_greedy_lossless(target: &Path, draft: &Path) -> f64 {
+    let cluster = cluster(target, Some(draft), &LimitsArgs::default()).await;
+    let engine = cluster.engine(4).await.expect("engine");
+    let greedy = SamplingParams::greedy();
+    let mut alpha = 0.0;
+    for text in ["Once upon a time", "Tom and Sue went"] {
+        let p = prompt(text);
+        let baseline = in_process(target, None, &request(&p, 48, 0, &greedy));
+        assert_eq!(baseline.token_ids.len(), 48);
+        let target_only = run(&engine, &request(&p, 48, 0, &greedy)).await;
+        assert_eq!(
+            target_only.token_ids, baseline.token_ids,
+            "target-only over gRPC"
+        );
+        assert_eq!(target_only.stats.base.drafted, 0);
+        for k in [1, 2, 4, 8] {
+            let req = request(&p, 48, k, &greedy);
+            let distributed = run(&engine, &req).await;
+            let local = in_process(target, Some(draft), &req);
+            assert_eq!(
+                distributed.token_ids, baseline.token_ids,
+                "K = {k}, {text:?}"
+            );
+            assert_eq!(distributed.text, baseline.text);
+            assert_eq!(distributed.stats.base.rounds, local.stats.rounds, "K = {k}");
+            assert_eq!(
+                distributed.stats.base.accepted, local.stats.accepted,
+                "K = {k}"
+            );
+            assert_eq!(distributed.stats.repairs, 0);
+            assert!(!distributed.stats.draft_lost);
+            if k == 4 {
+                alpha = distributed.stats.base.acceptance_rate();
+            }
+        }
+    }
+    alpha
+}
+
+#[tokio::test]
+async fn greedy_distributed_equals_target_only_high_acceptance_pair() {
+    let alpha = assert_greedy_lossless(&stories(), &stories_q8()).await;
+    assert!(alpha > 0.8, "a Q8_0 copy should mostly agree: α = {alpha}");
+}
+
+#[tokio::test]
+async fn greedy_distributed_equals_target_only_low_acceptance_pair() {
+    let alpha = assert_greedy_lossless(&random_model(11), &random_model(12)).await;
+    assert!(
+        alpha < 0.5,
+        "unrelated random models should rarely agree: α = {alpha}"
+    );
+}
+
+#[tokio::test]
+async fn seeded_sampling_equals_the_in_process_generator() {
+    let (target, draft) = (stories(), stories_q8());
+    let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
+    let engine = cluster.engine(4).await.expect("engine");
+    let p = prompt("Once upon a time");
+    let mut distinct = std::collections::HashSet::new();
+    for seed in [1, 2, 3] {
+        for k in [0, 3, 6] {
+            let req = request(&p, 40, k, &sampled(seed));
+            let distributed = run(&engine, &req).await;
+            let local = in_process(&target, Some(&draft), &req);
+            assert_eq!(
+                distributed.token_ids, local.token_ids,
+                "seed {seed}, K = {k}"
+            );
+            assert_eq!(distributed.stats.base.accepted, local.stats.accepted);
+            distinct.insert(distributed.token_ids);
+        }
+    }
+    assert!(
+        distinct.len() > 1,
+        "different seeds should sample different stories"
+    );
+}
+
+#[tokio::test]
+async fn eight_concurrent_sessions_equal_the_same_requests_alone() {
+    let (target, draft) = (stories(), stories_q8());
+    let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
+    let engine = Arc::new(cluster.engine(4).await.expect("engine"));
+    let texts = [
+        "Once upon a time",
+        "Tom and Sue went",
+        "The cat",
+        "Lily saw a",
+    ];
+    let requests: Vec<v1::GenerateRequest> = (0..8u32)
+        .map(|i| {
+            let p = prompt(texts[i as usize % texts.len()]);
+            let sampling = if i % 2 == 0 {
+                SamplingParams::greedy()
+            } else {
+                sampled(u64::from(i))
+            };
+            request(&p, 40 + 4 * i, 1 + i % 5, &sampling)
+        })
+        .collect();
+    let tasks: Vec<_> = requests
+        .iter()
+        .cloned()
+        .map(|req| {
+            let engine = Arc::clone(&engine);
+            tokio::spawn(async move { run(&engine, &req).await })
+        })
+        .collect();
+    let mut together = Vec::new();
+    for t in tasks {
+        together.push(t.await.expect("task"));
+    }
+    for (req, concurrent) in requests.iter().zip(&together) {
+        let alone = run(&engine, req).await;
+        assert_eq!(concurrent.token_ids, alone.token_ids);
+        assert_eq!(concurrent.token_ids.len(), req.max_tokens as usize);
+    }
+    for addr in [cluster.target_addr, cluster.draft_addr.expect("draft")] {
+        assert!(
+            eventually(async || node_info(addr).await.active_sessions == 0).await,
+            "sessions are freed after the generations end"
+        );
+    }
+}
+
+#[tokio::test]
+async fn draft_node_limits_and_vocabulary_are_checked_at_connect_time() {
+    let limits = LimitsArgs::default();
+    let cluster = cluster(&stories(), Some(&foreign_vocab_model()), &limits).await;
+    let err = cluster
+        .engine(4)
+        .await
+        .expect_err("a foreign vocabulary is refused");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    let msg = err.to_string();
+    assert!(
+        msg.contains("vocabularies differ") && msg.contains("vocabulary hash"),
+        "{msg}"
+    );
+}
