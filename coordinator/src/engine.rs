@@ -3,6 +3,7 @@
 //! one pass, commits the verdict and streams it. Losing the draft costs speed, not output: the
 //! loop goes on target-only. A lost target session is rebuilt by replaying the log.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -56,6 +57,22 @@ impl NodeHandle {
 
     fn limits(&self) -> v1::NodeLimits {
         self.info.limits.unwrap_or_default()
+    }
+}
+
+/// Where a generation's commits go as they happen.
+pub trait CommitSink: Send {
+    /// Delivers one round's commit; false when the receiver has gone.
+    fn send(&mut self, commit: &Commit) -> impl Future<Output = bool> + Send;
+}
+
+/// Keeps nothing: for callers that only want the outcome.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Discard;
+
+impl CommitSink for Discard {
+    async fn send(&mut self, _: &Commit) -> bool {
+        true
     }
 }
 
@@ -231,13 +248,10 @@ impl Engine {
         })
     }
 
-    /// Runs one generation. `on_commit` sees each round's commit as it happens and returns
-    /// false when the client has gone, which cancels the generation and frees both sessions.
-    pub async fn generate(
-        &self,
-        job: &Job,
-        mut on_commit: impl FnMut(&Commit) -> bool,
-    ) -> Result<Outcome> {
+    /// Runs one generation. `sink` sees each round's commit as it happens (a slow client slows
+    /// the generation down rather than buffering it) and answers false when the client has
+    /// gone, which cancels the generation and frees both sessions.
+    pub async fn generate(&self, job: &Job, sink: &mut impl CommitSink) -> Result<Outcome> {
         self.active.fetch_add(1, Ordering::Relaxed);
         let _active = ActiveGuard(&self.active);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -339,7 +353,7 @@ impl Engine {
                 Err(e) => break Err(e.into()),
             };
             log.extend(&commit.tokens);
-            if !on_commit(&commit) {
+            if !sink.send(&commit).await {
                 break Err(Error::Cancelled);
             }
         };

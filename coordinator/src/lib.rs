@@ -11,7 +11,7 @@ pub mod local;
 pub mod service;
 
 pub use cluster::LocalCluster;
-pub use engine::{Engine, Job, Outcome, Stats};
+pub use engine::{CommitSink, Discard, Engine, Job, Outcome, Stats};
 
 use std::sync::Arc;
 

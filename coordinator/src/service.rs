@@ -6,10 +6,15 @@ use std::sync::Arc;
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_server::{Coordinator, CoordinatorServer};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::engine::{Engine, Outcome};
+use tandem_runtime::Commit;
+
+use crate::engine::{CommitSink, Engine, Outcome};
+
+/// Deltas buffered for a slow client before the generation waits for it.
+const STREAM_BUFFER: usize = 4;
 
 /// The statistics of an outcome on the wire.
 pub fn stats_to_wire(o: &Outcome) -> v1::GenerationStats {
@@ -51,6 +56,22 @@ fn message(kind: v1::generate_response::Kind) -> Result<v1::GenerateResponse, St
     Ok(v1::GenerateResponse { kind: Some(kind) })
 }
 
+/// Streams each commit to the client as a delta.
+struct DeltaSink(mpsc::Sender<Result<v1::GenerateResponse, Status>>);
+
+impl CommitSink for DeltaSink {
+    async fn send(&mut self, commit: &Commit) -> bool {
+        let delta = v1::TokenDelta {
+            text: commit.text.clone(),
+            token_ids: commit.tokens.clone(),
+        };
+        self.0
+            .send(message(v1::generate_response::Kind::Delta(delta)))
+            .await
+            .is_ok()
+    }
+}
+
 /// `tandem.v1.Coordinator` over an engine.
 #[derive(Debug, Clone)]
 pub struct CoordinatorService(pub Arc<Engine>);
@@ -63,26 +84,17 @@ impl CoordinatorService {
 
 #[tonic::async_trait]
 impl Coordinator for CoordinatorService {
-    type GenerateStream = UnboundedReceiverStream<Result<v1::GenerateResponse, Status>>;
+    type GenerateStream = ReceiverStream<Result<v1::GenerateResponse, Status>>;
 
     async fn generate(
         &self,
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let job = self.0.prepare(request.get_ref())?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let engine = Arc::clone(&self.0);
         tokio::spawn(async move {
-            let outcome = engine
-                .generate(&job, |commit| {
-                    let delta = v1::TokenDelta {
-                        text: commit.text.clone(),
-                        token_ids: commit.tokens.clone(),
-                    };
-                    tx.send(message(v1::generate_response::Kind::Delta(delta)))
-                        .is_ok()
-                })
-                .await;
+            let outcome = engine.generate(&job, &mut DeltaSink(tx.clone())).await;
             let last = match outcome {
                 Ok(o) => message(v1::generate_response::Kind::Done(done_to_wire(&o))),
                 Err(e) => {
@@ -90,9 +102,9 @@ impl Coordinator for CoordinatorService {
                     Err(e.into())
                 }
             };
-            let _ = tx.send(last);
+            let _ = tx.send(last).await;
         });
-        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+        Ok(Response::new(ReceiverStream::new(rx)))
     }
 
     async fn info(

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use tandem_coordinator::{Engine, Outcome};
+use tandem_coordinator::{Discard, Engine, Outcome};
 use tandem_node::LimitsArgs;
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
@@ -12,7 +12,10 @@ use tandem_tests::*;
 
 async fn run(engine: &Engine, req: &v1::GenerateRequest) -> Outcome {
     let job = engine.prepare(req).expect("valid request");
-    engine.generate(&job, |_| true).await.expect("generation")
+    engine
+        .generate(&job, &mut Discard)
+        .await
+        .expect("generation")
 }
 
 fn prompt(text: &str) -> Vec<u32> {
