@@ -152,7 +152,7 @@ async fn eight_concurrent_sessions_equal_the_same_requests_alone() {
 }
 
 #[tokio::test]
-async fn draft_node_limits_and_vocabulary_are_checked_at_connect_time() {
+async fn a_draft_with_a_different_vocabulary_is_refused_at_connect_time() {
     let limits = LimitsArgs::default();
     let cluster = cluster(&stories(), Some(&foreign_vocab_model()), &limits).await;
     let err = cluster

@@ -445,3 +445,66 @@ async fn cancelling_a_generation_frees_the_sessions_on_both_nodes() {
     }
     assert!(eventually(async || engine.active() == 0).await);
 }
+
+#[tokio::test]
+async fn an_idle_session_is_closed_and_freed() {
+    let limits = LimitsArgs {
+        idle_timeout_secs: 1,
+        ..LimitsArgs::default()
+    };
+    let cluster = cluster(&stories(), None, &limits).await;
+    let (tx, mut rx) = target_stream(cluster.target_addr).await;
+    target_call(&tx, &mut rx, target_request::Kind::Open(open(&[1, 403], 8)))
+        .await
+        .expect("open");
+    assert_eq!(node_info(cluster.target_addr).await.active_sessions, 1);
+    let err = rx
+        .message()
+        .await
+        .expect_err("the node ends an idle session");
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    assert!(
+        err.message().contains("--idle-timeout-secs"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(node_info(cluster.target_addr).await.active_sessions, 0);
+}
+
+#[tokio::test]
+async fn every_node_reports_health_and_info() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let cluster = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
+    let (t, d) = (cluster.target_addr, cluster.draft_addr.expect("draft"));
+    for (addr, service, role) in [
+        (t, "tandem.v1.TargetService", "target"),
+        (d, "tandem.v1.DraftService", "draft"),
+    ] {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .expect("url")
+            .connect()
+            .await
+            .expect("connect");
+        let mut health = HealthClient::new(channel);
+        for name in ["", service] {
+            let status = health
+                .check(HealthCheckRequest {
+                    service: name.into(),
+                })
+                .await
+                .expect("health")
+                .into_inner()
+                .status;
+            assert_eq!(status, ServingStatus::Serving as i32, "{role} {name:?}");
+        }
+        let info = node_info(addr).await;
+        assert_eq!(info.role, role);
+        assert_eq!(info.vocab_size, 512);
+        assert_eq!(info.max_context, 512);
+        assert_eq!(info.stop_token_ids, vec![1, 2]);
+        assert_eq!(info.limits.expect("limits").max_draft_tokens, 32);
+    }
+    assert_eq!(node_info(t).await.vocab_hash, node_info(d).await.vocab_hash);
+    assert_eq!(node_info(t).await.model_name, "stories260K");
+}
