@@ -53,6 +53,14 @@ pub async fn run(
     ))
 }
 
+/// Writes to stdout now; a closed stdout (`| head`) is not an error worth a panic.
+fn emit(text: &str) {
+    let mut stdout = std::io::stdout().lock();
+    let _ = stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush());
+}
+
 /// `coordinator generate` against the coordinator at `url`.
 pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
     let channel = tonic::transport::Endpoint::from_shared(url.to_string())
@@ -64,13 +72,11 @@ pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
     let mut client = CoordinatorClient::new(channel);
     let request = request_from_args(args);
     if !args.json {
-        print!("{}", args.prompt);
+        emit(&args.prompt);
     }
-    let mut stdout = std::io::stdout();
     let done = run(&mut client, request.clone(), |delta| {
         if !args.json {
-            print!("{}", delta.text);
-            let _ = stdout.flush();
+            emit(&delta.text);
         }
     })
     .await?;
@@ -116,10 +122,10 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, baseline: Option<&v1::Ge
             "baseline_tokens_per_second": base_tps,
             "speedup": speedup,
         });
-        println!("{out}");
+        emit(&format!("{out}\n"));
         return;
     }
-    println!("\n");
+    emit("\n\n");
     let rounds = f64::from(st.rounds.max(1));
     let overhead = st.decode_seconds - st.draft_seconds - st.target_seconds;
     eprintln!(

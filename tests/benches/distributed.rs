@@ -9,77 +9,15 @@
 //! Environment: BENCH_REPS (default 5), BENCH_PAIRS (`stories260k`, `110m-q8_0`; default both),
 //! BENCH_K (default `4,8`).
 
-use std::path::{Path, PathBuf};
-
 use serde_json::json;
 use tandem_coordinator::{Discard, Engine, Outcome};
 use tandem_node::LimitsArgs;
 use tandem_proto::v1;
-use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
-use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
 use tandem_runtime::{
     GenerateRequest, Generation, Model, SamplingParams, SpeculativeGenerator, Tokenizer,
 };
-use tandem_tests::{cluster, fixtures, load, request, stories, stories_q8, tokenizer};
-
-struct Pair {
-    name: &'static str,
-    target: PathBuf,
-    draft: PathBuf,
-    max_new_tokens: u32,
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    let n = xs.len();
-    if n % 2 == 1 {
-        xs[n / 2]
-    } else {
-        0.5 * (xs[n / 2 - 1] + xs[n / 2])
-    }
-}
-
-fn env_list(name: &str, default: &str) -> Vec<String> {
-    std::env::var(name)
-        .unwrap_or_else(|_| default.into())
-        .split(',')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect()
-}
-
-fn pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
-    let mut pairs = Vec::new();
-    if wanted.iter().any(|w| w == "stories260k") {
-        pairs.push(Pair {
-            name: "stories260K f32 / Q8_0",
-            target: stories(),
-            draft: stories_q8(),
-            max_new_tokens: 256,
-        });
-    }
-    if wanted.iter().any(|w| w == "110m-q8_0") {
-        let target = scratch.join("random-110m");
-        eprintln!(
-            "writing a random-weight 110M-shape model to {}",
-            target.display()
-        );
-        write_random_llama(
-            &target,
-            &SyntheticSpec::stories110m(110),
-            &fixtures().join("llama2-tokenizer"),
-        )?;
-        let draft = scratch.join("random-110m-q8_0.gguf");
-        quantize_to_gguf(&target, &draft, QuantType::Q8_0)?;
-        pairs.push(Pair {
-            name: "110M-shape f32 / Q8_0",
-            target,
-            draft,
-            max_new_tokens: 64,
-        });
-    }
-    Ok(pairs)
-}
+use tandem_tests::bench::{PROMPT, env_list, ks, median, pairs, reps};
+use tandem_tests::{cluster, load, request, tokenizer};
 
 fn in_process(
     target: &Model,
@@ -125,14 +63,7 @@ struct Samples {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
-    let reps: usize = std::env::var("BENCH_REPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(5);
-    let ks: Vec<u32> = env_list("BENCH_K", "4,8")
-        .iter()
-        .map(|k| k.parse())
-        .collect::<Result<_, _>>()?;
+    let (reps, ks) = (reps(), ks()?);
     let scratch = tempfile::tempdir()?;
     let pairs = pairs(
         scratch.path(),
@@ -147,11 +78,11 @@ async fn main() -> anyhow::Result<()> {
         let tok = tokenizer(&pair.target);
         let cluster = cluster(&pair.target, Some(&pair.draft), &LimitsArgs::default()).await;
         let engine = cluster.engine(4).await?;
-        let prompt = tok.encode("Once upon a time")?;
+        let prompt = tok.encode(PROMPT)?;
         let greedy = SamplingParams::greedy();
         for &k in &ks {
-            let spec = request(&prompt, pair.max_new_tokens, k, &greedy);
-            let base = request(&prompt, pair.max_new_tokens, 0, &greedy);
+            let spec = request(&prompt, pair.max_new_tokens as u32, k as u32, &greedy);
+            let base = request(&prompt, pair.max_new_tokens as u32, 0, &greedy);
             // Warm-up: thread pools, page faults, connections.
             distributed(&engine, &spec).await;
             in_process(&target, Some(&draft), &tok, &spec);

@@ -1,6 +1,7 @@
 //! Fixtures of the cross-node tests: model pairs, nodes and clusters in this process, the real
 //! binaries as processes, and the in-process generator the distributed output is compared to.
 
+pub mod bench;
 pub mod processes;
 
 use std::path::{Path, PathBuf};

@@ -8,89 +8,12 @@
 //! Environment: BENCH_REPS (default 5), BENCH_PAIRS (comma list of `stories260k`, `110m-q8_0`,
 //! `110m-q4_0`; default all), BENCH_K (comma list, default `4,8`).
 
-use std::path::{Path, PathBuf};
-
 use serde_json::json;
-use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
-use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
 use tandem_runtime::{
     GenerateRequest, Generation, LoadOptions, Model, SamplingParams, SpeculativeGenerator,
     Tokenizer,
 };
-
-struct Pair {
-    name: &'static str,
-    target: PathBuf,
-    draft: PathBuf,
-    prompt: &'static str,
-    max_new_tokens: usize,
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    let n = xs.len();
-    if n % 2 == 1 {
-        xs[n / 2]
-    } else {
-        0.5 * (xs[n / 2 - 1] + xs[n / 2])
-    }
-}
-
-fn env_list(name: &str, default: &str) -> Vec<String> {
-    std::env::var(name)
-        .unwrap_or_else(|_| default.to_string())
-        .split(',')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect()
-}
-
-fn build_pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
-    let mut pairs = Vec::new();
-    if wanted.iter().any(|w| w == "stories260k") {
-        let draft = scratch.join("stories260K-q8_0.gguf");
-        quantize_to_gguf(&root.join("stories260K"), &draft, QuantType::Q8_0)?;
-        pairs.push(Pair {
-            name: "stories260K f32 / Q8_0",
-            target: root.join("stories260K"),
-            draft,
-            prompt: "Once upon a time",
-            max_new_tokens: 256,
-        });
-    }
-    let big: Vec<(&str, QuantType, &'static str)> = [
-        ("110m-q8_0", QuantType::Q8_0, "110M-shape f32 / Q8_0"),
-        ("110m-q4_0", QuantType::Q4_0, "110M-shape f32 / Q4_0"),
-    ]
-    .into_iter()
-    .filter(|(key, _, _)| wanted.iter().any(|w| w == key))
-    .collect();
-    if !big.is_empty() {
-        let target = scratch.join("random-110m");
-        eprintln!(
-            "writing a random-weight 110M-shape model to {}",
-            target.display()
-        );
-        write_random_llama(
-            &target,
-            &SyntheticSpec::stories110m(110),
-            &root.join("llama2-tokenizer"),
-        )?;
-        for (_, quant, name) in big {
-            let draft = scratch.join(format!("random-110m-{quant:?}.gguf"));
-            quantize_to_gguf(&target, &draft, quant)?;
-            pairs.push(Pair {
-                name,
-                target: target.clone(),
-                draft,
-                prompt: "Once upon a time",
-                max_new_tokens: 64,
-            });
-        }
-    }
-    Ok(pairs)
-}
+use tandem_tests::bench::{PROMPT, Pair, env_list, ks, median, pairs, reps};
 
 fn run(
     target: &Model,
@@ -101,7 +24,7 @@ fn run(
 ) -> anyhow::Result<Generation> {
     let generator = SpeculativeGenerator::new(target, Some(draft), tok)?;
     let request = GenerateRequest {
-        prompt: tok.encode(pair.prompt)?,
+        prompt: tok.encode(PROMPT)?,
         max_new_tokens: pair.max_new_tokens,
         sampling: SamplingParams::greedy(),
         draft_tokens: k,
@@ -113,17 +36,10 @@ fn run(
 
 fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
-    let reps: usize = std::env::var("BENCH_REPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
-    let ks: Vec<usize> = env_list("BENCH_K", "4,8")
-        .iter()
-        .filter_map(|k| k.parse().ok())
-        .collect();
+    let (reps, ks) = (reps(), ks()?);
     let wanted = env_list("BENCH_PAIRS", "stories260k,110m-q8_0,110m-q4_0");
     let scratch = tempfile::tempdir()?;
-    let pairs = build_pairs(scratch.path(), &wanted)?;
+    let pairs = pairs(scratch.path(), &wanted)?;
 
     println!(
         "{:<24} {:>2} {:>9} {:>9} {:>7} {:>6} {:>6} {:>8} {:>8} {:>8} {:>7} {:>6}",

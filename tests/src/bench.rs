@@ -1,0 +1,108 @@
+//! What the benchmarks share: their model pairs (built deterministically, nothing downloaded),
+//! environment knobs and medians.
+
+use std::path::Path;
+use std::path::PathBuf;
+
+use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
+use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
+
+use crate::{fixtures, stories};
+
+/// A target and a draft sharing a vocabulary, and how many tokens to generate with them.
+#[derive(Debug)]
+pub struct Pair {
+    pub name: &'static str,
+    pub target: PathBuf,
+    pub draft: PathBuf,
+    pub max_new_tokens: usize,
+}
+
+/// The prompt every benchmark generates from.
+pub const PROMPT: &str = "Once upon a time";
+
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        0.5 * (xs[n / 2 - 1] + xs[n / 2])
+    }
+}
+
+/// A comma-separated list from the environment, or `default`.
+pub fn env_list(name: &str, default: &str) -> Vec<String> {
+    std::env::var(name)
+        .unwrap_or_else(|_| default.to_string())
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// `BENCH_REPS` (default 5).
+pub fn reps() -> usize {
+    std::env::var("BENCH_REPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5)
+}
+
+/// `BENCH_K` (default 4,8).
+pub fn ks() -> anyhow::Result<Vec<usize>> {
+    Ok(env_list("BENCH_K", "4,8")
+        .iter()
+        .map(|k| k.parse())
+        .collect::<Result<_, _>>()?)
+}
+
+/// The pairs named in `wanted`: `stories260k` (the real stories260K, f32, with a Q8_0 copy as
+/// the draft) and `110m-q8_0` / `110m-q4_0` (a random-weight model of the stories110M shape,
+/// 768 × 12 layers × the 32k Llama 2 vocabulary, f32, seed 110, with its own Q8_0 / Q4_0 copy).
+pub fn pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
+    let mut pairs = Vec::new();
+    if wanted.iter().any(|w| w == "stories260k") {
+        let draft = scratch.join("stories260K-q8_0.gguf");
+        quantize_to_gguf(&stories(), &draft, QuantType::Q8_0)?;
+        pairs.push(Pair {
+            name: "stories260K f32 / Q8_0",
+            target: stories(),
+            draft,
+            max_new_tokens: 256,
+        });
+    }
+    let big: Vec<(QuantType, &'static str)> = [
+        ("110m-q8_0", QuantType::Q8_0, "110M-shape f32 / Q8_0"),
+        ("110m-q4_0", QuantType::Q4_0, "110M-shape f32 / Q4_0"),
+    ]
+    .into_iter()
+    .filter(|(key, _, _)| wanted.iter().any(|w| w == key))
+    .map(|(_, quant, name)| (quant, name))
+    .collect();
+    if !big.is_empty() {
+        let target = scratch.join("random-110m");
+        eprintln!(
+            "writing a random-weight 110M-shape model to {}",
+            target.display()
+        );
+        write_random_llama(
+            &target,
+            &SyntheticSpec::stories110m(110),
+            &fixtures().join("llama2-tokenizer"),
+        )?;
+        for (quant, name) in big {
+            let draft = scratch.join(format!("random-110m-{quant:?}.gguf"));
+            quantize_to_gguf(&target, &draft, quant)?;
+            pairs.push(Pair {
+                name,
+                target: target.clone(),
+                draft,
+                max_new_tokens: 64,
+            });
+        }
+    }
+    Ok(pairs)
+}
