@@ -109,6 +109,10 @@ pub struct ServeArgs {
     /// K for requests that do not name one.
     #[arg(long, env = "TANDEM_DRAFT_TOKENS", default_value_t = 4)]
     pub draft_tokens: usize,
+    /// Address of the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
+    /// `/v1/models`, `/health`, `/ready`); unset serves no HTTP.
+    #[arg(long, env = "TANDEM_HTTP_LISTEN")]
+    pub http_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Args)]

@@ -164,6 +164,7 @@ impl Engine {
             &reply.tokenizer_json,
             reply.bos_id,
             reply.eos_id,
+            reply.chat_template,
             &target.endpoint,
         )?;
         Ok(Self {

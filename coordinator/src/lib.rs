@@ -6,6 +6,7 @@ pub mod cli;
 pub mod client;
 pub mod cluster;
 pub mod engine;
+pub mod http;
 pub mod links;
 pub mod local;
 pub mod service;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Parser;
 use tandem_coordinator::cli::{Cli, Command, ServeArgs};
+use tandem_coordinator::http::{self, HttpState};
 use tandem_coordinator::{Engine, client, local};
 
 fn main() -> anyhow::Result<()> {
@@ -51,6 +52,14 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let http = match args.http_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} (--http-listen)"))?,
+        ),
+        None => None,
+    };
     tracing::info!(
         target_node = %args.target,
         target_model = %engine.target.info.model_name,
@@ -58,9 +67,43 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         draft_model = ?engine.draft.as_ref().map(|d| d.info.model_name.clone()),
         draft_tokens = args.draft_tokens,
         listen = %listener.local_addr()?,
+        http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),
         "coordinator ready"
     );
-    tandem_coordinator::serve(listener, Arc::new(engine), tandem_node::shutdown_signal()).await?;
+    let engine = Arc::new(engine);
+    let state = HttpState::new(Arc::clone(&engine));
+    // One signal stops both servers; each lets its in-flight requests finish.
+    let (stop, _) = tokio::sync::watch::channel(false);
+    let stopped = |stop: &tokio::sync::watch::Sender<bool>| {
+        let mut rx = stop.subscribe();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    let (grpc_stop, http_stop) = (stopped(&stop), stopped(&stop));
+    let http_state = Arc::clone(&state);
+    let grpc_engine = Arc::clone(&engine);
+    let signal = async move {
+        tandem_node::shutdown_signal().await;
+        tracing::info!(
+            in_flight = engine.active(),
+            "shutting down: draining in-flight generations"
+        );
+        http_state
+            .ready
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let _ = stop.send(true);
+    };
+    let http = async {
+        match http {
+            Some(l) => http::serve(l, state, http_stop).await,
+            None => Ok(()),
+        }
+    };
+    let grpc = tandem_coordinator::serve(listener, grpc_engine, grpc_stop);
+    let ((), grpc, http) = tokio::join!(signal, grpc, http);
+    grpc?;
+    http?;
     tracing::info!("coordinator stopped");
     Ok(())
 }

@@ -31,6 +31,7 @@ impl NodeService for NodeInfoService {
             tokenizer_json: t.to_json().map_err(tandem_proto::Error::from)?,
             bos_id: t.bos_id(),
             eos_id: t.eos_id(),
+            chat_template: t.chat_template().map(str::to_string),
         }))
     }
 }

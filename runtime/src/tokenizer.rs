@@ -12,6 +12,8 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     bos: Option<u32>,
     eos: Option<u32>,
+    /// The Jinja chat template of `tokenizer_config.json`, if the model has one.
+    chat_template: Option<String>,
     source: PathBuf,
 }
 
@@ -69,14 +71,26 @@ impl Tokenizer {
 
     /// A tokenizer received as tokenizer.json text with its special ids; `source` names where it
     /// came from in messages.
-    pub fn from_json(json: &str, bos: Option<u32>, eos: Option<u32>, source: &str) -> Result<Self> {
+    pub fn from_json(
+        json: &str,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        chat_template: Option<String>,
+        source: &str,
+    ) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_bytes(json.as_bytes()).map_err(tokenizer_error)?;
         Ok(Self {
             inner,
             bos,
             eos,
+            chat_template,
             source: PathBuf::from(source),
         })
+    }
+
+    /// The model's chat template (Jinja), from `tokenizer_config.json`.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
     }
 
     /// Reads bos/eos from `tokenizer_config.json` when present, else guesses `<s>`/`</s>`.
@@ -99,10 +113,20 @@ impl Tokenizer {
         };
         let bos = special("bos_token", "<s>");
         let eos = special("eos_token", "</s>");
+        // A string, or a list of named templates of which "default" is the chat one.
+        let chat_template = config.as_ref().and_then(|c| match c.get("chat_template")? {
+            serde_json::Value::String(t) => Some(t.clone()),
+            serde_json::Value::Array(named) => named
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+            _ => None,
+        });
         Self {
             inner,
             bos,
             eos,
+            chat_template,
             source,
         }
     }
@@ -112,6 +136,16 @@ impl Tokenizer {
         Ok(self
             .inner
             .encode(text, true)
+            .map_err(tokenizer_error)?
+            .get_ids()
+            .to_vec())
+    }
+
+    /// Encodes text as it is, adding no special tokens (a rendered chat template names its own).
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .inner
+            .encode(text, false)
             .map_err(tokenizer_error)?
             .get_ids()
             .to_vec())

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod processes;
+pub mod python;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
@@ -63,6 +64,29 @@ pub fn foreign_vocab_model() -> PathBuf {
         vocab.insert("▁the".into(), b);
         vocab.insert("▁a".into(), a);
         std::fs::write(&path, json.to_string()).expect("write tokenizer.json");
+    }
+    dir
+}
+
+/// The chat template the HTTP tests give stories260K (which has none of its own).
+pub const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}";
+
+/// A copy of stories260K whose tokenizer_config.json carries [`CHAT_TEMPLATE`].
+pub fn stories_with_chat_template() -> PathBuf {
+    static LOCK: Mutex<()> = Mutex::new(());
+    let _guard = LOCK.lock().expect("fixture lock");
+    let dir = scratch().join("stories260K-chat");
+    if !dir.exists() {
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        for entry in std::fs::read_dir(stories()).expect("read stories260K") {
+            let path = entry.expect("entry").path();
+            std::fs::copy(&path, dir.join(path.file_name().expect("name"))).expect("copy");
+        }
+        let path = dir.join("tokenizer_config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        config["chat_template"] = CHAT_TEMPLATE.into();
+        std::fs::write(&path, config.to_string()).expect("write");
     }
     dir
 }

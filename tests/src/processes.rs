@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 /// The workspace's target directory, found from this test executable
 /// (`target/<profile>/deps/<test>`).
-fn profile_dir() -> PathBuf {
+pub fn profile_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     exe.parent()
         .and_then(Path::parent)
@@ -19,15 +19,22 @@ fn profile_dir() -> PathBuf {
 /// The path of binary `name`, built first if this test run has not built it.
 pub fn binary(name: &str) -> PathBuf {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = LOCK.lock().expect("build lock");
-    let path = profile_dir().join(name);
+    let _guard = LOCK
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dir = profile_dir();
+    let path = dir.join(name);
     if !path.exists() {
+        // `cargo test` builds only the binaries of the packages whose tests use them.
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "--bin", name])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("run cargo build");
+        let mut build = Command::new(cargo);
+        build
+            .args(["build", "--workspace", "--bin", name])
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
+        if dir.file_name().is_some_and(|n| n == "release") {
+            build.arg("--release");
+        }
+        let status = build.status().expect("run cargo build");
         assert!(status.success(), "cargo build --bin {name} failed");
     }
     path

@@ -1,0 +1,85 @@
+//! Chat prompts rendered with the model's own chat template (`tokenizer_config.json`), as
+//! Hugging Face's `apply_chat_template` does, with minijinja.
+
+use minijinja::{Environment, context};
+use serde::{Deserialize, Serialize};
+
+use super::error::ApiError;
+
+/// One chat message.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+/// Renders `messages` with `template`, ending with the assistant's turn.
+pub fn render(
+    template: Option<&str>,
+    messages: &[Message],
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String, ApiError> {
+    let template = template.ok_or_else(|| {
+        ApiError::invalid(
+            Some("messages".to_string()),
+            "this model has no chat template (no `chat_template` in its tokenizer_config.json): \
+             use /v1/completions with a prompt, or serve a model that has one",
+        )
+    })?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid(
+            Some("messages".to_string()),
+            "`messages` must hold at least one message",
+        ));
+    }
+    let mut env = Environment::new();
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    let bad = |e: minijinja::Error| {
+        ApiError::invalid(
+            Some("messages".to_string()),
+            format!("the model's chat template refused these messages: {e}"),
+        )
+    };
+    env.add_template("chat", template).map_err(bad)?;
+    env.get_template("chat")
+        .and_then(|t| {
+            t.render(context! {
+                messages => messages,
+                bos_token => bos_token,
+                eos_token => eos_token,
+                add_generation_prompt => true,
+            })
+        })
+        .map_err(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ZEPHYR: &str = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}";
+
+    #[test]
+    fn renders_with_the_generation_prompt_and_refuses_a_missing_template() {
+        let msgs = vec![Message {
+            role: "user".into(),
+            content: "Hi".into(),
+        }];
+        let text = render(Some(ZEPHYR), &msgs, "<s>", "</s>").expect("render");
+        assert_eq!(text, "<|user|>\nHi</s>\n<|assistant|>\n");
+        let err = render(None, &msgs, "<s>", "</s>").expect_err("no template");
+        assert!(err.message.contains("no chat template"), "{}", err.message);
+        let strict = "{{ raise_exception('only user turns') }}";
+        let err = render(Some(strict), &msgs, "<s>", "</s>").expect_err("raised");
+        assert!(err.message.contains("only user turns"), "{}", err.message);
+    }
+}

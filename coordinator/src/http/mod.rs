@@ -1,0 +1,248 @@
+//! The OpenAI-compatible HTTP API of the coordinator (axum): `POST /v1/completions`,
+//! `POST /v1/chat/completions` (streaming as server-sent events ending in `data: [DONE]`, or
+//! whole), `GET /v1/models`, `GET /health`, `GET /ready`.
+
+mod chat;
+mod error;
+mod openai;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use axum::Json;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::json;
+use tandem_proto::v1;
+use tandem_runtime::Commit;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::engine::{CommitSink, Discard, Engine};
+use error::ApiError;
+use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
+
+/// What the handlers share.
+#[derive(Debug)]
+pub struct HttpState {
+    pub engine: Arc<Engine>,
+    /// The id clients name in `model`: the target's model name.
+    pub model: String,
+    /// False while shutting down: `/ready` fails so load balancers stop sending.
+    pub ready: AtomicBool,
+    next_id: AtomicU64,
+}
+
+impl HttpState {
+    pub fn new(engine: Arc<Engine>) -> Arc<Self> {
+        Arc::new(Self {
+            model: engine.target.info.model_name.clone(),
+            engine,
+            ready: AtomicBool::new(true),
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    fn head(&self, kind: Kind, requested: Option<&str>) -> Result<Head, ApiError> {
+        if let Some(m) = requested.filter(|m| *m != self.model) {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!(
+                    "the model `{m}` does not exist: this server serves `{}`",
+                    self.model
+                ),
+                param: Some("model".into()),
+                code: Some("model_not_found"),
+            });
+        }
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let prefix = if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        };
+        Ok(Head {
+            id: format!("{prefix}-{n}"),
+            created: now(),
+            model: self.model.clone(),
+            kind,
+        })
+    }
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The HTTP routes over `state`.
+pub fn router(state: Arc<HttpState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/ready", get(ready))
+        .with_state(state)
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(None, format!("invalid JSON body: {e}")))
+}
+
+async fn completions(State(state): State<Arc<HttpState>>, body: Bytes) -> Response {
+    let run = async {
+        let req: CompletionRequest = parse(&body)?;
+        let head = state.head(Kind::Completion, req.common.model.as_deref())?;
+        let prompt = match req.prompt {
+            openai::OneOrMany::One(p) => p,
+            openai::OneOrMany::Many(mut v) if v.len() == 1 => v.remove(0),
+            openai::OneOrMany::Many(_) => {
+                return Err(ApiError::invalid(
+                    Some("prompt".to_string()),
+                    "`prompt` must be one string (batches are not supported)",
+                ));
+            }
+        };
+        let request = v1::GenerateRequest {
+            prompt,
+            ..Default::default()
+        };
+        answer(
+            &state,
+            head,
+            &req.common,
+            request,
+            openai::COMPLETION_MAX_TOKENS,
+        )
+        .await
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat_completions(State(state): State<Arc<HttpState>>, body: Bytes) -> Response {
+    let run = async {
+        let req: ChatRequest = parse(&body)?;
+        let head = state.head(Kind::Chat, req.common.model.as_deref())?;
+        let tok = &state.engine.tokenizer;
+        let special = |id: Option<u32>| id.and_then(|i| tok.token(i)).unwrap_or_default();
+        let text = chat::render(
+            tok.chat_template(),
+            &req.messages,
+            &special(tok.bos_id()),
+            &special(tok.eos_id()),
+        )?;
+        let request = v1::GenerateRequest {
+            prompt_tokens: tok.encode_raw(&text).map_err(tandem_proto::Error::from)?,
+            ..Default::default()
+        };
+        answer(&state, head, &req.common, request, openai::CHAT_MAX_TOKENS).await
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Runs a request, whole or streamed.
+async fn answer(
+    state: &Arc<HttpState>,
+    head: Head,
+    common: &Common,
+    prompt: v1::GenerateRequest,
+    default_max_tokens: i64,
+) -> Result<Response, ApiError> {
+    let request = common.to_request(prompt, default_max_tokens)?;
+    let job = state.engine.prepare(&request)?;
+    if !common.stream {
+        let outcome = state.engine.generate(&job, &mut Discard).await?;
+        return Ok(Json(head.response(&job, &outcome)).into_response());
+    }
+    let (tx, rx) = mpsc::channel(4);
+    let engine = Arc::clone(&state.engine);
+    let include_usage = common.include_usage();
+    tokio::spawn(async move {
+        let mut sink = SseSink {
+            head: head.clone(),
+            tx: tx.clone(),
+            first: true,
+        };
+        let last = match engine.generate(&job, &mut sink).await {
+            Ok(outcome) => {
+                let mut events = vec![head.finish_chunk(&outcome)];
+                if include_usage {
+                    events.push(head.usage_chunk(&job, &outcome));
+                }
+                events
+            }
+            Err(e) => {
+                let e = ApiError::from(e);
+                vec![
+                    json!({"error": {"message": e.message, "type": "server_error", "param": e.param, "code": null}}),
+                ]
+            }
+        };
+        for v in last {
+            let _ = tx.send(Ok(Event::default().data(v.to_string()))).await;
+        }
+        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+    });
+    Ok(Sse::new(ReceiverStream::new(rx)).into_response())
+}
+
+/// Sends each commit's text as an SSE chunk.
+struct SseSink {
+    head: Head,
+    tx: mpsc::Sender<Result<Event, Infallible>>,
+    first: bool,
+}
+
+impl CommitSink for SseSink {
+    async fn send(&mut self, commit: &Commit) -> bool {
+        if commit.text.is_empty() && !self.first {
+            return !self.tx.is_closed();
+        }
+        let chunk = self.head.chunk(&commit.text, self.first);
+        self.first = false;
+        self.tx
+            .send(Ok(Event::default().data(chunk.to_string())))
+            .await
+            .is_ok()
+    }
+}
+
+async fn models(State(state): State<Arc<HttpState>>) -> Json<serde_json::Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": state.model, "object": "model", "created": now(), "owned_by": "tandem"}],
+    }))
+}
+
+async fn ready(State(state): State<Arc<HttpState>>) -> Response {
+    if state.ready.load(Ordering::Relaxed) {
+        Json(json!({"status": "ready"})).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "shutting down"})),
+        )
+            .into_response()
+    }
+}
+
+/// Serves the HTTP API on `listener` until `shutdown` resolves, then lets in-flight requests
+/// finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<HttpState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

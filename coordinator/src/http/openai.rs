@@ -1,0 +1,265 @@
+//! OpenAI's request and response shapes for completions and chat completions, checked against
+//! OpenAI's ranges and turned into the coordinator's requests.
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tandem_proto::v1;
+
+use super::chat::Message;
+use super::error::ApiError;
+use crate::engine::{Job, Outcome};
+
+/// A string or a list of strings (`prompt`, `stop`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            Self::One(s) => vec![s],
+            Self::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The sampling and streaming fields both endpoints share.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<OneOrMany>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<u32>,
+    /// Extension: keep the k most likely tokens.
+    pub top_k: Option<u32>,
+    /// Extension: K, tokens drafted per round (0: target-only).
+    pub draft_tokens: Option<u32>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: OneOrMany,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// OpenAI's default length of a completion; chat completions default to [`CHAT_MAX_TOKENS`].
+pub const COMPLETION_MAX_TOKENS: i64 = 16;
+pub const CHAT_MAX_TOKENS: i64 = 256;
+
+impl Common {
+    /// The coordinator's request for `prompt`, with every field checked against OpenAI's ranges.
+    pub fn to_request(
+        &self,
+        prompt: v1::GenerateRequest,
+        default_max_tokens: i64,
+    ) -> Result<v1::GenerateRequest, ApiError> {
+        let max_tokens = self
+            .max_completion_tokens
+            .or(self.max_tokens)
+            .unwrap_or(default_max_tokens);
+        if max_tokens < 1 {
+            return Err(ApiError::invalid(
+                Some("max_tokens".to_string()),
+                format!("`max_tokens` = {max_tokens}: must be at least 1"),
+            ));
+        }
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::invalid(
+                Some("temperature".to_string()),
+                format!("`temperature` = {temperature}: must be in [0, 2]"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::invalid(
+                Some("top_p".to_string()),
+                format!("`top_p` = {top_p}: must be in (0, 1]"),
+            ));
+        }
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Err(ApiError::invalid(
+                Some("n".to_string()),
+                format!("`n` = {n}: only one choice per request is supported"),
+            ));
+        }
+        let stop = self
+            .stop
+            .clone()
+            .map(OneOrMany::into_vec)
+            .unwrap_or_default();
+        if stop.len() > 4 || stop.iter().any(String::is_empty) {
+            return Err(ApiError::invalid(
+                Some("stop".to_string()),
+                "`stop` takes up to 4 non-empty strings",
+            ));
+        }
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        });
+        Ok(v1::GenerateRequest {
+            max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
+            sampling: Some(v1::SamplingParams {
+                temperature,
+                top_p,
+                top_k: self.top_k.unwrap_or(0),
+                seed,
+                ..Default::default()
+            }),
+            draft_tokens: self.draft_tokens,
+            stop,
+            ..prompt
+        })
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+}
+
+/// Which endpoint a response is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Completion,
+    Chat,
+}
+
+/// Identity of one response, repeated in every chunk.
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub kind: Kind,
+}
+
+impl Head {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// A choice carrying `text`, whole (`chunk` false) or as a streamed delta.
+    fn choice(&self, text: &str, finish: Option<&str>, chunk: bool, first: bool) -> Value {
+        match (self.kind, chunk) {
+            (Kind::Completion, _) => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            }
+            (Kind::Chat, false) => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+            (Kind::Chat, true) => {
+                let delta = if first {
+                    json!({"role": "assistant", "content": text})
+                } else if finish.is_some() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+
+    /// A streamed chunk of text.
+    pub fn chunk(&self, text: &str, first: bool) -> Value {
+        self.envelope(true, json!([self.choice(text, None, true, first)]))
+    }
+
+    /// The chunk that ends the choice.
+    pub fn finish_chunk(&self, outcome: &Outcome) -> Value {
+        self.envelope(
+            true,
+            json!([self.choice("", Some(finish(outcome)), true, false)]),
+        )
+    }
+
+    /// The chunk with usage only (`stream_options.include_usage`).
+    pub fn usage_chunk(&self, job: &Job, outcome: &Outcome) -> Value {
+        let mut v = self.envelope(true, json!([]));
+        v["usage"] = usage(job, outcome);
+        v["tandem"] = speculation(outcome);
+        v
+    }
+
+    /// The whole response of a request without streaming.
+    pub fn response(&self, job: &Job, outcome: &Outcome) -> Value {
+        let mut v = self.envelope(
+            false,
+            json!([self.choice(&outcome.text, Some(finish(outcome)), false, false)]),
+        );
+        v["usage"] = usage(job, outcome);
+        v["tandem"] = speculation(outcome);
+        v
+    }
+}
+
+fn finish(outcome: &Outcome) -> &'static str {
+    match outcome.finish_reason {
+        tandem_runtime::FinishReason::Length => "length",
+        tandem_runtime::FinishReason::Stop => "stop",
+    }
+}
+
+fn usage(job: &Job, outcome: &Outcome) -> Value {
+    let (p, c) = (job.prompt.len(), outcome.token_ids.len());
+    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+}
+
+/// The extension field with the speculation statistics.
+fn speculation(outcome: &Outcome) -> Value {
+    let s = &outcome.stats.base;
+    json!({
+        "acceptance_rate": s.acceptance_rate(),
+        "mean_accepted_length": s.mean_accepted_length(),
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "rounds": s.rounds,
+        "tokens_per_second": s.tokens_per_second(),
+        "draft_lost": outcome.stats.draft_lost,
+    })
+}
