@@ -165,3 +165,52 @@ async fn killing_the_draft_node_mid_generation_costs_speed_not_output() {
     assert_eq!(done.token_ids, ids);
     drop(nodes.target);
 }
+
+#[tokio::test]
+async fn sigterm_lets_the_generation_in_flight_finish() {
+    let nodes = start_nodes(&stories(), &stories_q8());
+    let mut client = v1::coordinator_client::CoordinatorClient::connect(nodes.coordinator.url())
+        .await
+        .expect("connect");
+    let prompt = tokenizer(&stories())
+        .encode("Once upon a time")
+        .expect("encode");
+    let req = request(&prompt, 300, 4, &SamplingParams::greedy());
+    let mut stream = client.generate(req).await.expect("generate").into_inner();
+    let first = stream.message().await.expect("stream").expect("a delta");
+    let mut ids = match first.kind {
+        Some(v1::generate_response::Kind::Delta(d)) => d.token_ids,
+        other => panic!("expected a delta, got {other:?}"),
+    };
+    let pid = nodes.coordinator.child.id().to_string();
+    let sent = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(sent.success());
+    let done = loop {
+        match stream
+            .message()
+            .await
+            .expect("the stream survives SIGTERM")
+            .expect("message")
+            .kind
+        {
+            Some(v1::generate_response::Kind::Delta(d)) => ids.extend(d.token_ids),
+            Some(v1::generate_response::Kind::Done(done)) => break done,
+            None => {}
+        }
+    };
+    assert_eq!(ids.len(), 300);
+    assert_eq!(done.token_ids, ids);
+    assert_eq!(ids, target_only(&stories(), "Once upon a time", 300));
+    let mut coordinator = nodes.coordinator;
+    let status = tokio::task::spawn_blocking(move || coordinator.child.wait())
+        .await
+        .expect("join")
+        .expect("wait");
+    assert!(
+        status.success(),
+        "the coordinator exits cleanly after draining: {status}"
+    );
+}
