@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use tandem_node::NodeState;
+use tandem_node::{NodeState, stopped};
 use tandem_proto::{Error, Result};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -42,12 +42,6 @@ impl LocalCluster {
     /// Serves the nodes on loopback.
     pub async fn start(target: NodeState, draft: Option<NodeState>) -> Result<Self> {
         let (stop, _) = watch::channel(false);
-        let stopped = |stop: &watch::Sender<bool>| {
-            let mut rx = stop.subscribe();
-            async move {
-                let _ = rx.wait_for(|s| *s).await;
-            }
-        };
         let listener = bind().await?;
         let target_addr = addr(&listener)?;
         tokio::spawn(tandem_target_node::serve(

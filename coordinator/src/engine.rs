@@ -18,6 +18,7 @@ use tonic::Code;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::links::{Draft, NodeSession, SessionSpec, Target, Traffic};
+use crate::metrics::CoordinatorMetrics;
 
 /// A node the coordinator talks to.
 #[derive(Debug, Clone)]
@@ -116,6 +117,7 @@ pub struct Engine {
     pub draft: Option<NodeHandle>,
     pub tokenizer: Tokenizer,
     pub default_draft_tokens: usize,
+    pub metrics: CoordinatorMetrics,
     active: AtomicUsize,
     next_id: AtomicUsize,
 }
@@ -172,6 +174,7 @@ impl Engine {
             draft,
             tokenizer,
             default_draft_tokens,
+            metrics: CoordinatorMetrics::default(),
             active: AtomicUsize::new(0),
             next_id: AtomicUsize::new(0),
         })
@@ -184,6 +187,14 @@ impl Engine {
 
     /// Checks a request against the nodes' limits, naming the field and the limit.
     pub fn prepare(&self, request: &v1::GenerateRequest) -> Result<Job> {
+        self.check(request).inspect_err(|e| self.count_error(e))
+    }
+
+    fn count_error(&self, e: &Error) {
+        self.metrics.errors.add(&format!("{:?}", e.code()), 1);
+    }
+
+    fn check(&self, request: &v1::GenerateRequest) -> Result<Job> {
         let invalid = |field, value: String, limit: String| -> Error {
             tandem_runtime::Error::invalid(field, value, limit).into()
         };
@@ -253,6 +264,20 @@ impl Engine {
     /// the generation down rather than buffering it) and answers false when the client has
     /// gone, which cancels the generation and frees both sessions.
     pub async fn generate(&self, job: &Job, sink: &mut impl CommitSink) -> Result<Outcome> {
+        self.metrics.requests.add(1);
+        let outcome = self.run(job, sink).await;
+        match &outcome {
+            Ok(o) => {
+                self.metrics.generated_tokens.add(o.token_ids.len() as u64);
+                self.metrics.repairs.add(u64::from(o.stats.repairs));
+                self.metrics.drafts_lost.add(u64::from(o.stats.draft_lost));
+            }
+            Err(e) => self.count_error(e),
+        }
+        outcome
+    }
+
+    async fn run(&self, job: &Job, sink: &mut impl CommitSink) -> Result<Outcome> {
         self.active.fetch_add(1, Ordering::Relaxed);
         let _active = ActiveGuard(&self.active);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -303,6 +328,7 @@ impl Engine {
                 break Ok(finish);
             }
             let k = job.draft_tokens.min(transcript.remaining() - 1);
+            let round_start = Instant::now();
             let proposal = match draft.as_mut().filter(|_| k > 0) {
                 Some(d) => match d
                     .call(&log, |committed, new_tokens| v1::DraftRequest {
@@ -327,18 +353,17 @@ impl Engine {
                 },
                 None => None,
             };
-            let (drafts, q) = match proposal {
-                Some(p) => {
-                    stats.base.draft_seconds += p.compute_micros as f64 * 1e-6;
-                    (p.tokens, p.q)
-                }
-                None => (Vec::new(), Vec::new()),
+            let (drafts, q, draft_secs) = match proposal {
+                Some(p) => (p.tokens, p.q, p.compute_micros as f64 * 1e-6),
+                None => (Vec::new(), Vec::new(), 0.0),
             };
+            stats.base.draft_seconds += draft_secs;
             let verdict = match self.verify(&mut target, &log, &drafts, &q).await {
                 Ok(v) => v,
                 Err(e) => break Err(e),
             };
-            stats.base.target_seconds += verdict.compute_micros as f64 * 1e-6;
+            let verify_secs = verdict.compute_micros as f64 * 1e-6;
+            stats.base.target_seconds += verify_secs;
             let accepted = verdict.accepted as usize;
             if accepted > drafts.len() {
                 break Err(Error::Protocol {
@@ -347,6 +372,9 @@ impl Engine {
                 });
             }
             stats.base.record_round(drafts.len(), accepted);
+            let wall = round_start.elapsed().as_secs_f64();
+            self.metrics
+                .round(drafts.len(), accepted, wall, draft_secs, verify_secs);
             let mut round = drafts[..accepted].to_vec();
             round.push(verdict.next_token);
             let commit = match transcript.commit(&round) {

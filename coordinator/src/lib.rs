@@ -9,6 +9,7 @@ pub mod engine;
 pub mod http;
 pub mod links;
 pub mod local;
+pub mod metrics;
 pub mod service;
 
 pub use cluster::LocalCluster;

@@ -74,13 +74,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let state = HttpState::new(Arc::clone(&engine));
     // One signal stops both servers; each lets its in-flight requests finish.
     let (stop, _) = tokio::sync::watch::channel(false);
-    let stopped = |stop: &tokio::sync::watch::Sender<bool>| {
-        let mut rx = stop.subscribe();
-        async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }
-    };
-    let (grpc_stop, http_stop) = (stopped(&stop), stopped(&stop));
+    let (grpc_stop, http_stop) = (tandem_node::stopped(&stop), tandem_node::stopped(&stop));
     let http_state = Arc::clone(&state);
     let grpc_engine = Arc::clone(&engine);
     let signal = async move {

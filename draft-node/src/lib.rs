@@ -80,6 +80,13 @@ impl Session for DraftSession {
         })))
     }
 
+    fn tokens(reply: &v1::DraftResponse) -> usize {
+        match &reply.kind {
+            Some(Reply::Proposal(p)) => p.tokens.len(),
+            _ => 0,
+        }
+    }
+
     fn held(&self) -> Prefix {
         self.log.prefix()
     }

@@ -15,8 +15,5 @@ struct Cli {
 async fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
     tandem_node::init_logging();
-    let (state, listener) = tandem_node::start(Role::Draft, Cli::parse().node).await?;
-    tandem_draft_node::serve(listener, state, tandem_node::shutdown_signal()).await?;
-    tracing::info!("draft-node stopped");
-    Ok(())
+    tandem_node::run(Role::Draft, Cli::parse().node, tandem_draft_node::serve).await
 }

@@ -14,6 +14,9 @@ pub struct NodeArgs {
     /// Address to listen on for gRPC.
     #[arg(long, env = "TANDEM_LISTEN")]
     pub listen: SocketAddr,
+    /// Address of the HTTP side: `/metrics` (Prometheus), `/health`, `/ready`; unset serves none.
+    #[arg(long, env = "TANDEM_HTTP_LISTEN")]
+    pub http_listen: Option<SocketAddr>,
     /// Device: cpu, or cuda:N (needs the `cuda` feature).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: String,

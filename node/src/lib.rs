@@ -4,13 +4,16 @@
 //! node info, health, and serving.
 
 mod config;
+mod http;
+pub mod metrics;
 mod serve;
 mod sessions;
 mod state;
 mod stream;
 
 pub use config::{LimitsArgs, NodeArgs};
-pub use serve::{init_logging, serve, shutdown_signal, start};
+pub use http::{PROMETHEUS_TEXT, exposition, serve_http};
+pub use serve::{Shutdown, init_logging, run, serve, shutdown_signal, stopped};
 pub use sessions::{SessionSlot, SessionTable};
 pub use state::{Limits, NodeState, Role};
 pub use stream::{Incoming, Session, drive_session};

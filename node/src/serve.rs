@@ -93,21 +93,31 @@ pub fn init_logging() {
         .init();
 }
 
-/// Loads the model (on a blocking thread) and binds the listener, logging what was loaded,
-/// on which device, and where the node listens.
-pub async fn start(
-    role: Role,
-    args: NodeArgs,
-) -> anyhow::Result<(Arc<NodeState>, tokio::net::TcpListener)> {
+/// Runs a node: loads the model (on a blocking thread), binds its listeners, logs what was
+/// loaded, on which device and where it listens, then serves the role's gRPC service (through
+/// `serve_role`) and the HTTP side until SIGINT/SIGTERM, letting in-flight requests finish.
+pub async fn run<F, Fut>(role: Role, args: NodeArgs, serve_role: F) -> anyhow::Result<()>
+where
+    F: FnOnce(TcpListener, Arc<NodeState>, Shutdown) -> Fut,
+    Fut: std::future::Future<Output = Result<(), tonic::transport::Error>>,
+{
     use anyhow::Context;
     tracing::info!(role = role.as_str(), model = %args.model.display(), device = %args.device, "loading model");
-    let listen = args.listen;
+    let (listen, http_listen) = (args.listen, args.http_listen);
     let state = tokio::task::spawn_blocking(move || NodeState::load(role, &args))
         .await?
         .with_context(|| format!("loading the {} model", role.as_str()))?;
     let listener = TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
+    let http = match http_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} (--http-listen)"))?,
+        ),
+        None => None,
+    };
     let config = state.model.config();
     tracing::info!(
         role = role.as_str(),
@@ -117,10 +127,43 @@ pub async fn start(
         context = config.max_context,
         device = %state.device,
         listen = %listener.local_addr()?,
+        http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),
         max_sessions = state.limits.max_sessions,
         max_session_tokens = state.limits.max_session_tokens,
         max_draft_tokens = state.limits.max_draft_tokens,
         "node ready"
     );
-    Ok((Arc::new(state), listener))
+    let state = Arc::new(state);
+    let (stop, _) = tokio::sync::watch::channel(false);
+    let (grpc_stop, http_stop) = (stopped(&stop), stopped(&stop));
+    let signal = async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down: letting in-flight requests finish");
+        let _ = stop.send(true);
+    };
+    let http = async {
+        match http {
+            Some(l) => crate::serve_http(l, Arc::clone(&state), http_stop).await,
+            None => Ok(()),
+        }
+    };
+    let grpc = serve_role(listener, Arc::clone(&state), Box::pin(grpc_stop));
+    let ((), grpc, http) = tokio::join!(signal, grpc, http);
+    grpc?;
+    http?;
+    tracing::info!(role = role.as_str(), "node stopped");
+    Ok(())
+}
+
+/// Resolves when a shutdown was asked for.
+pub type Shutdown = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// A future that resolves once `stop` says true.
+pub fn stopped(
+    stop: &tokio::sync::watch::Sender<bool>,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let mut rx = stop.subscribe();
+    async move {
+        let _ = rx.wait_for(|s| *s).await;
+    }
 }

@@ -44,6 +44,7 @@ pub struct NodeState {
     pub limits: Limits,
     pub sessions: SessionTable,
     pub device: String,
+    pub metrics: crate::metrics::NodeMetrics,
     vocab_hash: u64,
     stop_token_ids: Vec<u32>,
 }
@@ -89,6 +90,7 @@ impl NodeState {
             },
             sessions: SessionTable::new(limits.max_sessions),
             device: device.to_string(),
+            metrics: crate::metrics::NodeMetrics::default(),
             vocab_hash: tokenizer.vocab_hash(),
             stop_token_ids: default_stop_tokens(&model, &tokenizer),
             model,

@@ -41,6 +41,8 @@ pub trait Session: Sized + Send + 'static {
     fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self>;
     /// Does one piece of work (blocking). On error the session must be as it was.
     fn handle(&mut self, state: &NodeState, work: Self::Work) -> Result<Self::Response>;
+    /// Tokens a reply proposes (draft) or commits (target), for the metrics.
+    fn tokens(reply: &Self::Response) -> usize;
     /// The committed prefix the session holds.
     fn held(&self) -> Prefix;
     fn kv_bytes(&self) -> usize;
@@ -63,6 +65,7 @@ pub fn drive_session<S: Session>(
         async move {
             if let Err(e) = run::<S>(&state, inbound, &tx).await {
                 tracing::info!(error = %e, "session ended with an error");
+                state.metrics.errors.add(&format!("{:?}", e.code()), 1);
                 let _ = tx.send(Err(e.into())).await;
             }
         }
@@ -108,6 +111,7 @@ async fn run<S: Session>(
                 let slot = state.sessions.acquire()?;
                 let st = Arc::clone(state);
                 let s = blocking(move || S::open(&st, open)).await??;
+                state.metrics.sessions_opened.add(1);
                 slot.set_kv_bytes(s.kv_bytes());
                 let reply = S::opened(v1::Opened {
                     committed: Some(prefix_to_wire(s.held())),
@@ -119,16 +123,24 @@ async fn run<S: Session>(
             Incoming::Work(work) => {
                 let (mut s, slot) = session.take().ok_or(Error::NoSession)?;
                 let st = Arc::clone(state);
+                let start = std::time::Instant::now();
                 let (s, result) = blocking(move || {
                     let r = s.handle(&st, work);
                     (s, r)
                 })
                 .await?;
                 slot.set_kv_bytes(s.kv_bytes());
+                let m = &state.metrics;
                 let reply = match result {
-                    Ok(reply) => reply,
+                    Ok(reply) => {
+                        m.requests.add(1);
+                        m.tokens.add(S::tokens(&reply) as u64);
+                        m.compute.observe(start.elapsed().as_secs_f64());
+                        reply
+                    }
                     Err(e) if in_band(&e) => {
                         tracing::info!(error = %e, "rejected");
+                        m.errors.add(&format!("{:?}", e.code()), 1);
                         S::rejected(v1::Rejection {
                             code: e.code() as i32,
                             message: e.to_string(),

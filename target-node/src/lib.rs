@@ -94,6 +94,13 @@ impl Session for TargetSession {
         })))
     }
 
+    fn tokens(reply: &v1::TargetResponse) -> usize {
+        match &reply.kind {
+            Some(Reply::Verdict(v)) => v.accepted as usize + 1,
+            _ => 0,
+        }
+    }
+
     fn held(&self) -> Prefix {
         self.log.prefix()
     }

@@ -15,8 +15,5 @@ struct Cli {
 async fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
     tandem_node::init_logging();
-    let (state, listener) = tandem_node::start(Role::Target, Cli::parse().node).await?;
-    tandem_target_node::serve(listener, state, tandem_node::shutdown_signal()).await?;
-    tracing::info!("target-node stopped");
-    Ok(())
+    tandem_node::run(Role::Target, Cli::parse().node, tandem_target_node::serve).await
 }

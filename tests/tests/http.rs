@@ -12,7 +12,6 @@ use tandem_node::LimitsArgs;
 use tandem_proto::v1;
 use tandem_tests::python::python_with;
 use tandem_tests::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A cluster with both APIs of a coordinator on loopback.
 struct Served {
@@ -140,19 +139,9 @@ async fn the_openai_client_gets_the_grpc_text() {
     );
 }
 
-/// One HTTP/1.1 request; returns the status and the JSON body.
 async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, Value) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let request = format!(
-        "POST {path} HTTP/1.1\r\nHost: tandem\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.expect("write");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.expect("read");
-    let status = response[9..12].parse().expect("status");
-    let json = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    (status, serde_json::from_str(json).unwrap_or(Value::Null))
+    let (status, body) = http_request(addr, "POST", path, body).await;
+    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
 }
 
 #[tokio::test]

@@ -2,6 +2,7 @@
 //! (local all-in-one and against a running `coordinator serve`) equals target-only greedy, and a
 //! generation survives the draft-node being killed.
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 
@@ -14,35 +15,48 @@ struct Nodes {
     target: Proc,
     draft: Proc,
     coordinator: Proc,
+    /// The HTTP ports (metrics, health) of target, draft and coordinator.
+    http: [SocketAddr; 3],
 }
 
 fn start_nodes(target: &Path, draft: &Path) -> Nodes {
-    let node = |name: &str, model: &Path| {
+    let http = [free_addr(), free_addr(), free_addr()];
+    let node = |name: &str, model: &Path, http: SocketAddr| {
         let addr = free_addr();
-        let (model, listen) = (model.display().to_string(), addr.to_string());
-        Proc::start(name, &["--model", &model, "--listen", &listen], addr)
-    };
-    let target = node("target-node", target);
-    let draft = node("draft-node", draft);
-    let addr = free_addr();
-    let listen = addr.to_string();
-    let coordinator = Proc::start(
-        "coordinator",
-        &[
-            "serve",
-            "--target",
-            &target.url(),
-            "--draft",
-            &draft.url(),
+        let model = model.display().to_string();
+        let (listen, http) = (addr.to_string(), http.to_string());
+        let args = [
+            "--model",
+            &model,
             "--listen",
             &listen,
-        ],
-        addr,
-    );
+            "--http-listen",
+            &http,
+        ];
+        Proc::start(name, &args, addr)
+    };
+    let target = node("target-node", target, http[0]);
+    let draft = node("draft-node", draft, http[1]);
+    let addr = free_addr();
+    let (listen, http_listen) = (addr.to_string(), http[2].to_string());
+    let (target_url, draft_url) = (target.url(), draft.url());
+    let args = [
+        "serve",
+        "--target",
+        &target_url,
+        "--draft",
+        &draft_url,
+        "--listen",
+        &listen,
+        "--http-listen",
+        &http_listen,
+    ];
+    let coordinator = Proc::start("coordinator", &args, addr);
     Nodes {
         target,
         draft,
         coordinator,
+        http,
     }
 }
 
@@ -213,4 +227,135 @@ async fn sigterm_lets_the_generation_in_flight_finish() {
         status.success(),
         "the coordinator exits cleanly after draining: {status}"
     );
+}
+
+/// Every sample of a Prometheus text page, parsed by the reference parser (prometheus_client):
+/// `name{label="v",...}` → value.
+fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
+    let python = tandem_tests::python::python_with(&[("prometheus_client", "prometheus-client")]);
+    let script = "import sys, json\nfrom prometheus_client.parser import text_string_to_metric_families as p\n\
+                  print(json.dumps({s.name + json.dumps(s.labels, sort_keys=True): s.value \
+                  for f in p(sys.stdin.read()) for s in f.samples}))";
+    let mut child = Command::new(python)
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write");
+    let out = child.wait_with_output().expect("parse");
+    assert!(out.status.success(), "not Prometheus text:\n{text}");
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+async fn scrape(addr: SocketAddr) -> std::collections::HashMap<String, f64> {
+    let (status, body) = http_request(addr, "GET", "/metrics", "").await;
+    assert_eq!(status, 200);
+    tokio::task::spawn_blocking(move || parse_metrics(&body))
+        .await
+        .expect("join")
+}
+
+fn get(m: &std::collections::HashMap<String, f64>, key: &str) -> f64 {
+    *m.get(key).unwrap_or_else(|| panic!("no sample {key}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_on_every_node_move_by_what_a_request_did() {
+    let nodes = start_nodes(&stories(), &stories_q8());
+    let before: Vec<_> = futures_scrape(&nodes).await;
+    let mut client = v1::coordinator_client::CoordinatorClient::connect(nodes.coordinator.url())
+        .await
+        .expect("connect");
+    let prompt = tokenizer(&stories())
+        .encode("Once upon a time")
+        .expect("encode");
+    let req = request(&prompt, 50, 4, &SamplingParams::greedy());
+    let done = tandem_coordinator::client::run(&mut client, req, |_| {})
+        .await
+        .expect("generate");
+    let st = done.stats.expect("stats");
+    let after: Vec<_> = futures_scrape(&nodes).await;
+    let delta =
+        |i: usize, key: &str| get(&after[i], key) - before[i].get(key).copied().unwrap_or(0.0);
+    let (t, d, c) = (0, 1, 2);
+    assert_eq!(delta(c, "tandem_requests_total{}"), 1.0);
+    assert_eq!(delta(c, "tandem_generated_tokens_total{}"), 50.0);
+    assert_eq!(
+        delta(c, "tandem_drafted_tokens_total{}"),
+        f64::from(st.drafted)
+    );
+    assert_eq!(
+        delta(c, "tandem_accepted_tokens_total{}"),
+        f64::from(st.accepted)
+    );
+    assert_eq!(delta(c, "tandem_rounds_total{}"), f64::from(st.rounds));
+    assert_eq!(
+        delta(c, "tandem_round_seconds_count{}"),
+        f64::from(st.rounds)
+    );
+    assert_eq!(
+        delta(c, "tandem_drafted_at_position_total{\"position\": \"1\"}"),
+        f64::from(st.rounds)
+    );
+    assert!(
+        get(
+            &after[c],
+            "tandem_accepted_at_position_total{\"position\": \"1\"}"
+        ) > 0.0
+    );
+    assert_eq!(get(&after[c], "tandem_active_generations{}"), 0.0);
+    assert_eq!(
+        delta(d, "tandem_node_tokens_total{}"),
+        f64::from(st.drafted)
+    );
+    assert_eq!(delta(d, "tandem_node_sessions_opened_total{}"), 1.0);
+    assert_eq!(
+        delta(t, "tandem_node_tokens_total{}"),
+        f64::from(st.accepted + st.rounds)
+    );
+    assert_eq!(
+        delta(t, "tandem_node_requests_total{}"),
+        f64::from(st.rounds)
+    );
+    assert_eq!(
+        delta(t, "tandem_node_compute_seconds_count{}"),
+        f64::from(st.rounds)
+    );
+    for i in [t, d] {
+        assert!(
+            eventually(
+                async || scrape(nodes.http[i]).await["tandem_node_sessions_active{}"] == 0.0
+            )
+            .await
+        );
+    }
+    // A refused request is counted by its code.
+    let bad = request(&[], 5, 4, &SamplingParams::greedy());
+    assert!(
+        tandem_coordinator::client::run(&mut client, bad, |_| {})
+            .await
+            .is_err()
+    );
+    assert_eq!(
+        get(
+            &scrape(nodes.http[c]).await,
+            "tandem_errors_total{\"kind\": \"InvalidArgument\"}"
+        ),
+        1.0
+    );
+}
+
+async fn futures_scrape(nodes: &Nodes) -> Vec<std::collections::HashMap<String, f64>> {
+    let mut out = Vec::new();
+    for addr in nodes.http {
+        out.push(scrape(addr).await);
+    }
+    out
 }

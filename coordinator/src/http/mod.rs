@@ -90,6 +90,7 @@ pub fn router(state: Arc<HttpState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
         .with_state(state)
 }
 
@@ -221,6 +222,19 @@ async fn models(State(state): State<Arc<HttpState>>) -> Json<serde_json::Value> 
         "object": "list",
         "data": [{"id": state.model, "object": "model", "created": now(), "owned_by": "tandem"}],
     }))
+}
+
+async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
+    let e = &state.engine;
+    let text = e.metrics.exposition(e.active());
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            tandem_node::PROMETHEUS_TEXT,
+        )],
+        text,
+    )
+        .into_response()
 }
 
 async fn ready(State(state): State<Arc<HttpState>>) -> Response {

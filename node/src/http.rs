@@ -1,0 +1,81 @@
+//! The node's HTTP side: `/metrics` (Prometheus text), `/health` and `/ready`.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
+
+use crate::metrics::Exposition;
+use crate::state::NodeState;
+
+/// The node's metrics in the Prometheus text format.
+pub fn exposition(state: &NodeState) -> String {
+    let m = &state.metrics;
+    let mut e = Exposition::default();
+    e.gauge(
+        "tandem_node_sessions_active",
+        "Sessions open on this node.",
+        state.sessions.active() as f64,
+    )
+    .gauge(
+        "tandem_node_kv_cache_bytes",
+        "KV-cache bytes held by open sessions.",
+        state.sessions.kv_bytes() as f64,
+    )
+    .counter(
+        "tandem_node_sessions_opened_total",
+        "Sessions opened.",
+        m.sessions_opened.get(),
+    )
+    .counter(
+        "tandem_node_requests_total",
+        "Draft steps or verify blocks answered.",
+        m.requests.get(),
+    )
+    .counter(
+        "tandem_node_tokens_total",
+        "Tokens proposed (draft-node) or committed (target-node).",
+        m.tokens.get(),
+    )
+    .histogram(
+        "tandem_node_compute_seconds",
+        "Model time per draft step or verify block.",
+        &m.compute,
+    )
+    .labeled(
+        "tandem_node_errors_total",
+        "Refused or failed requests by gRPC code.",
+        "kind",
+        &m.errors,
+    );
+    e.finish()
+}
+
+/// Prometheus' text content type.
+pub const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+async fn metrics(State(state): State<Arc<NodeState>>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, PROMETHEUS_TEXT)],
+        exposition(&state),
+    )
+}
+
+/// Serves `/metrics`, `/health` and `/ready` until `shutdown` resolves.
+pub async fn serve_http(
+    listener: tokio::net::TcpListener,
+    state: Arc<NodeState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(|| async { "ready" }))
+        .with_state(state);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
