@@ -16,6 +16,7 @@ use tandem_runtime::{
 };
 use tonic::Code;
 use tonic::transport::{Channel, Endpoint};
+use tracing::Instrument;
 
 use crate::links::{Draft, NodeSession, SessionSpec, Target, Traffic};
 use crate::metrics::CoordinatorMetrics;
@@ -263,6 +264,11 @@ impl Engine {
     /// Runs one generation. `sink` sees each round's commit as it happens (a slow client slows
     /// the generation down rather than buffering it) and answers false when the client has
     /// gone, which cancels the generation and frees both sessions.
+    #[tracing::instrument(name = "generate", skip_all, fields(
+        prompt_tokens = job.prompt.len(),
+        max_tokens = job.max_new_tokens,
+        k = job.draft_tokens,
+    ))]
     pub async fn generate(&self, job: &Job, sink: &mut impl CommitSink) -> Result<Outcome> {
         self.metrics.requests.add(1);
         let outcome = self.run(job, sink).await;
@@ -329,6 +335,7 @@ impl Engine {
             }
             let k = job.draft_tokens.min(transcript.remaining() - 1);
             let round_start = Instant::now();
+            let round = tracing::info_span!("round", n = stats.base.rounds + 1, k);
             let proposal = match draft.as_mut().filter(|_| k > 0) {
                 Some(d) => match d
                     .call(&log, |committed, new_tokens| v1::DraftRequest {
@@ -338,6 +345,7 @@ impl Engine {
                             k: k as u32,
                         })),
                     })
+                    .instrument(tracing::info_span!(parent: &round, "draft", k))
                     .await
                 {
                     Ok(p) => Some(p),
@@ -358,7 +366,11 @@ impl Engine {
                 None => (Vec::new(), Vec::new(), 0.0),
             };
             stats.base.draft_seconds += draft_secs;
-            let verdict = match self.verify(&mut target, &log, &drafts, &q).await {
+            let verdict = match self
+                .verify(&mut target, &log, &drafts, &q)
+                .instrument(tracing::info_span!(parent: &round, "verify", drafts = drafts.len()))
+                .await
+            {
                 Ok(v) => v,
                 Err(e) => break Err(e),
             };

@@ -183,7 +183,7 @@ impl Wire for Draft {
         let mut client = DraftServiceClient::new(channel)
             .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
-        Ok(client.session(requests).await?.into_inner())
+        Ok(client.session(traced(requests)).await?.into_inner())
     }
 }
 
@@ -230,8 +230,16 @@ impl Wire for Target {
         let mut client = TargetServiceClient::new(channel)
             .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
-        Ok(client.session(requests).await?.into_inner())
+        Ok(client.session(traced(requests)).await?.into_inner())
     }
+}
+
+/// A streaming request carrying the current trace context, so the node's session span joins
+/// the generation's trace.
+fn traced<T>(stream: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(stream);
+    tandem_proto::trace::inject_current(request.metadata_mut());
+    request
 }
 
 /// Attempts of one request before a persisting mismatch is an error.
@@ -291,6 +299,7 @@ impl<W: Wire> NodeSession<W> {
     }
 
     /// Replays `log` into a new session, replacing this one.
+    #[tracing::instrument(skip_all, fields(node = W::NODE, len = log.len()))]
     pub async fn replay(&mut self, log: &TokenLog) -> Result<()> {
         let (link, held) = Self::start(&self.channel, &self.spec, log).await?;
         let old = std::mem::replace(&mut self.link, link);
@@ -320,7 +329,10 @@ impl<W: Wire> NodeSession<W> {
                     tracing::info!(node = W::NODE, message = %r.message, "repairing a prefix mismatch");
                     self.repairs += 1;
                     match repair(log, &r) {
-                        Some(held) => self.held = held,
+                        Some(held) => {
+                            tracing::info_span!("rollback", node = W::NODE, to = held.len)
+                                .in_scope(|| self.held = held);
+                        }
                         None => self.replay(log).await?,
                     }
                 }

@@ -17,13 +17,6 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(_) => "info",
         _ => "warn",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| default_level.into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     // The local all-in-one mode runs one generation: its gRPC plumbing (coordinator and both
     // nodes) shares one thread, leaving the cores to the models (measured: the time outside the
     // models per round falls from ~900 to ~300 µs on 2 cores). `serve` handles many requests.
@@ -34,6 +27,7 @@ fn main() -> anyhow::Result<()> {
     .enable_all()
     .build()?;
     runtime.block_on(async {
+        let _telemetry = tandem_node::init_telemetry("tandem-coordinator", default_level);
         match cli.command {
             Command::Generate(args) => match &args.endpoint {
                 Some(url) => client::generate(url, &args).await,

@@ -90,20 +90,25 @@ impl Coordinator for CoordinatorService {
         &self,
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let span = tracing::info_span!("grpc_generate");
+        tandem_proto::trace::continue_trace(request.metadata(), &span);
         let job = self.0.prepare(request.get_ref())?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let engine = Arc::clone(&self.0);
-        tokio::spawn(async move {
-            let outcome = engine.generate(&job, &mut DeltaSink(tx.clone())).await;
-            let last = match outcome {
-                Ok(o) => message(v1::generate_response::Kind::Done(done_to_wire(&o))),
-                Err(e) => {
-                    tracing::info!(error = %e, "generation failed");
-                    Err(e.into())
-                }
-            };
-            let _ = tx.send(last).await;
-        });
+        tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                let outcome = engine.generate(&job, &mut DeltaSink(tx.clone())).await;
+                let last = match outcome {
+                    Ok(o) => message(v1::generate_response::Kind::Done(done_to_wire(&o))),
+                    Err(e) => {
+                        tracing::info!(error = %e, "generation failed");
+                        Err(e.into())
+                    }
+                };
+                let _ = tx.send(last).await;
+            },
+            span,
+        ));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

@@ -114,7 +114,7 @@ impl DraftService for DraftServer {
     ) -> Result<Response<Self::SessionStream>, Status> {
         Ok(Response::new(tandem_node::drive_session::<DraftSession>(
             Arc::clone(&self.0),
-            request.into_inner(),
+            request,
         )))
     }
 }

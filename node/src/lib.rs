@@ -10,10 +10,12 @@ mod serve;
 mod sessions;
 mod state;
 mod stream;
+mod telemetry;
 
 pub use config::{LimitsArgs, NodeArgs};
 pub use http::{PROMETHEUS_TEXT, exposition, serve_http};
-pub use serve::{Shutdown, init_logging, run, serve, shutdown_signal, stopped};
+pub use serve::{Shutdown, run, serve, shutdown_signal, stopped};
 pub use sessions::{SessionSlot, SessionTable};
 pub use state::{Limits, NodeState, Role};
 pub use stream::{Incoming, Session, drive_session};
+pub use telemetry::{Telemetry, init_telemetry};

@@ -83,16 +83,6 @@ pub async fn shutdown_signal() {
     let _ = ctrl_c.await;
 }
 
-/// Readable logs on stderr, `RUST_LOG` (default info) choosing what.
-pub fn init_logging() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-}
-
 /// Runs a node: loads the model (on a blocking thread), binds its listeners, logs what was
 /// loaded, on which device and where it listens, then serves the role's gRPC service (through
 /// `serve_role`) and the HTTP side until SIGINT/SIGTERM, letting in-flight requests finish.

@@ -53,7 +53,7 @@ type Outbound<S> = mpsc::Sender<Result<<S as Session>::Response, Status>>;
 /// Serves one session stream; the returned stream is the gRPC response.
 pub fn drive_session<S: Session>(
     state: Arc<NodeState>,
-    inbound: Streaming<S::Request>,
+    request: tonic::Request<Streaming<S::Request>>,
 ) -> ReceiverStream<Result<S::Response, Status>> {
     let (tx, rx) = mpsc::channel(2);
     let span = tracing::info_span!(
@@ -61,6 +61,8 @@ pub fn drive_session<S: Session>(
         role = state.role.as_str(),
         session_id = tracing::field::Empty
     );
+    tandem_proto::trace::continue_trace(request.metadata(), &span);
+    let inbound = request.into_inner();
     tokio::spawn(
         async move {
             if let Err(e) = run::<S>(&state, inbound, &tx).await {
@@ -110,7 +112,8 @@ async fn run<S: Session>(
                 tracing::Span::current().record("session_id", open.session_id.as_str());
                 let slot = state.sessions.acquire()?;
                 let st = Arc::clone(state);
-                let s = blocking(move || S::open(&st, open)).await??;
+                let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());
+                let s = blocking(move || span.in_scope(|| S::open(&st, open))).await??;
                 state.metrics.sessions_opened.add(1);
                 slot.set_kv_bytes(s.kv_bytes());
                 let reply = S::opened(v1::Opened {
@@ -124,8 +127,13 @@ async fn run<S: Session>(
                 let (mut s, slot) = session.take().ok_or(Error::NoSession)?;
                 let st = Arc::clone(state);
                 let start = std::time::Instant::now();
+                let held = s.held().len;
+                let span = match state.role {
+                    crate::Role::Draft => tracing::info_span!("draft_step", held),
+                    crate::Role::Target => tracing::info_span!("verify", held),
+                };
                 let (s, result) = blocking(move || {
-                    let r = s.handle(&st, work);
+                    let r = span.in_scope(|| s.handle(&st, work));
                     (s, r)
                 })
                 .await?;

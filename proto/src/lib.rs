@@ -4,6 +4,7 @@
 
 mod convert;
 mod error;
+pub mod trace;
 
 /// Generated messages, clients and servers of `tandem.v1`.
 #[allow(missing_debug_implementations, clippy::all, reason = "generated code")]

@@ -128,7 +128,7 @@ impl TargetService for TargetServer {
     ) -> Result<Response<Self::SessionStream>, Status> {
         Ok(Response::new(tandem_node::drive_session::<TargetSession>(
             Arc::clone(&self.0),
-            request.into_inner(),
+            request,
         )))
     }
 }

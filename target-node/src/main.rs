@@ -14,6 +14,6 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
-    tandem_node::init_logging();
+    let _telemetry = tandem_node::init_telemetry("tandem-target-node", "info");
     tandem_node::run(Role::Target, Cli::parse().node, tandem_target_node::serve).await
 }

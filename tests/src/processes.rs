@@ -58,9 +58,20 @@ impl Proc {
     /// Starts `name` with `args` (which should make it listen on `addr`) and waits until it
     /// accepts connections.
     pub fn start(name: &str, args: &[&str], addr: SocketAddr) -> Self {
+        Self::start_with_env(name, args, addr, &[])
+    }
+
+    /// [`Self::start`] with extra environment variables.
+    pub fn start_with_env(
+        name: &str,
+        args: &[&str],
+        addr: SocketAddr,
+        env: &[(&str, &str)],
+    ) -> Self {
         let child = Command::new(binary(name))
             .args(args)
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
