@@ -64,6 +64,15 @@ async fn metrics(State(state): State<Arc<NodeState>>) -> impl IntoResponse {
     )
 }
 
+/// Ready once the model is loaded (the server starts after it is), until draining starts.
+async fn ready(State(state): State<Arc<NodeState>>) -> axum::response::Response {
+    if state.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        (axum::http::StatusCode::SERVICE_UNAVAILABLE, "draining").into_response()
+    } else {
+        "ready".into_response()
+    }
+}
+
 /// Serves `/metrics`, `/health` and `/ready` until `shutdown` resolves.
 pub async fn serve_http(
     listener: tokio::net::TcpListener,
@@ -73,7 +82,7 @@ pub async fn serve_http(
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { "ok" }))
-        .route("/ready", get(|| async { "ready" }))
+        .route("/ready", get(ready))
         .with_state(state);
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)

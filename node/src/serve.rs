@@ -126,9 +126,13 @@ where
     let state = Arc::new(state);
     let (stop, _) = tokio::sync::watch::channel(false);
     let (grpc_stop, http_stop) = (stopped(&stop), stopped(&stop));
+    let draining = Arc::clone(&state);
     let signal = async move {
         shutdown_signal().await;
         tracing::info!("shutting down: letting in-flight requests finish");
+        draining
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = stop.send(true);
     };
     let http = async {

@@ -45,6 +45,8 @@ pub struct NodeState {
     pub sessions: SessionTable,
     pub device: String,
     pub metrics: crate::metrics::NodeMetrics,
+    /// Set when SIGTERM starts draining: `/ready` and gRPC health report not serving.
+    pub draining: std::sync::atomic::AtomicBool,
     vocab_hash: u64,
     stop_token_ids: Vec<u32>,
 }
@@ -91,6 +93,7 @@ impl NodeState {
             sessions: SessionTable::new(limits.max_sessions),
             device: device.to_string(),
             metrics: crate::metrics::NodeMetrics::default(),
+            draining: std::sync::atomic::AtomicBool::new(false),
             vocab_hash: tokenizer.vocab_hash(),
             stop_token_ids: default_stop_tokens(&model, &tokenizer),
             model,
