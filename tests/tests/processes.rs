@@ -12,7 +12,8 @@ use tandem_tests::processes::{Proc, binary, free_addr};
 use tandem_tests::*;
 
 struct Nodes {
-    target: Proc,
+    /// Kept to keep the process alive (killed on drop).
+    _target: Proc,
     draft: Proc,
     coordinator: Proc,
     /// The HTTP ports (metrics, health) of target, draft and coordinator.
@@ -53,7 +54,7 @@ fn start_nodes(target: &Path, draft: &Path) -> Nodes {
     ];
     let coordinator = Proc::start("coordinator", &args, addr);
     Nodes {
-        target,
+        _target: target,
         draft,
         coordinator,
         http,
@@ -138,38 +139,46 @@ fn local_all_in_one_generate_equals_target_only() {
     }
 }
 
-#[tokio::test]
-async fn killing_the_draft_node_mid_generation_costs_speed_not_output() {
-    let mut nodes = start_nodes(&stories(), &stories_q8());
+/// Streams a greedy story of `n` tokens from the coordinator, calling `after_first` once the
+/// first delta has arrived (the generation is in flight). Returns the streamed ids and the end.
+async fn generate_with(
+    nodes: &mut Nodes,
+    n: u32,
+    after_first: impl FnOnce(&mut Nodes),
+) -> (Vec<u32>, v1::GenerateDone) {
     let mut client = v1::coordinator_client::CoordinatorClient::connect(nodes.coordinator.url())
         .await
         .expect("connect");
     let prompt = tokenizer(&stories())
         .encode("Once upon a time")
         .expect("encode");
-    let req = request(&prompt, 400, 4, &SamplingParams::greedy());
+    let req = request(&prompt, n, 4, &SamplingParams::greedy());
     let mut stream = client.generate(req).await.expect("generate").into_inner();
     let mut ids = Vec::new();
-    let mut killed = false;
-    let done = loop {
-        match stream
+    let mut after_first = Some(after_first);
+    loop {
+        let message = stream
             .message()
             .await
-            .expect("stream")
-            .expect("message")
-            .kind
-        {
+            .expect("the stream goes on")
+            .expect("a message");
+        match message.kind {
             Some(v1::generate_response::Kind::Delta(d)) => {
                 ids.extend(d.token_ids);
-                if !killed {
-                    nodes.draft.kill();
-                    killed = true;
+                if let Some(f) = after_first.take() {
+                    f(nodes);
                 }
             }
-            Some(v1::generate_response::Kind::Done(done)) => break done,
+            Some(v1::generate_response::Kind::Done(done)) => return (ids, done),
             None => {}
         }
-    };
+    }
+}
+
+#[tokio::test]
+async fn killing_the_draft_node_mid_generation_costs_speed_not_output() {
+    let mut nodes = start_nodes(&stories(), &stories_q8());
+    let (ids, done) = generate_with(&mut nodes, 400, |n| n.draft.kill()).await;
     let stats = done.stats.expect("stats");
     assert!(
         stats.draft_lost,
@@ -177,44 +186,20 @@ async fn killing_the_draft_node_mid_generation_costs_speed_not_output() {
     );
     assert_eq!(ids, target_only(&stories(), "Once upon a time", 400));
     assert_eq!(done.token_ids, ids);
-    drop(nodes.target);
 }
 
 #[tokio::test]
 async fn sigterm_lets_the_generation_in_flight_finish() {
-    let nodes = start_nodes(&stories(), &stories_q8());
-    let mut client = v1::coordinator_client::CoordinatorClient::connect(nodes.coordinator.url())
-        .await
-        .expect("connect");
-    let prompt = tokenizer(&stories())
-        .encode("Once upon a time")
-        .expect("encode");
-    let req = request(&prompt, 300, 4, &SamplingParams::greedy());
-    let mut stream = client.generate(req).await.expect("generate").into_inner();
-    let first = stream.message().await.expect("stream").expect("a delta");
-    let mut ids = match first.kind {
-        Some(v1::generate_response::Kind::Delta(d)) => d.token_ids,
-        other => panic!("expected a delta, got {other:?}"),
-    };
-    let pid = nodes.coordinator.child.id().to_string();
-    let sent = Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .expect("kill");
-    assert!(sent.success());
-    let done = loop {
-        match stream
-            .message()
-            .await
-            .expect("the stream survives SIGTERM")
-            .expect("message")
-            .kind
-        {
-            Some(v1::generate_response::Kind::Delta(d)) => ids.extend(d.token_ids),
-            Some(v1::generate_response::Kind::Done(done)) => break done,
-            None => {}
-        }
-    };
+    let mut nodes = start_nodes(&stories(), &stories_q8());
+    let (ids, done) = generate_with(&mut nodes, 300, |n| {
+        let pid = n.coordinator.child.id().to_string();
+        let sent = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill");
+        assert!(sent.success());
+    })
+    .await;
     assert_eq!(ids.len(), 300);
     assert_eq!(done.token_ids, ids);
     assert_eq!(ids, target_only(&stories(), "Once upon a time", 300));
