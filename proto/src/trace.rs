@@ -37,6 +37,18 @@ impl Extractor for Extract<'_> {
     }
 }
 
+struct ExtractHeaders<'a>(&'a tonic::codegen::http::HeaderMap);
+
+impl Extractor for ExtractHeaders<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
+    }
+}
+
 /// Writes the current span's trace context into outgoing request metadata.
 pub fn inject_current(metadata: &mut MetadataMap) {
     let cx = tracing::Span::current().context();
@@ -48,5 +60,12 @@ pub fn inject_current(metadata: &mut MetadataMap) {
 /// Makes `span` a child of the trace context in incoming request metadata, if there is one.
 pub fn continue_trace(metadata: &MetadataMap, span: &tracing::Span) {
     let cx = opentelemetry::global::get_text_map_propagator(|p| p.extract(&Extract(metadata)));
+    let _ = span.set_parent(cx);
+}
+
+/// Makes `span` a child of the trace context in incoming HTTP headers, if there is one.
+pub fn continue_http_trace(headers: &tonic::codegen::http::HeaderMap, span: &tracing::Span) {
+    let cx =
+        opentelemetry::global::get_text_map_propagator(|p| p.extract(&ExtractHeaders(headers)));
     let _ = span.set_parent(cx);
 }

@@ -14,7 +14,7 @@ use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -23,6 +23,7 @@ use tandem_proto::v1;
 use tandem_runtime::Commit;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tracing::Instrument;
 
 use crate::engine::{CommitSink, Discard, Engine};
 use error::ApiError;
@@ -99,7 +100,13 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
         .map_err(|e| ApiError::invalid(None, format!("invalid JSON body: {e}")))
 }
 
-async fn completions(State(state): State<Arc<HttpState>>, body: Bytes) -> Response {
+async fn completions(
+    State(state): State<Arc<HttpState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let span = tracing::info_span!("http_completions");
+    tandem_proto::trace::continue_http_trace(&headers, &span);
     let run = async {
         let req: CompletionRequest = parse(&body)?;
         let head = state.head(Kind::Completion, req.common.model.as_deref())?;
@@ -126,10 +133,18 @@ async fn completions(State(state): State<Arc<HttpState>>, body: Bytes) -> Respon
         )
         .await
     };
-    run.await.unwrap_or_else(IntoResponse::into_response)
+    run.instrument(span)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn chat_completions(State(state): State<Arc<HttpState>>, body: Bytes) -> Response {
+async fn chat_completions(
+    State(state): State<Arc<HttpState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let span = tracing::info_span!("http_chat_completions");
+    tandem_proto::trace::continue_http_trace(&headers, &span);
     let run = async {
         let req: ChatRequest = parse(&body)?;
         let head = state.head(Kind::Chat, req.common.model.as_deref())?;
@@ -147,7 +162,9 @@ async fn chat_completions(State(state): State<Arc<HttpState>>, body: Bytes) -> R
         };
         answer(&state, head, &req.common, request, openai::CHAT_MAX_TOKENS).await
     };
-    run.await.unwrap_or_else(IntoResponse::into_response)
+    run.instrument(span)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Runs a request, whole or streamed.
@@ -192,7 +209,8 @@ async fn answer(
             let _ = tx.send(Ok(Event::default().data(v.to_string()))).await;
         }
         let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
-    });
+    }
+    .in_current_span());
     Ok(Sse::new(ReceiverStream::new(rx)).into_response())
 }
 
