@@ -1,6 +1,6 @@
 //! tandem-node: the parts of draft-node and target-node that do not depend on their role: the
 //! command line, model loading, the session table with its limits, the driver of one session's
-//! bidirectional stream (model work on blocking threads, idle timeout, in-band rejections),
+//! bidirectional stream (model work on the node's model thread, idle timeout, in-band rejections),
 //! node info, health, and serving.
 
 mod config;
@@ -11,6 +11,7 @@ mod sessions;
 mod state;
 mod stream;
 mod telemetry;
+mod worker;
 
 pub use config::{LimitsArgs, NodeArgs};
 pub use http::{PROMETHEUS_TEXT, exposition, serve_http};
@@ -19,3 +20,4 @@ pub use sessions::{SessionSlot, SessionTable};
 pub use state::{Limits, NodeState, Role};
 pub use stream::{Incoming, Session, drive_session};
 pub use telemetry::{Telemetry, init_telemetry};
+pub use worker::ModelThread;

@@ -45,6 +45,8 @@ pub struct NodeState {
     pub sessions: SessionTable,
     pub device: String,
     pub metrics: crate::metrics::NodeMetrics,
+    /// Where every forward pass runs.
+    pub worker: crate::worker::ModelThread,
     /// Set when SIGTERM starts draining: `/ready` and gRPC health report not serving.
     pub draining: std::sync::atomic::AtomicBool,
     vocab_hash: u64,
@@ -94,6 +96,7 @@ impl NodeState {
             device: device.to_string(),
             metrics: crate::metrics::NodeMetrics::default(),
             draining: std::sync::atomic::AtomicBool::new(false),
+            worker: crate::worker::ModelThread::spawn(&format!("{}-model", role.as_str())),
             vocab_hash: tokenizer.vocab_hash(),
             stop_token_ids: default_stop_tokens(&model, &tokenizer),
             model,

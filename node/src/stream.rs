@@ -1,6 +1,6 @@
 //! The driver of one session's bidirectional stream, the same for both roles: the first message
 //! opens the session, later ones work on it, `close` or the end of the stream frees it, and so
-//! does an idle timeout. Model work runs on blocking threads, never on the async workers.
+//! does an idle timeout. Model work runs on the node's model thread, never on the async workers.
 //! A refused request that left the session intact (a prefix mismatch, a value out of range) is
 //! answered in-band with a `Rejection` naming what the node holds; anything else ends the stream
 //! with a status.
@@ -76,16 +76,6 @@ pub fn drive_session<S: Session>(
     ReceiverStream::new(rx)
 }
 
-/// Runs a blocking closure on the blocking pool.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Protocol {
-            node: "node",
-            what: format!("model task failed: {e}"),
-        })
-}
-
 async fn run<S: Session>(
     state: &Arc<NodeState>,
     mut inbound: Streaming<S::Request>,
@@ -113,7 +103,9 @@ async fn run<S: Session>(
                 let slot = state.sessions.acquire()?;
                 let st = Arc::clone(state);
                 let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());
-                let s = blocking(move || span.in_scope(|| S::open(&st, open))).await??;
+                let s = (state.worker)
+                    .run(move || span.in_scope(|| S::open(&st, open)))
+                    .await??;
                 state.metrics.sessions_opened.add(1);
                 slot.set_kv_bytes(s.kv_bytes());
                 let reply = S::opened(v1::Opened {
@@ -132,11 +124,12 @@ async fn run<S: Session>(
                     crate::Role::Draft => tracing::info_span!("draft_step", held),
                     crate::Role::Target => tracing::info_span!("verify", held),
                 };
-                let (s, result) = blocking(move || {
-                    let r = span.in_scope(|| s.handle(&st, work));
-                    (s, r)
-                })
-                .await?;
+                let (s, result) = (state.worker)
+                    .run(move || {
+                        let r = span.in_scope(|| s.handle(&st, work));
+                        (s, r)
+                    })
+                    .await?;
                 slot.set_kv_bytes(s.kv_bytes());
                 let m = &state.metrics;
                 let reply = match result {
