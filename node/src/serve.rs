@@ -56,8 +56,18 @@ pub async fn serve(
         .tcp_nodelay(true)
         .add_service(health)
         .add_service(node);
+    // Draining: health says NOT_SERVING (for the overall server and the role's service) while
+    // in-flight sessions finish.
+    let draining = async move {
+        shutdown.await;
+        for name in ["", service_name] {
+            reporter
+                .set_service_status(name, tonic_health::ServingStatus::NotServing)
+                .await;
+        }
+    };
     add(router)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), draining)
         .await
 }
 
