@@ -4,7 +4,6 @@
 //! loop goes on target-only. A lost target session is rebuilt by replaying the log.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -12,13 +11,14 @@ use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::generator::MAX_DRAFT_TOKENS;
 use tandem_runtime::{
-    Commit, FinishReason, GenerationStats, SamplingParams, TokenLog, Tokenizer, Transcript,
+    Commit, FinishReason, GenerateRequest, GenerationStats, RequestLimits, SamplingParams,
+    TokenLog, Tokenizer, Transcript, Verdict,
 };
 use tonic::Code;
 use tonic::transport::{Channel, Endpoint};
 use tracing::Instrument;
 
-use crate::links::{Draft, NodeSession, SessionSpec, Target, Traffic};
+use crate::links::{Draft, NodeSession, SessionSpec, Target, Traffic, Wire};
 use crate::metrics::CoordinatorMetrics;
 
 /// A node the coordinator talks to.
@@ -78,16 +78,8 @@ impl CommitSink for Discard {
     }
 }
 
-/// A validated request.
-#[derive(Debug, Clone)]
-pub struct Job {
-    pub prompt: Vec<u32>,
-    pub max_new_tokens: usize,
-    pub sampling: SamplingParams,
-    pub draft_tokens: usize,
-    pub stop_token_ids: Vec<u32>,
-    pub stop_strings: Vec<String>,
-}
+/// A request checked against the nodes' limits, ready to run.
+pub type Job = GenerateRequest;
 
 /// Statistics of a distributed generation.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -97,6 +89,14 @@ pub struct Stats {
     pub repairs: u32,
     pub draft_lost: bool,
     pub traffic: Traffic,
+}
+
+impl Stats {
+    /// Adds what a node session counted (repairs, bytes) as it ends.
+    fn settle<W: Wire>(&mut self, session: &NodeSession<W>) {
+        self.repairs += session.repairs;
+        self.traffic += session.traffic();
+    }
 }
 
 /// A finished generation.
@@ -196,69 +196,49 @@ impl Engine {
     }
 
     fn check(&self, request: &v1::GenerateRequest) -> Result<Job> {
-        let invalid = |field, value: String, limit: String| -> Error {
-            tandem_runtime::Error::invalid(field, value, limit).into()
-        };
+        if request.prompt_tokens.is_empty() && request.prompt.is_empty() {
+            return Err(tandem_runtime::Error::EmptyPrompt.into());
+        }
         let prompt = if request.prompt_tokens.is_empty() {
             self.tokenizer.encode(&request.prompt)?
         } else {
             request.prompt_tokens.clone()
         };
-        if prompt.is_empty() || (request.prompt_tokens.is_empty() && request.prompt.is_empty()) {
-            return Err(tandem_runtime::Error::EmptyPrompt.into());
-        }
-        let vocab = self.target.info.vocab_size as usize;
-        if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(tandem_runtime::Error::TokenOutOfRange {
-                token,
-                vocab_size: vocab,
-            }
-            .into());
-        }
-        let max_new_tokens = match request.max_tokens {
-            0 => DEFAULT_MAX_TOKENS,
-            n => n as usize,
+        let mut limits = RequestLimits {
+            vocab_size: self.target.info.vocab_size as usize,
+            context: self.target.limits().max_session_tokens as usize,
+            max_draft_tokens: (self.target.limits().max_draft_tokens as usize)
+                .min(MAX_DRAFT_TOKENS),
+            draft_limit_source: " (the nodes' --max-draft-tokens)",
         };
-        let mut limit = self.target.limits().max_session_tokens as usize;
-        let mut max_k = (self.target.limits().max_draft_tokens as usize).min(MAX_DRAFT_TOKENS);
         if let Some(d) = &self.draft {
-            limit = limit.min(d.limits().max_session_tokens as usize);
-            max_k = max_k.min(d.limits().max_draft_tokens as usize);
+            limits.context = limits.context.min(d.limits().max_session_tokens as usize);
+            limits.max_draft_tokens = limits
+                .max_draft_tokens
+                .min(d.limits().max_draft_tokens as usize);
         }
-        if prompt.len() + max_new_tokens > limit {
-            return Err(tandem_runtime::Error::PromptTooLong {
-                len: prompt.len(),
-                max_new: max_new_tokens,
-                limit,
-            }
-            .into());
-        }
-        let draft_tokens = request
-            .draft_tokens
-            .map_or(self.default_draft_tokens, |k| k as usize);
-        if draft_tokens > max_k {
-            return Err(invalid(
-                "draft_tokens",
-                draft_tokens.to_string(),
-                format!("must be at most {max_k} (the nodes' --max-draft-tokens)"),
-            ));
-        }
-        let sampling = request.sampling.as_ref().map_or(
-            Ok(SamplingParams::default()),
-            v1::SamplingParams::to_runtime,
-        )?;
-        Ok(Job {
+        let job = Job {
             prompt,
-            max_new_tokens,
-            sampling,
-            draft_tokens,
+            max_new_tokens: match request.max_tokens {
+                0 => DEFAULT_MAX_TOKENS,
+                n => n as usize,
+            },
+            sampling: request.sampling.as_ref().map_or(
+                Ok(SamplingParams::default()),
+                v1::SamplingParams::to_runtime,
+            )?,
+            draft_tokens: request
+                .draft_tokens
+                .map_or(self.default_draft_tokens, |k| k as usize),
             stop_token_ids: if request.ignore_eos {
                 Vec::new()
             } else {
                 self.target.info.stop_token_ids.clone()
             },
             stop_strings: request.stop.clone(),
-        })
+        };
+        job.check(&limits)?;
+        Ok(job)
     }
 
     /// Runs one generation. `sink` sees each round's commit as it happens (a slow client slows
@@ -353,8 +333,7 @@ impl Engine {
                         tracing::warn!(error = %e, "lost the draft-node: going on with the target alone");
                         stats.draft_lost = true;
                         if let Some(d) = draft.take() {
-                            stats.repairs += d.repairs;
-                            stats.traffic = add(stats.traffic, d.traffic());
+                            stats.settle(&d);
                         }
                         None
                     }
@@ -387,8 +366,11 @@ impl Engine {
             let wall = round_start.elapsed().as_secs_f64();
             self.metrics
                 .round(drafts.len(), accepted, wall, draft_secs, verify_secs);
-            let mut round = drafts[..accepted].to_vec();
-            round.push(verdict.next_token);
+            let round = Verdict {
+                accepted,
+                next: verdict.next_token,
+            }
+            .committed(&drafts);
             let commit = match transcript.commit(&round) {
                 Ok(c) => c,
                 Err(e) => break Err(e.into()),
@@ -399,12 +381,10 @@ impl Engine {
             }
         };
         stats.base.decode_seconds = decode_start.elapsed().as_secs_f64();
-        stats.repairs += target.repairs;
-        stats.traffic = add(stats.traffic, target.traffic());
+        stats.settle(&target);
         target.close();
         if let Some(d) = draft {
-            stats.repairs += d.repairs;
-            stats.traffic = add(stats.traffic, d.traffic());
+            stats.settle(&d);
             d.close();
         }
         let finish_reason = result?;
@@ -459,13 +439,6 @@ fn session_lost(e: &Error) -> bool {
         )
 }
 
-fn add(a: Traffic, b: Traffic) -> Traffic {
-    Traffic {
-        sent: a.sent + b.sent,
-        received: a.received + b.received,
-    }
-}
-
 struct ActiveGuard<'a>(&'a AtomicUsize);
 
 impl Drop for ActiveGuard<'_> {
@@ -473,6 +446,3 @@ impl Drop for ActiveGuard<'_> {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
-
-/// Shares an engine between request handlers.
-pub type SharedEngine = Arc<Engine>;

@@ -1,7 +1,8 @@
 //! The coordinator's side of the node session streams. A [`SessionLink`] is one long-lived
-//! bidirectional stream (a round costs no set-up); [`DraftLink`] and [`TargetLink`] track the
-//! committed prefix the node holds and name it in every step, and repair a mismatch: by rolling
-//! the node back when it holds a prefix of the log, else by replaying the log into a new session.
+//! bidirectional stream (a round costs no set-up); a [`NodeSession`] (of the [`Draft`] or the
+//! [`Target`] wire) tracks the committed prefix the node holds, names it in every step, and
+//! repairs a mismatch: by rolling the node back when it holds a prefix of the log, else by
+//! replaying the log into a new session.
 
 use prost::Message;
 use std::future::Future;
@@ -23,6 +24,13 @@ const FRAME_HEADER: u64 = 5;
 pub struct Traffic {
     pub sent: u64,
     pub received: u64,
+}
+
+impl std::ops::AddAssign for Traffic {
+    fn add_assign(&mut self, other: Self) {
+        self.sent += other.sent;
+        self.received += other.received;
+    }
 }
 
 /// One bidirectional session stream.
@@ -98,12 +106,8 @@ fn unexpected(node: &'static str, what: &str) -> Error {
 /// Where the next message should say the node stands: its held prefix when the log contains
 /// it, else the longest prefix of the log it could hold (the node checks and may refuse).
 fn resume_point(log: &TokenLog, held: Prefix) -> Prefix {
-    match log.prefix_at(held.len) {
-        Some(p) if p == held => held,
-        _ => log
-            .prefix_at(held.len.min(log.len()))
-            .unwrap_or(log.prefix()),
-    }
+    log.prefix_at(held.len.min(log.len()))
+        .unwrap_or_else(|| log.prefix())
 }
 
 /// How a node's refusal is repaired: the prefix to resume from, or a replay.
@@ -304,8 +308,7 @@ impl<W: Wire> NodeSession<W> {
         let (link, held) = Self::start(&self.channel, &self.spec, log).await?;
         let old = std::mem::replace(&mut self.link, link);
         old.close(W::close());
-        self.past.sent += old.traffic.sent;
-        self.past.received += old.traffic.received;
+        self.past += old.traffic;
         self.held = held;
         Ok(())
     }
@@ -347,10 +350,9 @@ impl<W: Wire> NodeSession<W> {
     }
 
     pub fn traffic(&self) -> Traffic {
-        Traffic {
-            sent: self.past.sent + self.link.traffic.sent,
-            received: self.past.received + self.link.traffic.received,
-        }
+        let mut total = self.past;
+        total += self.link.traffic;
+        total
     }
 
     /// Closes the session (the node frees it).

@@ -41,11 +41,7 @@ pub fn stats_to_wire(o: &Outcome) -> v1::GenerationStats {
 /// The final message of a generation.
 pub fn done_to_wire(o: &Outcome) -> v1::GenerateDone {
     v1::GenerateDone {
-        finish_reason: match o.finish_reason {
-            tandem_runtime::FinishReason::Length => "length",
-            tandem_runtime::FinishReason::Stop => "stop",
-        }
-        .into(),
+        finish_reason: o.finish_reason.as_str().into(),
         stats: Some(stats_to_wire(o)),
         text: o.text.clone(),
         token_ids: o.token_ids.clone(),

@@ -29,6 +29,49 @@ pub struct GenerateRequest {
     pub stop_strings: Vec<String>,
 }
 
+/// What a request is checked against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestLimits {
+    pub vocab_size: usize,
+    /// Largest prompt plus new tokens.
+    pub context: usize,
+    pub max_draft_tokens: usize,
+    /// Appended to the K message to say where the limit comes from (may be empty).
+    pub draft_limit_source: &'static str,
+}
+
+impl GenerateRequest {
+    /// Checks every field against `limits`, naming the first that is out of range.
+    pub fn check(&self, limits: &RequestLimits) -> Result<()> {
+        if self.prompt.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        self.sampling.validate()?;
+        if self.draft_tokens > limits.max_draft_tokens {
+            return Err(Error::invalid(
+                "draft_tokens",
+                self.draft_tokens,
+                format!(
+                    "must be at most {}{}",
+                    limits.max_draft_tokens, limits.draft_limit_source
+                ),
+            ));
+        }
+        let vocab_size = limits.vocab_size;
+        if let Some(&token) = self.prompt.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(Error::TokenOutOfRange { token, vocab_size });
+        }
+        if self.prompt.len() + self.max_new_tokens > limits.context {
+            return Err(Error::PromptTooLong {
+                len: self.prompt.len(),
+                max_new: self.max_new_tokens,
+                limit: limits.context,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -37,6 +80,16 @@ pub enum FinishReason {
     Length,
     /// A stop token or stop string.
     Stop,
+}
+
+impl FinishReason {
+    /// The name OpenAI's API and the wire use: `length` or `stop`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Length => "length",
+            Self::Stop => "stop",
+        }
+    }
 }
 
 /// Counters and timings of one generation.
@@ -131,30 +184,12 @@ impl<'a> SpeculativeGenerator<'a> {
 
     /// Checks a request against the models' limits.
     pub fn validate(&self, request: &GenerateRequest) -> Result<()> {
-        if request.prompt.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
-        request.sampling.validate()?;
-        if request.draft_tokens > MAX_DRAFT_TOKENS {
-            return Err(Error::invalid(
-                "draft_tokens",
-                request.draft_tokens,
-                format!("must be at most {MAX_DRAFT_TOKENS}"),
-            ));
-        }
-        let vocab_size = self.target.config().vocab_size;
-        if let Some(&token) = request.prompt.iter().find(|&&t| t as usize >= vocab_size) {
-            return Err(Error::TokenOutOfRange { token, vocab_size });
-        }
-        let limit = self.context_limit();
-        if request.prompt.len() + request.max_new_tokens > limit {
-            return Err(Error::PromptTooLong {
-                len: request.prompt.len(),
-                max_new: request.max_new_tokens,
-                limit,
-            });
-        }
-        Ok(())
+        request.check(&RequestLimits {
+            vocab_size: self.target.config().vocab_size,
+            context: self.context_limit(),
+            max_draft_tokens: MAX_DRAFT_TOKENS,
+            draft_limit_source: "",
+        })
     }
 
     fn context_limit(&self) -> usize {

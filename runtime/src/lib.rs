@@ -19,8 +19,8 @@ pub mod transcript;
 pub use acceptance::{Verdict, verify};
 pub use error::{Error, Result};
 pub use generator::{
-    FinishReason, GenerateRequest, Generation, GenerationStats, SpeculativeGenerator,
-    default_stop_tokens,
+    FinishReason, GenerateRequest, Generation, GenerationStats, RequestLimits,
+    SpeculativeGenerator, default_stop_tokens,
 };
 pub use kv_cache::KvCache;
 pub use model::{LoadOptions, Logits, Model, ModelConfig};

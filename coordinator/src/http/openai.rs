@@ -214,7 +214,7 @@ impl Head {
     pub fn finish_chunk(&self, outcome: &Outcome) -> Value {
         self.envelope(
             true,
-            json!([self.choice("", Some(finish(outcome)), true, false)]),
+            json!([self.choice("", Some(outcome.finish_reason.as_str()), true, false)]),
         )
     }
 
@@ -230,18 +230,16 @@ impl Head {
     pub fn response(&self, job: &Job, outcome: &Outcome) -> Value {
         let mut v = self.envelope(
             false,
-            json!([self.choice(&outcome.text, Some(finish(outcome)), false, false)]),
+            json!([self.choice(
+                &outcome.text,
+                Some(outcome.finish_reason.as_str()),
+                false,
+                false
+            )]),
         );
         v["usage"] = usage(job, outcome);
         v["tandem"] = speculation(outcome);
         v
-    }
-}
-
-fn finish(outcome: &Outcome) -> &'static str {
-    match outcome.finish_reason {
-        tandem_runtime::FinishReason::Length => "length",
-        tandem_runtime::FinishReason::Stop => "stop",
     }
 }
 
