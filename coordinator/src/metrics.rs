@@ -1,6 +1,6 @@
 //! What the coordinator counts, exposed at `/metrics` on its HTTP port.
 
-use tandem_node::metrics::{Counter, Exposition, Histogram, LabeledCounter};
+use tandem_node::metrics::{Counter, Exposition, Histogram, LabeledCounter, PositionCounter};
 
 /// Counters and round-latency histograms of the coordinator.
 #[derive(Debug, Default)]
@@ -10,8 +10,8 @@ pub struct CoordinatorMetrics {
     pub drafted_tokens: Counter,
     pub accepted_tokens: Counter,
     /// Drafts and acceptances by position in the block (1 = first draft token).
-    pub drafted_at: LabeledCounter,
-    pub accepted_at: LabeledCounter,
+    pub drafted_at: PositionCounter,
+    pub accepted_at: PositionCounter,
     pub rounds: Counter,
     pub round_seconds: Histogram,
     pub draft_seconds: Histogram,
@@ -29,12 +29,8 @@ impl CoordinatorMetrics {
         self.rounds.add(1);
         self.drafted_tokens.add(drafted as u64);
         self.accepted_tokens.add(accepted as u64);
-        for i in 1..=drafted {
-            self.drafted_at.add(&i.to_string(), 1);
-        }
-        for i in 1..=accepted {
-            self.accepted_at.add(&i.to_string(), 1);
-        }
+        self.drafted_at.add_first(drafted);
+        self.accepted_at.add_first(accepted);
         self.round_seconds.observe(wall);
         if drafted > 0 {
             self.draft_seconds.observe(draft);
@@ -71,16 +67,14 @@ impl CoordinatorMetrics {
             "Draft tokens accepted by the target.",
             self.accepted_tokens.get(),
         )
-        .labeled(
+        .positions(
             "tandem_drafted_at_position_total",
             "Draft tokens proposed by position in the block.",
-            "position",
             &self.drafted_at,
         )
-        .labeled(
+        .positions(
             "tandem_accepted_at_position_total",
             "Draft tokens accepted by position in the block.",
-            "position",
             &self.accepted_at,
         )
         .counter(

@@ -42,6 +42,27 @@ impl LabeledCounter {
     }
 }
 
+/// Counts by position 1..=N in a block, without allocating on the hot path.
+#[derive(Debug)]
+pub struct PositionCounter(Vec<Counter>);
+
+impl Default for PositionCounter {
+    /// One counter per position of the largest block a round may draft.
+    fn default() -> Self {
+        let positions = tandem_runtime::generator::MAX_DRAFT_TOKENS;
+        Self((0..positions).map(|_| Counter::default()).collect())
+    }
+}
+
+impl PositionCounter {
+    /// Counts one at each of the positions 1..=n.
+    pub fn add_first(&self, n: usize) {
+        for c in self.0.iter().take(n) {
+            c.add(1);
+        }
+    }
+}
+
 /// Latency buckets in seconds, 100 µs to 10 s.
 pub const LATENCY_BUCKETS: [f64; 14] = [
     1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 10.0,
@@ -104,6 +125,17 @@ impl Exposition {
         self
     }
 
+    /// A counter by position; positions never counted are left out.
+    pub fn positions(&mut self, name: &str, help: &str, c: &PositionCounter) -> &mut Self {
+        self.head(name, help, "counter");
+        for (i, n) in c.0.iter().map(Counter::get).enumerate() {
+            if n > 0 {
+                let _ = writeln!(self.0, "{name}{{position=\"{}\"}} {n}", i + 1);
+            }
+        }
+        self
+    }
+
     pub fn histogram(&mut self, name: &str, help: &str, h: &Histogram) -> &mut Self {
         self.head(name, help, "histogram");
         let mut cumulative = 0;
@@ -148,6 +180,10 @@ mod tests {
         let errors = LabeledCounter::default();
         errors.add("invalid \"k\"", 2);
         let mut e = Exposition::default();
+        let at = PositionCounter::default();
+        at.add_first(2);
+        at.add_first(1);
+        e.positions("t_at_total", "help", &at);
         e.histogram("t_seconds", "help", &h)
             .labeled("t_errors_total", "help", "kind", &errors);
         let text = e.finish();
@@ -161,6 +197,10 @@ mod tests {
         );
         assert!(text.contains("t_seconds_bucket{le=\"+Inf\"} 4\n"), "{text}");
         assert!(text.contains("t_seconds_count 4\n"), "{text}");
+        assert!(
+            text.contains("t_at_total{position=\"1\"} 2\nt_at_total{position=\"2\"} 1\n# HELP"),
+            "{text}"
+        );
         assert!(
             text.contains("t_errors_total{kind=\"invalid \\\"k\\\"\"} 2\n"),
             "{text}"
