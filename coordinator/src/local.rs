@@ -5,34 +5,27 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
-use tandem_node::{LimitsArgs, NodeState, Role};
-use tandem_runtime::model::parse_device;
+use tandem_node::{LimitsArgs, ModelSource, NodeState, Role};
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
-use tandem_runtime::{LoadOptions, Logits, Model, Tokenizer};
+use tandem_runtime::{Logits, Tokenizer};
 
 use crate::cli::{GenerateArgs, ModelArgs, QuantizeArgs};
 use crate::cluster::LocalCluster;
 
-/// Loads one model with its tokenizer as a node would.
+/// Loads one model with its tokenizer as a node does, and warms it up.
 fn load_node(role: Role, path: &Path, device: &str) -> anyhow::Result<NodeState> {
-    let options = LoadOptions {
-        device: parse_device(device)?,
-        ..LoadOptions::default()
+    let source = ModelSource {
+        model: path.to_path_buf(),
+        device: device.to_string(),
+        max_context: None,
     };
-    let what = role.as_str();
-    let model = Model::load(path, &options).with_context(|| format!("loading the {what} model"))?;
-    let tokenizer =
-        Tokenizer::for_model(path).with_context(|| format!("loading the {what} tokenizer"))?;
+    let state = NodeState::load(role, &source, &LimitsArgs::default())
+        .with_context(|| format!("loading the {} model", role.as_str()))?;
     // First forwards pay for thread-pool start-up and page faults: keep them out of the timings
     // that the speedup compares.
+    let model = &state.model;
     model.forward(&[0], &mut model.new_cache(), Logits::Last)?;
-    Ok(NodeState::new(
-        role,
-        model,
-        tokenizer,
-        device,
-        &LimitsArgs::default(),
-    ))
+    Ok(state)
 }
 
 /// Starts a target-node, a draft-node and a coordinator in this process on loopback gRPC.

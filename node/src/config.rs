@@ -8,23 +8,30 @@ use clap::Args;
 /// What every node is started with.
 #[derive(Debug, Clone, Args)]
 pub struct NodeArgs {
-    /// Model: a Hugging Face folder or a .gguf file.
-    #[arg(long, env = "TANDEM_MODEL")]
-    pub model: PathBuf,
+    #[command(flatten)]
+    pub source: ModelSource,
     /// Address to listen on for gRPC.
     #[arg(long, env = "TANDEM_LISTEN")]
     pub listen: SocketAddr,
     /// Address of the HTTP side: `/metrics` (Prometheus), `/health`, `/ready`; unset serves none.
     #[arg(long, env = "TANDEM_HTTP_LISTEN")]
     pub http_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    pub limits: LimitsArgs,
+}
+
+/// Which model a node serves, and where.
+#[derive(Debug, Clone, Args)]
+pub struct ModelSource {
+    /// Model: a Hugging Face folder or a .gguf file.
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: PathBuf,
     /// Device: cpu, or cuda:N (needs the `cuda` feature).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: String,
     /// Caps the context below the model's own (sizes rope tables and caches).
     #[arg(long, env = "TANDEM_MAX_CONTEXT")]
     pub max_context: Option<usize>,
-    #[command(flatten)]
-    pub limits: LimitsArgs,
 }
 
 /// Per-node limits; a request beyond one is refused with a status naming it.

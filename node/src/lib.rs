@@ -13,7 +13,7 @@ mod stream;
 mod telemetry;
 mod worker;
 
-pub use config::{LimitsArgs, NodeArgs};
+pub use config::{LimitsArgs, ModelSource, NodeArgs};
 pub use http::{PROMETHEUS_TEXT, exposition, serve_http};
 pub use serve::{Shutdown, run, serve, shutdown_signal, stopped};
 pub use sessions::{SessionSlot, SessionTable};

@@ -102,11 +102,13 @@ where
     Fut: std::future::Future<Output = Result<(), tonic::transport::Error>>,
 {
     use anyhow::Context;
-    tracing::info!(role = role.as_str(), model = %args.model.display(), device = %args.device, "loading model");
+    let source = &args.source;
+    tracing::info!(role = role.as_str(), model = %source.model.display(), device = %source.device, "loading model");
     let (listen, http_listen) = (args.listen, args.http_listen);
-    let state = tokio::task::spawn_blocking(move || NodeState::load(role, &args))
-        .await?
-        .with_context(|| format!("loading the {} model", role.as_str()))?;
+    let state =
+        tokio::task::spawn_blocking(move || NodeState::load(role, &args.source, &args.limits))
+            .await?
+            .with_context(|| format!("loading the {} model", role.as_str()))?;
     let listener = TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;

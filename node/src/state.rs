@@ -7,7 +7,7 @@ use tandem_runtime::{
     LoadOptions, Model, SamplingParams, Tokenizer, default_stop_tokens, model::parse_device,
 };
 
-use crate::config::{LimitsArgs, NodeArgs};
+use crate::config::{LimitsArgs, ModelSource};
 use crate::sessions::SessionTable;
 
 /// Which side of speculation a node serves.
@@ -54,22 +54,16 @@ pub struct NodeState {
 }
 
 impl NodeState {
-    /// Loads the model and tokenizer named by `args` (blocking: call before serving).
-    pub fn load(role: Role, args: &NodeArgs) -> Result<Self> {
+    /// Loads the model and tokenizer `source` names (blocking: call before serving).
+    pub fn load(role: Role, source: &ModelSource, limits: &LimitsArgs) -> Result<Self> {
         let options = LoadOptions {
-            device: parse_device(&args.device)?,
-            max_context: args.max_context,
+            device: parse_device(&source.device)?,
+            max_context: source.max_context,
             ..LoadOptions::default()
         };
-        let model = Model::load(&args.model, &options)?;
-        let tokenizer = Tokenizer::for_model(&args.model)?;
-        Ok(Self::new(
-            role,
-            model,
-            tokenizer,
-            &args.device,
-            &args.limits,
-        ))
+        let model = Model::load(&source.model, &options)?;
+        let tokenizer = Tokenizer::for_model(&source.model)?;
+        Ok(Self::new(role, model, tokenizer, &source.device, limits))
     }
 
     pub fn new(
