@@ -46,14 +46,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let http = match args.http_listen {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen on {addr} (--http-listen)"))?,
-        ),
-        None => None,
-    };
+    let http = tandem_node::bind_http(args.http_listen).await?;
     tracing::info!(
         target_node = %args.target,
         target_model = %engine.target.info.model_name,
@@ -66,32 +59,25 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     );
     let engine = Arc::new(engine);
     let state = HttpState::new(Arc::clone(&engine));
-    // One signal stops both servers; each lets its in-flight requests finish.
-    let (stop, _) = tokio::sync::watch::channel(false);
-    let (grpc_stop, http_stop) = (tandem_node::stopped(&stop), tandem_node::stopped(&stop));
-    let http_state = Arc::clone(&state);
-    let grpc_engine = Arc::clone(&engine);
-    let signal = async move {
-        tandem_node::shutdown_signal().await;
-        tracing::info!(
-            in_flight = engine.active(),
-            "shutting down: draining in-flight generations"
-        );
-        http_state
-            .ready
-            .store(false, std::sync::atomic::Ordering::Relaxed);
-        let _ = stop.send(true);
-    };
-    let http = async {
-        match http {
-            Some(l) => http::serve(l, state, http_stop).await,
-            None => Ok(()),
-        }
-    };
-    let grpc = tandem_coordinator::serve(listener, grpc_engine, grpc_stop);
-    let ((), grpc, http) = tokio::join!(signal, grpc, http);
-    grpc?;
-    http?;
+    tandem_node::serve_until_signal(
+        || {
+            tracing::info!(
+                in_flight = engine.active(),
+                "shutting down: draining in-flight generations"
+            );
+            state
+                .ready
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        },
+        |stop| tandem_coordinator::serve(listener, Arc::clone(&engine), stop),
+        |stop| async {
+            match http {
+                Some(l) => http::serve(l, Arc::clone(&state), stop).await,
+                None => Ok(()),
+            }
+        },
+    )
+    .await?;
     tracing::info!("coordinator stopped");
     Ok(())
 }

@@ -10,6 +10,8 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::server::Router;
 use tonic::{Request, Response, Status};
 
+use std::net::SocketAddr;
+
 use crate::config::NodeArgs;
 use crate::state::{NodeState, Role};
 
@@ -112,14 +114,7 @@ where
     let listener = TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
-    let http = match http_listen {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen on {addr} (--http-listen)"))?,
-        ),
-        None => None,
-    };
+    let http = bind_http(http_listen).await?;
     let config = state.model.config();
     tracing::info!(
         role = role.as_str(),
@@ -136,28 +131,61 @@ where
         "node ready"
     );
     let state = Arc::new(state);
+    serve_until_signal(
+        || {
+            tracing::info!("shutting down: letting in-flight requests finish");
+            state
+                .draining
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        },
+        |stop| serve_role(listener, Arc::clone(&state), stop),
+        |stop| async {
+            match http {
+                Some(l) => crate::serve_http(l, Arc::clone(&state), stop).await,
+                None => Ok(()),
+            }
+        },
+    )
+    .await?;
+    tracing::info!(role = role.as_str(), "node stopped");
+    Ok(())
+}
+
+/// Binds the optional HTTP listener (`--http-listen`).
+pub async fn bind_http(addr: Option<SocketAddr>) -> anyhow::Result<Option<TcpListener>> {
+    use anyhow::Context;
+    match addr {
+        Some(addr) => {
+            Ok(Some(TcpListener::bind(addr).await.with_context(|| {
+                format!("cannot listen on {addr} (--http-listen)")
+            })?))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Serves a gRPC and an HTTP server until SIGINT/SIGTERM: `on_signal` runs first (readiness
+/// off), then both stop accepting and let their in-flight requests finish.
+pub async fn serve_until_signal<G, H>(
+    on_signal: impl FnOnce(),
+    grpc: impl FnOnce(Shutdown) -> G,
+    http: impl FnOnce(Shutdown) -> H,
+) -> anyhow::Result<()>
+where
+    G: std::future::Future<Output = Result<(), tonic::transport::Error>>,
+    H: std::future::Future<Output = std::io::Result<()>>,
+{
     let (stop, _) = tokio::sync::watch::channel(false);
     let (grpc_stop, http_stop) = (stopped(&stop), stopped(&stop));
-    let draining = Arc::clone(&state);
     let signal = async move {
         shutdown_signal().await;
-        tracing::info!("shutting down: letting in-flight requests finish");
-        draining
-            .draining
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        on_signal();
         let _ = stop.send(true);
     };
-    let http = async {
-        match http {
-            Some(l) => crate::serve_http(l, Arc::clone(&state), http_stop).await,
-            None => Ok(()),
-        }
-    };
-    let grpc = serve_role(listener, Arc::clone(&state), Box::pin(grpc_stop));
-    let ((), grpc, http) = tokio::join!(signal, grpc, http);
+    let ((), grpc, http) =
+        tokio::join!(signal, grpc(Box::pin(grpc_stop)), http(Box::pin(http_stop)));
     grpc?;
     http?;
-    tracing::info!(role = role.as_str(), "node stopped");
     Ok(())
 }
 
