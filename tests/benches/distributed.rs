@@ -10,41 +10,10 @@
 //! BENCH_K (default `4,8`).
 
 use serde_json::json;
-use tandem_coordinator::{Discard, Engine, Outcome};
 use tandem_node::LimitsArgs;
-use tandem_proto::v1;
-use tandem_runtime::{
-    GenerateRequest, Generation, Model, SamplingParams, SpeculativeGenerator, Tokenizer,
-};
+use tandem_runtime::SamplingParams;
 use tandem_tests::bench::{PROMPT, env_list, ks, median, pairs, reps};
-use tandem_tests::{cluster, load, request, tokenizer};
-
-fn in_process(
-    target: &Model,
-    draft: Option<&Model>,
-    tok: &Tokenizer,
-    req: &v1::GenerateRequest,
-) -> Generation {
-    let request = GenerateRequest {
-        prompt: req.prompt_tokens.clone(),
-        max_new_tokens: req.max_tokens as usize,
-        sampling: SamplingParams::greedy(),
-        draft_tokens: req.draft_tokens.unwrap_or(0) as usize,
-        stop_token_ids: Vec::new(),
-        stop_strings: Vec::new(),
-    };
-    SpeculativeGenerator::new(target, draft, tok)
-        .and_then(|g| g.generate(&request, |_| {}))
-        .expect("in-process generation")
-}
-
-async fn distributed(engine: &Engine, req: &v1::GenerateRequest) -> Outcome {
-    let job = engine.prepare(req).expect("request");
-    engine
-        .generate(&job, &mut Discard)
-        .await
-        .expect("distributed generation")
-}
+use tandem_tests::{cluster, generate, in_process_with, load, request, tokenizer};
 
 #[derive(Default)]
 struct Samples {
@@ -84,13 +53,13 @@ async fn main() -> anyhow::Result<()> {
             let spec = request(&prompt, pair.max_new_tokens as u32, k as u32, &greedy);
             let base = request(&prompt, pair.max_new_tokens as u32, 0, &greedy);
             // Warm-up: thread pools, page faults, connections.
-            distributed(&engine, &spec).await;
-            in_process(&target, Some(&draft), &tok, &spec);
+            generate(&engine, &spec).await;
+            in_process_with(&target, Some(&draft), &tok, &spec);
             let mut s = Samples::default();
             for _ in 0..reps {
-                let b = in_process(&target, None, &tok, &base);
-                let l = in_process(&target, Some(&draft), &tok, &spec);
-                let d = distributed(&engine, &spec).await;
+                let b = in_process_with(&target, None, &tok, &base);
+                let l = in_process_with(&target, Some(&draft), &tok, &spec);
+                let d = generate(&engine, &spec).await;
                 assert_eq!(
                     d.token_ids, b.token_ids,
                     "distributed output must equal target-only"

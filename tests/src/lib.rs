@@ -8,7 +8,7 @@ pub mod python;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-use tandem_coordinator::LocalCluster;
+use tandem_coordinator::{Discard, Engine, LocalCluster, Outcome};
 use tandem_node::{LimitsArgs, NodeState, Role};
 use tandem_proto::v1;
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
@@ -132,7 +132,16 @@ pub fn request(
 /// The same request run by the in-process generator (no gRPC).
 pub fn in_process(target: &Path, draft: Option<&Path>, req: &v1::GenerateRequest) -> Generation {
     let (target_model, draft_model) = (load(target), draft.map(load));
-    let tok = tokenizer(target);
+    in_process_with(&target_model, draft_model.as_ref(), &tokenizer(target), req)
+}
+
+/// [`in_process`] with models already loaded.
+pub fn in_process_with(
+    target: &Model,
+    draft: Option<&Model>,
+    tok: &Tokenizer,
+    req: &v1::GenerateRequest,
+) -> Generation {
     let request = GenerateRequest {
         prompt: req.prompt_tokens.clone(),
         max_new_tokens: req.max_tokens as usize,
@@ -145,10 +154,19 @@ pub fn in_process(target: &Path, draft: Option<&Path>, req: &v1::GenerateRequest
         stop_token_ids: Vec::new(),
         stop_strings: req.stop.clone(),
     };
-    SpeculativeGenerator::new(&target_model, draft_model.as_ref(), &tok)
+    SpeculativeGenerator::new(target, draft, tok)
         .expect("generator")
         .generate(&request, |_| {})
         .expect("in-process generation")
+}
+
+/// Runs a request on `engine` to the end (no streaming).
+pub async fn generate(engine: &Engine, req: &v1::GenerateRequest) -> Outcome {
+    let job = engine.prepare(req).expect("valid request");
+    engine
+        .generate(&job, &mut Discard)
+        .await
+        .expect("generation")
 }
 
 /// Node info over gRPC.

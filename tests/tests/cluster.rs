@@ -4,19 +4,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use tandem_coordinator::{Discard, Engine, Outcome};
 use tandem_node::LimitsArgs;
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
 use tandem_tests::*;
-
-async fn run(engine: &Engine, req: &v1::GenerateRequest) -> Outcome {
-    let job = engine.prepare(req).expect("valid request");
-    engine
-        .generate(&job, &mut Discard)
-        .await
-        .expect("generation")
-}
 
 fn prompt(text: &str) -> Vec<u32> {
     tokenizer(&stories()).encode(text).expect("encode")
@@ -33,7 +24,7 @@ async fn assert_greedy_lossless(target: &Path, draft: &Path) -> f64 {
         let p = prompt(text);
         let baseline = in_process(target, None, &request(&p, 48, 0, &greedy));
         assert_eq!(baseline.token_ids.len(), 48);
-        let target_only = run(&engine, &request(&p, 48, 0, &greedy)).await;
+        let target_only = generate(&engine, &request(&p, 48, 0, &greedy)).await;
         assert_eq!(
             target_only.token_ids, baseline.token_ids,
             "target-only over gRPC"
@@ -41,7 +32,7 @@ async fn assert_greedy_lossless(target: &Path, draft: &Path) -> f64 {
         assert_eq!(target_only.stats.base.drafted, 0);
         for k in [1, 2, 4, 8] {
             let req = request(&p, 48, k, &greedy);
-            let distributed = run(&engine, &req).await;
+            let distributed = generate(&engine, &req).await;
             let local = in_process(target, Some(draft), &req);
             assert_eq!(
                 distributed.token_ids, baseline.token_ids,
@@ -88,7 +79,7 @@ async fn seeded_sampling_equals_the_in_process_generator() {
     for seed in [1, 2, 3] {
         for k in [0, 3, 6] {
             let req = request(&p, 40, k, &sampled(seed));
-            let distributed = run(&engine, &req).await;
+            let distributed = generate(&engine, &req).await;
             let local = in_process(&target, Some(&draft), &req);
             assert_eq!(
                 distributed.token_ids, local.token_ids,
@@ -131,7 +122,7 @@ async fn eight_concurrent_sessions_equal_the_same_requests_alone() {
         .cloned()
         .map(|req| {
             let engine = Arc::clone(&engine);
-            tokio::spawn(async move { run(&engine, &req).await })
+            tokio::spawn(async move { generate(&engine, &req).await })
         })
         .collect();
     let mut together = Vec::new();
@@ -139,7 +130,7 @@ async fn eight_concurrent_sessions_equal_the_same_requests_alone() {
         together.push(t.await.expect("task"));
     }
     for (req, concurrent) in requests.iter().zip(&together) {
-        let alone = run(&engine, req).await;
+        let alone = generate(&engine, req).await;
         assert_eq!(concurrent.token_ids, alone.token_ids);
         assert_eq!(concurrent.token_ids.len(), req.max_tokens as usize);
     }

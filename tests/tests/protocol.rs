@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use tandem_coordinator::{Discard, Engine};
+use tandem_coordinator::Engine;
 use tandem_node::LimitsArgs;
 use tandem_proto::v1::draft_service_client::DraftServiceClient;
 use tandem_proto::v1::draft_service_server::{DraftService, DraftServiceServer};
@@ -380,11 +380,7 @@ async fn desynchronised_steps_are_repaired_and_the_generation_finishes_correctly
         .await
         .expect("engine");
     let req = request(&[1, 403, 407], 80, 4, &SamplingParams::greedy());
-    let job = engine.prepare(&req).expect("request");
-    let outcome = engine
-        .generate(&job, &mut Discard)
-        .await
-        .expect("generation");
+    let outcome = generate(&engine, &req).await;
     let baseline = in_process(
         &stories(),
         None,
