@@ -8,11 +8,11 @@ use axum::http::header;
 use axum::response::IntoResponse;
 use axum::routing::get;
 
-use crate::metrics::Exposition;
+use crate::metrics::{Exposition, PROMETHEUS_TEXT};
 use crate::state::NodeState;
 
 /// The node's metrics in the Prometheus text format.
-pub fn exposition(state: &NodeState) -> String {
+fn exposition(state: &NodeState) -> String {
     let m = &state.metrics;
     let mut e = Exposition::default();
     e.gauge(
@@ -54,9 +54,6 @@ pub fn exposition(state: &NodeState) -> String {
     e.finish()
 }
 
-/// Prometheus' text content type.
-pub const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
-
 async fn metrics(State(state): State<Arc<NodeState>>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, PROMETHEUS_TEXT)],
@@ -74,7 +71,7 @@ async fn ready(State(state): State<Arc<NodeState>>) -> axum::response::Response 
 }
 
 /// Serves `/metrics`, `/health` and `/ready` until `shutdown` resolves.
-pub async fn serve_http(
+pub(crate) async fn serve_http(
     listener: tokio::net::TcpListener,
     state: Arc<NodeState>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,

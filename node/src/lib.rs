@@ -14,8 +14,7 @@ mod telemetry;
 mod worker;
 
 pub use config::{LimitsArgs, ModelSource, NodeArgs};
-pub use http::{PROMETHEUS_TEXT, exposition, serve_http};
-pub use serve::{Shutdown, bind_http, run, serve, serve_until_signal, shutdown_signal, stopped};
+pub use serve::{Shutdown, bind_http, run, serve, serve_until_signal, stopped};
 pub use sessions::{SessionSlot, SessionTable};
 pub use state::{Limits, NodeState, Role};
 pub use stream::{Incoming, Session, drive_session};

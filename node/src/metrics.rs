@@ -7,6 +7,9 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// Prometheus' text content type.
+pub const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
 /// A monotonically increasing count.
 #[derive(Debug, Default)]
 pub struct Counter(AtomicU64);

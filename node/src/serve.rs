@@ -141,7 +141,7 @@ where
         |stop| serve_role(listener, Arc::clone(&state), stop),
         |stop| async {
             match http {
-                Some(l) => crate::serve_http(l, Arc::clone(&state), stop).await,
+                Some(l) => crate::http::serve_http(l, Arc::clone(&state), stop).await,
                 None => Ok(()),
             }
         },

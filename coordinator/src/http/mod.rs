@@ -248,7 +248,7 @@ async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            tandem_node::PROMETHEUS_TEXT,
+            tandem_node::metrics::PROMETHEUS_TEXT,
         )],
         text,
     )
