@@ -61,8 +61,10 @@ pub struct SamplingArgs {
     pub min_p: f32,
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Keys every random draw (same seed, same text); unset, a random one is chosen and
+    /// reported.
+    #[arg(long, env = "TANDEM_SEED")]
+    pub seed: Option<u64>,
 }
 
 #[derive(Debug, Args)]

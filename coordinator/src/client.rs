@@ -83,10 +83,14 @@ pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
     let baseline = if args.no_baseline || args.draft_tokens == 0 {
         None
     } else {
-        let target_only = v1::GenerateRequest {
+        // The same draws as the speculative run: the seed it was given or chose.
+        let mut target_only = v1::GenerateRequest {
             draft_tokens: Some(0),
             ..request
         };
+        if let Some(s) = target_only.sampling.as_mut() {
+            s.seed = done.stats.as_ref().map(|st| st.seed);
+        }
         Some(run(&mut client, target_only, |_| {}).await?)
     };
     report(args, &done, baseline.as_ref());
@@ -94,8 +98,10 @@ pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
 }
 
 fn report(args: &GenerateArgs, done: &v1::GenerateDone, baseline: Option<&v1::GenerateDone>) {
-    let st = done.stats.unwrap_or_default();
-    let base_tps = baseline.and_then(|b| b.stats).map(|s| s.tokens_per_second);
+    let st = done.stats.clone().unwrap_or_default();
+    let base_tps = baseline
+        .and_then(|b| b.stats.as_ref())
+        .map(|s| s.tokens_per_second);
     let speedup = base_tps.map(|b| st.tokens_per_second / b);
     if args.json {
         let out = json!({
@@ -116,6 +122,9 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, baseline: Option<&v1::Ge
                 "target_seconds": st.target_seconds,
                 "repairs": st.repairs,
                 "draft_lost": st.draft_lost,
+                "draft_lost_reason": st.draft_lost_reason,
+                "draft_blocks_refused": st.draft_blocks_refused,
+                "seed": st.seed,
                 "bytes_sent": st.bytes_sent,
                 "bytes_received": st.bytes_received,
             },

@@ -17,6 +17,9 @@ use crate::engine::Engine;
 pub struct LocalCluster {
     pub target_addr: SocketAddr,
     pub draft_addr: Option<SocketAddr>,
+    /// The nodes' state (their metrics, sessions), as the services see it.
+    pub target: Arc<NodeState>,
+    pub draft: Option<Arc<NodeState>>,
     stop: watch::Sender<bool>,
 }
 
@@ -44,27 +47,31 @@ impl LocalCluster {
         let (stop, _) = watch::channel(false);
         let listener = bind().await?;
         let target_addr = addr(&listener)?;
+        let target = Arc::new(target);
         tokio::spawn(tandem_target_node::serve(
             listener,
-            Arc::new(target),
+            Arc::clone(&target),
             stopped(&stop),
         ));
-        let draft_addr = match draft {
+        let (draft_addr, draft) = match draft {
             Some(d) => {
                 let listener = bind().await?;
                 let a = addr(&listener)?;
+                let d = Arc::new(d);
                 tokio::spawn(tandem_draft_node::serve(
                     listener,
-                    Arc::new(d),
+                    Arc::clone(&d),
                     stopped(&stop),
                 ));
-                Some(a)
+                (Some(a), Some(d))
             }
-            None => None,
+            None => (None, None),
         };
         Ok(Self {
             target_addr,
             draft_addr,
+            target,
+            draft,
             stop,
         })
     }

@@ -2,6 +2,11 @@
 //! session's canonical log, asks the draft-node for K tokens, has the target-node verify them in
 //! one pass, commits the verdict and streams it. Losing the draft costs speed, not output: the
 //! loop goes on target-only. A lost target session is rebuilt by replaying the log.
+//!
+//! A draft's block is never trusted: the target-node refuses one that fails its checks and runs
+//! the round as a plain target step; more drafts than asked for are refused here. After
+//! [`MAX_REFUSED_BLOCKS`] refused blocks the draft is detached from the generation, which goes
+//! on target-only. A bad draft never fails a request.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,8 +16,8 @@ use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::generator::MAX_DRAFT_TOKENS;
 use tandem_runtime::{
-    Commit, FinishReason, GenerateRequest, GenerationStats, RequestLimits, SamplingParams,
-    TokenLog, Tokenizer, Transcript, Verdict,
+    Commit, DraftRefusal, FinishReason, GenerateRequest, GenerationStats, RefusalReason,
+    RequestLimits, SamplingParams, TokenLog, Tokenizer, Transcript, Verdict,
 };
 use tonic::Code;
 use tonic::transport::{Channel, Endpoint};
@@ -81,6 +86,9 @@ impl CommitSink for Discard {
 /// A request checked against the nodes' limits, ready to run.
 pub type Job = GenerateRequest;
 
+/// Refused blocks after which a generation detaches its draft.
+pub const MAX_REFUSED_BLOCKS: u32 = 3;
+
 /// Statistics of a distributed generation.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Stats {
@@ -88,10 +96,21 @@ pub struct Stats {
     pub base: GenerationStats,
     pub repairs: u32,
     pub draft_lost: bool,
+    /// Why the draft was detached, when it was.
+    pub draft_lost_reason: String,
+    /// Drafted blocks refused (each ran as a plain target step).
+    pub draft_blocks_refused: u32,
+    /// The seed every draw was keyed by.
+    pub seed: u64,
     pub traffic: Traffic,
 }
 
 impl Stats {
+    fn lose_draft(&mut self, reason: String) {
+        self.draft_lost = true;
+        self.draft_lost_reason = reason;
+    }
+
     /// Adds what a node session counted (repairs, bytes) as it ends.
     fn settle<W: Wire>(&mut self, session: &NodeSession<W>) {
         self.repairs += session.repairs;
@@ -273,7 +292,10 @@ impl Engine {
             max_len: job.prompt.len() + job.max_new_tokens,
         };
         let mut log = TokenLog::new(&job.prompt);
-        let mut stats = Stats::default();
+        let mut stats = Stats {
+            seed: job.sampling.seed,
+            ..Stats::default()
+        };
         let prefill_start = Instant::now();
         let use_draft = self
             .draft
@@ -295,7 +317,7 @@ impl Engine {
             Some(Ok(d)) => Some(d),
             Some(Err(e)) => {
                 tracing::warn!(error = %e, "draft-node unavailable: decoding with the target alone");
-                stats.draft_lost = true;
+                stats.lose_draft(format!("the draft-node was unavailable: {e}"));
                 None
             }
             None => None,
@@ -331,7 +353,7 @@ impl Engine {
                     Ok(p) => Some(p),
                     Err(e) => {
                         tracing::warn!(error = %e, "lost the draft-node: going on with the target alone");
-                        stats.draft_lost = true;
+                        stats.lose_draft(format!("the draft-node failed: {e}"));
                         if let Some(d) = draft.take() {
                             stats.settle(&d);
                         }
@@ -341,6 +363,19 @@ impl Engine {
                 None => None,
             };
             let (drafts, q, draft_secs) = match proposal {
+                // More drafts than asked for: refused here, the round is a plain target step.
+                Some(p) if p.tokens.len() > k => {
+                    let refusal = DraftRefusal::new(
+                        k,
+                        RefusalReason::TooManyDrafts,
+                        format!("{} drafts, {k} asked for", p.tokens.len()),
+                    );
+                    tracing::info!(%refusal, "draft block refused");
+                    self.refused(&mut stats, &mut draft, refusal.reason.as_str(), || {
+                        refusal.to_string()
+                    });
+                    (Vec::new(), Vec::new(), p.compute_micros as f64 * 1e-6)
+                }
                 Some(p) => (p.tokens, p.q, p.compute_micros as f64 * 1e-6),
                 None => (Vec::new(), Vec::new(), 0.0),
             };
@@ -356,11 +391,14 @@ impl Engine {
             let verify_secs = verdict.compute_micros as f64 * 1e-6;
             stats.base.target_seconds += verify_secs;
             let accepted = verdict.accepted as usize;
-            if accepted > drafts.len() {
+            if accepted > drafts.len() || (verdict.draft_refused.is_some() && accepted > 0) {
                 break Err(Error::Protocol {
                     node: "target-node",
                     what: format!("accepted {accepted} of {} drafts", drafts.len()),
                 });
+            }
+            if let Some(r) = &verdict.draft_refused {
+                self.refused(&mut stats, &mut draft, &r.reason, || r.message.clone());
             }
             stats.base.record_round(drafts.len(), accepted);
             let wall = round_start.elapsed().as_secs_f64();
@@ -396,6 +434,31 @@ impl Engine {
             finish_reason,
             stats,
         })
+    }
+
+    /// Counts a refused block; at [`MAX_REFUSED_BLOCKS`] the draft is detached.
+    fn refused(
+        &self,
+        stats: &mut Stats,
+        draft: &mut Option<NodeSession<Draft>>,
+        reason: &str,
+        message: impl FnOnce() -> String,
+    ) {
+        self.metrics.draft_blocks_refused.add(reason, 1);
+        stats.draft_blocks_refused += 1;
+        if stats.draft_blocks_refused >= MAX_REFUSED_BLOCKS
+            && let Some(d) = draft.take()
+        {
+            let why = format!(
+                "{} drafted blocks refused, the last: {}",
+                stats.draft_blocks_refused,
+                message()
+            );
+            tracing::warn!(reason = %why, "detaching the draft: going on with the target alone");
+            stats.settle(&d);
+            d.close();
+            stats.lose_draft(why);
+        }
     }
 
     /// One verify on the target; a session the node lost is rebuilt once from the log.

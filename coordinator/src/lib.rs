@@ -13,7 +13,7 @@ pub mod metrics;
 pub mod service;
 
 pub use cluster::LocalCluster;
-pub use engine::{CommitSink, Discard, Engine, Job, Outcome, Stats};
+pub use engine::{CommitSink, Discard, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats};
 
 use std::sync::Arc;
 

@@ -20,6 +20,8 @@ pub struct CoordinatorMetrics {
     pub network_seconds: Histogram,
     pub repairs: Counter,
     pub drafts_lost: Counter,
+    /// Drafted blocks refused (by the target-node, or here for more drafts than asked), by reason.
+    pub draft_blocks_refused: LabeledCounter,
     pub errors: LabeledCounter,
 }
 
@@ -111,6 +113,12 @@ impl CoordinatorMetrics {
             "tandem_drafts_lost_total",
             "Generations that lost their draft-node and went on target-only.",
             self.drafts_lost.get(),
+        )
+        .labeled(
+            "tandem_draft_blocks_refused_total",
+            "Drafted blocks refused and run as plain target steps, by reason.",
+            "reason",
+            &self.draft_blocks_refused,
         )
         .labeled(
             "tandem_errors_total",

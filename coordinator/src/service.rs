@@ -35,6 +35,9 @@ pub fn stats_to_wire(o: &Outcome) -> v1::GenerationStats {
         draft_lost: s.draft_lost,
         bytes_sent: s.traffic.sent,
         bytes_received: s.traffic.received,
+        draft_lost_reason: s.draft_lost_reason.clone(),
+        draft_blocks_refused: s.draft_blocks_refused,
+        seed: s.seed,
     }
 }
 

@@ -50,6 +50,17 @@ fn exposition(state: &NodeState) -> String {
         "Refused or failed requests by gRPC code.",
         "kind",
         &m.errors,
+    )
+    .counter(
+        "tandem_node_repeated_blocks_total",
+        "Verify blocks that repeated the last one, answered without a forward pass.",
+        m.repeated_blocks.get(),
+    )
+    .labeled(
+        "tandem_node_draft_blocks_refused_total",
+        "Drafted blocks the target-node refused (run as plain target steps), by reason.",
+        "reason",
+        &m.draft_blocks_refused,
     );
     e.finish()
 }

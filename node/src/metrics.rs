@@ -37,6 +37,11 @@ impl LabeledCounter {
         *m.entry(label.to_string()).or_default() += n;
     }
 
+    /// The count of one label value.
+    pub fn get(&self, label: &str) -> u64 {
+        self.snapshot().get(label).copied().unwrap_or(0)
+    }
+
     fn snapshot(&self) -> BTreeMap<String, u64> {
         self.0
             .lock()
@@ -168,6 +173,10 @@ pub struct NodeMetrics {
     pub tokens: Counter,
     pub compute: Histogram,
     pub errors: LabeledCounter,
+    /// Drafted blocks a target-node refused, by reason (each ran as a plain target step).
+    pub draft_blocks_refused: LabeledCounter,
+    /// Verify blocks that repeated the last one and got its verdict without a forward pass.
+    pub repeated_blocks: Counter,
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Conversions between wire and runtime types shared by every service. Incoming values are
 //! checked here, so a malformed message becomes a clear INVALID_ARGUMENT, never a panic.
 
-use tandem_runtime::{Distribution, Prefix, SamplingParams};
+use tandem_runtime::{Distribution, DraftRefusal, Prefix, RefusalReason, SamplingParams};
 
 use crate::v1;
 use crate::{Error, Result};
@@ -30,14 +30,14 @@ impl From<&SamplingParams> for v1::SamplingParams {
             min_p: s.min_p,
             repetition_penalty: s.repetition_penalty,
             repeat_last_n: s.repeat_last_n as u32,
-            seed: s.seed,
+            seed: Some(s.seed),
         }
     }
 }
 
 impl v1::SamplingParams {
     /// The runtime's parameters, zero meaning "default" where zero is not a meaningful value,
-    /// checked against their ranges.
+    /// checked against their ranges. No seed gets a random one.
     pub fn to_runtime(&self) -> Result<SamplingParams> {
         let d = SamplingParams::default();
         let or = |v: f32, default: f32| if v == 0.0 { default } else { v };
@@ -52,7 +52,7 @@ impl v1::SamplingParams {
             } else {
                 self.repeat_last_n as usize
             },
-            seed: self.seed,
+            seed: self.seed.unwrap_or_else(random_seed),
         };
         s.validate()?;
         Ok(s)
@@ -88,67 +88,76 @@ pub fn distribution_to_wire(d: &Distribution) -> v1::Distribution {
     v1::Distribution { kind: Some(kind) }
 }
 
-/// Decodes a draft distribution over a vocabulary of `vocab_size`, refusing ids out of range,
-/// a wrong size, and negative or non-finite probabilities.
-pub fn distribution_from_wire(d: &v1::Distribution, vocab_size: usize) -> Result<Distribution> {
+/// A seed for a request that named none: the standard library's per-process random keys,
+/// hashed with the time so that each call differs.
+pub fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+/// Decodes the q of draft `position` over a vocabulary of `vocab_size`. What does not decode
+/// (no kind, a wrong size, ids out of range) is a refusal of the block, not an error: the values
+/// themselves are checked with the block ([`tandem_runtime::draft_check`]).
+pub fn distribution_from_wire(
+    d: &v1::Distribution,
+    vocab_size: usize,
+    position: usize,
+) -> std::result::Result<Distribution, DraftRefusal> {
     use v1::distribution::Kind;
-    let bad = |value: String, limit: String| {
-        Error::from(tandem_runtime::Error::invalid("q", value, limit))
-    };
+    let malformed = |detail: String| DraftRefusal::new(position, RefusalReason::MalformedQ, detail);
     let check_id = |id: u32| {
         if id as usize >= vocab_size {
-            Err(bad(
-                format!("token {id}"),
-                format!("ids must be below the vocabulary size {vocab_size}"),
-            ))
+            Err(malformed(format!(
+                "q names token {id}: ids must be below the vocabulary size {vocab_size}"
+            )))
         } else {
             Ok(())
         }
     };
-    let probs = match d.kind.as_ref().ok_or(Error::MissingField("q.kind"))? {
-        Kind::OneHot(t) => {
+    match d.kind.as_ref() {
+        None => Err(malformed("q has no kind".into())),
+        Some(Kind::OneHot(t)) => {
             check_id(*t)?;
-            return Ok(Distribution::OneHot(*t));
+            Ok(Distribution::OneHot(*t))
         }
-        Kind::Sparse(s) => {
+        Some(Kind::Sparse(s)) => {
             if s.vocab_size as usize != vocab_size || s.ids.len() != s.probs.len() {
-                return Err(bad(
-                    format!(
-                        "{} ids, {} probs over {}",
-                        s.ids.len(),
-                        s.probs.len(),
-                        s.vocab_size
-                    ),
-                    format!("needs as many ids as probs over the vocabulary size {vocab_size}"),
-                ));
+                return Err(malformed(format!(
+                    "sparse q with {} ids and {} probs over {}: needs as many ids as probs over \
+                     the vocabulary size {vocab_size}",
+                    s.ids.len(),
+                    s.probs.len(),
+                    s.vocab_size
+                )));
             }
             let mut p = vec![0.0; vocab_size];
             for (&id, &x) in s.ids.iter().zip(&s.probs) {
                 check_id(id)?;
-                p[id as usize] = x;
+                p[id as usize] += x;
             }
-            p
+            Ok(Distribution::Dense(p))
         }
-        Kind::DenseF32(bytes) => {
+        Some(Kind::DenseF32(bytes)) => {
             if bytes.len() != 4 * vocab_size {
-                return Err(bad(
-                    format!("{} bytes", bytes.len()),
-                    format!("dense q needs 4 × {vocab_size} bytes"),
-                ));
+                return Err(malformed(format!(
+                    "dense q of {} bytes: needs 4 × {vocab_size}",
+                    bytes.len()
+                )));
             }
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect()
+            Ok(Distribution::Dense(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            ))
         }
-    };
-    if let Some(x) = probs.iter().find(|x| !(x.is_finite() && **x >= 0.0)) {
-        return Err(bad(
-            format!("probability {x}"),
-            "must be finite and non-negative".into(),
-        ));
     }
-    Ok(Distribution::Dense(probs))
 }
 
 #[cfg(test)]
@@ -167,16 +176,33 @@ mod tests {
             Distribution::Dense(flat),
         ] {
             let wire = distribution_to_wire(&d);
-            assert_eq!(distribution_from_wire(&wire, 100).expect("decode"), d);
+            assert_eq!(distribution_from_wire(&wire, 100, 0).expect("decode"), d);
         }
         let wire = distribution_to_wire(&Distribution::OneHot(100));
-        assert!(
-            distribution_from_wire(&wire, 100).is_err(),
-            "id out of range"
-        );
+        let err = distribution_from_wire(&wire, 100, 2).expect_err("id out of range");
+        assert_eq!((err.position, err.reason), (2, RefusalReason::MalformedQ));
         let wire = distribution_to_wire(&Distribution::Dense(vec![0.5; 10]));
-        let err = distribution_from_wire(&wire, 100).expect_err("wrong size");
-        assert_eq!(err.code(), tonic::Code::InvalidArgument);
-        assert!(err.to_string().contains("`q`"), "{err}");
+        let err = distribution_from_wire(&wire, 100, 0).expect_err("wrong size");
+        assert!(err.to_string().contains("4 × 100"), "{err}");
+        let err =
+            distribution_from_wire(&v1::Distribution { kind: None }, 100, 0).expect_err("no kind");
+        assert_eq!(err.reason, RefusalReason::MalformedQ);
+    }
+
+    #[test]
+    fn a_request_without_a_seed_gets_a_fresh_one() {
+        let unseeded = v1::SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        let seeds: std::collections::HashSet<u64> = (0..8)
+            .map(|_| unseeded.to_runtime().expect("valid").seed)
+            .collect();
+        assert_eq!(seeds.len(), 8, "{seeds:?}");
+        let seeded = v1::SamplingParams {
+            seed: Some(5),
+            ..unseeded
+        };
+        assert_eq!(seeded.to_runtime().expect("valid").seed, 5);
     }
 }

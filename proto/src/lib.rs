@@ -12,7 +12,9 @@ pub mod v1 {
     tonic::include_proto!("tandem.v1");
 }
 
-pub use convert::{distribution_from_wire, distribution_to_wire, prefix_from_wire, prefix_to_wire};
+pub use convert::{
+    distribution_from_wire, distribution_to_wire, prefix_from_wire, prefix_to_wire, random_seed,
+};
 pub use error::{Error, Result};
 
 /// Largest gRPC message either side accepts: a tokenizer.json, or K dense distributions.

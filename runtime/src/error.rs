@@ -47,6 +47,10 @@ pub enum Error {
         value: String,
         limit: String,
     },
+    #[error(
+        "the model produced a logit of {value} at position {position}: no token follows from it"
+    )]
+    NonFiniteLogits { position: usize, value: f32 },
     #[error("draft and target vocabularies differ: {0}")]
     VocabularyMismatch(String),
     #[error("tokenizer: {0}")]

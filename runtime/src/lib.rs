@@ -3,6 +3,7 @@
 //! nothing of gRPC.
 
 pub mod acceptance;
+pub mod draft_check;
 mod error;
 pub mod generator;
 pub mod kv_cache;
@@ -17,6 +18,7 @@ pub mod tokenizer;
 pub mod transcript;
 
 pub use acceptance::{Verdict, verify};
+pub use draft_check::{DraftRefusal, RefusalReason};
 pub use error::{Error, Result};
 pub use generator::{
     FinishReason, GenerateRequest, Generation, GenerationStats, RequestLimits,
@@ -24,9 +26,9 @@ pub use generator::{
 };
 pub use kv_cache::KvCache;
 pub use model::{LoadOptions, Logits, Model, ModelConfig};
-pub use rng::Rng;
+pub use rng::{Draws, Rng};
 pub use sampling::{Distribution, SamplingParams};
-pub use speculative::{Drafter, Proposal, Verifier};
+pub use speculative::{Drafter, Proposal, Verified, Verifier};
 pub use token_log::{Prefix, TokenLog};
 pub use tokenizer::Tokenizer;
 pub use transcript::{Commit, Transcript};

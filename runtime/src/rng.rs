@@ -1,5 +1,11 @@
-//! A small seeded generator (xoshiro256**, seeded by splitmix64): the same seed gives the same
-//! stream on every platform and version, which the distributed nodes rely on.
+//! Seeded randomness, the same on every platform and version, which the distributed nodes
+//! rely on: a small generator (xoshiro256**, seeded by splitmix64) for streams, and
+//! [`Draws`], uniforms keyed by (seed, position, draw index) for sampling and acceptance.
+//!
+//! Sampling keys its draws by position rather than pulling them from a stream, so that the
+//! token chosen at committed position n depends only on the seed, n and the distributions: a
+//! replayed session, a repaired prefix, a reconnect or a duplicated request draws the same
+//! numbers and reaches the same verdict.
 
 /// Seeded pseudo-random numbers for sampling and acceptance.
 #[derive(Debug, Clone)]
@@ -41,9 +47,64 @@ impl Rng {
     }
 }
 
+/// Uniforms keyed by position: `uniform(n, i)` is the i-th draw of committed position n, the same
+/// whenever it is asked for. One stream key per role keeps the draft's and the target's draws
+/// independent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Draws {
+    key: u64,
+}
+
+/// The draw that decides whether a draft token is accepted.
+pub const ACCEPT_DRAW: u64 = 0;
+/// The draw that samples a token (a draft, a correction, a bonus or a plain step).
+pub const SAMPLE_DRAW: u64 = 1;
+
+impl Draws {
+    /// Draws of `seed` in the stream named by `stream`.
+    pub fn new(seed: u64, stream: u64) -> Self {
+        let mut state = seed ^ stream;
+        Self {
+            key: splitmix64(&mut state),
+        }
+    }
+
+    /// The `draw`-th uniform in [0, 1) of position `position`.
+    pub fn uniform(&self, position: usize, draw: u64) -> f64 {
+        let mut state = self.key ^ (position as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
+        let mixed = splitmix64(&mut state);
+        let mut state = mixed ^ draw.wrapping_mul(0x8cb9_2ba7_2f3d_8dd7);
+        (splitmix64(&mut state) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Rng;
+    use super::{Draws, Rng};
+
+    #[test]
+    fn keyed_draws_repeat_and_spread() {
+        let (a, b) = (Draws::new(3, 1), Draws::new(3, 2));
+        assert_eq!(a.uniform(10, 0), Draws::new(3, 1).uniform(10, 0));
+        assert_ne!(a.uniform(10, 0), b.uniform(10, 0), "streams differ");
+        assert_ne!(a.uniform(10, 0), a.uniform(11, 0), "positions differ");
+        assert_ne!(a.uniform(10, 0), a.uniform(10, 1), "draws differ");
+        let n = 20_000;
+        let mut sum = 0.0;
+        let mut below_tenth = 0;
+        for position in 0..n {
+            let u = a.uniform(position, 1);
+            assert!((0.0..1.0).contains(&u));
+            sum += u;
+            below_tenth += usize::from(u < 0.1);
+        }
+        assert!(
+            (sum / n as f64 - 0.5).abs() < 0.01,
+            "mean {}",
+            sum / n as f64
+        );
+        assert!((1_800..2_200).contains(&below_tenth), "{below_tenth}");
+    }
 
     #[test]
     fn same_seed_same_stream_and_uniform_in_range() {

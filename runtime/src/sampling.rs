@@ -2,10 +2,9 @@
 //! [`distribution`], serves the draft (q) and the target (p), so both see the same transform:
 //! repetition penalty, temperature, top-k, top-p, min-p, normalisation.
 
-use crate::rng::Rng;
 use crate::{Error, Result};
 
-/// How tokens are chosen. `temperature == 0` is greedy.
+/// How tokens are chosen. A temperature below [`GREEDY_BELOW`] (0 included) is greedy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     pub temperature: f32,
@@ -39,13 +38,18 @@ impl Default for SamplingParams {
 /// Upper bound on temperature: above it sampling is noise.
 pub const MAX_TEMPERATURE: f32 = 100.0;
 
+/// Temperatures below this are greedy: dividing logits by them overflows f32 into infinities
+/// whose softmax is undefined, and the distribution they approach is the argmax anyway.
+pub const GREEDY_BELOW: f32 = 1e-5;
+
 impl SamplingParams {
     pub fn greedy() -> Self {
         Self::default()
     }
 
+    /// Whether tokens are the argmax: temperature 0, or below [`GREEDY_BELOW`].
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
+        self.temperature < GREEDY_BELOW
     }
 
     /// Checks every field against its range, naming the first that is out of it.
@@ -92,11 +96,12 @@ impl Distribution {
         }
     }
 
-    /// Draws one token. A one-hot distribution consumes no randomness.
-    pub fn sample(&self, rng: &mut Rng) -> u32 {
+    /// The token that the uniform draw `u` in [0, 1) picks (inverse CDF in id order). A
+    /// one-hot distribution ignores `u`.
+    pub fn sample(&self, u: f64) -> u32 {
         match self {
             Self::OneHot(t) => *t,
-            Self::Dense(p) => sample_weights(p, rng),
+            Self::Dense(p) => sample_weights(p, u),
         }
     }
 
@@ -120,10 +125,11 @@ pub fn argmax(xs: &[f32]) -> u32 {
     best as u32
 }
 
-/// Draws an index with probability proportional to `weights` (which need not sum to 1).
-pub(crate) fn sample_weights(weights: &[f32], rng: &mut Rng) -> u32 {
+/// The index that the uniform draw `u` picks with probability proportional to `weights` (which
+/// need not sum to 1).
+pub(crate) fn sample_weights(weights: &[f32], u: f64) -> u32 {
     let total: f64 = weights.iter().map(|&w| f64::from(w)).sum();
-    let mut threshold = rng.uniform() * total;
+    let mut threshold = u * total;
     let mut last_positive = 0;
     for (i, &w) in weights.iter().enumerate() {
         if w > 0.0 {
@@ -139,8 +145,15 @@ pub(crate) fn sample_weights(weights: &[f32], rng: &mut Rng) -> u32 {
 }
 
 /// The sampling distribution at one position: `logits` of that position after `history` (the
-/// tokens before it, used by the repetition penalty).
-pub fn distribution(logits: &[f32], params: &SamplingParams, history: &[u32]) -> Distribution {
+/// tokens before it, used by the repetition penalty; its length is the position). Logits that
+/// are NaN or +∞, or all −∞, are an error naming the position: a model that produced them is
+/// broken, and no token follows from them.
+pub fn distribution(
+    logits: &[f32],
+    params: &SamplingParams,
+    history: &[u32],
+) -> Result<Distribution> {
+    check_logits(logits, history.len())?;
     let mut logits = logits.to_vec();
     if params.repetition_penalty != 1.0 {
         let start = history.len().saturating_sub(params.repeat_last_n);
@@ -158,7 +171,7 @@ pub fn distribution(logits: &[f32], params: &SamplingParams, history: &[u32]) ->
         }
     }
     if params.is_greedy() {
-        return Distribution::OneHot(argmax(&logits));
+        return Ok(Distribution::OneHot(argmax(&logits)));
     }
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let inv_t = 1.0 / params.temperature;
@@ -200,13 +213,35 @@ pub fn distribution(logits: &[f32], params: &SamplingParams, history: &[u32]) ->
         }
         normalize(&mut probs);
     }
-    Distribution::Dense(probs)
+    Ok(Distribution::Dense(probs))
 }
 
+/// Refuses logits no distribution follows from, naming the position.
+fn check_logits(logits: &[f32], position: usize) -> Result<()> {
+    if let Some(&bad) = logits.iter().find(|l| l.is_nan() || **l == f32::INFINITY) {
+        return Err(Error::NonFiniteLogits {
+            position,
+            value: bad,
+        });
+    }
+    if logits.iter().all(|&l| l == f32::NEG_INFINITY) {
+        return Err(Error::NonFiniteLogits {
+            position,
+            value: f32::NEG_INFINITY,
+        });
+    }
+    Ok(())
+}
+
+/// Scales to a sum of 1, summing in f64 so that the result sums to 1 within f32 rounding even
+/// over a 150k vocabulary (the target checks q's sum to 1e-3).
 fn normalize(probs: &mut [f32]) {
-    let sum: f32 = probs.iter().sum();
+    let sum: f64 = probs.iter().map(|&p| f64::from(p)).sum();
     if sum > 0.0 {
-        probs.iter_mut().for_each(|p| *p /= sum);
+        let inv = 1.0 / sum;
+        probs
+            .iter_mut()
+            .for_each(|p| *p = (f64::from(*p) * inv) as f32);
     }
 }
 
@@ -223,7 +258,7 @@ mod tests {
 
     #[test]
     fn greedy_is_one_hot_at_argmax() {
-        let d = distribution(&[0.1, 2.0, -1.0, 2.0], &SamplingParams::greedy(), &[]);
+        let d = distribution(&[0.1, 2.0, -1.0, 2.0], &SamplingParams::greedy(), &[]).expect("ok");
         assert_eq!(d, Distribution::OneHot(1));
         assert_eq!(d.prob(1), 1.0);
         assert_eq!(d.prob(3), 0.0);
@@ -236,7 +271,7 @@ mod tests {
             temperature: 1.0,
             ..Default::default()
         };
-        let p = distribution(&logits, &params, &[]);
+        let p = distribution(&logits, &params, &[]).expect("ok");
         let expected: Vec<f32> = {
             let e: Vec<f32> = logits.iter().map(|l| (l - 3.0f32).exp()).collect();
             let s: f32 = e.iter().sum();
@@ -252,7 +287,8 @@ mod tests {
                 ..params.clone()
             },
             &[],
-        );
+        )
+        .expect("ok");
         assert_eq!(dense(&top_k)[2], 0.0);
         assert!((dense(&top_k)[0] + dense(&top_k)[1] - 1.0).abs() < 1e-6);
         // p = [0.644, 0.237, 0.087, 0.032]: top_p 0.8 keeps the first two.
@@ -263,7 +299,8 @@ mod tests {
                 ..params.clone()
             },
             &[],
-        );
+        )
+        .expect("ok");
         assert!(dense(&top_p)[1] > 0.0 && dense(&top_p)[2] == 0.0);
         // min_p 0.1 drops tokens below 0.0644: the last one.
         let min_p = distribution(
@@ -273,7 +310,8 @@ mod tests {
                 ..params.clone()
             },
             &[],
-        );
+        )
+        .expect("ok");
         assert!(dense(&min_p)[2] > 0.0 && dense(&min_p)[3] == 0.0);
     }
 
@@ -285,12 +323,47 @@ mod tests {
         };
         // Token 0 (logit 2) was seen: 2 / 2 = 1 < 1.5, so greedy moves to token 1.
         assert_eq!(
-            distribution(&[2.0, 1.5], &params, &[0]),
+            distribution(&[2.0, 1.5], &params, &[0]).expect("ok"),
             Distribution::OneHot(1)
         );
         assert_eq!(
-            distribution(&[2.0, 1.5], &params, &[]),
+            distribution(&[2.0, 1.5], &params, &[]).expect("ok"),
             Distribution::OneHot(0)
+        );
+    }
+
+    #[test]
+    fn tiny_temperatures_are_greedy_and_broken_logits_name_their_position() {
+        let tiny = SamplingParams {
+            temperature: 1e-6,
+            ..Default::default()
+        };
+        assert!(tiny.is_greedy());
+        assert_eq!(
+            distribution(&[0.0, 3.0, 1.0], &tiny, &[]).expect("ok"),
+            Distribution::OneHot(1)
+        );
+        let sampled = SamplingParams {
+            temperature: 0.7,
+            ..Default::default()
+        };
+        for params in [&SamplingParams::greedy(), &sampled] {
+            for (logits, value) in [
+                (vec![1.0, f32::NAN, 0.0], "NaN"),
+                (vec![f32::INFINITY, 0.0, 0.0], "inf"),
+                (vec![f32::NEG_INFINITY; 3], "-inf"),
+            ] {
+                let err = distribution(&logits, params, &[1, 2, 3, 4, 5])
+                    .expect_err("no token follows")
+                    .to_string();
+                assert!(err.contains("position 5") && err.contains(value), "{err}");
+            }
+        }
+        // Masked tokens (−∞) among finite logits are fine.
+        let masked = [f32::NEG_INFINITY, 1.0, 0.5];
+        assert_eq!(
+            dense(&distribution(&masked, &sampled, &[]).expect("ok"))[0],
+            0.0
         );
     }
 

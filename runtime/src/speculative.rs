@@ -7,9 +7,10 @@
 use std::time::Instant;
 
 use crate::acceptance::{self, Verdict};
+use crate::draft_check::{BlockRules, DraftRefusal, check_block};
 use crate::kv_cache::KvCache;
 use crate::model::{Logits, Model};
-use crate::rng::Rng;
+use crate::rng::{Draws, SAMPLE_DRAW};
 use crate::sampling::{Distribution, SamplingParams, distribution};
 use crate::{Error, Result};
 
@@ -53,13 +54,13 @@ impl CachedSequence {
     }
 }
 
-/// What each side of a sequence holds: its model, cache, sampling parameters and random stream.
+/// What each side of a sequence holds: its model, cache, sampling parameters and draws.
 #[derive(Debug)]
 struct SequenceState {
     model: Model,
     seq: CachedSequence,
     params: SamplingParams,
-    rng: Rng,
+    draws: Draws,
 }
 
 impl SequenceState {
@@ -70,7 +71,7 @@ impl SequenceState {
                 cache: model.new_cache(),
                 tokens: Vec::new(),
             },
-            rng: Rng::new(params.seed ^ stream),
+            draws: Draws::new(params.seed, stream),
             params,
         }
     }
@@ -128,8 +129,8 @@ impl Drafter {
         };
         for _ in 0..k {
             let rows = st.seq.forward(&st.model, &feed, Logits::Last)?;
-            let q = distribution(&rows[0], &st.params, &context);
-            let token = q.sample(&mut st.rng);
+            let q = distribution(&rows[0], &st.params, &context)?;
+            let token = q.sample(st.draws.uniform(context.len(), SAMPLE_DRAW));
             context.push(token);
             proposal.tokens.push(token);
             proposal.q.push(q);
@@ -142,6 +143,14 @@ impl Drafter {
     pub fn cache_bytes(&self) -> usize {
         self.0.seq.cache.bytes()
     }
+}
+
+/// A verified block: the verdict, and why the draft's block was refused when it was (the verdict
+/// is then one plain target step: nothing accepted, `next` sampled from p).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verified {
+    pub verdict: Verdict,
+    pub refused: Option<DraftRefusal>,
 }
 
 /// The target side of one sequence.
@@ -157,20 +166,42 @@ impl Verifier {
         self.0.prefill(prompt)
     }
 
-    /// Scores `[uncached tail of log, drafts…]` in one forward pass and applies the acceptance
-    /// rule. With no drafts this is one step of plain decoding. Afterwards the cache holds the
-    /// log plus the accepted drafts: everything committed except the returned next token.
-    pub fn verify(&mut self, log: &[u32], drafts: &[u32], q: &[Distribution]) -> Result<Verdict> {
-        if q.len() != drafts.len() {
-            return Err(Error::invalid(
-                "draft_probs",
-                q.len(),
-                format!(
-                    "must hold one distribution per draft token ({})",
-                    drafts.len()
-                ),
-            ));
-        }
+    /// Checks the drafted block ([`check_block`]: at most `max_drafts`, valid q) and scores
+    /// `[uncached tail of log, drafts…]` in one forward pass with the acceptance rule. A block
+    /// that fails the checks is not scored: the round is one plain target step and the refusal
+    /// says why. Afterwards the cache holds the log plus the accepted drafts: everything
+    /// committed except the returned next token.
+    pub fn verify(
+        &mut self,
+        log: &[u32],
+        drafts: &[u32],
+        q: &[Distribution],
+        max_drafts: usize,
+    ) -> Result<Verified> {
+        let rules = BlockRules {
+            vocab_size: self.0.model.config().vocab_size,
+            max_drafts,
+            greedy: self.0.params.is_greedy(),
+        };
+        Ok(match check_block(drafts, q, &rules) {
+            Ok(()) => Verified {
+                verdict: self.score(log, drafts, q)?,
+                refused: None,
+            },
+            Err(refusal) => self.step(log, refusal)?,
+        })
+    }
+
+    /// One plain target step in place of a block refused before it reached the verifier (one
+    /// that did not decode).
+    pub fn step(&mut self, log: &[u32], refusal: DraftRefusal) -> Result<Verified> {
+        Ok(Verified {
+            verdict: self.score(log, &[], &[])?,
+            refused: Some(refusal),
+        })
+    }
+
+    fn score(&mut self, log: &[u32], drafts: &[u32], q: &[Distribution]) -> Result<Verdict> {
         let st = &mut self.0;
         let mut block = st.seq.sync(log)?.to_vec();
         block.extend_from_slice(drafts);
@@ -184,12 +215,12 @@ impl Verifier {
         let mut context = log.to_vec();
         let mut p = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
-            p.push(distribution(row, &st.params, &context));
+            p.push(distribution(row, &st.params, &context)?);
             if let Some(&d) = drafts.get(i) {
                 context.push(d);
             }
         }
-        let verdict = acceptance::verify(drafts, q, &p, &mut st.rng);
+        let verdict = acceptance::verify(drafts, q, &p, &st.draws, log.len());
         st.seq.truncate(log.len() + verdict.accepted)?;
         Ok(verdict)
     }

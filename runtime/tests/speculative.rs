@@ -201,7 +201,7 @@ fn sampled_speculative_tokens_follow_target_distribution() {
         let rows = target
             .forward(context, &mut target.new_cache(), Logits::Last)
             .expect("forward");
-        match distribution(&rows[0], &sampling, context) {
+        match distribution(&rows[0], &sampling, context).expect("finite logits") {
             tandem_runtime::Distribution::Dense(p) => p,
             other => panic!("expected dense, got {other:?}"),
         }

@@ -2,6 +2,11 @@
 //! committed log; a verify block rolls back to the named committed prefix, appends the newly
 //! committed tokens, scores [last committed token, d1..dK] in one forward pass and applies the
 //! lossless acceptance rule. The verdict's accepted drafts and next token join the log.
+//!
+//! The node trusts nothing the draft wrote (DESIGN.md invariant 1): a block whose drafts or q
+//! fail the checks of [`tandem_runtime::draft_check`] is not verified; the round is one plain
+//! target step and the verdict carries the refusal. A block that repeats the last one answered
+//! gets the same verdict again without a forward pass.
 
 use std::sync::Arc;
 
@@ -10,7 +15,7 @@ use tandem_proto::v1::target_response::Kind as Reply;
 use tandem_proto::v1::target_service_server::{TargetService, TargetServiceServer};
 use tandem_proto::v1::{self, target_request::Kind};
 use tandem_proto::{Error, Result, distribution_from_wire, prefix_from_wire, prefix_to_wire};
-use tandem_runtime::{Prefix, TokenLog, Verifier};
+use tandem_runtime::{Distribution, DraftRefusal, Prefix, TokenLog, Verified, Verifier};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -20,6 +25,16 @@ use tonic::{Request, Response, Status, Streaming};
 pub struct TargetSession {
     verifier: Verifier,
     log: TokenLog,
+    /// The last block verified, to answer a duplicate without a second forward.
+    last: Option<Answered>,
+}
+
+/// A verified block, its reply, and the prefix the session held after it.
+#[derive(Debug)]
+struct Answered {
+    block: v1::VerifyBlock,
+    reply: v1::TargetResponse,
+    held: Prefix,
 }
 
 impl Session for TargetSession {
@@ -54,44 +69,67 @@ impl Session for TargetSession {
         Ok(Self {
             verifier,
             log: TokenLog::new(&open.prompt),
+            last: None,
         })
     }
 
     fn handle(&mut self, state: &NodeState, block: v1::VerifyBlock) -> Result<v1::TargetResponse> {
-        let committed = prefix_from_wire(block.committed)?;
-        // The block commits up to K + 1 tokens.
-        state.check_step(committed.len, &block.new_tokens, block.drafts.len(), 1)?;
-        state.check_tokens("drafts", &block.drafts)?;
-        if block.q.len() != block.drafts.len() {
-            return Err(tandem_runtime::Error::invalid(
-                "q",
-                format!("{} distributions", block.q.len()),
-                format!("must hold one per draft token ({})", block.drafts.len()),
-            )
-            .into());
+        if let Some(last) = &self.last
+            && last.block == block
+            && last.held == self.log.prefix()
+        {
+            state.metrics.repeated_blocks.add(1);
+            return Ok(last.reply.clone());
         }
-        let q = block
-            .q
-            .iter()
-            .map(|d| distribution_from_wire(d, state.vocab_size()))
-            .collect::<Result<Vec<_>>>()?;
+        let committed = prefix_from_wire(block.committed)?;
+        // The coordinator's part of the block: a prefix, newly committed tokens and room for
+        // the token this round commits at least. The drafts are the draft's part, checked below.
+        state.check_step(committed.len, &block.new_tokens, 0, 1)?;
         self.log.rollback_to(committed)?;
         self.log.extend(&block.new_tokens);
+        let room = state.limits.max_session_tokens - (self.log.len() + 1);
+        let max_drafts = state.limits.max_draft_tokens.min(room);
         let start = std::time::Instant::now();
-        let verdict = match self.verifier.verify(self.log.tokens(), &block.drafts, &q) {
+        let verified = match decode_q(&block, state.vocab_size(), max_drafts) {
+            Ok(q) => self
+                .verifier
+                .verify(self.log.tokens(), &block.drafts, &q, max_drafts),
+            Err(refusal) => self.verifier.step(self.log.tokens(), refusal),
+        };
+        let Verified { verdict, refused } = match verified {
             Ok(v) => v,
             Err(e) => {
                 self.log.rollback_to(committed)?;
                 return Err(e.into());
             }
         };
-        self.log.extend(&verdict.committed(&block.drafts));
-        Ok(reply(Reply::Verdict(v1::VerdictReply {
+        if let Some(r) = &refused {
+            tracing::info!(position = r.position, reason = r.reason.as_str(), detail = %r.detail, "draft block refused");
+            state.metrics.draft_blocks_refused.add(r.reason.as_str(), 1);
+        }
+        let drafts: &[u32] = if refused.is_some() {
+            &[]
+        } else {
+            &block.drafts
+        };
+        self.log.extend(&verdict.committed(drafts));
+        let response = reply(Reply::Verdict(v1::VerdictReply {
             accepted: verdict.accepted as u32,
             next_token: verdict.next,
             committed: Some(prefix_to_wire(self.log.prefix())),
             compute_micros: start.elapsed().as_micros() as u64,
-        })))
+            draft_refused: refused.map(|r| v1::DraftRefusal {
+                position: r.position as u32,
+                reason: r.reason.as_str().into(),
+                message: r.to_string(),
+            }),
+        }));
+        self.last = Some(Answered {
+            block,
+            reply: response.clone(),
+            held: self.log.prefix(),
+        });
+        Ok(response)
     }
 
     fn tokens(reply: &v1::TargetResponse) -> usize {
@@ -108,6 +146,24 @@ impl Session for TargetSession {
     fn kv_bytes(&self) -> usize {
         self.verifier.cache_bytes()
     }
+}
+
+/// The block's q, decoded; what does not decode refuses the block. Nothing is decoded for a
+/// block with more drafts than fit (the verifier refuses it by count).
+fn decode_q(
+    block: &v1::VerifyBlock,
+    vocab_size: usize,
+    max_drafts: usize,
+) -> std::result::Result<Vec<Distribution>, DraftRefusal> {
+    if block.drafts.len() > max_drafts {
+        return Ok(Vec::new());
+    }
+    block
+        .q
+        .iter()
+        .enumerate()
+        .map(|(i, d)| distribution_from_wire(d, vocab_size, i))
+        .collect()
 }
 
 fn reply(kind: Reply) -> v1::TargetResponse {

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod processes;
+pub mod proxy;
 pub mod python;
 
 use std::path::{Path, PathBuf};

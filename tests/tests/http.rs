@@ -60,7 +60,7 @@ async fn grpc_text(url: &str, request: v1::GenerateRequest) -> v1::GenerateDone 
 fn greedy() -> Option<v1::SamplingParams> {
     Some(v1::SamplingParams {
         temperature: 0.0,
-        seed: 1,
+        seed: Some(1),
         ..Default::default()
     })
 }

@@ -7,17 +7,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tandem_coordinator::Engine;
 use tandem_node::LimitsArgs;
-use tandem_proto::v1::draft_service_client::DraftServiceClient;
-use tandem_proto::v1::draft_service_server::{DraftService, DraftServiceServer};
-use tandem_proto::v1::node_service_client::NodeServiceClient;
-use tandem_proto::v1::node_service_server::{NodeService, NodeServiceServer};
 use tandem_proto::v1::target_service_client::TargetServiceClient;
-use tandem_proto::v1::{self, draft_request, draft_response, target_request, target_response};
+use tandem_proto::v1::{self, draft_response, target_request, target_response};
 use tandem_runtime::{SamplingParams, TokenLog};
+use tandem_tests::proxy::corrupting_proxy;
 use tandem_tests::*;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Code, Request, Response, Status, Streaming};
+use tonic::{Code, Status, Streaming};
 
 fn open(prompt: &[u32], max_new_tokens: u32) -> v1::OpenSession {
     v1::OpenSession {
@@ -189,7 +186,9 @@ async fn unknown_session_and_values_over_the_limits_are_named() {
         }
     }
 
-    // In an open session, a block over K or with unknown tokens is rejected in-band.
+    // In an open session, a block over K is a draft's fault: refused in the verdict, which is
+    // a plain target step. New tokens out of the vocabulary are the coordinator's: rejected
+    // in-band, the session kept.
     let (tx, mut rx) = target_stream(cluster.target_addr).await;
     let log = TokenLog::new(&[1, 403]);
     target_call(
@@ -201,10 +200,20 @@ async fn unknown_session_and_values_over_the_limits_are_named() {
     .expect("open");
     let too_many = verify(wire_prefix(&log), vec![], vec![5; 9]);
     match target_call(&tx, &mut rx, too_many).await {
+        Ok(target_response::Kind::Verdict(v)) => {
+            let r = v.draft_refused.expect("refused");
+            assert_eq!(r.reason, "too_many_drafts");
+            assert!(r.message.contains("at most 8"), "{}", r.message);
+            assert_eq!(v.accepted, 0);
+        }
+        other => panic!("expected a verdict, got {other:?}"),
+    }
+    let unknown = verify(wire_prefix(&log), vec![9999], vec![]);
+    match target_call(&tx, &mut rx, unknown).await {
         Ok(target_response::Kind::Rejected(r)) => {
             assert_eq!(r.code, Code::InvalidArgument as i32);
             assert!(
-                r.message.contains("`k`") && r.message.contains("at most 8"),
+                r.message.contains("`new_tokens`") && r.message.contains("token 9999"),
                 "{}",
                 r.message
             );
@@ -278,103 +287,20 @@ async fn the_coordinator_names_bad_requests() {
     }
 }
 
-/// Corrupts every third draft step's committed prefix (length and hash in turn) on its way to
-/// the real draft-node, and counts the FAILED_PRECONDITION answers.
-#[derive(Debug, Clone)]
-struct CorruptingProxy {
-    upstream: String,
-    rejections: Arc<AtomicUsize>,
-}
-
-#[tonic::async_trait]
-impl DraftService for CorruptingProxy {
-    type SessionStream = ReceiverStream<Result<v1::DraftResponse, Status>>;
-
-    async fn session(
-        &self,
-        request: Request<Streaming<v1::DraftRequest>>,
-    ) -> Result<Response<Self::SessionStream>, Status> {
-        let mut inbound = request.into_inner();
-        let (up_tx, up_rx) = mpsc::channel(4);
-        let mut upstream = DraftServiceClient::connect(self.upstream.clone())
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?
-            .session(ReceiverStream::new(up_rx))
-            .await?
-            .into_inner();
-        let (tx, rx) = mpsc::channel(4);
-        let rejections = Arc::clone(&self.rejections);
-        tokio::spawn(async move {
-            let mut steps = 0;
-            while let Ok(Some(mut message)) = inbound.message().await {
-                if let Some(draft_request::Kind::Step(step)) = message.kind.as_mut() {
-                    steps += 1;
-                    if let (0, Some(p)) = (steps % 3, step.committed.as_mut()) {
-                        if steps % 2 == 0 {
-                            p.len += 1
-                        } else {
-                            p.hash ^= 1
-                        }
-                    }
-                }
-                if up_tx.send(message).await.is_err() {
-                    break;
-                }
-                let Ok(Some(reply)) = upstream.message().await else {
-                    break;
-                };
-                if let Some(draft_response::Kind::Rejected(r)) = &reply.kind {
-                    assert_eq!(r.code, Code::FailedPrecondition as i32, "{}", r.message);
-                    rejections.fetch_add(1, Ordering::Relaxed);
-                }
-                if tx.send(Ok(reply)).await.is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
-    }
-}
-
-#[tonic::async_trait]
-impl NodeService for CorruptingProxy {
-    async fn info(&self, r: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
-        NodeServiceClient::connect(self.upstream.clone())
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?
-            .info(r.into_inner())
-            .await
-    }
-
-    async fn tokenizer(
-        &self,
-        r: Request<v1::TokenizerRequest>,
-    ) -> Result<Response<v1::TokenizerReply>, Status> {
-        NodeServiceClient::connect(self.upstream.clone())
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?
-            .tokenizer(r.into_inner())
-            .await
-    }
-}
-
 #[tokio::test]
 async fn desynchronised_steps_are_repaired_and_the_generation_finishes_correctly() {
     let cluster = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
-    let proxy = CorruptingProxy {
-        upstream: format!("http://{}", cluster.draft_addr.expect("draft")),
-        rejections: Arc::default(),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let proxy_url = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(DraftServiceServer::new(proxy.clone()))
-            .add_service(NodeServiceServer::new(proxy.clone()))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+    let rejections = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&rejections);
+    let proxy_url = corrupting_proxy(cluster.draft_addr.expect("draft"))
+        .on_reply(move |_, reply| {
+            if let Some(draft_response::Kind::Rejected(r)) = &reply.kind {
+                assert_eq!(r.code, Code::FailedPrecondition as i32, "{}", r.message);
+                counted.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+        .serve()
+        .await;
     let target_url = format!("http://{}", cluster.target_addr);
     let engine = Engine::connect(&target_url, Some(&proxy_url), 4)
         .await
@@ -387,7 +313,7 @@ async fn desynchronised_steps_are_repaired_and_the_generation_finishes_correctly
         &request(&[1, 403, 407], 80, 0, &SamplingParams::greedy()),
     );
     assert_eq!(outcome.token_ids, baseline.token_ids);
-    let rejected = proxy.rejections.load(Ordering::Relaxed);
+    let rejected = rejections.load(Ordering::Relaxed);
     assert!(
         rejected >= 3,
         "the proxy corrupted several steps: {rejected} rejections"
@@ -503,4 +429,125 @@ async fn every_node_reports_health_and_info() {
     }
     assert_eq!(node_info(t).await.vocab_hash, node_info(d).await.vocab_hash);
     assert_eq!(node_info(t).await.model_name, "stories260K");
+}
+
+/// A duplicated VerifyBlock gets the identical verdict without a second forward pass, and the
+/// same block in a new session (a reconnect, a replay) gets the same verdict too: draws are
+/// keyed by position. Sampled, with a dense q, so that the acceptance test and the residual
+/// both draw.
+#[tokio::test]
+async fn a_repeated_verify_block_gets_the_same_verdict() {
+    let cluster = cluster(&stories(), None, &LimitsArgs::default()).await;
+    let log = TokenLog::new(&[1, 403, 407]);
+    let sampling = sampled(11);
+    let flat = tandem_runtime::Distribution::Dense(vec![1.0 / 512.0; 512]);
+    let block = target_request::Kind::Verify(v1::VerifyBlock {
+        committed: wire_prefix(&log),
+        new_tokens: vec![],
+        drafts: vec![300, 301, 302],
+        q: vec![tandem_proto::distribution_to_wire(&flat); 3],
+    });
+    let mut verdicts = Vec::new();
+    for _session in 0..2 {
+        let (tx, mut rx) = target_stream(cluster.target_addr).await;
+        let open = v1::OpenSession {
+            sampling: Some((&sampling).into()),
+            ..open(log.tokens(), 20)
+        };
+        target_call(&tx, &mut rx, target_request::Kind::Open(open))
+            .await
+            .expect("open");
+        let repeated = cluster.target.metrics.repeated_blocks.get();
+        let first = target_call(&tx, &mut rx, block.clone())
+            .await
+            .expect("verify");
+        let again = target_call(&tx, &mut rx, block.clone())
+            .await
+            .expect("verify");
+        assert!(matches!(&first, target_response::Kind::Verdict(v) if v.draft_refused.is_none()));
+        assert_eq!(first, again, "a duplicate gets the identical reply");
+        assert_eq!(
+            cluster.target.metrics.repeated_blocks.get(),
+            repeated + 1,
+            "without a second forward pass"
+        );
+        verdicts.push(first);
+    }
+    let strip = |k: &target_response::Kind| match k {
+        target_response::Kind::Verdict(v) => (v.accepted, v.next_token, v.committed),
+        other => panic!("expected a verdict, got {other:?}"),
+    };
+    assert_eq!(
+        strip(&verdicts[0]),
+        strip(&verdicts[1]),
+        "a new session verifying the same block reaches the same verdict"
+    );
+}
+
+/// A block the target refuses is answered with a plain target step naming the position and the
+/// reason, never with an error: the session goes on.
+#[tokio::test]
+async fn a_bad_block_is_refused_in_the_verdict_and_the_session_goes_on() {
+    let cluster = cluster(&stories(), None, &LimitsArgs::default()).await;
+    let (tx, mut rx) = target_stream(cluster.target_addr).await;
+    let mut log = TokenLog::new(&[1, 403, 407]);
+    target_call(
+        &tx,
+        &mut rx,
+        target_request::Kind::Open(open(log.tokens(), 40)),
+    )
+    .await
+    .expect("open");
+    let plain = match target_call(&tx, &mut rx, verify(wire_prefix(&log), vec![], vec![]))
+        .await
+        .expect("verify")
+    {
+        target_response::Kind::Verdict(v) => v.next_token,
+        other => panic!("expected a verdict, got {other:?}"),
+    };
+    // Two good drafts, then one whose one-hot q names another token; then 40 drafts, over
+    // --max-draft-tokens (32) and the session's room.
+    let mut lying = verify(wire_prefix(&log), vec![], vec![plain, 7, 9]);
+    if let target_request::Kind::Verify(b) = &mut lying {
+        b.q[2] = tandem_proto::distribution_to_wire(&tandem_runtime::Distribution::OneHot(10));
+    }
+    let too_long = verify(wire_prefix(&log), vec![], vec![5; 40]);
+    for (block, position, reason) in [
+        (lying, 2, "no_mass_on_draft"),
+        (too_long, 32, "too_many_drafts"),
+    ] {
+        match target_call(&tx, &mut rx, block)
+            .await
+            .expect("a verdict, not an error")
+        {
+            target_response::Kind::Verdict(v) => {
+                let r = v.draft_refused.expect("refused");
+                assert_eq!(
+                    (r.position, r.reason.as_str()),
+                    (position, reason),
+                    "{}",
+                    r.message
+                );
+                assert!(
+                    r.message.contains(&format!("draft {}", position + 1)),
+                    "{}",
+                    r.message
+                );
+                assert_eq!(
+                    (v.accepted, v.next_token),
+                    (0, plain),
+                    "a plain target step"
+                );
+                let mut after = log.clone();
+                after.extend(&[plain]);
+                assert_eq!(v.committed, wire_prefix(&after));
+            }
+            other => panic!("expected a verdict, got {other:?}"),
+        }
+    }
+    log.extend(&[plain]);
+    assert!(matches!(
+        target_call(&tx, &mut rx, verify(wire_prefix(&log), vec![], vec![])).await,
+        Ok(target_response::Kind::Verdict(_))
+    ));
 }

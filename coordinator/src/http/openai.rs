@@ -118,18 +118,13 @@ impl Common {
                 "`stop` takes up to 4 non-empty strings",
             ));
         }
-        let seed = self.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64)
-        });
         Ok(v1::GenerateRequest {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
             sampling: Some(v1::SamplingParams {
                 temperature,
                 top_p,
                 top_k: self.top_k.unwrap_or(0),
-                seed,
+                seed: self.seed,
                 ..Default::default()
             }),
             draft_tokens: self.draft_tokens,
@@ -259,5 +254,8 @@ fn speculation(outcome: &Outcome) -> Value {
         "rounds": s.rounds,
         "tokens_per_second": s.tokens_per_second(),
         "draft_lost": outcome.stats.draft_lost,
+        "draft_lost_reason": outcome.stats.draft_lost_reason,
+        "draft_blocks_refused": outcome.stats.draft_blocks_refused,
+        "seed": outcome.stats.seed,
     })
 }
