@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::model::gguf;
+use crate::model::gguf_tokenizer;
 use crate::{Error, Result};
 
 /// A Hugging Face tokenizer with the ids generation needs.
@@ -12,7 +12,8 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     bos: Option<u32>,
     eos: Option<u32>,
-    /// The Jinja chat template of `tokenizer_config.json`, if the model has one.
+    /// The Jinja chat template of `tokenizer_config.json` or the GGUF metadata
+    /// (`tokenizer.chat_template`), if the model has one.
     chat_template: Option<String>,
     source: PathBuf,
 }
@@ -52,7 +53,7 @@ impl Tokenizer {
                 reason: e.to_string(),
             }
         })?;
-        let text = gguf::tokenizer_json(model_path, &content.metadata)?;
+        let text = gguf_tokenizer::tokenizer_json(model_path, &content.metadata)?;
         let inner = tokenizers::Tokenizer::from_bytes(text.as_bytes()).map_err(tokenizer_error)?;
         let mut tokenizer = Self::with_config(inner, Path::new(""), model_path.to_path_buf());
         let id = |key: &str| match content.metadata.get(key) {
@@ -61,6 +62,11 @@ impl Tokenizer {
         };
         tokenizer.bos = id("tokenizer.ggml.bos_token_id").or(tokenizer.bos);
         tokenizer.eos = id("tokenizer.ggml.eos_token_id").or(tokenizer.eos);
+        if let Some(candle_core::quantized::gguf_file::Value::String(t)) =
+            content.metadata.get("tokenizer.chat_template")
+        {
+            tokenizer.chat_template = Some(t.clone());
+        }
         Ok(tokenizer)
     }
 
@@ -88,7 +94,7 @@ impl Tokenizer {
         })
     }
 
-    /// The model's chat template (Jinja), from `tokenizer_config.json`.
+    /// The model's chat template (Jinja), from `tokenizer_config.json` or the GGUF metadata.
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_deref()
     }

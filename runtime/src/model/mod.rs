@@ -3,6 +3,7 @@
 mod config;
 pub(crate) use config::read_json;
 pub(crate) mod gguf;
+pub(crate) mod gguf_tokenizer;
 mod llama;
 pub(crate) mod weights;
 
