@@ -1,5 +1,7 @@
-//! Chat prompts rendered with the model's own chat template (`tokenizer_config.json`), as
-//! Hugging Face's `apply_chat_template` does, with minijinja.
+//! Chat prompts rendered with the model's own chat template (`tokenizer_config.json`, or the
+//! GGUF metadata), as Hugging Face's `apply_chat_template` does, with minijinja. Templates may
+//! call Python string methods (`.strip()`, `.startswith()`, `.split()` …, as Qwen3's and
+//! Llama 3.1's do): minijinja-contrib's Python compatibility layer provides them.
 
 use minijinja::{Environment, context};
 use serde::{Deserialize, Serialize};
@@ -23,7 +25,8 @@ pub fn render(
     let template = template.ok_or_else(|| {
         ApiError::invalid(
             Some("messages".to_string()),
-            "this model has no chat template (no `chat_template` in its tokenizer_config.json): \
+            "this model has no chat template (no `chat_template` in its tokenizer_config.json or \
+             `tokenizer.chat_template` in its GGUF metadata): \
              use /v1/completions with a prompt, or serve a model that has one",
         )
     })?;
@@ -34,6 +37,7 @@ pub fn render(
         ));
     }
     let mut env = Environment::new();
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
         "raise_exception",
         |msg: String| -> Result<String, minijinja::Error> {
@@ -78,8 +82,43 @@ mod tests {
         assert_eq!(text, "<|user|>\nHi</s>\n<|assistant|>\n");
         let err = render(None, &msgs, "<s>", "</s>").expect_err("no template");
         assert!(err.message.contains("no chat template"), "{}", err.message);
+        let pythonic = "{% for m in messages %}{% if m.content.strip().startswith('H') %}\
+                        {{ m.content.split('i')[0] | upper }}{% endif %}{% endfor %}";
+        assert_eq!(render(Some(pythonic), &msgs, "", "").expect("render"), "H");
         let strict = "{{ raise_exception('only user turns') }}";
         let err = render(Some(strict), &msgs, "<s>", "</s>").expect_err("raised");
         assert!(err.message.contains("only user turns"), "{}", err.message);
+    }
+
+    /// Qwen2.5's own template, read from the GGUF metadata of the vocabulary fixture: a plain
+    /// chat gets the default system prompt and the assistant's turn.
+    #[test]
+    fn qwen_template_from_gguf_metadata_renders_a_plain_chat() {
+        let gguf = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures/qwen2.5-vocab/qwen2.5-vocab.gguf");
+        let tok = tandem_runtime::Tokenizer::for_model(&gguf).expect("tokenizer");
+        let msgs = vec![Message {
+            role: "user".into(),
+            content: "Write hello world in Rust.".into(),
+        }];
+        let text = render(tok.chat_template(), &msgs, "", "<|im_end|>").expect("render");
+        assert_eq!(
+            text,
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful \
+             assistant.<|im_end|>\n<|im_start|>user\nWrite hello world in Rust.<|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+        let with_system = vec![
+            Message {
+                role: "system".into(),
+                content: "Be brief.".into(),
+            },
+            msgs[0].clone(),
+        ];
+        let text = render(tok.chat_template(), &with_system, "", "").expect("render");
+        assert!(
+            text.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n"),
+            "{text}"
+        );
     }
 }
