@@ -227,3 +227,34 @@ pub async fn http_request(
     let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
     (status, body.to_string())
 }
+
+/// Where `.ci/run` fetches the real Qwen2.5-Coder pair (`TANDEM_QWEN_DIR`, default
+/// `~/.cache/tandem/models`).
+pub fn qwen_dir() -> PathBuf {
+    std::env::var_os("TANDEM_QWEN_DIR").map_or_else(
+        || {
+            Path::new(&std::env::var_os("HOME").unwrap_or_default()).join(".cache/tandem/models")
+        },
+        PathBuf::from,
+    )
+}
+
+/// The real pair (target, draft) when it has been fetched. In CI (`CI` set) its absence fails
+/// the test; elsewhere the test says loudly that it did not run and how to make it run.
+pub fn qwen_pair(test: &str) -> Option<(PathBuf, PathBuf)> {
+    let dir = qwen_dir();
+    let target = dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    let draft = dir.join("qwen2.5-coder-0.5b-instruct.gguf");
+    if target.exists() && draft.exists() {
+        return Some((target, draft));
+    }
+    let how = format!(
+        "the Qwen2.5-Coder pair is not in {}: fetch it with \
+         `../shared/models/fetch-qwen-pair.sh {}` (.ci/run does)",
+        dir.display(),
+        dir.display()
+    );
+    assert!(std::env::var_os("CI").is_none(), "{test}: {how}");
+    eprintln!("NOT RUN {test}: {how}");
+    None
+}

@@ -1,17 +1,17 @@
 //! The Llama-family forward pass (Llama 1/2/3, Mistral, TinyLlama, SmolLM, Qwen2) over a
 //! truncatable [`KvCache`], returning logits for every position of a block or only the last.
 
-use candle_core::quantized::QMatMul;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::config::ModelConfig;
 use super::weights::Vb;
 use crate::Result;
+use crate::kernels::{AttentionShape, Matmul, attention};
 use crate::kv_cache::KvCache;
 
 /// A linear layer whose weight may be quantized, with an optional bias.
 struct Linear {
-    weight: QMatMul,
+    weight: Matmul,
     bias: Option<Tensor>,
 }
 
@@ -108,6 +108,20 @@ impl Attention {
         let k = self.heads(self.k_proj.forward(xs)?, self.num_kv_heads, Some(rope))?;
         let v = self.heads(self.v_proj.forward(xs)?, self.num_kv_heads, None)?;
         let (k, v) = cache.append(layer, &k, &v)?;
+        if matches!(xs.device(), Device::Cpu) && xs.dtype() == DType::F32 {
+            let shape = AttentionShape {
+                heads: self.num_heads,
+                kv_heads: self.num_kv_heads,
+                n,
+                pos: k.dim(2)? - n,
+                kv_len: k.dim(2)?,
+                head_dim: self.head_dim,
+            };
+            let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+            let ys = attention(&flat(&q)?, &flat(&k)?, &flat(&v)?, shape);
+            let ys = Tensor::from_vec(ys, (1, n, self.num_heads * self.head_dim), xs.device())?;
+            return self.o_proj.forward(&ys);
+        }
         let total = k.dim(2)?;
         // Grouped-query attention without copying keys: the query heads that share a kv head
         // are stacked along the row axis, (1, kv_heads, group * n, d).
@@ -210,7 +224,7 @@ pub(crate) struct Llama {
     embed_tokens: Tensor,
     layers: Vec<Block>,
     norm: RmsNorm,
-    lm_head: QMatMul,
+    lm_head: Matmul,
     cos: Tensor,
     sin: Tensor,
     dtype: DType,
@@ -270,7 +284,8 @@ impl Llama {
             cos: self.cos.narrow(0, pos, n)?,
             sin: self.sin.narrow(0, pos, n)?,
         };
-        let mask = if n > 1 {
+        // The CPU attention kernel masks by construction.
+        let mask = if n > 1 && !matches!(device, Device::Cpu) {
             Some(causal_mask(n, pos, self.dtype, device)?)
         } else {
             None

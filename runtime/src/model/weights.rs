@@ -5,9 +5,10 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
 
+use crate::kernels::Matmul;
 use crate::{Error, Result};
 
 /// A model's tensors: dense (safetensors) or quantized (GGUF).
@@ -138,15 +139,15 @@ impl<'a> Vb<'a> {
     }
 
     /// The `weight` of a linear layer of shape (out, in), kept quantized where it is.
-    pub(crate) fn matmul(&self, out_dim: usize, in_dim: usize) -> Result<QMatMul> {
+    pub(crate) fn matmul(&self, out_dim: usize, in_dim: usize) -> Result<Matmul> {
         let name = self.name("weight");
         match self.weights {
-            Weights::Dense { .. } => Ok(QMatMul::Tensor(
-                self.weights.dense(&name, &[out_dim, in_dim])?,
-            )),
-            Weights::Gguf { .. } => Ok(QMatMul::from_arc(
-                self.weights.qtensor(&name, &[out_dim, in_dim])?,
-            )?),
+            Weights::Dense { .. } => {
+                Matmul::dense(self.weights.dense(&name, &[out_dim, in_dim])?)
+            }
+            Weights::Gguf { .. } => {
+                Matmul::quantized(self.weights.qtensor(&name, &[out_dim, in_dim])?)
+            }
         }
     }
 }

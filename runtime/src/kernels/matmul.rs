@@ -1,0 +1,130 @@
+//! Batch-invariant matrix products of activations (rows) with a weight (out × in), quantized or
+//! dense, on the CPU.
+
+use std::sync::Arc;
+
+use candle_core::quantized::k_quants::{
+    self, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K,
+    BlockQ6K, BlockQ8_0, BlockQ8K, GgmlType,
+};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use half::{bf16, f16};
+
+use crate::Result;
+
+/// A linear layer's weight and the kernel that multiplies by it.
+pub(crate) enum Matmul {
+    /// A GGUF tensor on the CPU.
+    Quantized(Arc<QTensor>),
+    /// A dense weight on the CPU, (out, in) row-major f32.
+    Dense {
+        weight: Vec<f32>,
+        out_dim: usize,
+        in_dim: usize,
+    },
+    /// Any other device: candle's kernels.
+    Candle(QMatMul),
+}
+
+impl Matmul {
+    /// A quantized weight: batch-invariant on the CPU.
+    pub(crate) fn quantized(t: Arc<QTensor>) -> Result<Self> {
+        Ok(if t.device().is_cpu() {
+            Self::Quantized(t)
+        } else {
+            Self::Candle(QMatMul::from_arc(t)?)
+        })
+    }
+
+    /// A dense (out, in) weight: batch-invariant on the CPU in f32.
+    pub(crate) fn dense(w: Tensor) -> Result<Self> {
+        if !matches!(w.device(), Device::Cpu) || w.dtype() != candle_core::DType::F32 {
+            return Ok(Self::Candle(QMatMul::Tensor(w)));
+        }
+        let (out_dim, in_dim) = w.dims2()?;
+        Ok(Self::Dense {
+            weight: w.flatten_all()?.to_vec1::<f32>()?,
+            out_dim,
+            in_dim,
+        })
+    }
+
+    /// `xs` (…, in) → (…, out).
+    pub(crate) fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let (out_dim, in_dim) = match self {
+            Self::Candle(m) => return Ok(m.forward(xs)?),
+            Self::Quantized(t) => t.shape().dims2()?,
+            Self::Dense {
+                out_dim, in_dim, ..
+            } => (*out_dim, *in_dim),
+        };
+        let mut dims = xs.dims().to_vec();
+        let rows = xs.elem_count() / in_dim;
+        let lhs = xs.flatten_all()?.to_vec1::<f32>()?;
+        let mut dst = vec![0f32; rows * out_dim];
+        let mkn = (rows, in_dim, out_dim);
+        match self {
+            Self::Quantized(t) => quantized(t, mkn, &lhs, &mut dst)?,
+            Self::Dense { weight, .. } => k_quants::matmul::<f32>(mkn, &lhs, weight, &mut dst)?,
+            Self::Candle(_) => unreachable!("returned above"),
+        }
+        if let Some(last) = dims.last_mut() {
+            *last = out_dim;
+        }
+        Ok(Tensor::from_vec(dst, dims, xs.device())?)
+    }
+}
+
+/// Runs llama.cpp's row-by-row product for the tensor's block type.
+fn quantized(
+    t: &QTensor,
+    mkn: (usize, usize, usize),
+    lhs: &[f32],
+    dst: &mut [f32],
+) -> candle_core::Result<()> {
+    let data = t.data()?;
+    macro_rules! run {
+        ($ty:ty) => {
+            k_quants::matmul::<$ty>(mkn, lhs, blocks::<$ty>(&data)?, dst)
+        };
+    }
+    match t.dtype() {
+        GgmlDType::F32 => run!(f32),
+        GgmlDType::F16 => run!(f16),
+        GgmlDType::BF16 => run!(bf16),
+        GgmlDType::Q4_0 => run!(BlockQ4_0),
+        GgmlDType::Q4_1 => run!(BlockQ4_1),
+        GgmlDType::Q5_0 => run!(BlockQ5_0),
+        GgmlDType::Q5_1 => run!(BlockQ5_1),
+        GgmlDType::Q8_0 => run!(BlockQ8_0),
+        GgmlDType::Q2K => run!(BlockQ2K),
+        GgmlDType::Q3K => run!(BlockQ3K),
+        GgmlDType::Q4K => run!(BlockQ4K),
+        GgmlDType::Q5K => run!(BlockQ5K),
+        GgmlDType::Q6K => run!(BlockQ6K),
+        GgmlDType::Q8K => run!(BlockQ8K),
+        other => candle_core::bail!("no CPU matmul for GGUF type {other:?}"),
+    }
+}
+
+/// The blocks of a tensor's storage.
+#[allow(
+    unsafe_code,
+    reason = "candle stores a quantized tensor as a Vec of its block type and hands it out as bytes"
+)]
+fn blocks<T: GgmlType>(bytes: &[u8]) -> candle_core::Result<&[T]> {
+    let size = std::mem::size_of::<T>();
+    if bytes.len() % size != 0 || (bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+        candle_core::bail!(
+            "{} bytes at {:p} are not {} blocks",
+            bytes.len(),
+            bytes.as_ptr(),
+            std::any::type_name::<T>()
+        );
+    }
+    // SAFETY: the bytes are the storage of a Vec<T> (checked: whole blocks, aligned), T is a
+    // plain-old-data block of integers and f16 scales, valid for any bit pattern, and the slice
+    // borrows the bytes' lifetime.
+    Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) })
+}

@@ -1,0 +1,21 @@
+//! CPU kernels of a forward pass whose result for one row never depends on how many rows run
+//! with it (batch invariance). Greedy speculative decoding equals target-only decoding token for
+//! token only if a position's logits are bit-identical whether it was computed alone (a decode
+//! step), in a verify block of K + 1, or in a replayed prefill: a real model has near-ties that
+//! the different summation orders of a one-row and a many-row kernel flip (measured on the
+//! Qwen2.5-Coder 1.5B Q4_K_M target with candle's own kernels: logits 0.5 apart and a different
+//! greedy text after 20 tokens).
+//!
+//! - [`Matmul`]: every row is a dot product of the weight row with that activation row,
+//!   quantized once per row to the weight type's dot-product type (Q8_0 / Q8_K) as llama.cpp
+//!   does, the same code for one row and for many; the weights are read once per tile of rows.
+//! - [`attention`]: causal attention row by row over exactly the keys the row sees, in a fixed
+//!   order.
+//!
+//! Other devices (CUDA) keep candle's kernels.
+
+mod attention;
+mod matmul;
+
+pub(crate) use attention::{AttentionShape, attention};
+pub(crate) use matmul::Matmul;
