@@ -125,7 +125,7 @@ pub struct QuantizeArgs {
     /// Output .gguf path.
     #[arg(long)]
     pub out: PathBuf,
-    /// f32, f16, q8_0, q4_0 or q4_k_m.
+    /// f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k or q4_k_m.
     #[arg(long = "type", default_value = "q8_0")]
     pub quant_type: String,
 }

@@ -14,62 +14,91 @@ use crate::model::weights::{gguf_name, safetensors_files};
 use crate::model::{Architecture, ModelConfig, RopeScaling};
 use crate::{Error, Result};
 
-/// Quantization schemes for [`quantize_to_gguf`].
+/// Quantization schemes for [`quantize_to_gguf`]: one type for every matrix, or llama.cpp's
+/// Q4_K_M mix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuantType {
     F32,
     F16,
-    Q8_0,
+    BF16,
     Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
     /// Q4_K for most matrices, Q6_K for the output, attn_v and ffn_down (llama.cpp's Q4_K_M mix).
     Q4KM,
 }
 
+/// Every scheme with its name on the command line, GGUF tensor type (Q4_K_M: the main one) and
+/// llama.cpp `general.file_type` code.
+const SCHEMES: [(QuantType, &str, GgmlDType, u32); 14] = [
+    (QuantType::F32, "f32", GgmlDType::F32, 0),
+    (QuantType::F16, "f16", GgmlDType::F16, 1),
+    (QuantType::BF16, "bf16", GgmlDType::BF16, 32),
+    (QuantType::Q4_0, "q4_0", GgmlDType::Q4_0, 2),
+    (QuantType::Q4_1, "q4_1", GgmlDType::Q4_1, 3),
+    (QuantType::Q5_0, "q5_0", GgmlDType::Q5_0, 8),
+    (QuantType::Q5_1, "q5_1", GgmlDType::Q5_1, 9),
+    (QuantType::Q8_0, "q8_0", GgmlDType::Q8_0, 7),
+    (QuantType::Q2K, "q2_k", GgmlDType::Q2K, 10),
+    (QuantType::Q3K, "q3_k", GgmlDType::Q3K, 11),
+    (QuantType::Q4K, "q4_k", GgmlDType::Q4K, 14),
+    (QuantType::Q5K, "q5_k", GgmlDType::Q5K, 16),
+    (QuantType::Q6K, "q6_k", GgmlDType::Q6K, 18),
+    (QuantType::Q4KM, "q4_k_m", GgmlDType::Q4K, 15),
+];
+
 impl std::str::FromStr for QuantType {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().as_str() {
-            "f32" => Ok(Self::F32),
-            "f16" => Ok(Self::F16),
-            "q8_0" => Ok(Self::Q8_0),
-            "q4_0" => Ok(Self::Q4_0),
-            "q4_k_m" => Ok(Self::Q4KM),
-            other => Err(Error::invalid(
-                "quant_type",
-                other,
-                "must be one of f32, f16, q8_0, q4_0, q4_k_m",
-            )),
-        }
+        let wanted = s.to_ascii_lowercase();
+        SCHEMES
+            .iter()
+            .find(|(_, name, _, _)| *name == wanted)
+            .map(|(q, ..)| *q)
+            .ok_or_else(|| {
+                let names: Vec<&str> = SCHEMES.iter().map(|(_, n, _, _)| *n).collect();
+                Error::invalid(
+                    "quant_type",
+                    s,
+                    format!("must be one of {}", names.join(", ")),
+                )
+            })
     }
 }
 
 impl QuantType {
+    /// Every scheme.
+    pub fn all() -> impl Iterator<Item = Self> {
+        SCHEMES.iter().map(|(q, ..)| *q)
+    }
+
+    fn scheme(self) -> (GgmlDType, u32) {
+        SCHEMES
+            .iter()
+            .find(|(q, ..)| *q == self)
+            .map_or((GgmlDType::F32, 0), |(_, _, t, code)| (*t, *code))
+    }
+
     fn for_tensor(self, gguf: &str) -> GgmlDType {
+        let mixed_q6 = gguf == "output.weight"
+            || gguf.ends_with("attn_v.weight")
+            || gguf.ends_with("ffn_down.weight");
         match self {
-            Self::F32 => GgmlDType::F32,
-            Self::F16 => GgmlDType::F16,
-            Self::Q8_0 => GgmlDType::Q8_0,
-            Self::Q4_0 => GgmlDType::Q4_0,
-            Self::Q4KM
-                if gguf == "output.weight"
-                    || gguf.ends_with("attn_v.weight")
-                    || gguf.ends_with("ffn_down.weight") =>
-            {
-                GgmlDType::Q6K
-            }
-            Self::Q4KM => GgmlDType::Q4K,
+            Self::Q4KM if mixed_q6 => GgmlDType::Q6K,
+            other => other.scheme().0,
         }
     }
 
     /// llama.cpp's `general.file_type` code.
     fn file_type(self) -> u32 {
-        match self {
-            Self::F32 => 0,
-            Self::F16 => 1,
-            Self::Q4_0 => 2,
-            Self::Q8_0 => 7,
-            Self::Q4KM => 15,
-        }
+        self.scheme().1
     }
 }
 

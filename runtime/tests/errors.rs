@@ -76,6 +76,18 @@ fn with_tensor_type(src: &std::path::Path, dst: &std::path::Path, code: u32) {
 }
 
 #[test]
+fn a_truncated_gguf_names_the_tensor_it_cuts() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let bytes = std::fs::read(stories_gguf(QuantType::Q8_0)).expect("read");
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() - 100]).expect("write");
+    let msg = load_err(&cut).to_string();
+    for w in ["cut.gguf", "truncated", "tensor `", "ends at byte"] {
+        assert!(msg.contains(w), "{msg:?} lacks {w:?}");
+    }
+}
+
+#[test]
 fn unsupported_gguf_tensor_type_is_named() {
     let dir = tempfile::tempdir().expect("tmp");
     let bad = dir.path().join("iq.gguf");

@@ -12,7 +12,7 @@
 use serde_json::json;
 use tandem_node::LimitsArgs;
 use tandem_runtime::SamplingParams;
-use tandem_tests::bench::{PROMPT, env_list, ks, median, pairs, reps};
+use tandem_tests::bench::{env_list, ks, median, pairs, reps};
 use tandem_tests::{cluster, generate, in_process_with, load, request, tokenizer};
 
 #[derive(Default)]
@@ -47,7 +47,7 @@ async fn main() -> anyhow::Result<()> {
         let tok = tokenizer(&pair.target);
         let cluster = cluster(&pair.target, Some(&pair.draft), &LimitsArgs::default()).await;
         let engine = cluster.engine(4).await?;
-        let prompt = tok.encode(PROMPT)?;
+        let prompt = tok.encode(pair.prompt)?;
         let greedy = SamplingParams::greedy();
         for &k in &ks {
             let spec = request(&prompt, pair.max_new_tokens as u32, k as u32, &greedy);

@@ -13,7 +13,7 @@ use tandem_runtime::{
     GenerateRequest, Generation, LoadOptions, Model, SamplingParams, SpeculativeGenerator,
     Tokenizer,
 };
-use tandem_tests::bench::{PROMPT, Pair, env_list, ks, median, pairs, reps};
+use tandem_tests::bench::{Pair, env_list, ks, median, pairs, reps};
 
 fn run(
     target: &Model,
@@ -24,7 +24,7 @@ fn run(
 ) -> anyhow::Result<Generation> {
     let generator = SpeculativeGenerator::new(target, Some(draft), tok)?;
     let request = GenerateRequest {
-        prompt: tok.encode(PROMPT)?,
+        prompt: tok.encode(pair.prompt)?,
         max_new_tokens: pair.max_new_tokens,
         sampling: SamplingParams::greedy(),
         draft_tokens: k,

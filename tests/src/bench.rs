@@ -16,10 +16,29 @@ pub struct Pair {
     pub target: PathBuf,
     pub draft: PathBuf,
     pub max_new_tokens: usize,
+    /// What to generate from.
+    pub prompt: &'static str,
 }
 
-/// The prompt every benchmark generates from.
+/// The prompt of the story pairs.
 pub const PROMPT: &str = "Once upon a time";
+
+/// The real Qwen pair's prose and code prompts: the code one asks for a rewrite of code it
+/// quotes, where a draft (and an n-gram drafter) has the most to copy.
+pub const QWEN_PROMPTS: [(&str, &str, &str); 2] = [
+    (
+        "qwen-prose",
+        "Qwen2.5-Coder 1.5B Q4_K_M / 0.5B (prose)",
+        "The capital of France is",
+    ),
+    (
+        "qwen-code",
+        "Qwen2.5-Coder 1.5B Q4_K_M / 0.5B (code)",
+        "<|im_start|>user\nRename `total` to `sum` in this function and return it:\n```python\n\
+         def add_all(values):\n    total = 0\n    for v in values:\n        total += v\n    \
+         return total\n```<|im_end|>\n<|im_start|>assistant\n",
+    ),
+];
 
 pub fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
@@ -60,8 +79,9 @@ pub fn ks() -> anyhow::Result<Vec<usize>> {
 }
 
 /// The pairs named in `wanted`: `stories260k` (the real stories260K, f32, with a Q8_0 copy as
-/// the draft) and `110m-q8_0` / `110m-q4_0` (a random-weight model of the stories110M shape,
-/// 768 × 12 layers × the 32k Llama 2 vocabulary, f32, seed 110, with its own Q8_0 / Q4_0 copy).
+/// the draft), `110m-q8_0` / `110m-q4_0` (a random-weight model of the stories110M shape,
+/// 768 × 12 layers × the 32k Llama 2 vocabulary, f32, seed 110, with its own Q8_0 / Q4_0 copy)
+/// and `qwen-prose` / `qwen-code` (the real Qwen2.5-Coder pair, fetched by .ci/run).
 pub fn pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
     let mut pairs = Vec::new();
     if wanted.iter().any(|w| w == "stories260k") {
@@ -72,6 +92,7 @@ pub fn pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
             target: stories(),
             draft,
             max_new_tokens: 256,
+            prompt: PROMPT,
         });
     }
     let big: Vec<(QuantType, &'static str)> = [
@@ -101,6 +122,20 @@ pub fn pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
                 target: target.clone(),
                 draft,
                 max_new_tokens: 64,
+                prompt: PROMPT,
+            });
+        }
+    }
+    for (key, name, prompt) in QWEN_PROMPTS {
+        if wanted.iter().any(|w| w == key) {
+            let (target, draft) = crate::qwen_pair(key)
+                .ok_or_else(|| anyhow::anyhow!("{key}: the Qwen pair is not fetched"))?;
+            pairs.push(Pair {
+                name,
+                target,
+                draft,
+                max_new_tokens: 64,
+                prompt,
             });
         }
     }

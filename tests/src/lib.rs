@@ -232,9 +232,7 @@ pub async fn http_request(
 /// `~/.cache/tandem/models`).
 pub fn qwen_dir() -> PathBuf {
     std::env::var_os("TANDEM_QWEN_DIR").map_or_else(
-        || {
-            Path::new(&std::env::var_os("HOME").unwrap_or_default()).join(".cache/tandem/models")
-        },
+        || Path::new(&std::env::var_os("HOME").unwrap_or_default()).join(".cache/tandem/models"),
         PathBuf::from,
     )
 }

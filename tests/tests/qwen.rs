@@ -14,8 +14,7 @@ use tandem_tests::*;
 
 #[tokio::test]
 async fn qwen_pair_greedy_speculative_equals_target_only() {
-    let Some((target, draft)) = qwen_pair("qwen_pair_greedy_speculative_equals_target_only")
-    else {
+    let Some((target, draft)) = qwen_pair("qwen_pair_greedy_speculative_equals_target_only") else {
         return;
     };
     let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
@@ -78,5 +77,8 @@ async fn qwen_chat_completion_renders_the_template_and_answers() {
     assert_eq!(reply["choices"][0]["finish_reason"], "stop", "{reply}");
     // The prompt was Qwen's template: system prompt, user turn, assistant turn.
     let prompt_tokens = reply["usage"]["prompt_tokens"].as_u64().expect("usage");
-    assert!(prompt_tokens > 25, "the default system prompt is in: {prompt_tokens}");
+    assert!(
+        prompt_tokens > 25,
+        "the default system prompt is in: {prompt_tokens}"
+    );
 }

@@ -41,6 +41,7 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
             invalid(path, format!("not a readable GGUF file: {msg}"))
         }
     })?;
+    check_complete(path, &file, &content)?;
     let tensors = QVarBuilder::from_gguf(path, device).map_err(|e| invalid(path, e.to_string()))?;
     let meta = Meta {
         path,
@@ -109,6 +110,27 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
             tensors,
         },
     })
+}
+
+/// Refuses a file that ends before the last byte of a tensor (an interrupted download or copy),
+/// naming the tensor.
+fn check_complete(path: &Path, file: &std::fs::File, content: &Content) -> Result<()> {
+    let len = file.metadata().map_err(Error::io(path))?.len();
+    for (name, info) in &content.tensor_infos {
+        let t = info.ggml_dtype;
+        let bytes = (info.shape.elem_count() / t.block_size() * t.type_size()) as u64;
+        let end = content.tensor_data_offset + info.offset + bytes;
+        if end > len {
+            return Err(invalid(
+                path,
+                format!(
+                    "tensor `{name}` ({t:?}, {bytes} bytes) ends at byte {end}, but the file has \
+                     {len} bytes: it is truncated (an interrupted download or copy?)"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Typed access to GGUF metadata with errors naming the key.

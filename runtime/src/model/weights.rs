@@ -142,9 +142,7 @@ impl<'a> Vb<'a> {
     pub(crate) fn matmul(&self, out_dim: usize, in_dim: usize) -> Result<Matmul> {
         let name = self.name("weight");
         match self.weights {
-            Weights::Dense { .. } => {
-                Matmul::dense(self.weights.dense(&name, &[out_dim, in_dim])?)
-            }
+            Weights::Dense { .. } => Matmul::dense(self.weights.dense(&name, &[out_dim, in_dim])?),
             Weights::Gguf { .. } => {
                 Matmul::quantized(self.weights.qtensor(&name, &[out_dim, in_dim])?)
             }
