@@ -147,6 +147,24 @@ fn top1_agreement(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
     same as f64 / a.len() as f64
 }
 
+/// A random model with rows of 256 and 512 (stories260K's 64 and 172 do not split into 256-wide
+/// K-quant blocks), written under `dir`.
+fn wide_model(dir: &std::path::Path, num_layers: usize, embed_std: f32) -> std::path::PathBuf {
+    let spec = tandem_runtime::synthetic::SyntheticSpec {
+        hidden_size: 256,
+        intermediate_size: 512,
+        num_layers,
+        num_heads: 4,
+        num_kv_heads: 2,
+        embed_std,
+        ..tandem_runtime::synthetic::SyntheticSpec::tiny(5)
+    };
+    let model_dir = dir.join("wide");
+    tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &stories_dir())
+        .expect("write");
+    model_dir
+}
+
 #[test]
 fn quantized_ggufs_load_and_track_the_f32_model() {
     let tokens = story_tokens();
@@ -159,20 +177,9 @@ fn quantized_ggufs_load_and_track_the_f32_model() {
             "{quant:?}: top-1 agreement {agreement}"
         );
     }
-    // stories260K rows (64, 172) do not split into 256-wide K-quant blocks: a wider random
-    // model exercises Q4_K / Q6_K.
+    // A wider random model exercises Q4_K / Q6_K.
     let dir = tempfile::tempdir().expect("tmp");
-    let spec = tandem_runtime::synthetic::SyntheticSpec {
-        hidden_size: 256,
-        intermediate_size: 512,
-        num_layers: 1,
-        num_heads: 4,
-        num_kv_heads: 2,
-        ..tandem_runtime::synthetic::SyntheticSpec::tiny(5)
-    };
-    let model_dir = dir.path().join("wide");
-    tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &stories_dir())
-        .expect("write");
+    let model_dir = wide_model(dir.path(), 1, 0.5);
     let gguf = dir.path().join("wide-q4km.gguf");
     let report = tandem_runtime::quantize::quantize_to_gguf(&model_dir, &gguf, QuantType::Q4KM)
         .expect("quantize");
@@ -193,18 +200,7 @@ fn quantized_ggufs_load_and_track_the_f32_model() {
 #[test]
 fn every_gguf_type_loads_runs_batch_invariant_and_tracks_f32() {
     let dir = tempfile::tempdir().expect("tmp");
-    let spec = tandem_runtime::synthetic::SyntheticSpec {
-        hidden_size: 256,
-        intermediate_size: 512,
-        num_layers: 2,
-        num_heads: 4,
-        num_kv_heads: 2,
-        embed_std: 2.0,
-        ..tandem_runtime::synthetic::SyntheticSpec::tiny(8)
-    };
-    let model_dir = dir.path().join("wide");
-    tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &stories_dir())
-        .expect("write");
+    let model_dir = wide_model(dir.path(), 2, 2.0);
     let tokens = story_tokens();
     let dense = fresh_logits(&load(&model_dir), &tokens);
     let mut report = Vec::new();

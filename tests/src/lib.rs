@@ -170,6 +170,20 @@ pub async fn generate(engine: &Engine, req: &v1::GenerateRequest) -> Outcome {
         .expect("generation")
 }
 
+/// Serves the OpenAI-compatible HTTP API of `engine` on 127.0.0.1:0.
+pub async fn serve_http(engine: std::sync::Arc<Engine>) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(tandem_coordinator::http::serve(
+        listener,
+        tandem_coordinator::http::HttpState::new(engine),
+        std::future::pending(),
+    ));
+    addr
+}
+
 /// Node info over gRPC.
 pub async fn node_info(addr: std::net::SocketAddr) -> v1::NodeInfo {
     v1::node_service_client::NodeServiceClient::connect(format!("http://{addr}"))

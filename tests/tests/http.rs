@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use serde_json::{Value, json};
 use tandem_coordinator::LocalCluster;
-use tandem_coordinator::http::{self, HttpState};
 use tandem_node::LimitsArgs;
 use tandem_proto::v1;
 use tandem_tests::python::python_with;
@@ -32,19 +31,10 @@ async fn serve(target: &std::path::Path) -> Served {
         Arc::clone(&engine),
         std::future::pending(),
     ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(http::serve(
-        listener,
-        HttpState::new(engine),
-        std::future::pending(),
-    ));
     Served {
         _cluster: cluster,
         grpc: grpc_url,
-        http: addr,
+        http: serve_http(engine).await,
     }
 }
 

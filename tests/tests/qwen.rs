@@ -7,7 +7,6 @@
 use std::sync::Arc;
 
 use serde_json::Value;
-use tandem_coordinator::http::{self, HttpState};
 use tandem_node::LimitsArgs;
 use tandem_runtime::SamplingParams;
 use tandem_tests::*;
@@ -51,15 +50,7 @@ async fn qwen_chat_completion_renders_the_template_and_answers() {
     };
     let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
     let engine = Arc::new(cluster.engine(4).await.expect("engine"));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(http::serve(
-        listener,
-        HttpState::new(engine),
-        std::future::pending(),
-    ));
+    let addr = serve_http(engine).await;
     let body = serde_json::json!({
         "model": cluster.target.model.name(),
         "messages": [{"role": "user", "content": "What is the capital of France? One word."}],

@@ -13,6 +13,13 @@ use half::{bf16, f16};
 
 use crate::Result;
 
+/// Types whose candle CPU kernel is the same for one row and for many (its repacked kernel on
+/// x86-64 with AVX2 / AVX-512 for any row count, else the row-by-row one), and faster than the
+/// row-by-row product: kept on candle. Q6_K is not among them (candle repacks it only for
+/// several rows). `every_gguf_type_loads_runs_batch_invariant_and_tracks_f32` checks the claim
+/// on the machine that runs the tests.
+const REPACKED: [GgmlDType; 2] = [GgmlDType::Q8_0, GgmlDType::Q4K];
+
 /// A linear layer's weight and the kernel that multiplies by it.
 pub(crate) enum Matmul {
     /// A GGUF tensor on the CPU.
@@ -30,7 +37,7 @@ pub(crate) enum Matmul {
 impl Matmul {
     /// A quantized weight: batch-invariant on the CPU.
     pub(crate) fn quantized(t: Arc<QTensor>) -> Result<Self> {
-        Ok(if t.device().is_cpu() {
+        Ok(if t.device().is_cpu() && !REPACKED.contains(&t.dtype()) {
             Self::Quantized(t)
         } else {
             Self::Candle(QMatMul::from_arc(t)?)

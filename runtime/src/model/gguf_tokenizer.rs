@@ -56,21 +56,7 @@ struct Vocab<'a> {
 
 impl<'a> Vocab<'a> {
     fn read(meta: &'a Meta<'a>) -> Result<Self> {
-        let tokens: Vec<&str> = meta
-            .array("tokenizer.ggml.tokens")?
-            .iter()
-            .enumerate()
-            .map(|(i, v)| match v {
-                Value::String(s) => Ok(s.as_str()),
-                other => Err(invalid(
-                    meta.path,
-                    format!(
-                        "metadata `tokenizer.ggml.tokens`[{i}] is {}, expected a string",
-                        kind(other)
-                    ),
-                )),
-            })
-            .collect::<Result<_>>()?;
+        let tokens = strings(meta, "tokenizer.ggml.tokens")?;
         let types = match meta.metadata.get("tokenizer.ggml.token_type") {
             Some(Value::Array(a)) => a
                 .iter()
@@ -119,6 +105,24 @@ impl<'a> Vocab<'a> {
             })
             .collect()
     }
+}
+
+/// A metadata array of strings, naming the first entry that is not one.
+fn strings<'a>(meta: &'a Meta<'a>, key: &str) -> Result<Vec<&'a str>> {
+    meta.array(key)?
+        .iter()
+        .enumerate()
+        .map(|(i, v)| match v {
+            Value::String(s) => Ok(s.as_str()),
+            other => Err(invalid(
+                meta.path,
+                format!(
+                    "metadata `{key}`[{i}] is {}, expected a string",
+                    kind(other)
+                ),
+            )),
+        })
+        .collect()
 }
 
 fn kind(v: &Value) -> &'static str {
@@ -261,21 +265,7 @@ fn byte_level_bpe(meta: &Meta, vocab: &Vocab) -> Result<Json> {
             ));
         }
     };
-    let merges: Vec<&str> = meta
-        .array("tokenizer.ggml.merges")?
-        .iter()
-        .enumerate()
-        .map(|(i, v)| match v {
-            Value::String(s) => Ok(s.as_str()),
-            other => Err(invalid(
-                meta.path,
-                format!(
-                    "metadata `tokenizer.ggml.merges`[{i}] is {}, expected a string \"a b\"",
-                    kind(other)
-                ),
-            )),
-        })
-        .collect::<Result<_>>()?;
+    let merges = strings(meta, "tokenizer.ggml.merges")?;
     let bytes = byte_level(false, false);
     Ok(json!({
         "version": "1.0",
