@@ -11,6 +11,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::{bf16, f16};
 
+use super::attention::{PARALLEL_WORK, dot};
 use crate::Result;
 
 /// Types whose candle CPU kernel is the same for one row and for many (its repacked kernel on
@@ -73,6 +74,16 @@ impl Matmul {
         let mkn = (rows, in_dim, out_dim);
         match self {
             Self::Quantized(t) => quantized(t, mkn, &lhs, &mut dst)?,
+            // Small weights: one thread, no pool hand-off (what tiny models spend their time
+            // on). Chosen by the weight's size, never by the row count: each weight always
+            // takes the same path.
+            Self::Dense { weight, .. } if weight.len() < PARALLEL_WORK => {
+                for (x, out) in lhs.chunks_exact(in_dim).zip(dst.chunks_exact_mut(out_dim)) {
+                    for (w, o) in weight.chunks_exact(in_dim).zip(out.iter_mut()) {
+                        *o = dot(x, w);
+                    }
+                }
+            }
             Self::Dense { weight, .. } => k_quants::matmul::<f32>(mkn, &lhs, weight, &mut dst)?,
             Self::Candle(_) => unreachable!("returned above"),
         }
