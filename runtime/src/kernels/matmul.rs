@@ -38,6 +38,9 @@ pub(crate) enum Matmul {
 impl Matmul {
     /// A quantized weight: batch-invariant on the CPU.
     pub(crate) fn quantized(t: Arc<QTensor>) -> Result<Self> {
+        if t.dtype() == GgmlDType::F32 {
+            return Self::dense(t.dequantize(&t.device())?);
+        }
         Ok(if t.device().is_cpu() && !REPACKED.contains(&t.dtype()) {
             Self::Quantized(t)
         } else {
