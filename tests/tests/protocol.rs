@@ -512,9 +512,21 @@ async fn a_bad_block_is_refused_in_the_verdict_and_the_session_goes_on() {
         b.q[2] = tandem_proto::distribution_to_wire(&tandem_runtime::Distribution::OneHot(10));
     }
     let too_long = verify(wire_prefix(&log), vec![], vec![5; 40]);
+    // A million empty sparse q for one draft: refused by count before anything is decoded.
+    let mut flood = verify(wire_prefix(&log), vec![], vec![plain]);
+    if let target_request::Kind::Verify(b) = &mut flood {
+        let empty = v1::Distribution {
+            kind: Some(v1::distribution::Kind::Sparse(v1::SparseProbs {
+                vocab_size: 512,
+                ..Default::default()
+            })),
+        };
+        b.q = vec![empty; 1_000_000];
+    }
     for (block, position, reason) in [
         (lying, 2, "no_mass_on_draft"),
         (too_long, 32, "too_many_drafts"),
+        (flood, 1, "q_count"),
     ] {
         match target_call(&tx, &mut rx, block)
             .await

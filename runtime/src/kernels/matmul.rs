@@ -14,17 +14,26 @@ use half::{bf16, f16};
 use super::attention::{PARALLEL_WORK, dot};
 use crate::Result;
 
-/// Types whose candle CPU kernel is the same for one row and for many (its repacked kernel on
-/// x86-64 with AVX2 / AVX-512 for any row count, else the row-by-row one), and faster than the
-/// row-by-row product: kept on candle. Q6_K is not among them (candle repacks it only for
-/// several rows). `every_gguf_type_loads_runs_batch_invariant_and_tracks_f32` checks the claim
-/// on the machine that runs the tests.
-const REPACKED: [GgmlDType; 2] = [GgmlDType::Q8_0, GgmlDType::Q4K];
+/// Types whose candle CPU kernel on x86-64 (its repacked AVX2 / AVX-512 kernel) is the same for
+/// one row and for up to [`REPACKED_ROWS`] rows, and faster than the row-by-row product: kept on
+/// candle, in calls of at most that many rows (from 32 rows candle switches Q4_K to an AMX kernel
+/// where the CPU has one). Q6_K is not among them (candle repacks it only for several rows), nor
+/// is any type on other architectures (aarch64 tiles rows in fours). The every-type test checks
+/// the claim on the machine that runs the tests.
+#[cfg(target_arch = "x86_64")]
+const REPACKED: &[GgmlDType] = &[GgmlDType::Q8_0, GgmlDType::Q4K];
+#[cfg(not(target_arch = "x86_64"))]
+const REPACKED: &[GgmlDType] = &[];
+
+/// Rows per call of a repacked kernel.
+const REPACKED_ROWS: usize = 16;
 
 /// A linear layer's weight and the kernel that multiplies by it.
 pub(crate) enum Matmul {
     /// A GGUF tensor on the CPU.
     Quantized(Arc<QTensor>),
+    /// A GGUF tensor on the CPU of a [`REPACKED`] type.
+    Repacked(QMatMul),
     /// A dense weight on the CPU, (out, in) row-major f32.
     Dense {
         weight: Vec<f32>,
@@ -41,10 +50,12 @@ impl Matmul {
         if t.dtype() == GgmlDType::F32 {
             return Self::dense(t.dequantize(&t.device())?);
         }
-        Ok(if t.device().is_cpu() && !REPACKED.contains(&t.dtype()) {
-            Self::Quantized(t)
-        } else {
+        Ok(if !t.device().is_cpu() {
             Self::Candle(QMatMul::from_arc(t)?)
+        } else if REPACKED.contains(&t.dtype()) {
+            Self::Repacked(QMatMul::from_arc(t)?)
+        } else {
+            Self::Quantized(t)
         })
     }
 
@@ -65,6 +76,7 @@ impl Matmul {
     pub(crate) fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let (out_dim, in_dim) = match self {
             Self::Candle(m) => return Ok(m.forward(xs)?),
+            Self::Repacked(m) => return repacked(m, xs),
             Self::Quantized(t) => t.shape().dims2()?,
             Self::Dense {
                 out_dim, in_dim, ..
@@ -88,13 +100,34 @@ impl Matmul {
                 }
             }
             Self::Dense { weight, .. } => k_quants::matmul::<f32>(mkn, &lhs, weight, &mut dst)?,
-            Self::Candle(_) => unreachable!("returned above"),
+            Self::Candle(_) | Self::Repacked(_) => unreachable!("returned above"),
         }
         if let Some(last) = dims.last_mut() {
             *last = out_dim;
         }
         Ok(Tensor::from_vec(dst, dims, xs.device())?)
     }
+}
+
+/// Candle's repacked kernel, [`REPACKED_ROWS`] rows at a time.
+fn repacked(m: &QMatMul, xs: &Tensor) -> Result<Tensor> {
+    let dims = xs.dims().to_vec();
+    let in_dim = dims.last().copied().unwrap_or(0);
+    let rows = xs.elem_count() / in_dim.max(1);
+    if rows <= REPACKED_ROWS {
+        return Ok(m.forward(xs)?);
+    }
+    let flat = xs.reshape((rows, in_dim))?;
+    let parts = (0..rows)
+        .step_by(REPACKED_ROWS)
+        .map(|start| m.forward(&flat.narrow(0, start, REPACKED_ROWS.min(rows - start))?))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let ys = Tensor::cat(&parts, 0)?;
+    let mut out = dims;
+    if let Some(last) = out.last_mut() {
+        *last = ys.dim(1)?;
+    }
+    Ok(ys.reshape(out)?)
 }
 
 /// Runs llama.cpp's row-by-row product for the tensor's block type.
