@@ -82,30 +82,33 @@ pub struct BlockRules {
     pub greedy: bool,
 }
 
+/// Checks the sizes of a block: no more than `max_drafts` drafts and one q per draft. Cheap, so
+/// a node runs it before decoding any q (each costs a vocabulary of floats).
+pub fn check_counts(drafts: usize, q: usize, max_drafts: usize) -> Result<(), DraftRefusal> {
+    if drafts > max_drafts {
+        return Err(DraftRefusal::new(
+            max_drafts,
+            RefusalReason::TooManyDrafts,
+            format!("{drafts} drafts, at most {max_drafts} fit this block"),
+        ));
+    }
+    if q != drafts {
+        return Err(DraftRefusal::new(
+            q.min(drafts),
+            RefusalReason::QCount,
+            format!("{q} distributions for {drafts} drafts"),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a drafted block, naming the first position at fault.
 pub fn check_block(
     drafts: &[u32],
     q: &[Distribution],
     rules: &BlockRules,
 ) -> Result<(), DraftRefusal> {
-    if drafts.len() > rules.max_drafts {
-        return Err(DraftRefusal::new(
-            rules.max_drafts,
-            RefusalReason::TooManyDrafts,
-            format!(
-                "{} drafts, at most {} fit this block",
-                drafts.len(),
-                rules.max_drafts
-            ),
-        ));
-    }
-    if q.len() != drafts.len() {
-        return Err(DraftRefusal::new(
-            q.len().min(drafts.len()),
-            RefusalReason::QCount,
-            format!("{} distributions for {} drafts", q.len(), drafts.len()),
-        ));
-    }
+    check_counts(drafts.len(), q.len(), rules.max_drafts)?;
     for (i, (&x, q)) in drafts.iter().zip(q).enumerate() {
         check_one(x, q, rules).map_err(|(reason, detail)| DraftRefusal::new(i, reason, detail))?;
     }

@@ -15,9 +15,8 @@ use tandem_proto::v1::target_response::Kind as Reply;
 use tandem_proto::v1::target_service_server::{TargetService, TargetServiceServer};
 use tandem_proto::v1::{self, target_request::Kind};
 use tandem_proto::{Error, Result, distribution_from_wire, prefix_from_wire, prefix_to_wire};
-use tandem_runtime::{
-    Distribution, DraftRefusal, Prefix, RefusalReason, TokenLog, Verified, Verifier,
-};
+use tandem_runtime::draft_check::check_counts;
+use tandem_runtime::{Distribution, DraftRefusal, Prefix, TokenLog, Verified, Verifier};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -150,29 +149,13 @@ impl Session for TargetSession {
     }
 }
 
-/// The block's q, decoded; what does not decode refuses the block. Nothing is decoded for a
-/// block with more drafts than fit (the verifier refuses it by count) or a q count that is not
-/// the draft count.
+/// The block's q, decoded after its sizes are checked; what does not decode refuses the block.
 fn decode_q(
     block: &v1::VerifyBlock,
     vocab_size: usize,
     max_drafts: usize,
 ) -> std::result::Result<Vec<Distribution>, DraftRefusal> {
-    if block.drafts.len() > max_drafts {
-        return Ok(Vec::new());
-    }
-    // Refused before decoding: every decoded q costs a vocabulary of floats.
-    if block.q.len() != block.drafts.len() {
-        return Err(DraftRefusal::new(
-            block.q.len().min(block.drafts.len()),
-            RefusalReason::QCount,
-            format!(
-                "{} distributions for {} drafts",
-                block.q.len(),
-                block.drafts.len()
-            ),
-        ));
-    }
+    check_counts(block.drafts.len(), block.q.len(), max_drafts)?;
     block
         .q
         .iter()
