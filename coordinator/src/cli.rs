@@ -24,24 +24,36 @@ pub enum Command {
     Serve(ServeArgs),
     /// Write a Hugging Face Llama/Qwen2 folder as a (quantized) GGUF file, e.g. a draft model.
     Quantize(QuantizeArgs),
+    /// Fetch models named by Hub reference into the Hub cache (`HF_HOME`, `HF_HUB_CACHE`) and
+    /// print their local paths, e.g. before starting nodes with `HF_HUB_OFFLINE=1`.
+    Fetch(FetchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct FetchArgs {
+    /// Hub references `org/name[@revision]` or `org/name[@revision]:file.gguf`; local paths are
+    /// printed as they are.
+    #[arg(required = true, num_args = 1..)]
+    pub models: Vec<String>,
 }
 
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// Target model: a Hugging Face folder or a .gguf file.
+    /// Target model: a Hugging Face folder, a .gguf file, or a Hub reference
+    /// `org/name[@revision]` (safetensors) or `org/name[@revision]:file.gguf`.
     #[arg(
         long,
         env = "TANDEM_TARGET_MODEL",
         default_value = "fixtures/stories260K"
     )]
-    pub target_model: PathBuf,
+    pub target_model: String,
     /// Draft model sharing the target's vocabulary.
     #[arg(
         long,
         env = "TANDEM_DRAFT_MODEL",
         default_value = "fixtures/stories260K-q8_0.gguf"
     )]
-    pub draft_model: PathBuf,
+    pub draft_model: String,
     /// Device for both models: cpu, or cuda:N (needs the `cuda` feature).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: String,
@@ -119,9 +131,9 @@ pub struct ServeArgs {
 
 #[derive(Debug, Args)]
 pub struct QuantizeArgs {
-    /// Hugging Face model folder.
+    /// Hugging Face model folder, or a Hub reference `org/name[@revision]`.
     #[arg(long)]
-    pub model: PathBuf,
+    pub model: String,
     /// Output .gguf path.
     #[arg(long)]
     pub out: PathBuf,

@@ -1,7 +1,6 @@
 //! The local all-in-one mode: a target-node, a draft-node and a coordinator in this process,
-//! talking gRPC over loopback; and `quantize`.
+//! talking gRPC over loopback; `quantize` and `fetch`.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -9,13 +8,13 @@ use tandem_node::{LimitsArgs, ModelSource, NodeState, Role};
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::{Logits, Tokenizer};
 
-use crate::cli::{GenerateArgs, ModelArgs, QuantizeArgs};
+use crate::cli::{FetchArgs, GenerateArgs, ModelArgs, QuantizeArgs};
 use crate::cluster::LocalCluster;
 
 /// Loads one model with its tokenizer as a node does, and warms it up.
-fn load_node(role: Role, path: &Path, device: &str) -> anyhow::Result<NodeState> {
+fn load_node(role: Role, model: &str, device: &str) -> anyhow::Result<NodeState> {
     let source = ModelSource {
-        model: path.to_path_buf(),
+        model: model.to_string(),
         device: device.to_string(),
         max_context: None,
     };
@@ -69,9 +68,19 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     crate::client::generate(&url, args).await
 }
 
+/// `coordinator fetch`: each model made local, its path on stdout.
+pub fn fetch(args: &FetchArgs) -> anyhow::Result<()> {
+    for model in &args.models {
+        let path = tandem_runtime::model::hub::resolve(model)?;
+        println!("{}", path.display());
+    }
+    Ok(())
+}
+
 pub fn quantize(args: &QuantizeArgs) -> anyhow::Result<()> {
     let quant: QuantType = args.quant_type.parse()?;
-    let report = quantize_to_gguf(&args.model, &args.out, quant)?;
+    let model = tandem_runtime::model::hub::resolve(&args.model)?;
+    let report = quantize_to_gguf(&model, &args.out, quant)?;
     eprintln!(
         "wrote {} ({} tensors, {:.1} MiB){}{}",
         args.out.display(),

@@ -1,6 +1,7 @@
 //! `coordinator`: Tandem's front door. `generate` runs a speculative generation (locally, with
 //! both nodes in this process on loopback gRPC, or against `--endpoint`); `serve` runs the
-//! public gRPC API over remote nodes; `quantize` writes a GGUF draft.
+//! public gRPC API over remote nodes; `quantize` writes a GGUF draft; `fetch` fills the Hub
+//! cache.
 
 use std::sync::Arc;
 
@@ -35,6 +36,7 @@ fn main() -> anyhow::Result<()> {
             },
             Command::Serve(args) => serve(&args).await,
             Command::Quantize(args) => local::quantize(&args),
+            Command::Fetch(args) => local::fetch(&args),
         }
     })
 }

@@ -2,7 +2,7 @@
 Kubernetes OpenAPI schemas (kubernetes-validate), offline.
 
 The renderer covers what these manifests use: `resources` (files and directories),
-`namespace`, `labels`, and strategic-merge `patches` (maps merge, `null` deletes a key, lists of
+`components`, `namespace`, `labels`, and strategic-merge `patches` (maps merge, `null` deletes a key, lists of
 named items merge by name, other lists are replaced).
 
 usage: validate.py [K8S_DIR]        exits non-zero and names the file and field on any error
@@ -42,15 +42,7 @@ def merge(base, patch):
     return copy.deepcopy(patch)
 
 
-def render(directory: pathlib.Path):
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    docs = []
-    for entry in kustomization.get("resources", []):
-        path = directory / entry
-        if path.is_dir():
-            docs.extend(render(path))
-        else:
-            docs.extend((d, path) for d in yaml.safe_load_all(path.read_text()) if d)
+def apply_patches(docs, directory: pathlib.Path, kustomization):
     for patch in kustomization.get("patches", []):
         path = directory / patch["path"]
         p = yaml.safe_load(path.read_text())
@@ -63,6 +55,21 @@ def render(directory: pathlib.Path):
             raise SystemExit(f"{path}: patch matches {len(targets)} resources")
         i = targets[0]
         docs[i] = (merge(docs[i][0], p), docs[i][1])
+
+
+def render(directory: pathlib.Path):
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    docs = []
+    for entry in kustomization.get("resources", []):
+        path = directory / entry
+        if path.is_dir():
+            docs.extend(render(path))
+        else:
+            docs.extend((d, path) for d in yaml.safe_load_all(path.read_text()) if d)
+    for component in kustomization.get("components", []):
+        path = directory / component
+        apply_patches(docs, path, yaml.safe_load((path / "kustomization.yaml").read_text()))
+    apply_patches(docs, directory, kustomization)
     for doc, _ in docs:
         if "namespace" in kustomization and doc["kind"] not in CLUSTER_SCOPED:
             doc["metadata"]["namespace"] = kustomization["namespace"]

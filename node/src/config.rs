@@ -1,7 +1,6 @@
 //! Command-line and `TANDEM_*` environment configuration shared by both nodes.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 
 use clap::Args;
 
@@ -23,9 +22,11 @@ pub struct NodeArgs {
 /// Which model a node serves, and where.
 #[derive(Debug, Clone, Args)]
 pub struct ModelSource {
-    /// Model: a Hugging Face folder or a .gguf file.
+    /// Model: a Hugging Face folder, a .gguf file, or a Hub reference `org/name[@revision]`
+    /// (safetensors) or `org/name[@revision]:file.gguf`, fetched into the Hub cache (`HF_HOME`,
+    /// `HF_HUB_CACHE`; `HF_ENDPOINT`, `HF_TOKEN` and `HF_HUB_OFFLINE` apply).
     #[arg(long, env = "TANDEM_MODEL")]
-    pub model: PathBuf,
+    pub model: String,
     /// Device: cpu, or cuda:N (needs the `cuda` feature).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: String,

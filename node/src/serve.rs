@@ -105,7 +105,7 @@ where
 {
     use anyhow::Context;
     let source = &args.source;
-    tracing::info!(role = role.as_str(), model = %source.model.display(), device = %source.device, "loading model");
+    tracing::info!(role = role.as_str(), model = %source.model, device = %source.device, "loading model");
     let (listen, http_listen) = (args.listen, args.http_listen);
     let state =
         tokio::task::spawn_blocking(move || NodeState::load(role, &args.source, &args.limits))

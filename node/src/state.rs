@@ -4,7 +4,8 @@
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::{
-    LoadOptions, Model, SamplingParams, Tokenizer, default_stop_tokens, model::parse_device,
+    LoadOptions, Model, SamplingParams, Tokenizer, default_stop_tokens, model::hub,
+    model::parse_device,
 };
 
 use crate::config::{LimitsArgs, ModelSource};
@@ -61,8 +62,9 @@ impl NodeState {
             max_context: source.max_context,
             ..LoadOptions::default()
         };
-        let model = Model::load(&source.model, &options)?;
-        let tokenizer = Tokenizer::for_model(&source.model)?;
+        let path = hub::resolve(&source.model)?;
+        let model = Model::load(&path, &options)?;
+        let tokenizer = Tokenizer::for_model(&path)?;
         Ok(Self::new(role, model, tokenizer, &source.device, limits))
     }
 

@@ -104,3 +104,39 @@ impl Drop for Proc {
         self.kill();
     }
 }
+
+/// Runs `coordinator generate --json` with `args` and `env` in the repository root, checks the
+/// statistics it prints, and returns its token ids.
+pub fn generate_cli(args: &[&str], env: &[(&str, &str)]) -> Vec<u32> {
+    let out = Command::new(binary("coordinator"))
+        .args(["generate", "--json", "--no-baseline", "--ignore-eos"])
+        .args(args)
+        .envs(env.iter().copied())
+        .current_dir(crate::fixtures().join(".."))
+        .output()
+        .expect("run coordinator generate");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    for key in [
+        "generated_tokens",
+        "rounds",
+        "drafted",
+        "accepted",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "tokens_per_second",
+    ] {
+        assert!(json["stats"][key].is_number(), "stats.{key} in {json}");
+    }
+    assert!(json["text"].is_string());
+    json["token_ids"]
+        .as_array()
+        .expect("token_ids")
+        .iter()
+        .map(|v| v.as_u64().expect("id") as u32)
+        .collect()
+}

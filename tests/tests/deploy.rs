@@ -44,7 +44,7 @@ fn manifests_validate_against_the_kubernetes_schemas() {
         "{text}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for target in ["base", "gpu", "cpu"] {
+    for target in ["base", "gpu", "cpu", "cpu-hub"] {
         assert!(
             text.contains(&format!("{target}: rendered and checked")),
             "{text}"

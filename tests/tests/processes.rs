@@ -8,7 +8,7 @@ use std::process::Command;
 
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
-use tandem_tests::processes::{Proc, binary, free_addr};
+use tandem_tests::processes::{Proc, free_addr, generate_cli};
 use tandem_tests::*;
 
 struct Nodes {
@@ -61,40 +61,6 @@ fn start_nodes(target: &Path, draft: &Path) -> Nodes {
     }
 }
 
-/// Runs `coordinator generate --json` with `args` and returns its token ids.
-fn generate_cli(args: &[&str]) -> Vec<u32> {
-    let out = Command::new(binary("coordinator"))
-        .args(["generate", "--json", "--no-baseline", "--ignore-eos"])
-        .args(args)
-        .current_dir(fixtures().join(".."))
-        .output()
-        .expect("run coordinator generate");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
-    for key in [
-        "generated_tokens",
-        "rounds",
-        "drafted",
-        "accepted",
-        "acceptance_rate",
-        "mean_accepted_length",
-        "tokens_per_second",
-    ] {
-        assert!(json["stats"][key].is_number(), "stats.{key} in {json}");
-    }
-    assert!(json["text"].is_string());
-    json["token_ids"]
-        .as_array()
-        .expect("token_ids")
-        .iter()
-        .map(|v| v.as_u64().expect("id") as u32)
-        .collect()
-}
-
 fn target_only(target: &Path, prompt: &str, n: u32) -> Vec<u32> {
     let ids = tokenizer(target).encode(prompt).expect("encode");
     in_process(
@@ -114,16 +80,19 @@ fn three_processes_generate_target_only_greedy_output() {
         let nodes = start_nodes(&target, &draft);
         let expected = target_only(&target, "Once upon a time", 40);
         for k in ["1", "4", "8"] {
-            let ids = generate_cli(&[
-                "--endpoint",
-                &nodes.coordinator.url(),
-                "--prompt",
-                "Once upon a time",
-                "--max-tokens",
-                "40",
-                "--draft-tokens",
-                k,
-            ]);
+            let ids = generate_cli(
+                &[
+                    "--endpoint",
+                    &nodes.coordinator.url(),
+                    "--prompt",
+                    "Once upon a time",
+                    "--max-tokens",
+                    "40",
+                    "--draft-tokens",
+                    k,
+                ],
+                &[],
+            );
             assert_eq!(ids, expected, "K = {k}, target {}", target.display());
         }
         drop(nodes);
@@ -134,7 +103,7 @@ fn three_processes_generate_target_only_greedy_output() {
 fn local_all_in_one_generate_equals_target_only() {
     let expected = target_only(&stories(), "Once upon a time", 60);
     for k in ["0", "4"] {
-        let ids = generate_cli(&["--max-tokens", "60", "--draft-tokens", k]);
+        let ids = generate_cli(&["--max-tokens", "60", "--draft-tokens", k], &[]);
         assert_eq!(ids, expected, "K = {k}");
     }
 }

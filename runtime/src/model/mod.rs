@@ -4,6 +4,7 @@ mod config;
 pub(crate) use config::read_json;
 pub(crate) mod gguf;
 pub(crate) mod gguf_tokenizer;
+pub mod hub;
 mod llama;
 pub(crate) mod weights;
 
