@@ -92,9 +92,14 @@ pub struct GenerateArgs {
     pub prompt: String,
     #[arg(long, default_value_t = 256)]
     pub max_tokens: usize,
-    /// K, tokens drafted per round; 0 decodes with the target alone.
-    #[arg(long, env = "TANDEM_DRAFT_TOKENS", default_value_t = 4)]
-    pub draft_tokens: usize,
+    /// K, tokens drafted per round: `auto` chooses it each round from measured acceptance and
+    /// costs (0 included); a number fixes it; 0 decodes with the target alone.
+    #[arg(long, env = "TANDEM_DRAFT_TOKENS", default_value = "auto")]
+    pub draft_tokens: DraftTokens,
+    /// Who drafts: `auto` (the draft model, and n-gram lookup where it pays more), `model`, or
+    /// `ngram` (prompt lookup, no draft model).
+    #[arg(long, env = "TANDEM_DRAFTER", default_value = "auto")]
+    pub drafter: String,
     /// Text that ends the generation (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
@@ -120,9 +125,9 @@ pub struct ServeArgs {
     /// Address of the public gRPC API.
     #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:50050")]
     pub listen: std::net::SocketAddr,
-    /// K for requests that do not name one.
-    #[arg(long, env = "TANDEM_DRAFT_TOKENS", default_value_t = 4)]
-    pub draft_tokens: usize,
+    /// K for requests that do not name one: `auto` (chosen each round) or a number.
+    #[arg(long, env = "TANDEM_DRAFT_TOKENS", default_value = "auto")]
+    pub draft_tokens: DraftTokens,
     /// Address of the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
     /// `/v1/models`, `/health`, `/ready`); unset serves no HTTP.
     #[arg(long, env = "TANDEM_HTTP_LISTEN")]
@@ -140,4 +145,38 @@ pub struct QuantizeArgs {
     /// f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k or q4_k_m.
     #[arg(long = "type", default_value = "q8_0")]
     pub quant_type: String,
+}
+
+/// `--draft-tokens`: `auto` or a fixed K.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DraftTokens(pub Option<usize>);
+
+impl DraftTokens {
+    /// True when K is fixed at 0: the target alone.
+    pub fn target_only(self) -> bool {
+        self.0 == Some(0)
+    }
+}
+
+impl std::str::FromStr for DraftTokens {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self(None)),
+            n => n
+                .parse()
+                .map(|k| Self(Some(k)))
+                .map_err(|_| format!("expected `auto` or a number of tokens, got `{n}`")),
+        }
+    }
+}
+
+impl std::fmt::Display for DraftTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(k) => write!(f, "{k}"),
+            None => f.write_str("auto"),
+        }
+    }
 }

@@ -28,7 +28,8 @@ pub fn request_from_args(args: &GenerateArgs) -> v1::GenerateRequest {
             repeat_last_n: 0,
             seed: s.seed,
         }),
-        draft_tokens: Some(args.draft_tokens as u32),
+        draft_tokens: args.draft_tokens.0.map(|k| k as u32),
+        drafter: args.drafter.clone(),
         stop: args.stop.clone(),
         ignore_eos: args.ignore_eos,
     }
@@ -80,7 +81,7 @@ pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
         }
     })
     .await?;
-    let baseline = if args.no_baseline || args.draft_tokens == 0 {
+    let baseline = if args.no_baseline || args.draft_tokens.target_only() {
         None
     } else {
         // The same draws as the speculative run: the seed it was given or chose.
@@ -125,6 +126,11 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, baseline: Option<&v1::Ge
                 "draft_lost_reason": st.draft_lost_reason,
                 "draft_blocks_refused": st.draft_blocks_refused,
                 "seed": st.seed,
+                "model_rounds": st.model_rounds,
+                "ngram_rounds": st.ngram_rounds,
+                "target_only_rounds": st.target_only_rounds,
+                "draft_reattached": st.draft_reattached,
+                "draft_stalls": st.draft_stalls,
                 "bytes_sent": st.bytes_sent,
                 "bytes_received": st.bytes_received,
             },
@@ -150,6 +156,10 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, baseline: Option<&v1::Ge
         1e3 * st.target_seconds,
         1e6 * overhead / rounds,
         (st.bytes_sent + st.bytes_received) as f64 / rounds,
+    );
+    eprintln!(
+        "rounds drafted by the model {}, by n-gram lookup {}, target only {}",
+        st.model_rounds, st.ngram_rounds, st.target_only_rounds
     );
     if let (Some(b), Some(x)) = (baseline, speedup) {
         let same = if b.token_ids == done.token_ids {

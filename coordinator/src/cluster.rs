@@ -77,12 +77,13 @@ impl LocalCluster {
     }
 
     /// An engine connected to this cluster's nodes.
-    pub async fn engine(&self, default_draft_tokens: usize) -> Result<Engine> {
+    /// `default_draft_tokens`: K of requests that name none (`None`: adaptive).
+    pub async fn engine(&self, default_draft_tokens: impl Into<Option<usize>>) -> Result<Engine> {
         let draft = self.draft_addr.map(|a| format!("http://{a}"));
         Engine::connect(
             &format!("http://{}", self.target_addr),
             draft.as_deref(),
-            default_draft_tokens,
+            default_draft_tokens.into(),
         )
         .await
     }

@@ -23,8 +23,12 @@ use tonic::Code;
 use tonic::transport::{Channel, Endpoint};
 use tracing::Instrument;
 
+use crate::drafters::{
+    DrafterChoice, ModelDrafter, Proposal, StepFailure, fixed_drafter, ngram_proposal,
+};
 use crate::links::{Draft, NodeSession, SessionSpec, Target, Traffic, Wire};
 use crate::metrics::CoordinatorMetrics;
+use crate::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, Plan, RoundCosts};
 
 /// A node the coordinator talks to.
 #[derive(Debug, Clone)]
@@ -84,7 +88,22 @@ impl CommitSink for Discard {
 }
 
 /// A request checked against the nodes' limits, ready to run.
-pub type Job = GenerateRequest;
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// What to generate; with `adaptive`, `draft_tokens` is the largest K tried.
+    pub request: GenerateRequest,
+    /// K chosen each round by the cost model ([`KPolicy`]) rather than fixed.
+    pub adaptive: bool,
+    pub drafter: DrafterChoice,
+}
+
+impl std::ops::Deref for Job {
+    type Target = GenerateRequest;
+
+    fn deref(&self) -> &GenerateRequest {
+        &self.request
+    }
+}
 
 /// Refused blocks after which a generation detaches its draft.
 pub const MAX_REFUSED_BLOCKS: u32 = 3;
@@ -103,6 +122,14 @@ pub struct Stats {
     /// The seed every draw was keyed by.
     pub seed: u64,
     pub traffic: Traffic,
+    /// Rounds drafted by the draft-node's model, by n-gram lookup, and target-only rounds.
+    pub model_rounds: u32,
+    pub ngram_rounds: u32,
+    pub target_only_rounds: u32,
+    /// Times a lost or stalled draft-node was attached again.
+    pub draft_reattached: u32,
+    /// Draft steps abandoned at their deadline.
+    pub draft_stalls: u32,
 }
 
 impl Stats {
@@ -136,7 +163,8 @@ pub struct Engine {
     pub target: NodeHandle,
     pub draft: Option<NodeHandle>,
     pub tokenizer: Tokenizer,
-    pub default_draft_tokens: usize,
+    /// K of a request that names none; `None`: chosen each round (adaptive).
+    pub default_draft_tokens: Option<usize>,
     pub metrics: CoordinatorMetrics,
     active: AtomicUsize,
     next_id: AtomicUsize,
@@ -148,7 +176,7 @@ impl Engine {
     pub async fn connect(
         target: &str,
         draft: Option<&str>,
-        default_draft_tokens: usize,
+        default_draft_tokens: Option<usize>,
     ) -> Result<Self> {
         let target = NodeHandle::connect("target-node", target).await?;
         let draft = match draft {
@@ -236,7 +264,12 @@ impl Engine {
                 .max_draft_tokens
                 .min(d.limits().max_draft_tokens as usize);
         }
-        let job = Job {
+        let fixed_k = request
+            .draft_tokens
+            .map(|k| k as usize)
+            .or(self.default_draft_tokens);
+        let adaptive = fixed_k.is_none();
+        let request_job = GenerateRequest {
             prompt,
             max_new_tokens: match request.max_tokens {
                 0 => DEFAULT_MAX_TOKENS,
@@ -246,9 +279,7 @@ impl Engine {
                 Ok(SamplingParams::default()),
                 v1::SamplingParams::to_runtime,
             )?,
-            draft_tokens: request
-                .draft_tokens
-                .map_or(self.default_draft_tokens, |k| k as usize),
+            draft_tokens: fixed_k.unwrap_or_else(|| ADAPTIVE_MAX_K.min(limits.max_draft_tokens)),
             stop_token_ids: if request.ignore_eos {
                 Vec::new()
             } else {
@@ -256,8 +287,12 @@ impl Engine {
             },
             stop_strings: request.stop.clone(),
         };
-        job.check(&limits)?;
-        Ok(job)
+        request_job.check(&limits)?;
+        Ok(Job {
+            request: request_job,
+            adaptive,
+            drafter: DrafterChoice::parse(&request.drafter)?,
+        })
     }
 
     /// Runs one generation. `sink` sees each round's commit as it happens (a slow client slows
@@ -300,7 +335,7 @@ impl Engine {
         let use_draft = self
             .draft
             .as_ref()
-            .filter(|_| job.draft_tokens > 0 && job.max_new_tokens > 1);
+            .filter(|_| job.draft_tokens > 0 && job.max_new_tokens > 1 && job.drafter.uses_model());
         let (target, draft) = tokio::join!(
             NodeSession::<Target>::open(self.target.channel.clone(), spec.clone(), &log),
             async {
@@ -313,15 +348,16 @@ impl Engine {
             }
         );
         let mut target = target?;
-        let mut draft = match draft {
-            Some(Ok(d)) => Some(d),
-            Some(Err(e)) => {
-                tracing::warn!(error = %e, "draft-node unavailable: decoding with the target alone");
+        let mut model = use_draft.map(|d| ModelDrafter::new(d.channel.clone(), spec.clone(), None));
+        match (draft, model.as_mut()) {
+            (Some(Ok(session)), Some(m)) => m.session = Some(session),
+            (Some(Err(e)), Some(m)) => {
+                tracing::warn!(error = %e, "draft-node unavailable: decoding without it");
                 stats.lose_draft(format!("the draft-node was unavailable: {e}"));
-                None
+                m.reattach_later(&log);
             }
-            None => None,
-        };
+            _ => {}
+        }
         stats.base.prefill_seconds = prefill_start.elapsed().as_secs_f64();
 
         let mut transcript = Transcript::new(
@@ -330,56 +366,68 @@ impl Engine {
             &job.stop_strings,
             job.max_new_tokens,
         );
+        let mut policy = KPolicy::new(job.draft_tokens);
         let decode_start = Instant::now();
         let result = loop {
             if let Some(finish) = transcript.finish_reason() {
                 break Ok(finish);
             }
-            let k = job.draft_tokens.min(transcript.remaining() - 1);
+            if let Some(m) = model.as_mut() {
+                m.poll_reattach(&log);
+            }
+            let attached = model.as_ref().is_some_and(|m| m.session.is_some());
+            let plan = self.plan(job, &mut policy, &log, attached, transcript.remaining());
             let round_start = Instant::now();
-            let round = tracing::info_span!("round", n = stats.base.rounds + 1, k);
-            let proposal = match draft.as_mut().filter(|_| k > 0) {
-                Some(d) => match d
-                    .call(&log, |committed, new_tokens| v1::DraftRequest {
-                        kind: Some(v1::draft_request::Kind::Step(v1::DraftStep {
-                            committed: Some(committed),
-                            new_tokens,
-                            k: k as u32,
-                        })),
-                    })
-                    .instrument(tracing::info_span!(parent: &round, "draft", k))
-                    .await
-                {
-                    Ok(p) => Some(p),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "lost the draft-node: going on with the target alone");
-                        stats.lose_draft(format!("the draft-node failed: {e}"));
-                        if let Some(d) = draft.take() {
-                            stats.settle(&d);
+            let round = tracing::info_span!("round", n = stats.base.rounds + 1, k = plan.k);
+            let proposal = match plan.drafter {
+                Some(Drafter::Model) => {
+                    let m = model.as_mut().expect("attached");
+                    let expected = policy.expected_draft_seconds(plan.k);
+                    match m
+                        .step(&log, plan.k, expected)
+                        .instrument(tracing::info_span!(parent: &round, "draft", k = plan.k))
+                        .await
+                    {
+                        Ok(p) => p,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "dropped the draft-node: going on without it until it is attached again");
+                            match e {
+                                StepFailure::Stalled(_) => stats.draft_stalls += 1,
+                                StepFailure::Failed(e) => {
+                                    stats.lose_draft(format!("the draft-node failed: {e}"));
+                                }
+                            }
+                            if let Some(d) = m.session.take() {
+                                stats.settle(&d);
+                            }
+                            Proposal::default()
                         }
-                        None
                     }
-                },
-                None => None,
-            };
-            let (drafts, q, draft_secs) = match proposal {
-                // More drafts than asked for: refused here, the round is a plain target step.
-                Some(p) if p.tokens.len() > k => {
-                    let refusal = DraftRefusal::new(
-                        k,
-                        RefusalReason::TooManyDrafts,
-                        format!("{} drafts, {k} asked for", p.tokens.len()),
-                    );
-                    tracing::info!(%refusal, "draft block refused");
-                    self.refused(&mut stats, &mut draft, refusal.reason.as_str(), || {
-                        refusal.to_string()
-                    });
-                    (Vec::new(), Vec::new(), p.compute_micros as f64 * 1e-6)
                 }
-                Some(p) => (p.tokens, p.q, p.compute_micros as f64 * 1e-6),
-                None => (Vec::new(), Vec::new(), 0.0),
+                Some(Drafter::Ngram) => ngram_proposal(&log, plan.k),
+                None => Proposal::default(),
             };
+            let Proposal {
+                tokens: mut drafts,
+                mut q,
+                compute_secs: draft_secs,
+                wall_secs: draft_wall,
+            } = proposal;
+            // More drafts than asked for: refused here, the round is a plain target step.
+            if drafts.len() > plan.k {
+                let refusal = DraftRefusal::new(
+                    plan.k,
+                    RefusalReason::TooManyDrafts,
+                    format!("{} drafts, {} asked for", drafts.len(), plan.k),
+                );
+                tracing::info!(%refusal, "draft block refused");
+                self.refused(&mut stats, &mut model, refusal.reason.as_str(), || {
+                    refusal.to_string()
+                });
+                (drafts, q) = (Vec::new(), Vec::new());
+            }
             stats.base.draft_seconds += draft_secs;
+            let verify_start = Instant::now();
             let verdict = match self
                 .verify(&mut target, &log, &drafts, &q)
                 .instrument(tracing::info_span!(parent: &round, "verify", drafts = drafts.len()))
@@ -388,6 +436,7 @@ impl Engine {
                 Ok(v) => v,
                 Err(e) => break Err(e),
             };
+            let verify_wall = verify_start.elapsed().as_secs_f64();
             let verify_secs = verdict.compute_micros as f64 * 1e-6;
             stats.base.target_seconds += verify_secs;
             let accepted = verdict.accepted as usize;
@@ -398,8 +447,27 @@ impl Engine {
                 });
             }
             if let Some(r) = &verdict.draft_refused {
-                self.refused(&mut stats, &mut draft, &r.reason, || r.message.clone());
+                self.refused(&mut stats, &mut model, &r.reason, || r.message.clone());
             }
+            let drafter = plan.drafter.filter(|_| !drafts.is_empty());
+            match drafter {
+                Some(Drafter::Model) => stats.model_rounds += 1,
+                Some(Drafter::Ngram) => stats.ngram_rounds += 1,
+                None => stats.target_only_rounds += 1,
+            }
+            policy.observe(
+                Plan {
+                    drafter,
+                    k: drafts.len(),
+                },
+                &RoundCosts {
+                    drafted: drafts.len(),
+                    accepted,
+                    draft_wall,
+                    draft_compute: draft_secs,
+                    verify_wall,
+                },
+            );
             stats.base.record_round(drafts.len(), accepted);
             let wall = round_start.elapsed().as_secs_f64();
             self.metrics
@@ -421,9 +489,12 @@ impl Engine {
         stats.base.decode_seconds = decode_start.elapsed().as_secs_f64();
         stats.settle(&target);
         target.close();
-        if let Some(d) = draft {
-            stats.settle(&d);
-            d.close();
+        if let Some(m) = model.as_mut() {
+            stats.draft_reattached = m.reattached;
+            if let Some(d) = m.detach() {
+                stats.settle(&d);
+                d.close();
+            }
         }
         let finish_reason = result?;
         let (text, token_ids) = transcript.into_output();
@@ -436,27 +507,57 @@ impl Engine {
         })
     }
 
-    /// Counts a refused block; at [`MAX_REFUSED_BLOCKS`] the draft is detached.
+    /// This round's drafter and K: the request's fixed K, or the policy's choice.
+    fn plan(
+        &self,
+        job: &Job,
+        policy: &mut KPolicy,
+        log: &TokenLog,
+        attached: bool,
+        remaining: usize,
+    ) -> Plan {
+        let cap = job.draft_tokens.min(remaining.saturating_sub(1));
+        if !job.adaptive {
+            return match cap {
+                0 => Plan::TARGET_ONLY,
+                k => Plan {
+                    drafter: Some(fixed_drafter(job.drafter, attached)),
+                    k,
+                },
+            };
+        }
+        let ngram = if job.drafter.uses_ngram() {
+            crate::ngram::propose(log.tokens(), cap).len()
+        } else {
+            0
+        };
+        policy.choose(attached && job.drafter.uses_model(), ngram, remaining)
+    }
+
+    /// Counts a refused block; at [`MAX_REFUSED_BLOCKS`] the draft is detached for good.
     fn refused(
         &self,
         stats: &mut Stats,
-        draft: &mut Option<NodeSession<Draft>>,
+        model: &mut Option<ModelDrafter>,
         reason: &str,
         message: impl FnOnce() -> String,
     ) {
         self.metrics.draft_blocks_refused.add(reason, 1);
         stats.draft_blocks_refused += 1;
         if stats.draft_blocks_refused >= MAX_REFUSED_BLOCKS
-            && let Some(d) = draft.take()
+            && let Some(mut m) = model.take()
         {
             let why = format!(
                 "{} drafted blocks refused, the last: {}",
                 stats.draft_blocks_refused,
                 message()
             );
-            tracing::warn!(reason = %why, "detaching the draft: going on with the target alone");
-            stats.settle(&d);
-            d.close();
+            tracing::warn!(reason = %why, "detaching the draft: going on without it");
+            stats.draft_reattached = m.reattached;
+            if let Some(d) = m.detach() {
+                stats.settle(&d);
+                d.close();
+            }
             stats.lose_draft(why);
         }
     }

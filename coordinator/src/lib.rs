@@ -5,11 +5,14 @@
 pub mod cli;
 pub mod client;
 pub mod cluster;
+pub mod drafters;
 pub mod engine;
 pub mod http;
 pub mod links;
 pub mod local;
 pub mod metrics;
+pub mod ngram;
+pub mod policy;
 pub mod service;
 
 pub use cluster::LocalCluster;

@@ -32,7 +32,7 @@ fn load_node(role: Role, model: &str, device: &str) -> anyhow::Result<NodeState>
 pub async fn start_local(
     models: &ModelArgs,
     with_draft: bool,
-    draft_tokens: usize,
+    draft_tokens: Option<usize>,
 ) -> anyhow::Result<(LocalCluster, String)> {
     let m = models.clone();
     let (target, draft) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
@@ -62,8 +62,12 @@ pub async fn start_local(
 
 /// `coordinator generate` without `--endpoint`: the three services in this process.
 pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
-    let (_cluster, url) =
-        start_local(&args.models, args.draft_tokens > 0, args.draft_tokens).await?;
+    let (_cluster, url) = start_local(
+        &args.models,
+        !args.draft_tokens.target_only() && args.drafter != "ngram",
+        args.draft_tokens.0,
+    )
+    .await?;
     tracing::info!(%url, "local cluster ready");
     crate::client::generate(&url, args).await
 }

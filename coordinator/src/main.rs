@@ -42,7 +42,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
-    let engine = Engine::connect(&args.target, args.draft.as_deref(), args.draft_tokens)
+    let engine = Engine::connect(&args.target, args.draft.as_deref(), args.draft_tokens.0)
         .await
         .context("connecting to the nodes")?;
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -54,7 +54,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         target_model = %engine.target.info.model_name,
         draft_node = ?args.draft,
         draft_model = ?engine.draft.as_ref().map(|d| d.info.model_name.clone()),
-        draft_tokens = args.draft_tokens,
+        draft_tokens = %args.draft_tokens,
         listen = %listener.local_addr()?,
         http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),
         "coordinator ready"

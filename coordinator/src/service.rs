@@ -38,6 +38,11 @@ pub fn stats_to_wire(o: &Outcome) -> v1::GenerationStats {
         draft_lost_reason: s.draft_lost_reason.clone(),
         draft_blocks_refused: s.draft_blocks_refused,
         seed: s.seed,
+        model_rounds: s.model_rounds,
+        ngram_rounds: s.ngram_rounds,
+        target_only_rounds: s.target_only_rounds,
+        draft_reattached: s.draft_reattached,
+        draft_stalls: s.draft_stalls,
     }
 }
 
@@ -119,7 +124,7 @@ impl Coordinator for CoordinatorService {
         Ok(Response::new(v1::CoordinatorInfo {
             target: Some(e.target.info.clone()),
             draft: e.draft.as_ref().map(|d| d.info.clone()),
-            default_draft_tokens: e.default_draft_tokens as u32,
+            default_draft_tokens: e.default_draft_tokens.map(|k| k as u32),
             active_generations: e.active() as u32,
         }))
     }

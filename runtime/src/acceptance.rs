@@ -221,33 +221,44 @@ mod tests {
             .sum()
     }
 
-    /// The first token of a speculative step must be distributed as p, for any q.
+    /// The first token of a speculative step must be distributed as p, for any q: a spread
+    /// one, a truncated one (the draft's compact support), and a one-hot one (a deterministic
+    /// drafter such as n-gram lookup), on a token p favours, disfavours or excludes.
     #[test]
     fn first_token_is_distributed_as_target() {
         let p = vec![0.5f32, 0.3, 0.15, 0.05, 0.0];
-        let q = vec![0.1f32, 0.1, 0.2, 0.3, 0.3];
-        let (pd, qd) = (Dense(p.clone()), Dense(q));
-        let mut counts = [0u64; 5];
-        let n = 200_000;
-        for position in 0..n {
-            let d = Draws::new(42, 7);
-            let x = qd.sample(Draws::new(42, 8).uniform(position, SAMPLE_DRAW));
-            let v = verify(
-                &[x],
-                std::slice::from_ref(&qd),
-                &[pd.clone(), pd.clone()],
-                &d,
-                position,
+        let pd = Dense(p.clone());
+        for qd in [
+            Dense(vec![0.1, 0.1, 0.2, 0.3, 0.3]),
+            Dense(vec![0.0, 0.6, 0.4, 0.0, 0.0]),
+            OneHot(0),
+            OneHot(3),
+            OneHot(4),
+        ] {
+            let mut counts = [0u64; 5];
+            for position in 0..100_000 {
+                let d = Draws::new(42, 7);
+                let x = qd.sample(Draws::new(42, 8).uniform(position, SAMPLE_DRAW));
+                let v = verify(
+                    &[x],
+                    std::slice::from_ref(&qd),
+                    &[pd.clone(), pd.clone()],
+                    &d,
+                    position,
+                );
+                let first = if v.accepted == 1 { x } else { v.next };
+                counts[first as usize] += 1;
+            }
+            let expected: Vec<f64> = p.iter().map(|&x| f64::from(x)).collect();
+            let stat = chi_square(&counts, &expected);
+            // 3 degrees of freedom (token 4 has p = 0 and must never appear): the 0.999
+            // quantile is 16.27.
+            assert_eq!(counts[4], 0, "q {qd:?}");
+            assert!(
+                stat < 16.27,
+                "q {qd:?}: chi-square {stat} counts {counts:?}"
             );
-            let first = if v.accepted == 1 { x } else { v.next };
-            counts[first as usize] += 1;
         }
-        let expected: Vec<f64> = p.iter().map(|&x| f64::from(x)).collect();
-        let stat = chi_square(&counts, &expected);
-        // 3 degrees of freedom (token 4 has p = 0 and must never appear): the 0.999 quantile
-        // is 16.27.
-        assert_eq!(counts[4], 0);
-        assert!(stat < 16.27, "chi-square {stat} counts {counts:?}");
     }
 
     /// A wrong residual (sampling the correction from p instead of norm(max(0, p − q))) is caught

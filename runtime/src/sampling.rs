@@ -216,6 +216,51 @@ pub fn distribution(
     Ok(Distribution::Dense(probs))
 }
 
+/// Largest support of a draft's proposal distribution, and the probability mass its tail may
+/// leave out: q is sent with every drafted token, and its sparse form costs ~7 bytes a token.
+pub const DRAFT_MAX_SUPPORT: usize = 256;
+pub const DRAFT_TAIL_MASS: f32 = 1e-3;
+
+/// The distribution a draft samples from and sends: `q` cut to its most likely tokens (at most
+/// [`DRAFT_MAX_SUPPORT`], fewer when they hold all but [`DRAFT_TAIL_MASS`] of the mass) and
+/// renormalised. Exactness needs only that the draft samples from the q it sends; a compact q
+/// keeps a round's bytes small (the full q of a 152k vocabulary is 600 KB), at the cost of the
+/// tail's share of acceptance.
+pub fn draft_support(q: Distribution) -> Distribution {
+    let Distribution::Dense(mut probs) = q else {
+        return q;
+    };
+    let mut order: Vec<u32> = (0..probs.len() as u32)
+        .filter(|&i| probs[i as usize] > 0.0)
+        .collect();
+    let by_prob = |a: &u32, b: &u32| {
+        probs[*b as usize]
+            .total_cmp(&probs[*a as usize])
+            .then(a.cmp(b))
+    };
+    if order.len() > DRAFT_MAX_SUPPORT {
+        order.select_nth_unstable_by(DRAFT_MAX_SUPPORT - 1, by_prob);
+        order.truncate(DRAFT_MAX_SUPPORT);
+    }
+    order.sort_unstable_by(by_prob);
+    let mut keep = order.len();
+    let mut cumulative = 0.0f64;
+    for (rank, &id) in order.iter().enumerate() {
+        cumulative += f64::from(probs[id as usize]);
+        if cumulative >= 1.0 - f64::from(DRAFT_TAIL_MASS) {
+            keep = rank + 1;
+            break;
+        }
+    }
+    let mut kept = vec![0.0f32; probs.len()];
+    for &id in &order[..keep] {
+        kept[id as usize] = probs[id as usize];
+    }
+    probs = kept;
+    normalize(&mut probs);
+    Distribution::Dense(probs)
+}
+
 /// Refuses logits no distribution follows from, naming the position.
 fn check_logits(logits: &[f32], position: usize) -> Result<()> {
     if let Some(&bad) = logits.iter().find(|l| l.is_nan() || **l == f32::INFINITY) {
@@ -400,5 +445,32 @@ mod tests {
                 .contains("min_p")
         );
         assert!(SamplingParams::default().validate().is_ok());
+    }
+
+    #[test]
+    fn a_drafts_support_is_its_likeliest_tokens_up_to_a_cap_or_all_but_the_tail() {
+        // Flat over 1000 tokens: the cap keeps 256, equally likely, summing to 1.
+        let Distribution::Dense(flat) = draft_support(Distribution::Dense(vec![1e-3; 1000])) else {
+            panic!("dense")
+        };
+        let kept: Vec<f32> = flat.iter().copied().filter(|&p| p > 0.0).collect();
+        assert_eq!(kept.len(), DRAFT_MAX_SUPPORT);
+        assert!((kept.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        // Ties go to the lower ids, as in top-k.
+        assert!(flat[..DRAFT_MAX_SUPPORT].iter().all(|&p| p > 0.0));
+        // Peaked: tokens beyond 1 - 1e-3 of the mass are cut.
+        let mut peaked = vec![0.0f32; 10];
+        peaked[3] = 0.9;
+        peaked[7] = 0.0995;
+        peaked[1] = 0.0005;
+        let Distribution::Dense(cut) = draft_support(Distribution::Dense(peaked)) else {
+            panic!("dense")
+        };
+        assert_eq!(cut[1], 0.0);
+        assert!((cut[3] - 0.9 / 0.9995).abs() < 1e-6);
+        assert_eq!(
+            draft_support(Distribution::OneHot(5)),
+            Distribution::OneHot(5)
+        );
     }
 }

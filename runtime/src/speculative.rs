@@ -11,7 +11,7 @@ use crate::draft_check::{BlockRules, DraftRefusal, check_block};
 use crate::kv_cache::KvCache;
 use crate::model::{Logits, Model};
 use crate::rng::{Draws, SAMPLE_DRAW};
-use crate::sampling::{Distribution, SamplingParams, distribution};
+use crate::sampling::{Distribution, SamplingParams, distribution, draft_support};
 use crate::{Error, Result};
 
 /// Stream separation so that the draft's and the target's draws never coincide.
@@ -129,7 +129,7 @@ impl Drafter {
         };
         for _ in 0..k {
             let rows = st.seq.forward(&st.model, &feed, Logits::Last)?;
-            let q = distribution(&rows[0], &st.params, &context)?;
+            let q = draft_support(distribution(&rows[0], &st.params, &context)?);
             let token = q.sample(st.draws.uniform(context.len(), SAMPLE_DRAW));
             context.push(token);
             proposal.tokens.push(token);

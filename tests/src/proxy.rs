@@ -18,12 +18,16 @@ pub type StepRewrite = dyn Fn(usize, &mut v1::DraftStep) + Send + Sync;
 /// Rewrites the draft-node's reply to the n-th step before the coordinator sees it.
 pub type ReplyRewrite = dyn Fn(usize, &mut v1::DraftResponse) + Send + Sync;
 
+/// How long to hold the reply to the n-th step (a stalled draft-node or link).
+pub type StepDelay = dyn Fn(usize) -> std::time::Duration + Send + Sync;
+
 /// The proxy: where the real draft-node is, and what to rewrite.
 #[derive(Clone)]
 pub struct DraftProxy {
     upstream: String,
     on_step: Arc<StepRewrite>,
     on_reply: Arc<ReplyRewrite>,
+    delay: Arc<StepDelay>,
 }
 
 impl std::fmt::Debug for DraftProxy {
@@ -41,6 +45,14 @@ impl DraftProxy {
             upstream: format!("http://{upstream}"),
             on_step: Arc::new(|_, _| {}),
             on_reply: Arc::new(|_, _| {}),
+            delay: Arc::new(|_| std::time::Duration::ZERO),
+        }
+    }
+
+    pub fn delay(self, f: impl Fn(usize) -> std::time::Duration + Send + Sync + 'static) -> Self {
+        Self {
+            delay: Arc::new(f),
+            ..self
         }
     }
 
@@ -120,6 +132,7 @@ impl DraftService for DraftProxy {
                 };
                 if let Some(n) = step {
                     (proxy.on_reply)(n, &mut reply);
+                    tokio::time::sleep((proxy.delay)(n)).await;
                 }
                 if tx.send(Ok(reply)).await.is_err() {
                     break;

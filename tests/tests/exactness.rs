@@ -129,14 +129,22 @@ async fn assert_lies_change_nothing(target: &Path, draft: &Path) {
     ];
     let mut refused_at_target = 0;
     for lie in LIES {
-        let engine = Engine::connect(&target_url, Some(&lying_draft(&cluster, lie, 1).await), 4)
-            .await
-            .expect("engine");
+        let engine = Engine::connect(
+            &target_url,
+            Some(&lying_draft(&cluster, lie, 1).await),
+            Some(4),
+        )
+        .await
+        .expect("engine");
         let mut engines = vec![engine];
         engines.push(
-            Engine::connect(&target_url, Some(&lying_draft(&cluster, lie, 2).await), 4)
-                .await
-                .expect("engine"),
+            Engine::connect(
+                &target_url,
+                Some(&lying_draft(&cluster, lie, 2).await),
+                Some(4),
+            )
+            .await
+            .expect("engine"),
         );
         for (sampling, every) in &modes {
             let engine = &engines[every - 1];
@@ -208,9 +216,13 @@ async fn sampled_generation_with_repairs_equals_the_one_without() {
     let proxy = corrupting_proxy(cluster.draft_addr.expect("draft"))
         .serve()
         .await;
-    let repaired = Engine::connect(&format!("http://{}", cluster.target_addr), Some(&proxy), 4)
-        .await
-        .expect("engine");
+    let repaired = Engine::connect(
+        &format!("http://{}", cluster.target_addr),
+        Some(&proxy),
+        Some(4),
+    )
+    .await
+    .expect("engine");
     let prompt = tokenizer(&target)
         .encode("Once upon a time")
         .expect("encode");

@@ -256,7 +256,7 @@ async fn metrics_on_every_node_move_by_what_a_request_did() {
     );
     assert_eq!(
         delta(c, "tandem_drafted_at_position_total{\"position\": \"1\"}"),
-        f64::from(st.rounds)
+        f64::from(st.model_rounds + st.ngram_rounds)
     );
     assert!(
         get(

@@ -302,7 +302,7 @@ async fn desynchronised_steps_are_repaired_and_the_generation_finishes_correctly
         .serve()
         .await;
     let target_url = format!("http://{}", cluster.target_addr);
-    let engine = Engine::connect(&target_url, Some(&proxy_url), 4)
+    let engine = Engine::connect(&target_url, Some(&proxy_url), Some(4))
         .await
         .expect("engine");
     let req = request(&[1, 403, 407], 80, 4, &SamplingParams::greedy());

@@ -48,8 +48,11 @@ pub struct Common {
     pub n: Option<u32>,
     /// Extension: keep the k most likely tokens.
     pub top_k: Option<u32>,
-    /// Extension: K, tokens drafted per round (0: target-only).
+    /// Extension: K, tokens drafted per round (0: target-only; unset: chosen each round).
     pub draft_tokens: Option<u32>,
+    /// Extension: who drafts, `auto`, `model` or `ngram`.
+    #[serde(default)]
+    pub drafter: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -128,6 +131,7 @@ impl Common {
                 ..Default::default()
             }),
             draft_tokens: self.draft_tokens,
+            drafter: self.drafter.clone(),
             stop,
             ..prompt
         })
@@ -257,5 +261,10 @@ fn speculation(outcome: &Outcome) -> Value {
         "draft_lost_reason": outcome.stats.draft_lost_reason,
         "draft_blocks_refused": outcome.stats.draft_blocks_refused,
         "seed": outcome.stats.seed,
+        "model_rounds": outcome.stats.model_rounds,
+        "ngram_rounds": outcome.stats.ngram_rounds,
+        "target_only_rounds": outcome.stats.target_only_rounds,
+        "draft_reattached": outcome.stats.draft_reattached,
+        "draft_stalls": outcome.stats.draft_stalls,
     })
 }

@@ -1,0 +1,239 @@
+//! Where a round's drafts come from: the draft-node's model over its session stream, or n-gram
+//! lookup in the coordinator ([`crate::ngram`]). A draft-node that fails or misses its deadline
+//! is dropped for the round (never awaited) and attached again in the background, with backoff,
+//! by replaying the log into a new session; meanwhile the rounds run on n-gram drafts or the
+//! target alone.
+
+use std::time::{Duration, Instant};
+
+use tandem_proto::v1;
+use tandem_proto::{Error, Result};
+use tandem_runtime::TokenLog;
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+
+use crate::links::{Draft, NodeSession, SessionSpec};
+use crate::policy::Drafter;
+
+/// Who may draft, per request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DrafterChoice {
+    /// The draft-node, and n-gram lookup where it pays more (or when the draft-node is lost).
+    #[default]
+    Auto,
+    /// The draft-node only.
+    Model,
+    /// N-gram lookup only: no draft-node session is opened.
+    Ngram,
+}
+
+impl DrafterChoice {
+    /// Parses the request's `drafter` field, naming the accepted values when it is unknown.
+    pub fn parse(value: &str) -> Result<Self> {
+        match value {
+            "" | "auto" => Ok(Self::Auto),
+            "model" => Ok(Self::Model),
+            "ngram" => Ok(Self::Ngram),
+            other => Err(tandem_runtime::Error::invalid(
+                "drafter",
+                format!("{other:?}"),
+                "expected \"auto\", \"model\" or \"ngram\"",
+            )
+            .into()),
+        }
+    }
+
+    pub fn uses_model(self) -> bool {
+        self != Self::Ngram
+    }
+
+    pub fn uses_ngram(self) -> bool {
+        self != Self::Model
+    }
+}
+
+/// Why a draft-node step gave no drafts.
+#[derive(Debug)]
+pub enum StepFailure {
+    /// It failed (the node or the link).
+    Failed(Error),
+    /// It did not answer within its deadline.
+    Stalled(Duration),
+}
+
+impl std::fmt::Display for StepFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Failed(e) => write!(f, "{e}"),
+            Self::Stalled(d) => write!(f, "no drafts within the deadline of {d:?}"),
+        }
+    }
+}
+
+/// A round's drafts.
+#[derive(Debug, Default)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    pub q: Vec<v1::Distribution>,
+    /// The drafter's compute (the node's report; the lookup's own time).
+    pub compute_secs: f64,
+    /// From asking to having the drafts.
+    pub wall_secs: f64,
+}
+
+/// First and largest wait before attaching a lost draft-node again.
+const REATTACH_FIRST: Duration = Duration::from_millis(50);
+const REATTACH_MAX: Duration = Duration::from_secs(10);
+/// A draft step is abandoned after this multiple of its expected time (plus [`DEADLINE_SLACK`]).
+/// (Generous: an abandoned step costs a re-attachment, a replay of the log on the draft-node.)
+const DEADLINE_FACTOR: f64 = 8.0;
+const DEADLINE_SLACK: Duration = Duration::from_millis(500);
+/// Deadline of a draft step before any has been timed (the first steps warm the node up).
+const FIRST_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The draft-node side of a generation: its session when attached, a pending re-attachment
+/// when not.
+#[derive(Debug)]
+pub struct ModelDrafter {
+    channel: Channel,
+    spec: SessionSpec,
+    pub session: Option<NodeSession<Draft>>,
+    pending: Option<oneshot::Receiver<Result<NodeSession<Draft>>>>,
+    backoff: Duration,
+    /// Sessions attached again after a loss.
+    pub reattached: u32,
+}
+
+impl ModelDrafter {
+    pub fn new(channel: Channel, spec: SessionSpec, session: Option<NodeSession<Draft>>) -> Self {
+        Self {
+            channel,
+            spec,
+            session,
+            pending: None,
+            backoff: REATTACH_FIRST,
+            reattached: 0,
+        }
+    }
+
+    /// Takes a session the background re-attachment has opened; starts another attempt (after
+    /// a longer wait) when the last one failed.
+    pub fn poll_reattach(&mut self, log: &TokenLog) {
+        let Some(rx) = self.pending.as_mut() else {
+            return;
+        };
+        match rx.try_recv() {
+            Ok(Ok(session)) => {
+                tracing::info!("draft-node attached again");
+                self.pending = None;
+                self.session = Some(session);
+                self.reattached += 1;
+                self.backoff = REATTACH_FIRST;
+            }
+            Ok(Err(e)) => {
+                tracing::info!(error = %e, retry_in = ?self.backoff, "draft-node still unavailable");
+                self.pending = None;
+                self.reattach_later(log);
+            }
+            Err(oneshot::error::TryRecvError::Empty) => {}
+            Err(oneshot::error::TryRecvError::Closed) => self.pending = None,
+        }
+    }
+
+    /// Starts attaching the draft-node again in the background, after the current backoff.
+    pub fn reattach_later(&mut self, log: &TokenLog) {
+        let (tx, rx) = oneshot::channel();
+        let (channel, spec, log, wait) = (
+            self.channel.clone(),
+            self.spec.clone(),
+            log.clone(),
+            self.backoff,
+        );
+        self.backoff = (self.backoff * 2).min(REATTACH_MAX);
+        tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            let _ = tx.send(NodeSession::<Draft>::open(channel, spec, &log).await);
+        });
+        self.pending = Some(rx);
+    }
+
+    /// Asks the attached draft-node for `k` drafts within a deadline `expected` seconds long
+    /// times [`DEADLINE_FACTOR`] (a first step gets [`FIRST_DEADLINE`]). On failure or timeout
+    /// the session is dropped and re-attachment starts; the error says which.
+    pub async fn step(
+        &mut self,
+        log: &TokenLog,
+        k: usize,
+        expected: Option<f64>,
+    ) -> Result<Proposal, StepFailure> {
+        let Some(session) = self.session.as_mut() else {
+            return Err(StepFailure::Failed(Error::Unavailable {
+                node: "draft-node",
+                endpoint: String::new(),
+                reason: "not attached".into(),
+            }));
+        };
+        let deadline = expected.map_or(FIRST_DEADLINE, |secs| {
+            Duration::from_secs_f64(secs * DEADLINE_FACTOR) + DEADLINE_SLACK
+        });
+        let start = Instant::now();
+        let call = session.call(log, |committed, new_tokens| v1::DraftRequest {
+            kind: Some(v1::draft_request::Kind::Step(v1::DraftStep {
+                committed: Some(committed),
+                new_tokens,
+                k: k as u32,
+            })),
+        });
+        let outcome = match tokio::time::timeout(deadline, call).await {
+            Ok(r) => r.map_err(StepFailure::Failed),
+            Err(_) => Err(StepFailure::Stalled(deadline)),
+        };
+        match outcome {
+            Ok(p) => Ok(Proposal {
+                tokens: p.tokens,
+                q: p.q,
+                compute_secs: p.compute_micros as f64 * 1e-6,
+                wall_secs: start.elapsed().as_secs_f64(),
+            }),
+            Err(e) => {
+                self.reattach_later(log);
+                Err(e)
+            }
+        }
+    }
+
+    /// Detaches the session for good (a lying draft): no re-attachment.
+    pub fn detach(&mut self) -> Option<NodeSession<Draft>> {
+        self.pending = None;
+        self.session.take()
+    }
+}
+
+/// N-gram drafts with one-hot q: exact under the acceptance rule, whatever the sampling.
+pub fn ngram_proposal(log: &TokenLog, k: usize) -> Proposal {
+    let start = Instant::now();
+    let tokens = crate::ngram::propose(log.tokens(), k);
+    let q = tokens
+        .iter()
+        .map(|&t| v1::Distribution {
+            kind: Some(v1::distribution::Kind::OneHot(t)),
+        })
+        .collect();
+    let secs = start.elapsed().as_secs_f64();
+    Proposal {
+        tokens,
+        q,
+        compute_secs: secs,
+        wall_secs: secs,
+    }
+}
+
+/// Which drafter a fixed-K round uses.
+pub fn fixed_drafter(choice: DrafterChoice, model_attached: bool) -> Drafter {
+    match choice {
+        DrafterChoice::Ngram => Drafter::Ngram,
+        DrafterChoice::Model | DrafterChoice::Auto if model_attached => Drafter::Model,
+        // The draft-node is lost (or never came): n-gram lookup stands in.
+        _ => Drafter::Ngram,
+    }
+}

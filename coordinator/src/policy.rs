@@ -1,0 +1,436 @@
+//! The choice of K each round (DESIGN.md "Adaptive K"; the cost model is in
+//! docs/adaptive-k.md). Per session the policy estimates, from what each round measured:
+//!
+//! - a_i, the chance that draft position i is accepted when positions 1..i-1 were, per drafter
+//!   (the draft-node's model, the n-gram lookup), as moving averages;
+//! - the drafter's wall time per round, `overhead + K · per_token` (the link's round trip and the
+//!   node's fixed cost, and its compute per drafted token);
+//! - the target's wall time to verify a block of n positions, V(n), per n, interpolated linearly
+//!   between the sizes seen.
+//!
+//! A round that drafts K tokens commits E(K) = 1 + Σ_{i≤K} Π_{j≤i} a_j tokens on average and takes
+//! T(K) = draft(K) + V(K + 1); K = 0 (target only) commits 1 in V(1). The policy picks the drafter
+//! and K with the highest E/T. When target-only wins it still probes the draft now and then
+//! (with a growing interval while probes keep losing), so a draft that starts paying is noticed.
+
+/// Largest K the adaptive policy tries.
+pub const ADAPTIVE_MAX_K: usize = 8;
+/// Weight of a new observation in the moving averages of times, and of acceptance (which a
+/// session changes slowly, and which one round measures noisily).
+const LEARN: f64 = 0.15;
+const LEARN_ACCEPT: f64 = 0.04;
+/// Acceptance assumed for a position never tried.
+const PRIOR_ACCEPT: f64 = 0.6;
+/// How much faster (as a fraction) drafting must look than target-only to be chosen.
+const MARGIN: f64 = 0.02;
+/// The prior counts as this many trials.
+const PRIOR_WEIGHT: u32 = 2;
+/// Every this many drafted rounds, one position past the best K is tried, so that the estimate
+/// of a position that once failed can recover.
+const EXPLORE_EVERY: u32 = 16;
+/// Verify cost per extra position, relative to one position, assumed until two sizes are seen.
+const PRIOR_VERIFY_SLOPE: f64 = 0.25;
+/// Rounds between probes of a losing draft: first and largest.
+const PROBE_FIRST: u32 = 8;
+const PROBE_MAX: u32 = 128;
+
+/// Who drafts a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drafter {
+    /// The draft-node's model.
+    Model,
+    /// Prompt lookup over the session's own tokens.
+    Ngram,
+}
+
+/// What a round does: `k == 0` is a plain target step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    pub drafter: Option<Drafter>,
+    pub k: usize,
+}
+
+impl Plan {
+    pub const TARGET_ONLY: Self = Self {
+        drafter: None,
+        k: 0,
+    };
+}
+
+/// A moving average that starts at its first sample.
+#[derive(Debug, Clone, Copy, Default)]
+struct Ewma(Option<f64>);
+
+impl Ewma {
+    fn add(&mut self, x: f64) {
+        self.0 = Some(match self.0 {
+            Some(v) => v + LEARN * (x - v),
+            None => x,
+        });
+    }
+}
+
+/// What is known of one drafter.
+#[derive(Debug, Clone)]
+struct DrafterCosts {
+    accept: [f64; ADAPTIVE_MAX_K],
+    /// Rounds that reached each position.
+    tried: [u32; ADAPTIVE_MAX_K],
+    overhead: Ewma,
+    per_token: Ewma,
+}
+
+impl Default for DrafterCosts {
+    fn default() -> Self {
+        Self {
+            accept: [PRIOR_ACCEPT; ADAPTIVE_MAX_K],
+            tried: [0; ADAPTIVE_MAX_K],
+            overhead: Ewma::default(),
+            per_token: Ewma::default(),
+        }
+    }
+}
+
+impl DrafterCosts {
+    /// Expected committed tokens of a round drafting `k` (accepted drafts plus one). A position
+    /// never reached is assumed to fare as the last one reached (acceptance by position is flat
+    /// or falls slowly), so a draft that does well is tried on longer blocks.
+    fn expected_tokens(&self, k: usize) -> f64 {
+        let mut reach = 1.0;
+        let mut total = 1.0;
+        let mut last = PRIOR_ACCEPT;
+        for i in 0..k.min(ADAPTIVE_MAX_K) {
+            if self.tried[i] > 0 {
+                last = self.accept[i];
+            }
+            reach *= last;
+            total += reach;
+        }
+        total
+    }
+
+    fn draft_seconds(&self, k: usize) -> f64 {
+        self.overhead.0.unwrap_or(0.0) + k as f64 * self.per_token.0.unwrap_or(0.0)
+    }
+
+    fn observe(&mut self, k: usize, accepted: usize, wall: f64, compute: f64) {
+        for i in 0..k.min(accepted + 1).min(ADAPTIVE_MAX_K) {
+            let hit = if i < accepted { 1.0 } else { 0.0 };
+            // The first trials weigh more, so a few rounds replace the prior.
+            self.tried[i] = self.tried[i].saturating_add(1);
+            let weight = LEARN_ACCEPT.max(1.0 / f64::from(self.tried[i] + PRIOR_WEIGHT));
+            self.accept[i] += weight * (hit - self.accept[i]);
+        }
+        if k > 0 {
+            self.per_token.add(compute / k as f64);
+            self.overhead.add((wall - compute).max(0.0));
+        }
+    }
+}
+
+/// The per-session K controller.
+#[derive(Debug, Clone)]
+pub struct KPolicy {
+    max_k: usize,
+    model: DrafterCosts,
+    ngram: DrafterCosts,
+    /// Verify wall time by block size (index n - 1).
+    verify: Vec<Ewma>,
+    since_draft: u32,
+    probe_every: u32,
+    drafted_rounds: u32,
+}
+
+impl KPolicy {
+    pub fn new(max_k: usize) -> Self {
+        let max_k = max_k.clamp(1, ADAPTIVE_MAX_K);
+        Self {
+            max_k,
+            model: DrafterCosts::default(),
+            ngram: DrafterCosts::default(),
+            verify: vec![Ewma::default(); max_k + 1],
+            since_draft: 0,
+            probe_every: PROBE_FIRST,
+            drafted_rounds: 0,
+        }
+    }
+
+    fn costs(&self, drafter: Drafter) -> &DrafterCosts {
+        match drafter {
+            Drafter::Model => &self.model,
+            Drafter::Ngram => &self.ngram,
+        }
+    }
+
+    /// Estimated wall time to verify a block of `n` positions.
+    /// A longer block never costs less: the estimate is at least that of every smaller size seen
+    /// (measured noise would otherwise make a block look cheaper than one position).
+    pub fn verify_seconds(&self, n: usize) -> f64 {
+        let floor = self.verify[..n.min(self.verify.len())]
+            .iter()
+            .filter_map(|e| e.0)
+            .fold(0.0, f64::max);
+        self.raw_verify_seconds(n).max(floor)
+    }
+
+    fn raw_verify_seconds(&self, n: usize) -> f64 {
+        let seen: Vec<(f64, f64)> = self
+            .verify
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| e.0.map(|v| ((i + 1) as f64, v)))
+            .collect();
+        let n = n as f64;
+        match seen.as_slice() {
+            [] => 1.0 + PRIOR_VERIFY_SLOPE * (n - 1.0),
+            [(x, v)] => {
+                v * (1.0 + PRIOR_VERIFY_SLOPE * (n - 1.0)) / (1.0 + PRIOR_VERIFY_SLOPE * (x - 1.0))
+            }
+            _ => {
+                if let Some((_, v)) = seen.iter().find(|(x, _)| *x == n) {
+                    return *v;
+                }
+                // Least squares over the sizes seen; a slope below 0 is noise.
+                let count = seen.len() as f64;
+                let mx = seen.iter().map(|p| p.0).sum::<f64>() / count;
+                let my = seen.iter().map(|p| p.1).sum::<f64>() / count;
+                let sxx: f64 = seen.iter().map(|p| (p.0 - mx).powi(2)).sum();
+                let sxy: f64 = seen.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+                let slope = (sxy / sxx).max(0.0);
+                (my + slope * (n - mx)).max(1e-6)
+            }
+        }
+    }
+
+    /// Expected tokens per second of drafting `k` with `drafter`.
+    pub fn rate(&self, drafter: Drafter, k: usize) -> f64 {
+        let costs = self.costs(drafter);
+        costs.expected_tokens(k) / (costs.draft_seconds(k) + self.verify_seconds(k + 1))
+    }
+
+    /// Expected wall seconds of a draft-node step of `k` tokens, once one has been timed.
+    pub fn expected_draft_seconds(&self, k: usize) -> Option<f64> {
+        self.model.per_token.0.map(|_| self.model.draft_seconds(k))
+    }
+
+    /// Tokens per second of a plain target step.
+    pub fn target_only_rate(&self) -> f64 {
+        1.0 / self.verify_seconds(1)
+    }
+
+    /// The best plan: `model` says whether the draft-node is attached, `ngram` how many tokens
+    /// the n-gram lookup can propose, `remaining` how many tokens the generation may still take.
+    pub fn choose(&mut self, model: bool, ngram: usize, remaining: usize) -> Plan {
+        let cap = self.max_k.min(remaining.saturating_sub(1));
+        // Drafting must beat target-only by a margin: a near tie is noise, and K = 0 is safe.
+        let mut best = (self.target_only_rate() * (1.0 + MARGIN), Plan::TARGET_ONLY);
+        let mut best_model = None;
+        for (drafter, limit) in [
+            (Drafter::Model, if model { cap } else { 0 }),
+            (Drafter::Ngram, ngram.min(cap)),
+        ] {
+            for k in 1..=limit {
+                let rate = self.rate(drafter, k);
+                if drafter == Drafter::Model && best_model.is_none_or(|(r, _)| rate > r) {
+                    best_model = Some((rate, k));
+                }
+                if rate > best.0 {
+                    best = (
+                        rate,
+                        Plan {
+                            drafter: Some(drafter),
+                            k,
+                        },
+                    );
+                }
+            }
+        }
+        let mut plan = best.1;
+        if plan.drafter.is_some() {
+            self.drafted_rounds += 1;
+            let limit = if plan.drafter == Some(Drafter::Ngram) {
+                ngram.min(cap)
+            } else {
+                cap
+            };
+            if self.drafted_rounds % EXPLORE_EVERY == 0 && plan.k < limit {
+                plan.k += 1;
+            }
+        }
+        if plan.drafter == Some(Drafter::Model) {
+            self.since_draft = 0;
+            self.probe_every = PROBE_FIRST;
+            return plan;
+        }
+        self.since_draft += 1;
+        match best_model {
+            // A probe: the model's best K, to learn whether it pays now.
+            Some((_, k)) if self.since_draft >= self.probe_every => {
+                self.since_draft = 0;
+                self.probe_every = (self.probe_every * 2).min(PROBE_MAX);
+                Plan {
+                    drafter: Some(Drafter::Model),
+                    k,
+                }
+            }
+            _ => plan,
+        }
+    }
+
+    /// Learns from a finished round: `drafted` tokens by `plan.drafter` (fewer than `plan.k` when
+    /// the drafter had no more), `accepted` of them, the drafter's wall and compute seconds and
+    /// the verify's wall seconds.
+    pub fn observe(&mut self, plan: Plan, round: &RoundCosts) {
+        if let Some(drafter) = plan.drafter {
+            let costs = match drafter {
+                Drafter::Model => &mut self.model,
+                Drafter::Ngram => &mut self.ngram,
+            };
+            costs.observe(
+                round.drafted,
+                round.accepted,
+                round.draft_wall,
+                round.draft_compute,
+            );
+        }
+        if let Some(e) = self.verify.get_mut(round.drafted) {
+            e.add(round.verify_wall);
+        }
+    }
+}
+
+/// What one round cost.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RoundCosts {
+    pub drafted: usize,
+    pub accepted: usize,
+    pub draft_wall: f64,
+    pub draft_compute: f64,
+    pub verify_wall: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `rounds` rounds of a synthetic pair: a draft accepted with chance `alpha` per
+    /// position (as a deterministic fraction), costing `rtt + k·t_d`, and a target whose verify
+    /// costs `t_v(n) = t1 · (1 + slope · (n − 1))`. Returns the plans chosen.
+    fn simulate(alpha: f64, t_d: f64, rtt: f64, t1: f64, slope: f64, rounds: usize) -> Vec<Plan> {
+        let mut policy = KPolicy::new(ADAPTIVE_MAX_K);
+        let mut plans = Vec::new();
+        // A fixed-seed generator: each position is accepted with chance alpha.
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut uniform = move || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 11) as f64 / (1u64 << 53) as f64
+        };
+        for _ in 0..rounds {
+            let plan = policy.choose(true, 0, 1000);
+            let accepted = (0..plan.k).take_while(|_| uniform() < alpha).count();
+            let draft = if plan.k > 0 {
+                rtt + plan.k as f64 * t_d
+            } else {
+                0.0
+            };
+            policy.observe(
+                plan,
+                &RoundCosts {
+                    drafted: plan.k,
+                    accepted,
+                    draft_wall: draft,
+                    draft_compute: plan.k as f64 * t_d,
+                    verify_wall: t1 * (1.0 + slope * plan.k as f64),
+                },
+            );
+            plans.push(plan);
+        }
+        plans
+    }
+
+    fn settled_k(plans: &[Plan]) -> usize {
+        let tail = &plans[plans.len() - 40..];
+        let mut ks: Vec<usize> = tail.iter().map(|p| p.k).collect();
+        ks.sort_unstable();
+        ks[ks.len() / 2]
+    }
+
+    #[test]
+    fn a_good_cheap_draft_drafts_long_blocks() {
+        // α = 0.9, draft 1/20 of the target, free link, verify nearly flat in n (a GPU).
+        let plans = simulate(0.9, 0.001, 0.0, 0.02, 0.02, 300);
+        assert!(settled_k(&plans) >= 6, "{:?}", &plans[plans.len() - 10..]);
+    }
+
+    #[test]
+    fn a_useless_draft_or_a_slow_link_settles_on_target_only_with_rare_probes() {
+        for (alpha, rtt) in [(0.05, 0.0), (0.8, 0.5)] {
+            let plans = simulate(alpha, 0.004, rtt, 0.02, 0.25, 400);
+            assert_eq!(settled_k(&plans), 0, "alpha {alpha}, rtt {rtt}");
+            let probes = plans[200..].iter().filter(|p| p.k > 0).count();
+            assert!(
+                probes <= 4,
+                "alpha {alpha}, rtt {rtt}: {probes} probes in 200 rounds"
+            );
+        }
+    }
+
+    #[test]
+    fn a_longer_link_picks_a_longer_block_while_drafting_still_pays() {
+        // α = 0.8 with a cheap draft: the round trip is paid once per round, so a longer link
+        // calls for more tokens per round.
+        let near = settled_k(&simulate(0.8, 0.002, 0.0, 0.02, 0.1, 300));
+        let far = settled_k(&simulate(0.8, 0.002, 0.02, 0.02, 0.1, 300));
+        assert!(far >= near && far > 0, "near {near}, far {far}");
+    }
+
+    #[test]
+    fn the_choice_maximises_the_cost_model() {
+        let mut policy = KPolicy::new(8);
+        // Known costs: verify 10 ms flat, model free and always right, n-gram as well.
+        for n in 1..=9 {
+            policy.verify[n - 1].add(0.010);
+        }
+        policy.model.accept = [1.0; ADAPTIVE_MAX_K];
+        policy.model.tried = [100; ADAPTIVE_MAX_K];
+        policy.model.overhead.add(0.0);
+        policy.model.per_token.add(0.001);
+        assert_eq!(
+            policy.choose(true, 0, 100),
+            Plan {
+                drafter: Some(Drafter::Model),
+                k: 8
+            }
+        );
+        // Only 3 tokens left: K = 2 at most (the last token is the bonus).
+        assert_eq!(policy.choose(true, 0, 3).k, 2);
+        // A perfect, free n-gram match beats a model that costs time.
+        policy.ngram.accept = [1.0; ADAPTIVE_MAX_K];
+        policy.ngram.tried = [100; ADAPTIVE_MAX_K];
+        assert_eq!(
+            policy.choose(true, 8, 100),
+            Plan {
+                drafter: Some(Drafter::Ngram),
+                k: 8
+            }
+        );
+        // Without a model or a match: target only.
+        assert_eq!(policy.choose(false, 0, 100), Plan::TARGET_ONLY);
+        let expected = 9.0 / (0.008 + 0.010);
+        assert!((policy.rate(Drafter::Model, 8) - expected).abs() < 1e-9);
+    }
+
+    #[test]
+    fn verify_cost_interpolates_between_the_sizes_seen() {
+        let mut policy = KPolicy::new(8);
+        policy.verify[0].add(0.010);
+        // One size seen: the prior slope scales it.
+        assert!((policy.verify_seconds(5) - 0.010 * 2.0).abs() < 1e-12);
+        policy.verify[4].add(0.030);
+        assert!((policy.verify_seconds(3) - 0.020).abs() < 1e-12);
+        assert!((policy.verify_seconds(9) - 0.050).abs() < 1e-12);
+        assert!((policy.verify_seconds(5) - 0.030).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,199 @@
+//! Speculation that adapts (issue 10): K chosen each round, K = 0 included; n-gram drafting
+//! without a draft model; a stalled draft-node abandoned at its deadline and attached again.
+//! Whatever the schedule, greedy output equals target-only decoding and a draft's q keeps the
+//! acceptance rule exact (its distribution tests are in runtime/src/acceptance.rs).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tandem_coordinator::{Engine, Outcome};
+use tandem_node::LimitsArgs;
+use tandem_proto::v1;
+use tandem_runtime::SamplingParams;
+use tandem_tests::proxy::DraftProxy;
+use tandem_tests::*;
+
+/// A request with K unset (adaptive) unless `k` says, drafted by `drafter`.
+fn adaptive(prompt: &[u32], n: u32, k: Option<u32>, drafter: &str) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        draft_tokens: k,
+        drafter: drafter.into(),
+        ..request(prompt, n, 0, &SamplingParams::greedy())
+    }
+}
+
+fn target_only(target: &Path, prompt: &[u32], n: u32) -> Vec<u32> {
+    in_process(
+        target,
+        None,
+        &request(prompt, n, 0, &SamplingParams::greedy()),
+    )
+    .token_ids
+}
+
+fn describe(o: &Outcome) -> String {
+    let s = &o.stats;
+    format!(
+        "model {} / ngram {} / target-only {} rounds, α {:.2}",
+        s.model_rounds,
+        s.ngram_rounds,
+        s.target_only_rounds,
+        s.base.acceptance_rate()
+    )
+}
+
+#[tokio::test]
+async fn every_drafter_and_k_schedule_keeps_greedy_output_equal_to_target_only() {
+    for (target, draft) in [
+        (stories(), stories_q8()),
+        (random_model(21), random_model(22)),
+    ] {
+        let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
+        let engine = cluster.engine(None).await.expect("engine");
+        let prompt = tokenizer(&target)
+            .encode("Once upon a time")
+            .expect("encode");
+        let expected = target_only(&target, &prompt, 120);
+        for (k, drafter) in [
+            (None, ""),
+            (None, "model"),
+            (None, "ngram"),
+            (Some(4), "ngram"),
+            (Some(3), "auto"),
+        ] {
+            let out = generate(&engine, &adaptive(&prompt, 120, k, drafter)).await;
+            let case = format!(
+                "{} K {k:?} {drafter:?}: {}",
+                target.display(),
+                describe(&out)
+            );
+            assert_eq!(out.token_ids, expected, "{case}");
+            let s = &out.stats;
+            assert_eq!(
+                s.model_rounds + s.ngram_rounds + s.target_only_rounds,
+                s.base.rounds as u32,
+                "{case}"
+            );
+            if drafter == "ngram" {
+                assert_eq!(s.model_rounds, 0, "{case}");
+            }
+            if drafter == "model" {
+                assert_eq!(s.ngram_rounds, 0, "{case}");
+            }
+            if k.is_some() && drafter == "auto" {
+                // A fixed K drafts with the attached model every round but a last one-token one.
+                assert!(s.model_rounds + 1 >= s.base.rounds as u32, "{case}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_useless_draft_settles_on_target_only_decoding() {
+    // Two unrelated random models: nearly nothing is accepted, so K = 0 wins, with rare probes.
+    let (target, draft) = (random_model(23), random_model(24));
+    let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
+    let engine = cluster.engine(None).await.expect("engine");
+    let prompt = tokenizer(&target)
+        .encode("Once upon a time")
+        .expect("encode");
+    let out = generate(&engine, &adaptive(&prompt, 200, None, "model")).await;
+    assert_eq!(out.token_ids, target_only(&target, &prompt, 200));
+    let s = &out.stats;
+    assert!(
+        s.target_only_rounds * 10 >= s.base.rounds as u32 * 7,
+        "{}",
+        describe(&out)
+    );
+}
+
+#[tokio::test]
+async fn ngram_drafting_accepts_what_the_text_repeats() {
+    // Target-only decoding of stories260K repeats itself within a few hundred tokens: n-gram
+    // lookup proposes the repeats and the target accepts them, with no draft model at all.
+    let target = stories();
+    let cluster = cluster(&target, None, &LimitsArgs::default()).await;
+    let engine = cluster.engine(None).await.expect("engine");
+    let prompt = tokenizer(&target)
+        .encode("Once upon a time, there was a cat. Once upon a time, there was a")
+        .expect("encode");
+    let out = generate(&engine, &adaptive(&prompt, 200, Some(4), "ngram")).await;
+    assert_eq!(out.token_ids, target_only(&target, &prompt, 200));
+    let s = &out.stats;
+    assert!(
+        s.ngram_rounds > 0 && s.base.accepted > 0,
+        "{}",
+        describe(&out)
+    );
+    assert_eq!(s.model_rounds, 0);
+}
+
+#[tokio::test]
+async fn sampled_ngram_drafting_is_reproducible_from_its_seed() {
+    let target = stories();
+    let cluster = cluster(&target, None, &LimitsArgs::default()).await;
+    let engine = cluster.engine(None).await.expect("engine");
+    let prompt = tokenizer(&target)
+        .encode("Once upon a time")
+        .expect("encode");
+    let sampling = SamplingParams {
+        temperature: 0.8,
+        seed: 7,
+        ..SamplingParams::default()
+    };
+    let req = v1::GenerateRequest {
+        drafter: "ngram".into(),
+        ..request(&prompt, 100, 4, &sampling)
+    };
+    let (a, b) = (generate(&engine, &req).await, generate(&engine, &req).await);
+    assert_eq!(a.token_ids, b.token_ids);
+    assert_eq!(a.token_ids.len(), 100);
+}
+
+#[tokio::test]
+async fn a_stalled_draft_node_is_abandoned_at_its_deadline_and_attached_again() {
+    let (target, draft) = (stories(), stories_q8());
+    let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
+    // The 8th step's reply is held for 20 s, once (re-attached sessions answer at once).
+    let stalled = Arc::new(AtomicBool::new(false));
+    let proxy = DraftProxy::new(cluster.draft_addr.expect("draft"))
+        .delay(move |n| {
+            if n == 8 && !stalled.swap(true, Ordering::SeqCst) {
+                Duration::from_secs(20)
+            } else {
+                Duration::ZERO
+            }
+        })
+        .serve()
+        .await;
+    let engine = Engine::connect(
+        &format!("http://{}", cluster.target_addr),
+        Some(&proxy),
+        Some(4),
+    )
+    .await
+    .expect("engine");
+    let prompt = tokenizer(&target)
+        .encode("Once upon a time")
+        .expect("encode");
+    let start = Instant::now();
+    let out = generate(&engine, &adaptive(&prompt, 480, Some(4), "model")).await;
+    let elapsed = start.elapsed();
+    assert_eq!(out.token_ids, target_only(&target, &prompt, 480));
+    let s = &out.stats;
+    assert_eq!(s.draft_stalls, 1, "{}", describe(&out));
+    assert!(
+        !s.draft_lost,
+        "a stall is not a loss: {}",
+        s.draft_lost_reason
+    );
+    assert!(s.draft_reattached >= 1, "{}", describe(&out));
+    // Drafting resumed after the re-attachment: more model rounds than the 7 before the stall.
+    assert!(s.model_rounds > 7, "{}", describe(&out));
+    assert!(
+        elapsed < Duration::from_secs(15),
+        "the stalled step was awaited: {elapsed:?}"
+    );
+}
