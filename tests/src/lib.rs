@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod hub;
+pub mod link;
 pub mod processes;
 pub mod proxy;
 pub mod python;

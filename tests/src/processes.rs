@@ -68,10 +68,28 @@ impl Proc {
         addr: SocketAddr,
         env: &[(&str, &str)],
     ) -> Self {
-        let child = Command::new(binary(name))
-            .args(args)
+        let mut command = Command::new(binary(name));
+        command
             .env("RUST_LOG", "warn")
-            .envs(env.iter().copied())
+            .args(args)
+            .envs(env.iter().copied());
+        Self::spawn(name, command, addr)
+    }
+
+    /// [`Self::start`] on the CPUs `cpus` names (`taskset -c`): one machine's cores for one
+    /// node, as when two machines are emulated on one.
+    pub fn start_pinned(name: &str, args: &[&str], addr: SocketAddr, cpus: &str) -> Self {
+        let mut command = Command::new("taskset");
+        command
+            .env("RUST_LOG", "warn")
+            .args(["-c", cpus])
+            .arg(binary(name))
+            .args(args);
+        Self::spawn(name, command, addr)
+    }
+
+    fn spawn(name: &str, mut command: Command, addr: SocketAddr) -> Self {
+        let child = command
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()

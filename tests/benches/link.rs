@@ -1,0 +1,199 @@
+//! Speculation across an emulated link: the three binaries as processes, the target-node pinned
+//! to one core and the draft-node to the other (two machines on one; target-only runs pinned the
+//! same way), the draft-node behind a link emulator (`tandem_tests::link`: one-way delay and a
+//! bandwidth cap) as an edge box would be, the coordinator beside the target.
+//!
+//! Variants, alternated within each repetition: target-only (K = 0), the default (K chosen each
+//! round), and fixed K. Reported per pair and link: tokens/s, speedup over target-only (median of
+//! the per-repetition ratios), acceptance, the rounds' split between the draft model, n-gram
+//! lookup and the target alone, the mean K of drafted rounds, and bytes per round. Greedy outputs
+//! are checked equal to target-only's.
+//!
+//! Environment: BENCH_REPS (default 3), BENCH_PAIRS (default `110m-q8_0`; also `stories260k`,
+//! `qwen-prose`, `qwen-code`), BENCH_RTT_MS (default `0,5,20,50`), BENCH_MBIT (default `0,100,10`;
+//! 0 is unlimited), BENCH_VARIANTS (default `target-only,auto,4,8`; a number is a fixed K),
+//! BENCH_DRAFTER (default `auto`), BENCH_TEMPERATURE (default 0, greedy), BENCH_CPUS (default
+//! `0,1`: the target's and the draft's core).
+
+use std::time::Duration;
+
+use serde_json::json;
+use tandem_proto::v1;
+use tandem_proto::v1::coordinator_client::CoordinatorClient;
+use tandem_runtime::SamplingParams;
+use tandem_tests::bench::{env_list, median, pairs};
+use tandem_tests::link::{Link, LinkSpec};
+use tandem_tests::processes::{Proc, free_addr};
+use tandem_tests::tokenizer;
+
+fn parse_list<T: std::str::FromStr>(name: &str, default: &str) -> anyhow::Result<Vec<T>>
+where
+    T::Err: std::fmt::Display,
+{
+    env_list(name, default)
+        .iter()
+        .map(|s| s.parse().map_err(|e| anyhow::anyhow!("{name}: `{s}`: {e}")))
+        .collect()
+}
+
+/// One variant's numbers over the repetitions.
+#[derive(Default)]
+struct Samples {
+    tps: Vec<f64>,
+    speedup: Vec<f64>,
+    alpha: Vec<f64>,
+    bytes_per_round: Vec<f64>,
+    rounds: [u32; 3],
+    drafted_k: Vec<f64>,
+}
+
+fn node(name: &str, model: &std::path::Path, cpu: &str) -> Proc {
+    let addr = free_addr();
+    let (model, listen) = (model.display().to_string(), addr.to_string());
+    Proc::start_pinned(name, &["--model", &model, "--listen", &listen], addr, cpu)
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let reps = std::env::var("BENCH_REPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let rtts: Vec<u64> = parse_list("BENCH_RTT_MS", "0,5,20,50")?;
+    let mbits: Vec<f64> = parse_list("BENCH_MBIT", "0,100,10")?;
+    let variants = env_list("BENCH_VARIANTS", "target-only,auto,4,8");
+    let drafter = std::env::var("BENCH_DRAFTER").unwrap_or_else(|_| "auto".into());
+    let temperature: f32 = std::env::var("BENCH_TEMPERATURE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0.0);
+    let cpus = env_list("BENCH_CPUS", "0,1");
+    let (target_cpu, draft_cpu) = (cpus[0].clone(), cpus[cpus.len() - 1].clone());
+    let scratch = tempfile::tempdir()?;
+    let pairs = pairs(scratch.path(), &env_list("BENCH_PAIRS", "110m-q8_0"))?;
+    let sampling = if temperature > 0.0 {
+        SamplingParams {
+            temperature,
+            seed: 1,
+            ..SamplingParams::default()
+        }
+    } else {
+        SamplingParams::greedy()
+    };
+    println!(
+        "| pair | link | variant | tok/s | speedup | α | rounds model / n-gram / target | mean K drafted | bytes/round |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for pair in &pairs {
+        let prompt = tokenizer(&pair.target).encode(pair.prompt)?;
+        let target = node("target-node", &pair.target, &target_cpu);
+        let draft = node("draft-node", &pair.draft, &draft_cpu);
+        for &rtt in &rtts {
+            for &mbit in &mbits {
+                let spec = LinkSpec {
+                    rtt: Duration::from_millis(rtt),
+                    bits_per_second: (mbit > 0.0).then_some(mbit * 1e6),
+                };
+                let link = Link::start(draft.addr, spec).await?;
+                let addr = free_addr();
+                let (target_url, draft_url, listen) = (
+                    target.url(),
+                    format!("http://{}", link.addr),
+                    addr.to_string(),
+                );
+                let args = [
+                    "serve",
+                    "--target",
+                    &target_url,
+                    "--draft",
+                    &draft_url,
+                    "--listen",
+                    &listen,
+                ];
+                // The coordinator sits beside the target, on its core.
+                let coordinator = Proc::start_pinned("coordinator", &args, addr, &target_cpu);
+                let mut client = CoordinatorClient::connect(coordinator.url()).await?;
+                let request = |variant: &str| v1::GenerateRequest {
+                    prompt_tokens: prompt.clone(),
+                    max_tokens: pair.max_new_tokens as u32,
+                    sampling: Some((&sampling).into()),
+                    draft_tokens: match variant {
+                        "target-only" => Some(0),
+                        "auto" => None,
+                        k => Some(k.parse().expect("a variant is target-only, auto or K")),
+                    },
+                    drafter: drafter.clone(),
+                    ignore_eos: true,
+                    ..Default::default()
+                };
+                // Warm-up: connections, page faults, the nodes' thread pools.
+                tandem_coordinator::client::run(&mut client, request("auto"), |_| {}).await?;
+                let mut samples: Vec<Samples> =
+                    variants.iter().map(|_| Samples::default()).collect();
+                for _ in 0..reps {
+                    let mut baseline = None;
+                    for (variant, s) in variants.iter().zip(samples.iter_mut()) {
+                        let done =
+                            tandem_coordinator::client::run(&mut client, request(variant), |_| {})
+                                .await?;
+                        let st = done.stats.unwrap_or_default();
+                        if variant == "target-only" {
+                            baseline = Some((st.tokens_per_second, done.token_ids.clone()));
+                        } else if let Some((_, ids)) = &baseline
+                            && temperature == 0.0
+                        {
+                            anyhow::ensure!(
+                                &done.token_ids == ids,
+                                "{variant}: greedy output differs from target-only"
+                            );
+                        }
+                        let rounds = f64::from(st.rounds.max(1));
+                        s.tps.push(st.tokens_per_second);
+                        if let Some((base, _)) = &baseline {
+                            s.speedup.push(st.tokens_per_second / base);
+                        }
+                        s.alpha.push(st.acceptance_rate);
+                        s.bytes_per_round
+                            .push((st.bytes_sent + st.bytes_received) as f64 / rounds);
+                        s.rounds[0] += st.model_rounds;
+                        s.rounds[1] += st.ngram_rounds;
+                        s.rounds[2] += st.target_only_rounds;
+                        let drafted_rounds = st.model_rounds + st.ngram_rounds;
+                        if drafted_rounds > 0 {
+                            s.drafted_k
+                                .push(f64::from(st.drafted) / f64::from(drafted_rounds));
+                        }
+                    }
+                }
+                for (variant, s) in variants.iter().zip(samples) {
+                    let row = json!({
+                        "pair": pair.name, "link": spec.label(), "variant": variant,
+                        "reps": reps, "drafter": drafter, "temperature": temperature,
+                        "tokens_per_second": median(s.tps.clone()),
+                        "speedup": median(s.speedup.clone()),
+                        "acceptance_rate": median(s.alpha.clone()),
+                        "rounds_model_ngram_target": s.rounds,
+                        "mean_k_drafted": median(s.drafted_k.clone()),
+                        "bytes_per_round": median(s.bytes_per_round.clone()),
+                    });
+                    println!(
+                        "| {} | {} | {variant} | {:.1} | {:.2}× | {:.2} | {} / {} / {} | {:.1} | {:.0} |",
+                        pair.name,
+                        spec.label(),
+                        median(s.tps),
+                        median(s.speedup),
+                        median(s.alpha),
+                        s.rounds[0],
+                        s.rounds[1],
+                        s.rounds[2],
+                        median(s.drafted_k),
+                        median(s.bytes_per_round),
+                    );
+                    eprintln!("{row}");
+                }
+                drop(coordinator);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,110 @@
+//! A link emulator: a TCP proxy on 127.0.0.1 that delays every byte by a one-way latency and
+//! caps the bandwidth, in both directions (a draft-node on an edge box 20 ms away, behind a
+//! 10 Mbit/s uplink). netem is not available here; this does in user space what it would.
+//!
+//! Each direction is a queue: a chunk read at time t leaves the link at
+//! `max(t, link free) + bytes · 8 / rate` and is written `delay` later, so a burst waits behind
+//! the bytes before it, as on a real link.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// What a link does to traffic.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkSpec {
+    /// Round-trip time (half of it each way).
+    pub rtt: Duration,
+    /// Bits per second each way; `None`: unlimited.
+    pub bits_per_second: Option<f64>,
+}
+
+impl LinkSpec {
+    pub fn label(&self) -> String {
+        let rate = match self.bits_per_second {
+            Some(b) => format!("{:.0} Mbit/s", b / 1e6),
+            None => "unlimited".into(),
+        };
+        format!("RTT {} ms, {rate}", self.rtt.as_millis())
+    }
+}
+
+/// A running link to `upstream`; serves until the runtime it was started on ends.
+#[derive(Debug)]
+pub struct Link {
+    pub addr: SocketAddr,
+}
+
+impl Link {
+    /// Starts a link on 127.0.0.1:0 in front of `upstream` (call inside a tokio runtime).
+    pub async fn start(upstream: SocketAddr, spec: LinkSpec) -> std::io::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    if let Ok(server) = TcpStream::connect(upstream).await {
+                        carry(client, server, spec).await;
+                    }
+                });
+            }
+        });
+        Ok(Self { addr })
+    }
+}
+
+async fn carry(client: TcpStream, server: TcpStream, spec: LinkSpec) {
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    tokio::join!(
+        direction(client_read, server_write, spec),
+        direction(server_read, client_write, spec)
+    );
+}
+
+/// One direction: a reader stamps each chunk with its delivery time, a writer delivers it then.
+async fn direction(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    spec: LinkSpec,
+) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let one_way = spec.rtt / 2;
+    let reader = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut free_at = Instant::now();
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let now = Instant::now();
+            let sent = match spec.bits_per_second {
+                Some(rate) => {
+                    free_at = free_at.max(now) + Duration::from_secs_f64(n as f64 * 8.0 / rate);
+                    free_at
+                }
+                None => now,
+            };
+            if tx.send((sent + one_way, buf[..n].to_vec())).is_err() {
+                break;
+            }
+        }
+    };
+    let writer = async move {
+        while let Some((at, bytes)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&bytes).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+    };
+    tokio::join!(reader, writer);
+}
