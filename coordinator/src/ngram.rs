@@ -9,15 +9,26 @@ const MAX_MATCH: usize = 4;
 const MIN_MATCH: usize = 2;
 
 /// Up to `k` tokens continuing the latest earlier occurrence of the longest suffix of `tokens`
-/// (between [`MIN_MATCH`] and [`MAX_MATCH`] tokens long); empty when none recurs.
+/// (between [`MIN_MATCH`] and [`MAX_MATCH`] tokens long); empty when none recurs. A match `d`
+/// tokens back says the text repeats with period `d`: the proposal follows that period past
+/// the end of the log, so a loop of any length is proposed `k` tokens at a time.
 pub fn propose(tokens: &[u32], k: usize) -> Vec<u32> {
     let len = tokens.len();
     for n in (MIN_MATCH..=MAX_MATCH.min(len.saturating_sub(1))).rev() {
         let suffix = &tokens[len - n..];
-        // Latest start first; the occurrence must end before the suffix itself starts.
+        // Latest start first: the occurrence may overlap the suffix (a short loop).
         if let Some(start) = (0..len - n).rev().find(|&s| &tokens[s..s + n] == suffix) {
-            let from = start + n;
-            return tokens[from..len.min(from + k)].to_vec();
+            let period = len - n - start;
+            let mut proposal: Vec<u32> = Vec::with_capacity(k);
+            for i in 0..k {
+                let next = if i < period {
+                    tokens[len - period + i]
+                } else {
+                    proposal[i - period]
+                };
+                proposal.push(next);
+            }
+            return proposal;
         }
     }
     Vec::new()
@@ -38,10 +49,15 @@ mod tests {
     }
 
     #[test]
-    fn the_proposal_stops_at_k_and_at_the_end_of_the_log() {
+    fn a_loop_is_continued_past_the_end_of_the_log_for_k_tokens() {
         let tokens = [7, 8, 9, 7, 8];
-        assert_eq!(propose(&tokens, 8), vec![9, 7, 8]);
+        assert_eq!(propose(&tokens, 8), vec![9, 7, 8, 9, 7, 8, 9, 7]);
         assert_eq!(propose(&tokens, 1), vec![9]);
+        // A token repeated: period 1.
+        assert_eq!(propose(&[4, 5, 5, 5], 3), vec![5, 5, 5]);
+        // A match far back continues what followed it, then repeats with its period.
+        let tokens = [1, 2, 3, 4, 1, 2];
+        assert_eq!(propose(&tokens, 4), vec![3, 4, 1, 2]);
     }
 
     #[test]
@@ -49,7 +65,7 @@ mod tests {
         assert!(propose(&[1, 2, 3, 4, 5], 4).is_empty());
         assert!(propose(&[1], 4).is_empty());
         assert!(propose(&[], 4).is_empty());
-        // A single repeated token is below the shortest match.
+        // A single recurring token is below the shortest match.
         assert!(propose(&[5, 6, 5], 4).is_empty());
     }
 }

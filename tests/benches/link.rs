@@ -45,6 +45,8 @@ struct Samples {
     bytes_per_round: Vec<f64>,
     rounds: [u32; 3],
     drafted_k: Vec<f64>,
+    /// Decode time outside the nodes' compute, per round (links, gRPC, the coordinator).
+    outside_ms: Vec<f64>,
 }
 
 fn node(name: &str, model: &std::path::Path, cpu: &str) -> Proc {
@@ -53,7 +55,8 @@ fn node(name: &str, model: &std::path::Path, cpu: &str) -> Proc {
     Proc::start_pinned(name, &["--model", &model, "--listen", &listen], addr, cpu)
 }
 
-#[tokio::main(flavor = "current_thread")]
+// The link's tasks run on a worker thread: the main one blocks while a process starts.
+#[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 async fn main() -> anyhow::Result<()> {
     let reps = std::env::var("BENCH_REPS")
         .ok()
@@ -81,9 +84,9 @@ async fn main() -> anyhow::Result<()> {
         SamplingParams::greedy()
     };
     println!(
-        "| pair | link | variant | tok/s | speedup | α | rounds model / n-gram / target | mean K drafted | bytes/round |"
+        "| pair | link | variant | tok/s | speedup | α | rounds model / n-gram / target | mean K drafted | bytes/round | outside nodes ms/round |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for pair in &pairs {
         let prompt = tokenizer(&pair.target).encode(pair.prompt)?;
         let target = node("target-node", &pair.target, &target_cpu);
@@ -153,6 +156,10 @@ async fn main() -> anyhow::Result<()> {
                             s.speedup.push(st.tokens_per_second / base);
                         }
                         s.alpha.push(st.acceptance_rate);
+                        s.outside_ms.push(
+                            1e3 * (st.decode_seconds - st.draft_seconds - st.target_seconds)
+                                / rounds,
+                        );
                         s.bytes_per_round
                             .push((st.bytes_sent + st.bytes_received) as f64 / rounds);
                         s.rounds[0] += st.model_rounds;
@@ -175,9 +182,10 @@ async fn main() -> anyhow::Result<()> {
                         "rounds_model_ngram_target": s.rounds,
                         "mean_k_drafted": median(s.drafted_k.clone()),
                         "bytes_per_round": median(s.bytes_per_round.clone()),
+                        "outside_nodes_ms_per_round": median(s.outside_ms.clone()),
                     });
                     println!(
-                        "| {} | {} | {variant} | {:.1} | {:.2}× | {:.2} | {} / {} / {} | {:.1} | {:.0} |",
+                        "| {} | {} | {variant} | {:.1} | {:.2}× | {:.2} | {} / {} / {} | {:.1} | {:.0} | {:.1} |",
                         pair.name,
                         spec.label(),
                         median(s.tps),
@@ -188,6 +196,7 @@ async fn main() -> anyhow::Result<()> {
                         s.rounds[2],
                         median(s.drafted_k),
                         median(s.bytes_per_round),
+                        median(s.outside_ms),
                     );
                     eprintln!("{row}");
                 }

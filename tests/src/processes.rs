@@ -80,8 +80,12 @@ impl Proc {
     /// node, as when two machines are emulated on one.
     pub fn start_pinned(name: &str, args: &[&str], addr: SocketAddr, cpus: &str) -> Self {
         let mut command = Command::new("taskset");
+        // The node sizes its thread pools to the CPUs it may run on: pools inherited from this
+        // process (sized to the whole machine) would fight over the one core.
         command
             .env("RUST_LOG", "warn")
+            .env_remove("RAYON_NUM_THREADS")
+            .env_remove("CANDLE_NUM_THREADS")
             .args(["-c", cpus])
             .arg(binary(name))
             .args(args);
