@@ -91,18 +91,32 @@ const DEADLINE_SLACK: Duration = Duration::from_millis(500);
 /// Deadline of a draft step before any has been timed (the first steps warm the node up).
 const FIRST_DEADLINE: Duration = Duration::from_secs(10);
 
-/// The draft-node side of a generation: its session when attached, a pending re-attachment
-/// when not.
+/// The draft-node side of a generation: its session when attached and idle; a background task
+/// holding it while it catches up, or opening a new one after a loss, when not.
 #[derive(Debug)]
 pub struct ModelDrafter {
     channel: Channel,
     spec: SessionSpec,
     pub session: Option<NodeSession<Draft>>,
-    pending: Option<oneshot::Receiver<Result<NodeSession<Draft>>>>,
+    pending: Option<(Background, oneshot::Receiver<Result<NodeSession<Draft>>>)>,
     backoff: Duration,
     /// Sessions attached again after a loss.
     pub reattached: u32,
 }
+
+/// What a background task does with the session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Background {
+    /// Opens a new one, after a loss.
+    Reattach,
+    /// Feeds the tokens committed while the draft sat idle (a step with K = 0).
+    CatchUp,
+}
+
+/// A draft-node left idle this many committed tokens behind is caught up in the background.
+const CATCH_UP_LAG: usize = 8;
+/// A catch-up that has not answered in this long is a loss.
+const CATCH_UP_DEADLINE: Duration = Duration::from_secs(10);
 
 impl ModelDrafter {
     pub fn new(channel: Channel, spec: SessionSpec, session: Option<NodeSession<Draft>>) -> Self {
@@ -116,27 +130,33 @@ impl ModelDrafter {
         }
     }
 
-    /// Takes a session the background re-attachment has opened; starts another attempt (after
-    /// a longer wait) when the last one failed.
-    pub fn poll_reattach(&mut self, log: &TokenLog) {
-        let Some(rx) = self.pending.as_mut() else {
+    /// Takes back a session a background task has finished with; a failed task (a re-attachment
+    /// that could not connect, a catch-up that failed) starts a re-attachment after a longer wait.
+    pub fn poll(&mut self, log: &TokenLog) {
+        let Some((kind, rx)) = self.pending.as_mut() else {
             return;
         };
+        let kind = *kind;
         match rx.try_recv() {
             Ok(Ok(session)) => {
-                tracing::info!("draft-node attached again");
+                if kind == Background::Reattach {
+                    tracing::info!("draft-node attached again");
+                    self.reattached += 1;
+                    self.backoff = REATTACH_FIRST;
+                }
                 self.pending = None;
                 self.session = Some(session);
-                self.reattached += 1;
-                self.backoff = REATTACH_FIRST;
             }
             Ok(Err(e)) => {
-                tracing::info!(error = %e, retry_in = ?self.backoff, "draft-node still unavailable");
+                tracing::info!(error = %e, ?kind, retry_in = ?self.backoff, "draft-node unavailable");
                 self.pending = None;
                 self.reattach_later(log);
             }
             Err(oneshot::error::TryRecvError::Empty) => {}
-            Err(oneshot::error::TryRecvError::Closed) => self.pending = None,
+            Err(oneshot::error::TryRecvError::Closed) => {
+                self.pending = None;
+                self.reattach_later(log);
+            }
         }
     }
 
@@ -154,7 +174,42 @@ impl ModelDrafter {
             tokio::time::sleep(wait).await;
             let _ = tx.send(NodeSession::<Draft>::open(channel, spec, &log).await);
         });
-        self.pending = Some(rx);
+        self.pending = Some((Background::Reattach, rx));
+    }
+
+    /// Lends the idle session to a background task that feeds it what was committed since it
+    /// last drafted, when that is at least [`CATCH_UP_LAG`] tokens: the next draft step then
+    /// drafts at once instead of first prefilling the gap. The round never waits for it.
+    pub fn catch_up_in_background(&mut self, log: &TokenLog) {
+        let lagging = self
+            .session
+            .as_ref()
+            .is_some_and(|s| log.len().saturating_sub(s.held_len()) >= CATCH_UP_LAG);
+        let Some(mut session) = self.session.take().filter(|_| lagging) else {
+            return;
+        };
+        let (tx, rx) = oneshot::channel();
+        let log = log.clone();
+        tokio::spawn(async move {
+            let step = session.call(&log, |committed, new_tokens| v1::DraftRequest {
+                kind: Some(v1::draft_request::Kind::Step(v1::DraftStep {
+                    committed: Some(committed),
+                    new_tokens,
+                    k: 0,
+                })),
+            });
+            let result = match tokio::time::timeout(CATCH_UP_DEADLINE, step).await {
+                Ok(Ok(_)) => Ok(session),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(Error::Unavailable {
+                    node: "draft-node",
+                    endpoint: String::new(),
+                    reason: format!("no answer to a catch-up within {CATCH_UP_DEADLINE:?}"),
+                }),
+            };
+            let _ = tx.send(result);
+        });
+        self.pending = Some((Background::CatchUp, rx));
     }
 
     /// Asks the attached draft-node for `k` drafts within a deadline `expected` seconds long

@@ -373,7 +373,7 @@ impl Engine {
                 break Ok(finish);
             }
             if let Some(m) = model.as_mut() {
-                m.poll_reattach(&log);
+                m.poll(&log);
             }
             let attached = model.as_ref().is_some_and(|m| m.session.is_some());
             let plan = self.plan(job, &mut policy, &log, attached, transcript.remaining());
@@ -482,6 +482,11 @@ impl Engine {
                 Err(e) => break Err(e.into()),
             };
             log.extend(&commit.tokens);
+            if plan.drafter != Some(Drafter::Model)
+                && let Some(m) = model.as_mut()
+            {
+                m.catch_up_in_background(&log);
+            }
             if !sink.send(&commit).await {
                 break Err(Error::Cancelled);
             }

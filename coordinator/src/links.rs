@@ -349,6 +349,11 @@ impl<W: Wire> NodeSession<W> {
         })
     }
 
+    /// Length of the committed prefix the node holds.
+    pub fn held_len(&self) -> usize {
+        self.held.len
+    }
+
     pub fn traffic(&self) -> Traffic {
         let mut total = self.past;
         total += self.link.traffic;

@@ -118,7 +118,9 @@ impl Drafter {
         self.0.prefill(prompt)
     }
 
-    /// Proposes `k` tokens continuing `log`, the committed tokens so far.
+    /// Proposes `k` tokens continuing `log`, the committed tokens so far. `k == 0` only catches
+    /// the cache up with `log` (all but its last token, which the next proposal feeds), so that
+    /// a draft left idle for many rounds drafts at once when asked again.
     pub fn propose(&mut self, log: &[u32], k: usize) -> Result<Proposal> {
         let mut context = log.to_vec();
         let st = &mut self.0;
@@ -127,6 +129,12 @@ impl Drafter {
             tokens: Vec::with_capacity(k),
             q: Vec::with_capacity(k),
         };
+        if k == 0 {
+            if let Some((_, behind)) = feed.split_last().filter(|(_, b)| !b.is_empty()) {
+                st.seq.forward(&st.model, behind, Logits::Last)?;
+            }
+            return Ok(proposal);
+        }
         for _ in 0..k {
             let rows = st.seq.forward(&st.model, &feed, Logits::Last)?;
             let q = draft_support(distribution(&rows[0], &st.params, &context)?);
@@ -142,6 +150,11 @@ impl Drafter {
     /// Bytes held by this sequence's cache.
     pub fn cache_bytes(&self) -> usize {
         self.0.seq.cache.bytes()
+    }
+
+    /// Positions in this sequence's cache.
+    pub fn cached_tokens(&self) -> usize {
+        self.0.seq.cache.len()
     }
 }
 

@@ -271,3 +271,33 @@ fn same_seed_same_sampled_output() {
         "another seed should give another story"
     );
 }
+
+/// A draft asked for no tokens catches its cache up with the log; its next proposal is the one
+/// a draft that never paused would make, whatever the gap was.
+#[test]
+fn a_catch_up_step_leaves_the_next_proposal_unchanged() {
+    use tandem_runtime::speculative::Drafter;
+    let model = load(&stories_dir());
+    let log = tokenizer()
+        .encode("Once upon a time, there was a little girl who loved to play outside")
+        .expect("encode");
+    let params = SamplingParams {
+        temperature: 0.9,
+        seed: 3,
+        ..SamplingParams::default()
+    };
+    let (prompt, rest) = log.split_at(3);
+    let mut steady = Drafter::new(&model, params.clone());
+    steady.prefill(prompt).expect("prefill");
+    let mut paused = Drafter::new(&model, params);
+    paused.prefill(prompt).expect("prefill");
+    // A sequence's cache holds all but its last token, which the next proposal feeds.
+    assert_eq!(paused.cached_tokens(), prompt.len() - 1);
+    let caught_up = paused.propose(&log, 0).expect("catch up");
+    assert!(caught_up.tokens.is_empty() && caught_up.q.is_empty());
+    assert_eq!(paused.cached_tokens(), prompt.len() + rest.len() - 1);
+    assert_eq!(
+        paused.propose(&log, 4).expect("propose"),
+        steady.propose(&log, 4).expect("propose")
+    );
+}
