@@ -70,14 +70,76 @@ impl Ewma {
     }
 }
 
+/// A cost that grows with a size (positions verified, tokens drafted): a moving average per size
+/// seen, a least-squares line between and beyond them, and never less for a larger size than for
+/// a smaller one seen (measured noise would otherwise make a longer block look cheaper). With
+/// one size seen, other sizes scale by `1 + prior_slope · (size − 1)`.
+#[derive(Debug, Clone)]
+struct SizeCost {
+    by_size: Vec<Ewma>,
+    prior_slope: f64,
+}
+
+impl SizeCost {
+    fn new(max_size: usize, prior_slope: f64) -> Self {
+        Self {
+            by_size: vec![Ewma::default(); max_size],
+            prior_slope,
+        }
+    }
+
+    fn observe(&mut self, size: usize, seconds: f64) {
+        if let Some(e) = size.checked_sub(1).and_then(|i| self.by_size.get_mut(i)) {
+            e.add(seconds);
+        }
+    }
+
+    /// The estimate for `size`, `None` before any size was seen.
+    fn seconds(&self, size: usize) -> Option<f64> {
+        let seen: Vec<(f64, f64)> = self
+            .by_size
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| e.0.map(|v| ((i + 1) as f64, v)))
+            .collect();
+        let n = size as f64;
+        let scale = |x: f64| 1.0 + self.prior_slope * (x - 1.0);
+        let raw = match seen.as_slice() {
+            [] => return None,
+            [(x, v)] => v * scale(n) / scale(*x),
+            _ => match seen.iter().find(|(x, _)| *x == n) {
+                Some((_, v)) => *v,
+                None => {
+                    let count = seen.len() as f64;
+                    let mx = seen.iter().map(|p| p.0).sum::<f64>() / count;
+                    let my = seen.iter().map(|p| p.1).sum::<f64>() / count;
+                    let sxx: f64 = seen.iter().map(|p| (p.0 - mx).powi(2)).sum();
+                    let sxy: f64 = seen.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+                    let slope = (sxy / sxx).max(0.0);
+                    (my + slope * (n - mx)).max(1e-6)
+                }
+            },
+        };
+        let floor = seen
+            .iter()
+            .filter(|(x, _)| *x <= n)
+            .map(|p| p.1)
+            .fold(0.0, f64::max);
+        Some(raw.max(floor))
+    }
+}
+
 /// What is known of one drafter.
 #[derive(Debug, Clone)]
 struct DrafterCosts {
     accept: [f64; ADAPTIVE_MAX_K],
     /// Rounds that reached each position.
     tried: [u32; ADAPTIVE_MAX_K],
+    /// The link's round trip and the node's fixed cost: wall time beyond the compute.
     overhead: Ewma,
-    per_token: Ewma,
+    /// Compute by K (it includes feeding the previous round's tokens, a cost that does not grow
+    /// with K: hence a line, not a per-token rate).
+    compute: SizeCost,
 }
 
 impl Default for DrafterCosts {
@@ -86,7 +148,7 @@ impl Default for DrafterCosts {
             accept: [PRIOR_ACCEPT; ADAPTIVE_MAX_K],
             tried: [0; ADAPTIVE_MAX_K],
             overhead: Ewma::default(),
-            per_token: Ewma::default(),
+            compute: SizeCost::new(ADAPTIVE_MAX_K, 1.0),
         }
     }
 }
@@ -110,7 +172,7 @@ impl DrafterCosts {
     }
 
     fn draft_seconds(&self, k: usize) -> f64 {
-        self.overhead.0.unwrap_or(0.0) + k as f64 * self.per_token.0.unwrap_or(0.0)
+        self.overhead.0.unwrap_or(0.0) + self.compute.seconds(k).unwrap_or(0.0)
     }
 
     fn observe(&mut self, k: usize, accepted: usize, wall: f64, compute: f64) {
@@ -122,7 +184,7 @@ impl DrafterCosts {
             self.accept[i] += weight * (hit - self.accept[i]);
         }
         if k > 0 {
-            self.per_token.add(compute / k as f64);
+            self.compute.observe(k, compute);
             self.overhead.add((wall - compute).max(0.0));
         }
     }
@@ -134,10 +196,11 @@ pub struct KPolicy {
     max_k: usize,
     model: DrafterCosts,
     ngram: DrafterCosts,
-    /// Verify wall time by block size (index n - 1).
-    verify: Vec<Ewma>,
+    /// Verify wall time by block size.
+    verify: SizeCost,
     since_draft: u32,
     probe_every: u32,
+    probes: u32,
     drafted_rounds: u32,
 }
 
@@ -148,9 +211,10 @@ impl KPolicy {
             max_k,
             model: DrafterCosts::default(),
             ngram: DrafterCosts::default(),
-            verify: vec![Ewma::default(); max_k + 1],
+            verify: SizeCost::new(max_k + 1, PRIOR_VERIFY_SLOPE),
             since_draft: 0,
             probe_every: PROBE_FIRST,
+            probes: 0,
             drafted_rounds: 0,
         }
     }
@@ -162,44 +226,12 @@ impl KPolicy {
         }
     }
 
-    /// Estimated wall time to verify a block of `n` positions.
-    /// A longer block never costs less: the estimate is at least that of every smaller size seen
-    /// (measured noise would otherwise make a block look cheaper than one position).
+    /// Estimated wall time to verify a block of `n` positions (before any verify: in units of
+    /// one position's time, which is all the comparisons need).
     pub fn verify_seconds(&self, n: usize) -> f64 {
-        let floor = self.verify[..n.min(self.verify.len())]
-            .iter()
-            .filter_map(|e| e.0)
-            .fold(0.0, f64::max);
-        self.raw_verify_seconds(n).max(floor)
-    }
-
-    fn raw_verify_seconds(&self, n: usize) -> f64 {
-        let seen: Vec<(f64, f64)> = self
-            .verify
-            .iter()
-            .enumerate()
-            .filter_map(|(i, e)| e.0.map(|v| ((i + 1) as f64, v)))
-            .collect();
-        let n = n as f64;
-        match seen.as_slice() {
-            [] => 1.0 + PRIOR_VERIFY_SLOPE * (n - 1.0),
-            [(x, v)] => {
-                v * (1.0 + PRIOR_VERIFY_SLOPE * (n - 1.0)) / (1.0 + PRIOR_VERIFY_SLOPE * (x - 1.0))
-            }
-            _ => {
-                if let Some((_, v)) = seen.iter().find(|(x, _)| *x == n) {
-                    return *v;
-                }
-                // Least squares over the sizes seen; a slope below 0 is noise.
-                let count = seen.len() as f64;
-                let mx = seen.iter().map(|p| p.0).sum::<f64>() / count;
-                let my = seen.iter().map(|p| p.1).sum::<f64>() / count;
-                let sxx: f64 = seen.iter().map(|p| (p.0 - mx).powi(2)).sum();
-                let sxy: f64 = seen.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-                let slope = (sxy / sxx).max(0.0);
-                (my + slope * (n - mx)).max(1e-6)
-            }
-        }
+        self.verify
+            .seconds(n)
+            .unwrap_or(1.0 + PRIOR_VERIFY_SLOPE * (n as f64 - 1.0))
     }
 
     /// Expected tokens per second of drafting `k` with `drafter`.
@@ -210,7 +242,10 @@ impl KPolicy {
 
     /// Expected wall seconds of a draft-node step of `k` tokens, once one has been timed.
     pub fn expected_draft_seconds(&self, k: usize) -> Option<f64> {
-        self.model.per_token.0.map(|_| self.model.draft_seconds(k))
+        self.model
+            .compute
+            .seconds(k)
+            .map(|_| self.model.draft_seconds(k))
     }
 
     /// Tokens per second of a plain target step.
@@ -265,12 +300,14 @@ impl KPolicy {
         self.since_draft += 1;
         match best_model {
             // A probe: the model's best K, to learn whether it pays now.
+            // Every other probe one token longer, so that the draft's cost is seen at two sizes.
             Some((_, k)) if self.since_draft >= self.probe_every => {
                 self.since_draft = 0;
+                self.probes += 1;
                 self.probe_every = (self.probe_every * 2).min(PROBE_MAX);
                 Plan {
                     drafter: Some(Drafter::Model),
-                    k,
+                    k: (k + (self.probes % 2) as usize).min(cap),
                 }
             }
             _ => plan,
@@ -293,9 +330,7 @@ impl KPolicy {
                 round.draft_compute,
             );
         }
-        if let Some(e) = self.verify.get_mut(round.drafted) {
-            e.add(round.verify_wall);
-        }
+        self.verify.observe(round.drafted + 1, round.verify_wall);
     }
 }
 
@@ -391,12 +426,12 @@ mod tests {
         let mut policy = KPolicy::new(8);
         // Known costs: verify 10 ms flat, model free and always right, n-gram as well.
         for n in 1..=9 {
-            policy.verify[n - 1].add(0.010);
+            policy.verify.observe(n, 0.010);
         }
         policy.model.accept = [1.0; ADAPTIVE_MAX_K];
         policy.model.tried = [100; ADAPTIVE_MAX_K];
         policy.model.overhead.add(0.0);
-        policy.model.per_token.add(0.001);
+        policy.model.compute.observe(1, 0.001);
         assert_eq!(
             policy.choose(true, 0, 100),
             Plan {
@@ -425,12 +460,18 @@ mod tests {
     #[test]
     fn verify_cost_interpolates_between_the_sizes_seen() {
         let mut policy = KPolicy::new(8);
-        policy.verify[0].add(0.010);
+        policy.verify.observe(1, 0.010);
         // One size seen: the prior slope scales it.
         assert!((policy.verify_seconds(5) - 0.010 * 2.0).abs() < 1e-12);
-        policy.verify[4].add(0.030);
+        policy.verify.observe(5, 0.030);
         assert!((policy.verify_seconds(3) - 0.020).abs() < 1e-12);
         assert!((policy.verify_seconds(9) - 0.050).abs() < 1e-12);
         assert!((policy.verify_seconds(5) - 0.030).abs() < 1e-12);
+        // A draft whose compute has a fixed part (feeding the last round's tokens): the line
+        // through two sizes carries it, where a per-token rate would overcharge long blocks.
+        policy.model.compute.observe(2, 0.018);
+        assert!((policy.model.draft_seconds(8) - 0.072).abs() < 1e-12);
+        policy.model.compute.observe(4, 0.026);
+        assert!((policy.model.draft_seconds(8) - 0.042).abs() < 1e-12);
     }
 }
