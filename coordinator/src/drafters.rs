@@ -113,8 +113,8 @@ enum Background {
     CatchUp,
 }
 
-/// A draft-node left idle this many committed tokens behind is caught up in the background.
-const CATCH_UP_LAG: usize = 8;
+/// A draft-node at least this many committed tokens behind is worth catching up.
+const CATCH_UP_LAG: usize = 2;
 /// A catch-up that has not answered in this long is a loss.
 const CATCH_UP_DEADLINE: Duration = Duration::from_secs(10);
 
@@ -179,7 +179,9 @@ impl ModelDrafter {
 
     /// Lends the idle session to a background task that feeds it what was committed since it
     /// last drafted, when that is at least [`CATCH_UP_LAG`] tokens: the next draft step then
-    /// drafts at once instead of first prefilling the gap. The round never waits for it.
+    /// drafts at once instead of first prefilling the gap. The round never waits for it. Called
+    /// shortly before a probe only: where the draft shares the target's cores (the all-in-one
+    /// mode), catching up every few tokens would double the work.
     pub fn catch_up_in_background(&mut self, log: &TokenLog) {
         let lagging = self
             .session

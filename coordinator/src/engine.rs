@@ -105,6 +105,9 @@ impl std::ops::Deref for Job {
     }
 }
 
+/// Rounds before a probe of an idle draft-node at which it is caught up in the background.
+const CATCH_UP_AHEAD: u32 = 4;
+
 /// Refused blocks after which a generation detaches its draft.
 pub const MAX_REFUSED_BLOCKS: u32 = 3;
 
@@ -483,6 +486,7 @@ impl Engine {
             };
             log.extend(&commit.tokens);
             if plan.drafter != Some(Drafter::Model)
+                && policy.probe_within(CATCH_UP_AHEAD)
                 && let Some(m) = model.as_mut()
             {
                 m.catch_up_in_background(&log);

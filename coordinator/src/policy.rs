@@ -21,6 +21,8 @@ const LEARN: f64 = 0.15;
 const LEARN_ACCEPT: f64 = 0.04;
 /// Acceptance assumed for a position never tried.
 const PRIOR_ACCEPT: f64 = 0.6;
+/// Target-only rounds a session starts with.
+const TARGET_ONLY_FIRST: u32 = 2;
 /// How much faster (as a fraction) drafting must look than target-only to be chosen.
 const MARGIN: f64 = 0.02;
 /// The prior counts as this many trials.
@@ -77,6 +79,7 @@ impl Ewma {
 #[derive(Debug, Clone)]
 struct SizeCost {
     by_size: Vec<Ewma>,
+    seen: Vec<u32>,
     prior_slope: f64,
 }
 
@@ -84,13 +87,15 @@ impl SizeCost {
     fn new(max_size: usize, prior_slope: f64) -> Self {
         Self {
             by_size: vec![Ewma::default(); max_size],
+            seen: vec![0; max_size],
             prior_slope,
         }
     }
 
     fn observe(&mut self, size: usize, seconds: f64) {
-        if let Some(e) = size.checked_sub(1).and_then(|i| self.by_size.get_mut(i)) {
-            e.add(seconds);
+        if let Some(i) = size.checked_sub(1).filter(|&i| i < self.by_size.len()) {
+            self.by_size[i].add(seconds);
+            self.seen[i] += 1;
         }
     }
 
@@ -256,6 +261,12 @@ impl KPolicy {
     /// The best plan: `model` says whether the draft-node is attached, `ngram` how many tokens
     /// the n-gram lookup can propose, `remaining` how many tokens the generation may still take.
     pub fn choose(&mut self, model: bool, ngram: usize, remaining: usize) -> Plan {
+        // The first rounds measure target-only decoding, the cost every choice is weighed
+        // against (extrapolating it from larger blocks overstates it where a forward's fixed
+        // cost dominates).
+        if self.verify.seen[0] < TARGET_ONLY_FIRST {
+            return Plan::TARGET_ONLY;
+        }
         let cap = self.max_k.min(remaining.saturating_sub(1));
         // Drafting must beat target-only by a margin: a near tie is noise, and K = 0 is safe.
         let mut best = (self.target_only_rate() * (1.0 + MARGIN), Plan::TARGET_ONLY);
@@ -312,6 +323,11 @@ impl KPolicy {
             }
             _ => plan,
         }
+    }
+
+    /// Whether the next probe of an idle draft comes within `rounds` rounds.
+    pub fn probe_within(&self, rounds: u32) -> bool {
+        self.since_draft + rounds >= self.probe_every
     }
 
     /// Learns from a finished round: `drafted` tokens by `plan.drafter` (fewer than `plan.k` when
