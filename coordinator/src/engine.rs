@@ -105,9 +105,6 @@ impl std::ops::Deref for Job {
     }
 }
 
-/// Rounds before a probe of an idle draft-node at which it is caught up in the background.
-const CATCH_UP_AHEAD: u32 = 4;
-
 /// Refused blocks after which a generation detaches its draft.
 pub const MAX_REFUSED_BLOCKS: u32 = 3;
 
@@ -342,19 +339,26 @@ impl Engine {
         let (target, draft) = tokio::join!(
             NodeSession::<Target>::open(self.target.channel.clone(), spec.clone(), &log),
             async {
+                let start = Instant::now();
                 match use_draft {
                     Some(d) => Some(
                         NodeSession::<Draft>::open(d.channel.clone(), spec.clone(), &log).await,
                     ),
                     None => None,
                 }
+                .map(|opened| (opened, start.elapsed().as_secs_f64()))
             }
         );
         let mut target = target?;
         let mut model = use_draft.map(|d| ModelDrafter::new(d.channel.clone(), spec.clone(), None));
+        // A first probe of the draft is expected to cost about what opening its session did.
+        let mut policy = KPolicy::new(job.draft_tokens);
         match (draft, model.as_mut()) {
-            (Some(Ok(session)), Some(m)) => m.session = Some(session),
-            (Some(Err(e)), Some(m)) => {
+            (Some((Ok(session), open_secs)), Some(m)) => {
+                m.session = Some(session);
+                policy.set_first_probe_cost(open_secs);
+            }
+            (Some((Err(e), _)), Some(m)) => {
                 tracing::warn!(error = %e, "draft-node unavailable: decoding without it");
                 stats.lose_draft(format!("the draft-node was unavailable: {e}"));
                 m.reattach_later(&log);
@@ -369,7 +373,6 @@ impl Engine {
             &job.stop_strings,
             job.max_new_tokens,
         );
-        let mut policy = KPolicy::new(job.draft_tokens);
         let decode_start = Instant::now();
         let result = loop {
             if let Some(finish) = transcript.finish_reason() {
@@ -486,7 +489,7 @@ impl Engine {
             };
             log.extend(&commit.tokens);
             if plan.drafter != Some(Drafter::Model)
-                && policy.probe_within(CATCH_UP_AHEAD)
+                && policy.probe_soon()
                 && let Some(m) = model.as_mut()
             {
                 m.catch_up_in_background(&log);
