@@ -274,14 +274,16 @@ impl KPolicy {
         // The model competes once it has been timed; before, only a probe tries it.
         let timed = self.model.compute.seen.iter().any(|&n| n > 0);
         // Drafting must beat target-only by a margin: a near tie is noise, and K = 0 is safe.
-        let mut best = (self.target_only_rate() * (1.0 + MARGIN), Plan::TARGET_ONLY);
+        let verify: Vec<f64> = (1..=cap + 1).map(|n| self.verify_seconds(n)).collect();
+        let mut best = ((1.0 + MARGIN) / verify[0], Plan::TARGET_ONLY);
         let mut best_model = None;
         for (drafter, limit) in [
             (Drafter::Model, if model && timed { cap } else { 0 }),
             (Drafter::Ngram, ngram.min(cap)),
         ] {
+            let costs = self.costs(drafter);
             for k in 1..=limit {
-                let rate = self.rate(drafter, k);
+                let rate = costs.expected_tokens(k) / (costs.draft_seconds(k) + verify[k]);
                 if drafter == Drafter::Model && best_model.is_none_or(|(r, _)| rate > r) {
                     best_model = Some((rate, k));
                 }
