@@ -166,6 +166,8 @@ pub struct Engine {
     /// K of a request that names none; `None`: chosen each round (adaptive).
     pub default_draft_tokens: Option<usize>,
     pub metrics: CoordinatorMetrics,
+    /// What the last adaptive session learnt of the nodes' costs and the draft's acceptance.
+    learnt: std::sync::Mutex<Option<KPolicy>>,
     active: AtomicUsize,
     next_id: AtomicUsize,
 }
@@ -223,6 +225,7 @@ impl Engine {
             tokenizer,
             default_draft_tokens,
             metrics: CoordinatorMetrics::default(),
+            learnt: std::sync::Mutex::new(None),
             active: AtomicUsize::new(0),
             next_id: AtomicUsize::new(0),
         })
@@ -351,8 +354,17 @@ impl Engine {
         );
         let mut target = target?;
         let mut model = use_draft.map(|d| ModelDrafter::new(d.channel.clone(), spec.clone(), None));
-        // A first probe of the draft is expected to cost about what opening its session did.
-        let mut policy = KPolicy::new(job.draft_tokens);
+        // The last session's costs and acceptance, or (the first time) priors; a first probe of
+        // the draft is then expected to cost about what opening its session did.
+        let mut policy = self.learnt.lock().map_or_else(
+            |_| KPolicy::new(job.draft_tokens),
+            |learnt| {
+                learnt.as_ref().map_or_else(
+                    || KPolicy::new(job.draft_tokens),
+                    |p| p.continued(job.draft_tokens),
+                )
+            },
+        );
         match (draft, model.as_mut()) {
             (Some((Ok(session), open_secs)), Some(m)) => {
                 m.session = Some(session);
@@ -499,6 +511,11 @@ impl Engine {
             }
         };
         stats.base.decode_seconds = decode_start.elapsed().as_secs_f64();
+        if job.adaptive
+            && let Ok(mut learnt) = self.learnt.lock()
+        {
+            *learnt = Some(policy);
+        }
         stats.settle(&target);
         target.close();
         if let Some(m) = model.as_mut() {

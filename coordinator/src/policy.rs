@@ -23,6 +23,8 @@ const LEARN: f64 = 0.15;
 const LEARN_ACCEPT: f64 = 0.04;
 /// Acceptance assumed for a position never tried.
 const PRIOR_ACCEPT: f64 = 0.6;
+/// Rounds of acceptance evidence per position a new session keeps from an earlier one.
+const CARRIED_TRIALS: u32 = 4;
 /// Target-only rounds a session starts with.
 const TARGET_ONLY_FIRST: u32 = 2;
 /// How much faster (as a fraction) drafting must look than target-only to be chosen.
@@ -227,6 +229,27 @@ impl KPolicy {
         }
     }
 
+    /// A policy for a new session that starts from what an earlier session on the same nodes
+    /// learnt: its costs as they were (they are the hardware's and the link's), its acceptance
+    /// as a prior worth at most [`CARRIED_TRIALS`] rounds per position (it depends on the text).
+    pub fn continued(&self, max_k: usize) -> Self {
+        let mut next = Self::new(max_k);
+        if next.max_k != self.max_k {
+            return next;
+        }
+        next.verify = self.verify.clone();
+        for (to, from) in [
+            (&mut next.model, &self.model),
+            (&mut next.ngram, &self.ngram),
+        ] {
+            *to = from.clone();
+            for tried in &mut to.tried {
+                *tried = (*tried).min(CARRIED_TRIALS);
+            }
+        }
+        next
+    }
+
     fn costs(&self, drafter: Drafter) -> &DrafterCosts {
         match drafter {
             Drafter::Model => &self.model,
@@ -282,8 +305,9 @@ impl KPolicy {
             (Drafter::Ngram, ngram.min(cap)),
         ] {
             let costs = self.costs(drafter);
-            for k in 1..=limit {
-                let rate = costs.expected_tokens(k) / (costs.draft_seconds(k) + verify[k]);
+            // verify[k] is the block of k drafts plus one.
+            for (k, verify) in verify.iter().enumerate().take(limit + 1).skip(1) {
+                let rate = costs.expected_tokens(k) / (costs.draft_seconds(k) + verify);
                 if drafter == Drafter::Model && best_model.is_none_or(|(r, _)| rate > r) {
                     best_model = Some((rate, k));
                 }
@@ -512,5 +536,43 @@ mod tests {
         assert!((policy.model.draft_seconds(8) - 0.072).abs() < 1e-12);
         policy.model.compute.observe(4, 0.026);
         assert!((policy.model.draft_seconds(8) - 0.042).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_new_session_starts_from_what_the_last_one_learnt() {
+        let mut first = KPolicy::new(8);
+        for n in [1, 1, 9] {
+            first.verify.observe(n, 0.010);
+        }
+        first.model.overhead.add(0.0);
+        first.model.compute.observe(8, 0.008);
+        first.model.accept = [1.0; ADAPTIVE_MAX_K];
+        first.model.tried = [100; ADAPTIVE_MAX_K];
+        let mut next = first.continued(8);
+        // No target-only warm-up and no probe needed: the model drafts from the first round.
+        assert_eq!(
+            next.choose(true, 0, 100),
+            Plan {
+                drafter: Some(Drafter::Model),
+                k: 8
+            }
+        );
+        // Acceptance carries as a prior only: four misses bring position 1 from 1 to 0.6.
+        for _ in 0..4 {
+            next.observe(
+                Plan {
+                    drafter: Some(Drafter::Model),
+                    k: 1,
+                },
+                &RoundCosts {
+                    drafted: 1,
+                    verify_wall: 0.010,
+                    ..RoundCosts::default()
+                },
+            );
+        }
+        assert!(next.model.accept[0] < 0.61, "{:?}", next.model.accept);
+        // Another K bound starts afresh.
+        assert_eq!(first.continued(4).choose(true, 0, 100), Plan::TARGET_ONLY);
     }
 }
