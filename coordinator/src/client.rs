@@ -131,6 +131,8 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, baseline: Option<&v1::Ge
                 "target_only_rounds": st.target_only_rounds,
                 "draft_reattached": st.draft_reattached,
                 "draft_stalls": st.draft_stalls,
+                "pipeline_rounds": st.pipeline_rounds,
+                "pipeline_hits": st.pipeline_hits,
                 "bytes_sent": st.bytes_sent,
                 "bytes_received": st.bytes_received,
             },
@@ -158,8 +160,12 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, baseline: Option<&v1::Ge
         (st.bytes_sent + st.bytes_received) as f64 / rounds,
     );
     eprintln!(
-        "rounds drafted by the model {}, by n-gram lookup {}, target only {}",
-        st.model_rounds, st.ngram_rounds, st.target_only_rounds
+        "rounds drafted by the model {}, by n-gram lookup {}, target only {}; drafted ahead {}, used {}",
+        st.model_rounds,
+        st.ngram_rounds,
+        st.target_only_rounds,
+        st.pipeline_rounds,
+        st.pipeline_hits
     );
     if let (Some(b), Some(x)) = (baseline, speedup) {
         let same = if b.token_ids == done.token_ids {

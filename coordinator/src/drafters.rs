@@ -259,6 +259,35 @@ impl ModelDrafter {
         }
     }
 
+    /// Drafts `k` tokens past `drafts` while the target verifies them (DESIGN.md "Pipelined"):
+    /// the first is the draft's guess of the bonus token, the rest continue it, so that if every
+    /// draft is accepted and the guess is the target's token, the next round's drafts are ready
+    /// when the verdict comes. A failure drops the session and re-attaches it from `log`, as
+    /// after any failed step.
+    pub async fn step_ahead(
+        &mut self,
+        log: &TokenLog,
+        drafts: &[u32],
+        k: usize,
+        expected: Option<f64>,
+    ) -> Result<Proposal, StepFailure> {
+        let mut ahead = log.clone();
+        ahead.extend(drafts);
+        match self.step(&ahead, k, expected).await {
+            Ok(proposal) => {
+                if let Some(session) = self.session.as_mut() {
+                    session.hold_at_most(log.prefix());
+                }
+                Ok(proposal)
+            }
+            Err(e) => {
+                // Re-attach from what is committed, not from the drafts being verified.
+                self.reattach_later(log);
+                Err(e)
+            }
+        }
+    }
+
     /// Detaches the session for good (a lying draft): no re-attachment.
     pub fn detach(&mut self) -> Option<NodeSession<Draft>> {
         self.pending = None;

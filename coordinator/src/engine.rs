@@ -130,9 +130,28 @@ pub struct Stats {
     pub draft_reattached: u32,
     /// Draft steps abandoned at their deadline.
     pub draft_stalls: u32,
+    /// Rounds whose next block the draft-node drafted during the verify, and rounds that used
+    /// such a block (the pipeline's hits).
+    pub pipeline_rounds: u32,
+    pub pipeline_hits: u32,
+    /// Tokens the draft-node drafted (its steps and the blocks it drafted ahead).
+    pub draft_node_tokens: u32,
 }
 
 impl Stats {
+    /// Counts a draft step that failed or stalled; the draft-node's session is dropped (the
+    /// drafter re-attaches it in the background).
+    fn draft_failed(&mut self, failure: StepFailure, model: &mut ModelDrafter) {
+        tracing::warn!(error = %failure, "dropped the draft-node: going on without it until it is attached again");
+        match failure {
+            StepFailure::Stalled(_) => self.draft_stalls += 1,
+            StepFailure::Failed(e) => self.lose_draft(format!("the draft-node failed: {e}")),
+        }
+        if let Some(d) = model.session.take() {
+            self.settle(&d);
+        }
+    }
+
     fn lose_draft(&mut self, reason: String) {
         self.draft_lost = true;
         self.draft_lost_reason = reason;
@@ -386,6 +405,7 @@ impl Engine {
             job.max_new_tokens,
         );
         let decode_start = Instant::now();
+        let mut ahead: Option<Proposal> = None;
         let result = loop {
             if let Some(finish) = transcript.finish_reason() {
                 break Ok(finish);
@@ -397,7 +417,19 @@ impl Engine {
             let plan = self.plan(job, &mut policy, &log, attached, transcript.remaining());
             let round_start = Instant::now();
             let round = tracing::info_span!("round", n = stats.base.rounds + 1, k = plan.k);
+            // A block the draft drafted during the last verify, when its guess of the bonus
+            // token was right: this round's drafts, ready without asking.
+            let ready = ahead
+                .take()
+                .filter(|_| plan.drafter == Some(Drafter::Model));
+            let drafted_ahead = ready.is_some();
             let proposal = match plan.drafter {
+                Some(Drafter::Model) if let Some(mut ready) = ready => {
+                    ready.tokens.truncate(plan.k);
+                    ready.q.truncate(plan.k);
+                    stats.pipeline_hits += 1;
+                    ready
+                }
                 Some(Drafter::Model) => {
                     let m = model.as_mut().expect("attached");
                     let expected = policy.expected_draft_seconds(plan.k);
@@ -406,18 +438,12 @@ impl Engine {
                         .instrument(tracing::info_span!(parent: &round, "draft", k = plan.k))
                         .await
                     {
-                        Ok(p) => p,
+                        Ok(p) => {
+                            stats.draft_node_tokens += p.tokens.len() as u32;
+                            p
+                        }
                         Err(e) => {
-                            tracing::warn!(error = %e, "dropped the draft-node: going on without it until it is attached again");
-                            match e {
-                                StepFailure::Stalled(_) => stats.draft_stalls += 1,
-                                StepFailure::Failed(e) => {
-                                    stats.lose_draft(format!("the draft-node failed: {e}"));
-                                }
-                            }
-                            if let Some(d) = m.session.take() {
-                                stats.settle(&d);
-                            }
+                            stats.draft_failed(e, m);
                             Proposal::default()
                         }
                     }
@@ -446,11 +472,29 @@ impl Engine {
             }
             stats.base.draft_seconds += draft_secs;
             let verify_start = Instant::now();
-            let verdict = match self
+            let verify = self
                 .verify(&mut target, &log, &drafts, &q)
-                .instrument(tracing::info_span!(parent: &round, "verify", drafts = drafts.len()))
-                .await
-            {
+                .instrument(tracing::info_span!(parent: &round, "verify", drafts = drafts.len()));
+            // While the target verifies, the draft-node drafts the block that follows if every
+            // draft is accepted (DESIGN.md "Pipelined"): a block as long as this one (so that
+            // rounds fall where they would without it, and seeded outputs stay the same), when
+            // it fits in the verify's time and in what the generation has left.
+            let k = drafts.len();
+            let ahead_k = Some(k).filter(|&k| {
+                k > 0 && policy.ahead_k(k) >= k && transcript.remaining() >= 2 * k + 2
+            });
+            let (verdict, drafted_next) = match (model.as_mut(), ahead_k) {
+                (Some(m), Some(k))
+                    if plan.drafter == Some(Drafter::Model) && m.session.is_some() =>
+                {
+                    let expected = policy.expected_draft_seconds(k + 1);
+                    let (v, next) =
+                        tokio::join!(verify, m.step_ahead(&log, &drafts, k + 1, expected));
+                    (v, Some(next))
+                }
+                _ => (verify.await, None),
+            };
+            let verdict = match verdict {
                 Ok(v) => v,
                 Err(e) => break Err(e),
             };
@@ -467,6 +511,29 @@ impl Engine {
             if let Some(r) = &verdict.draft_refused {
                 self.refused(&mut stats, &mut model, &r.reason, || r.message.clone());
             }
+            let drafted_next = match (drafted_next, model.as_mut()) {
+                (Some(Ok(next)), _) => Some(next),
+                (Some(Err(e)), Some(m)) => {
+                    stats.draft_failed(e, m);
+                    None
+                }
+                _ => None,
+            };
+            if let Some(next) = drafted_next {
+                stats.pipeline_rounds += 1;
+                stats.draft_node_tokens += next.tokens.len() as u32;
+                if accepted == drafts.len() {
+                    let right = next.tokens.first() == Some(&verdict.next_token);
+                    policy.observe_guess(right);
+                    if right && next.tokens.len() > 1 {
+                        ahead = Some(Proposal {
+                            tokens: next.tokens[1..].to_vec(),
+                            q: next.q[1..].to_vec(),
+                            ..Proposal::default()
+                        });
+                    }
+                }
+            }
             let drafter = plan.drafter.filter(|_| !drafts.is_empty());
             match drafter {
                 Some(Drafter::Model) => stats.model_rounds += 1,
@@ -480,6 +547,7 @@ impl Engine {
                 },
                 &RoundCosts {
                     drafted: drafts.len(),
+                    drafted_ahead,
                     accepted,
                     draft_wall,
                     draft_compute: draft_secs,

@@ -354,6 +354,15 @@ impl<W: Wire> NodeSession<W> {
         self.held.len
     }
 
+    /// After a step on tokens not yet committed: the node is known to hold no more of the log
+    /// than `prefix`, from which the next step resumes (rolling the node back without a
+    /// refusal, its cache kept where the tokens match).
+    pub fn hold_at_most(&mut self, prefix: Prefix) {
+        if self.held.len > prefix.len {
+            self.held = prefix;
+        }
+    }
+
     pub fn traffic(&self) -> Traffic {
         let mut total = self.past;
         total += self.link.traffic;

@@ -162,6 +162,19 @@ impl Default for DrafterCosts {
 }
 
 impl DrafterCosts {
+    /// Probability that all of `k` drafts are accepted.
+    fn all_accepted(&self, k: usize) -> f64 {
+        let mut reach = 1.0;
+        let mut last = PRIOR_ACCEPT;
+        for i in 0..k.min(ADAPTIVE_MAX_K) {
+            if self.tried[i] > 0 {
+                last = self.accept[i];
+            }
+            reach *= last;
+        }
+        reach
+    }
+
     /// Expected committed tokens of a round drafting `k` (accepted drafts plus one). A position
     /// never reached is assumed to fare as the last one reached (acceptance by position is flat
     /// or falls slowly), so a draft that does well is tried on longer blocks.
@@ -183,7 +196,7 @@ impl DrafterCosts {
         self.overhead.0.unwrap_or(0.0) + self.compute.seconds(k).unwrap_or(0.0)
     }
 
-    fn observe(&mut self, k: usize, accepted: usize, wall: f64, compute: f64) {
+    fn observe_acceptance(&mut self, k: usize, accepted: usize) {
         for i in 0..k.min(accepted + 1).min(ADAPTIVE_MAX_K) {
             let hit = if i < accepted { 1.0 } else { 0.0 };
             // The first trials weigh more, so a few rounds replace the prior.
@@ -191,6 +204,9 @@ impl DrafterCosts {
             let weight = LEARN_ACCEPT.max(1.0 / f64::from(self.tried[i] + PRIOR_WEIGHT));
             self.accept[i] += weight * (hit - self.accept[i]);
         }
+    }
+
+    fn observe_costs(&mut self, k: usize, wall: f64, compute: f64) {
         if k > 0 {
             self.compute.observe(k, compute);
             self.overhead.add((wall - compute).max(0.0));
@@ -206,6 +222,10 @@ pub struct KPolicy {
     ngram: DrafterCosts,
     /// Verify wall time by block size.
     verify: SizeCost,
+    /// How often the draft's guess of the bonus token is the target's, when every draft was
+    /// accepted (what makes a block drafted ahead usable), and how often it was seen.
+    guess: f64,
+    guesses: u32,
     /// Seconds since the draft-node's model last drafted a round.
     idle_seconds: f64,
     /// What a first probe is expected to cost, before the draft has been timed.
@@ -222,6 +242,8 @@ impl KPolicy {
             model: DrafterCosts::default(),
             ngram: DrafterCosts::default(),
             verify: SizeCost::new(max_k + 1, PRIOR_VERIFY_SLOPE),
+            guess: PRIOR_ACCEPT,
+            guesses: 0,
             idle_seconds: 0.0,
             first_probe_cost: 0.0,
             probes: 0,
@@ -238,6 +260,8 @@ impl KPolicy {
             return next;
         }
         next.verify = self.verify.clone();
+        next.guess = self.guess;
+        next.guesses = self.guesses.min(CARRIED_TRIALS);
         for (to, from) in [
             (&mut next.model, &self.model),
             (&mut next.ngram, &self.ngram),
@@ -267,8 +291,42 @@ impl KPolicy {
 
     /// Expected tokens per second of drafting `k` with `drafter`.
     pub fn rate(&self, drafter: Drafter, k: usize) -> f64 {
+        self.rate_with(drafter, k, self.verify_seconds(k + 1))
+    }
+
+    /// [`Self::rate`] given the verify's cost. A draft-node that can draft the next block while
+    /// the target verifies this one ([`Self::ahead_k`]) costs no drafting time in the rounds
+    /// where that block is used: all `k` drafts accepted and its guess of the bonus right.
+    fn rate_with(&self, drafter: Drafter, k: usize, verify: f64) -> f64 {
         let costs = self.costs(drafter);
-        costs.expected_tokens(k) / (costs.draft_seconds(k) + self.verify_seconds(k + 1))
+        let hit = if drafter == Drafter::Model && self.ahead_k(k) > 0 {
+            costs.all_accepted(k) * self.guess
+        } else {
+            0.0
+        };
+        costs.expected_tokens(k) / ((1.0 - hit) * costs.draft_seconds(k) + verify)
+    }
+
+    /// How many tokens the draft-node can draft past a block of `k` while the target verifies
+    /// it (its guess of the bonus token not counted): the most whose expected time fits in the
+    /// verify's. 0 before the draft has been timed, or when not even two tokens fit.
+    pub fn ahead_k(&self, k: usize) -> usize {
+        if !self.model.compute.seen.iter().any(|&n| n > 0) {
+            return 0;
+        }
+        let window = self.verify_seconds(k + 1);
+        (1..=self.max_k)
+            .take_while(|&j| self.model.draft_seconds(j + 1) <= window)
+            .last()
+            .unwrap_or(0)
+    }
+
+    /// Learns whether the draft's guess of the bonus token was the target's, in a round whose
+    /// drafts were all accepted.
+    pub fn observe_guess(&mut self, right: bool) {
+        self.guesses = self.guesses.saturating_add(1);
+        let weight = LEARN_ACCEPT.max(1.0 / f64::from(self.guesses + PRIOR_WEIGHT));
+        self.guess += weight * (f64::from(u8::from(right)) - self.guess);
     }
 
     /// Expected wall seconds of a draft-node step of `k` tokens, once one has been timed.
@@ -304,10 +362,9 @@ impl KPolicy {
             (Drafter::Model, if model && timed { cap } else { 0 }),
             (Drafter::Ngram, ngram.min(cap)),
         ] {
-            let costs = self.costs(drafter);
             // verify[k] is the block of k drafts plus one.
             for (k, verify) in verify.iter().enumerate().take(limit + 1).skip(1) {
-                let rate = costs.expected_tokens(k) / (costs.draft_seconds(k) + verify);
+                let rate = self.rate_with(drafter, k, *verify);
                 if drafter == Drafter::Model && best_model.is_none_or(|(r, _)| rate > r) {
                     best_model = Some((rate, k));
                 }
@@ -385,12 +442,11 @@ impl KPolicy {
                 Drafter::Model => &mut self.model,
                 Drafter::Ngram => &mut self.ngram,
             };
-            costs.observe(
-                round.drafted,
-                round.accepted,
-                round.draft_wall,
-                round.draft_compute,
-            );
+            costs.observe_acceptance(round.drafted, round.accepted);
+            // Drafts made ahead, during the last verify, cost this round nothing to learn from.
+            if !round.drafted_ahead {
+                costs.observe_costs(round.drafted, round.draft_wall, round.draft_compute);
+            }
         }
         self.verify.observe(round.drafted + 1, round.verify_wall);
     }
@@ -400,6 +456,8 @@ impl KPolicy {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RoundCosts {
     pub drafted: usize,
+    /// The drafts were drafted ahead, during the previous round's verify.
+    pub drafted_ahead: bool,
     pub accepted: usize,
     pub draft_wall: f64,
     pub draft_compute: f64,
@@ -436,6 +494,7 @@ mod tests {
                 plan,
                 &RoundCosts {
                     drafted: plan.k,
+                    drafted_ahead: false,
                     accepted,
                     draft_wall: draft,
                     draft_compute: plan.k as f64 * t_d,
@@ -516,7 +575,10 @@ mod tests {
         );
         // Without a model or a match: target only.
         assert_eq!(policy.choose(false, 0, 100), Plan::TARGET_ONLY);
-        let expected = 9.0 / (0.008 + 0.010);
+        // Its 8 drafts fit in the verify's 10 ms: drafted ahead, they cost time only when the
+        // guess of the bonus token (0.6, the prior) misses.
+        assert_eq!(policy.ahead_k(8), 8);
+        let expected = 9.0 / (0.4 * 0.008 + 0.010);
         assert!((policy.rate(Drafter::Model, 8) - expected).abs() < 1e-9);
     }
 

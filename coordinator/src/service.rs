@@ -43,6 +43,9 @@ pub fn stats_to_wire(o: &Outcome) -> v1::GenerationStats {
         target_only_rounds: s.target_only_rounds,
         draft_reattached: s.draft_reattached,
         draft_stalls: s.draft_stalls,
+        pipeline_rounds: s.pipeline_rounds,
+        pipeline_hits: s.pipeline_hits,
+        draft_node_tokens: s.draft_node_tokens,
     }
 }
 

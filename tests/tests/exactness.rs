@@ -162,20 +162,32 @@ async fn assert_lies_change_nothing(target: &Path, draft: &Path) {
             let case = format!("{lie:?}, every {every}, T = {}", sampling.temperature);
             assert_eq!(outcome.token_ids, reference.token_ids, "{case}");
             let s = &outcome.stats;
-            assert_eq!(s.draft_blocks_refused, MAX_REFUSED_BLOCKS, "{case}");
-            assert!(s.draft_lost, "{case}: the draft is detached");
-            assert!(
-                s.draft_lost_reason.contains(lie.reason()),
-                "{case}: {}",
-                s.draft_lost_reason
+            // Every block used is a lie when every reply lies. Lying on every other reply, the
+            // lies may all land in blocks drafted ahead (DESIGN.md "Pipelined") that are never
+            // used, which changes nothing either.
+            if *every == 1 {
+                assert_eq!(s.draft_blocks_refused, MAX_REFUSED_BLOCKS, "{case}");
+            }
+            assert!(s.draft_blocks_refused <= MAX_REFUSED_BLOCKS, "{case}");
+            assert_eq!(
+                s.draft_lost,
+                s.draft_blocks_refused == MAX_REFUSED_BLOCKS,
+                "{case}: the draft is detached at the third refusal"
             );
+            if s.draft_lost {
+                assert!(
+                    s.draft_lost_reason.contains(lie.reason()),
+                    "{case}: {}",
+                    s.draft_lost_reason
+                );
+            }
             assert_eq!(
                 engine.metrics.draft_blocks_refused.get(lie.reason()) - before,
-                u64::from(MAX_REFUSED_BLOCKS),
+                u64::from(s.draft_blocks_refused),
                 "{case}: the coordinator's metric counts every refused block"
             );
             if lie != Lie::MoreThanK {
-                refused_at_target += MAX_REFUSED_BLOCKS;
+                refused_at_target += s.draft_blocks_refused;
             }
         }
     }

@@ -267,7 +267,7 @@ async fn metrics_on_every_node_move_by_what_a_request_did() {
     assert_eq!(get(&after[c], "tandem_active_generations{}"), 0.0);
     assert_eq!(
         delta(d, "tandem_node_tokens_total{}"),
-        f64::from(st.drafted)
+        f64::from(st.draft_node_tokens)
     );
     assert_eq!(delta(d, "tandem_node_sessions_opened_total{}"), 1.0);
     assert_eq!(

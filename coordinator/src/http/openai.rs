@@ -266,5 +266,7 @@ fn speculation(outcome: &Outcome) -> Value {
         "target_only_rounds": outcome.stats.target_only_rounds,
         "draft_reattached": outcome.stats.draft_reattached,
         "draft_stalls": outcome.stats.draft_stalls,
+        "pipeline_rounds": outcome.stats.pipeline_rounds,
+        "pipeline_hits": outcome.stats.pipeline_hits,
     })
 }
