@@ -185,7 +185,7 @@ pub struct Engine {
     /// K of a request that names none; `None`: chosen each round (adaptive).
     pub default_draft_tokens: Option<usize>,
     pub metrics: CoordinatorMetrics,
-    /// What the last adaptive session learnt of the nodes' costs and the draft's acceptance.
+    /// What the last session learnt of the nodes' costs and the draft's acceptance.
     learnt: std::sync::Mutex<Option<KPolicy>>,
     active: AtomicUsize,
     next_id: AtomicUsize,
@@ -579,9 +579,8 @@ impl Engine {
             }
         };
         stats.base.decode_seconds = decode_start.elapsed().as_secs_f64();
-        if job.adaptive
-            && let Ok(mut learnt) = self.learnt.lock()
-        {
+        // Fixed-K sessions measure the same costs and acceptance: every session teaches.
+        if let Ok(mut learnt) = self.learnt.lock() {
             *learnt = Some(policy);
         }
         stats.settle(&target);

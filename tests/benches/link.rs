@@ -6,7 +6,8 @@
 //! Variants, alternated within each repetition: target-only (K = 0), the default (K chosen each
 //! round), and fixed K. Reported per pair and link: tokens/s, speedup over target-only (median of
 //! the per-repetition ratios), acceptance, the rounds' split between the draft model, n-gram
-//! lookup and the target alone, the mean K of drafted rounds, and bytes per round. Greedy outputs
+//! lookup and the target alone, blocks drafted ahead during a verify and used (the pipeline's
+//! hits), the mean K of drafted rounds, and bytes per round. Greedy outputs
 //! are checked equal to target-only's.
 //!
 //! Environment: BENCH_REPS (default 3), BENCH_PAIRS (default `110m-q8_0`; also `stories260k`,
@@ -44,6 +45,8 @@ struct Samples {
     alpha: Vec<f64>,
     bytes_per_round: Vec<f64>,
     rounds: [u32; 3],
+    /// Blocks drafted ahead during a verify, and those used.
+    pipeline: [u32; 2],
     drafted_k: Vec<f64>,
     /// Decode time outside the nodes' compute, per round (links, gRPC, the coordinator).
     outside_ms: Vec<f64>,
@@ -84,9 +87,9 @@ async fn main() -> anyhow::Result<()> {
         SamplingParams::greedy()
     };
     println!(
-        "| pair | link | variant | tok/s | speedup | α | rounds model / n-gram / target | mean K drafted | bytes/round | outside nodes ms/round |"
+        "| pair | link | variant | tok/s | speedup | α | rounds model / n-gram / target | drafted ahead / used | mean K drafted | bytes/round | outside nodes ms/round |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for pair in &pairs {
         let prompt = tokenizer(&pair.target).encode(pair.prompt)?;
         let target = node("target-node", &pair.target, &target_cpu);
@@ -165,6 +168,8 @@ async fn main() -> anyhow::Result<()> {
                         s.rounds[0] += st.model_rounds;
                         s.rounds[1] += st.ngram_rounds;
                         s.rounds[2] += st.target_only_rounds;
+                        s.pipeline[0] += st.pipeline_rounds;
+                        s.pipeline[1] += st.pipeline_hits;
                         let drafted_rounds = st.model_rounds + st.ngram_rounds;
                         if drafted_rounds > 0 {
                             s.drafted_k
@@ -180,12 +185,13 @@ async fn main() -> anyhow::Result<()> {
                         "speedup": median(s.speedup.clone()),
                         "acceptance_rate": median(s.alpha.clone()),
                         "rounds_model_ngram_target": s.rounds,
+                        "drafted_ahead_used": s.pipeline,
                         "mean_k_drafted": median(s.drafted_k.clone()),
                         "bytes_per_round": median(s.bytes_per_round.clone()),
                         "outside_nodes_ms_per_round": median(s.outside_ms.clone()),
                     });
                     println!(
-                        "| {} | {} | {variant} | {:.1} | {:.2}× | {:.2} | {} / {} / {} | {:.1} | {:.0} | {:.1} |",
+                        "| {} | {} | {variant} | {:.1} | {:.2}× | {:.2} | {} / {} / {} | {} / {} | {:.1} | {:.0} | {:.1} |",
                         pair.name,
                         spec.label(),
                         median(s.tps),
@@ -194,6 +200,8 @@ async fn main() -> anyhow::Result<()> {
                         s.rounds[0],
                         s.rounds[1],
                         s.rounds[2],
+                        s.pipeline[0],
+                        s.pipeline[1],
                         median(s.drafted_k),
                         median(s.bytes_per_round),
                         median(s.outside_ms),
