@@ -478,10 +478,16 @@ impl Engine {
             // While the target verifies, the draft-node drafts the block that follows if every
             // draft is accepted (DESIGN.md "Pipelined"): a block as long as this one (so that
             // rounds fall where they would without it, and seeded outputs stay the same), when
-            // it fits in the verify's time and in what the generation has left.
+            // it fits in the verify's time and in what the generation has left. The drafts go
+            // back to the draft-node unverified: ids outside the vocabulary (a lying draft)
+            // would make it refuse the step, so such a block is not drafted past.
             let k = drafts.len();
+            let vocab = self.target.info.vocab_size;
             let ahead_k = Some(k).filter(|&k| {
-                k > 0 && policy.ahead_k(k) >= k && transcript.remaining() >= 2 * k + 2
+                k > 0
+                    && policy.ahead_k(k) >= k
+                    && transcript.remaining() >= 2 * k + 2
+                    && drafts.iter().all(|&t| t < vocab)
             });
             let (verdict, drafted_next) = match (model.as_mut(), ahead_k) {
                 (Some(m), Some(k))

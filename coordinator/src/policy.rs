@@ -162,34 +162,28 @@ impl Default for DrafterCosts {
 }
 
 impl DrafterCosts {
-    /// Probability that all of `k` drafts are accepted.
-    fn all_accepted(&self, k: usize) -> f64 {
-        let mut reach = 1.0;
-        let mut last = PRIOR_ACCEPT;
-        for i in 0..k.min(ADAPTIVE_MAX_K) {
+    /// For i = 1..=k, the probability that drafts 1..=i are all accepted. A position never
+    /// reached is assumed to fare as the last one reached (acceptance by position is flat or
+    /// falls slowly), so a draft that does well is tried on longer blocks.
+    fn reach(&self, k: usize) -> impl Iterator<Item = f64> + '_ {
+        let (mut last, mut reach) = (PRIOR_ACCEPT, 1.0);
+        (0..k.min(ADAPTIVE_MAX_K)).map(move |i| {
             if self.tried[i] > 0 {
                 last = self.accept[i];
             }
             reach *= last;
-        }
-        reach
+            reach
+        })
     }
 
-    /// Expected committed tokens of a round drafting `k` (accepted drafts plus one). A position
-    /// never reached is assumed to fare as the last one reached (acceptance by position is flat
-    /// or falls slowly), so a draft that does well is tried on longer blocks.
+    /// Probability that all of `k` drafts are accepted.
+    fn all_accepted(&self, k: usize) -> f64 {
+        self.reach(k).last().unwrap_or(1.0)
+    }
+
+    /// Expected committed tokens of a round drafting `k` (accepted drafts plus one).
     fn expected_tokens(&self, k: usize) -> f64 {
-        let mut reach = 1.0;
-        let mut total = 1.0;
-        let mut last = PRIOR_ACCEPT;
-        for i in 0..k.min(ADAPTIVE_MAX_K) {
-            if self.tried[i] > 0 {
-                last = self.accept[i];
-            }
-            reach *= last;
-            total += reach;
-        }
-        total
+        1.0 + self.reach(k).sum::<f64>()
     }
 
     fn draft_seconds(&self, k: usize) -> f64 {

@@ -114,6 +114,18 @@ pub async fn cluster(target: &Path, draft: Option<&Path>, limits: &LimitsArgs) -
     LocalCluster::start(t, d).await.expect("start cluster")
 }
 
+/// An engine on `cluster`'s target with the draft-node at `draft_url` (a proxy in front of the
+/// cluster's own, say), K fixed at `k` for requests that name none.
+pub async fn engine_through(cluster: &LocalCluster, draft_url: &str, k: usize) -> Engine {
+    Engine::connect(
+        &format!("http://{}", cluster.target_addr),
+        Some(draft_url),
+        Some(k),
+    )
+    .await
+    .expect("engine")
+}
+
 /// A request by token ids, greedy unless `sampling` says otherwise, with no stop tokens so
 /// that every token is compared.
 pub fn request(

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use tandem_coordinator::{Engine, Outcome};
+use tandem_coordinator::Outcome;
 use tandem_node::LimitsArgs;
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
@@ -168,13 +168,7 @@ async fn a_stalled_draft_node_is_abandoned_at_its_deadline_and_attached_again() 
         })
         .serve()
         .await;
-    let engine = Engine::connect(
-        &format!("http://{}", cluster.target_addr),
-        Some(&proxy),
-        Some(4),
-    )
-    .await
-    .expect("engine");
+    let engine = engine_through(&cluster, &proxy, 4).await;
     let prompt = tokenizer(&target)
         .encode("Once upon a time")
         .expect("encode");

@@ -11,7 +11,7 @@ use tandem_runtime::SamplingParams;
 use tandem_tests::proxy::{DraftProxy, corrupting_proxy};
 use tandem_tests::*;
 
-use tandem_coordinator::{Engine, LocalCluster, MAX_REFUSED_BLOCKS};
+use tandem_coordinator::{LocalCluster, MAX_REFUSED_BLOCKS};
 use tandem_node::LimitsArgs;
 
 /// The token a lying draft proposes instead of its own.
@@ -119,7 +119,6 @@ async fn lying_draft(cluster: &LocalCluster, lie: Lie, every: usize) -> String {
 /// sampled: output equal to the reference, the request never failing, every refusal counted.
 async fn assert_lies_change_nothing(target: &Path, draft: &Path) {
     let cluster = cluster(target, Some(draft), &LimitsArgs::default()).await;
-    let target_url = format!("http://{}", cluster.target_addr);
     let (target_model, tok) = (load(target), tokenizer(target));
     let prompt = tok.encode("Once upon a time").expect("encode");
     let modes = [
@@ -129,23 +128,10 @@ async fn assert_lies_change_nothing(target: &Path, draft: &Path) {
     ];
     let mut refused_at_target = 0;
     for lie in LIES {
-        let engine = Engine::connect(
-            &target_url,
-            Some(&lying_draft(&cluster, lie, 1).await),
-            Some(4),
-        )
-        .await
-        .expect("engine");
-        let mut engines = vec![engine];
-        engines.push(
-            Engine::connect(
-                &target_url,
-                Some(&lying_draft(&cluster, lie, 2).await),
-                Some(4),
-            )
-            .await
-            .expect("engine"),
-        );
+        let engines = [
+            engine_through(&cluster, &lying_draft(&cluster, lie, 1).await, 4).await,
+            engine_through(&cluster, &lying_draft(&cluster, lie, 2).await, 4).await,
+        ];
         for (sampling, every) in &modes {
             let engine = &engines[every - 1];
             let before = engine.metrics.draft_blocks_refused.get(lie.reason());
@@ -228,13 +214,7 @@ async fn sampled_generation_with_repairs_equals_the_one_without() {
     let proxy = corrupting_proxy(cluster.draft_addr.expect("draft"))
         .serve()
         .await;
-    let repaired = Engine::connect(
-        &format!("http://{}", cluster.target_addr),
-        Some(&proxy),
-        Some(4),
-    )
-    .await
-    .expect("engine");
+    let repaired = engine_through(&cluster, &proxy, 4).await;
     let prompt = tokenizer(&target)
         .encode("Once upon a time")
         .expect("encode");

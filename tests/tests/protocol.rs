@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use tandem_coordinator::Engine;
 use tandem_node::LimitsArgs;
 use tandem_proto::v1::target_service_client::TargetServiceClient;
 use tandem_proto::v1::{self, draft_response, target_request, target_response};
@@ -301,10 +300,7 @@ async fn desynchronised_steps_are_repaired_and_the_generation_finishes_correctly
         })
         .serve()
         .await;
-    let target_url = format!("http://{}", cluster.target_addr);
-    let engine = Engine::connect(&target_url, Some(&proxy_url), Some(4))
-        .await
-        .expect("engine");
+    let engine = engine_through(&cluster, &proxy_url, 4).await;
     let req = request(&[1, 403, 407], 80, 4, &SamplingParams::greedy());
     let outcome = generate(&engine, &req).await;
     let baseline = in_process(
