@@ -142,7 +142,6 @@ impl ModelDrafter {
                 if kind == Background::Reattach {
                     tracing::info!("draft-node attached again");
                     self.reattached += 1;
-                    self.backoff = REATTACH_FIRST;
                 }
                 self.pending = None;
                 self.session = Some(session);
@@ -172,7 +171,10 @@ impl ModelDrafter {
         self.backoff = (self.backoff * 2).min(REATTACH_MAX);
         tokio::spawn(async move {
             tokio::time::sleep(wait).await;
-            let _ = tx.send(NodeSession::<Draft>::open(channel, spec, &log).await);
+            // The generation ended, or another attempt replaced this one: open nothing.
+            if !tx.is_closed() {
+                let _ = tx.send(NodeSession::<Draft>::open(channel, spec, &log).await);
+            }
         });
         self.pending = Some((Background::Reattach, rx));
     }
@@ -223,6 +225,17 @@ impl ModelDrafter {
         k: usize,
         expected: Option<f64>,
     ) -> Result<Proposal, StepFailure> {
+        self.step_from(log, log, k, expected).await
+    }
+
+    /// [`Self::step`] on `log`, re-attaching from `committed` (a prefix of it) on failure.
+    async fn step_from(
+        &mut self,
+        log: &TokenLog,
+        committed: &TokenLog,
+        k: usize,
+        expected: Option<f64>,
+    ) -> Result<Proposal, StepFailure> {
         let Some(session) = self.session.as_mut() else {
             return Err(StepFailure::Failed(Error::Unavailable {
                 node: "draft-node",
@@ -246,14 +259,19 @@ impl ModelDrafter {
             Err(_) => Err(StepFailure::Stalled(deadline)),
         };
         match outcome {
-            Ok(p) => Ok(Proposal {
-                tokens: p.tokens,
-                q: p.q,
-                compute_secs: p.compute_micros as f64 * 1e-6,
-                wall_secs: start.elapsed().as_secs_f64(),
-            }),
+            Ok(p) => {
+                // The draft-node answers again: a later loss starts its backoff afresh.
+                self.backoff = REATTACH_FIRST;
+                Ok(Proposal {
+                    tokens: p.tokens,
+                    q: p.q,
+                    compute_secs: p.compute_micros as f64 * 1e-6,
+                    wall_secs: start.elapsed().as_secs_f64(),
+                })
+            }
             Err(e) => {
-                self.reattach_later(log);
+                // The caller drops the session (counting its traffic) before the next round.
+                self.reattach_later(committed);
                 Err(e)
             }
         }
@@ -273,19 +291,18 @@ impl ModelDrafter {
     ) -> Result<Proposal, StepFailure> {
         let mut ahead = log.clone();
         ahead.extend(drafts);
-        match self.step(&ahead, k, expected).await {
-            Ok(proposal) => {
-                if let Some(session) = self.session.as_mut() {
-                    session.hold_at_most(log.prefix());
-                }
-                Ok(proposal)
-            }
-            Err(e) => {
-                // Re-attach from what is committed, not from the drafts being verified.
-                self.reattach_later(log);
-                Err(e)
-            }
+        // On failure the session is re-attached from what is committed, not from the drafts
+        // being verified.
+        let proposal = self.step_from(&ahead, log, k, expected).await?;
+        if let Some(session) = self.session.as_mut() {
+            session.hold_at_most(log.prefix());
         }
+        // A q per token, or the block is not usable (a malformed reply).
+        Ok(if proposal.q.len() == proposal.tokens.len() {
+            proposal
+        } else {
+            Proposal::default()
+        })
     }
 
     /// Detaches the session for good (a lying draft): no re-attachment.

@@ -141,10 +141,20 @@ pub struct Stats {
 impl Stats {
     /// Counts a draft step that failed or stalled; the draft-node's session is dropped (the
     /// drafter re-attaches it in the background).
-    fn draft_failed(&mut self, failure: StepFailure, model: &mut ModelDrafter) {
+    fn draft_failed(
+        &mut self,
+        failure: StepFailure,
+        model: &mut ModelDrafter,
+        policy: &mut KPolicy,
+        k: usize,
+    ) {
         tracing::warn!(error = %failure, "dropped the draft-node: going on without it until it is attached again");
         match failure {
-            StepFailure::Stalled(_) => self.draft_stalls += 1,
+            StepFailure::Stalled(deadline) => {
+                self.draft_stalls += 1;
+                // It cost at least its deadline: priced so, it is not chosen again at once.
+                policy.observe_stall(k, deadline.as_secs_f64());
+            }
             StepFailure::Failed(e) => self.lose_draft(format!("the draft-node failed: {e}")),
         }
         if let Some(d) = model.session.take() {
@@ -443,7 +453,7 @@ impl Engine {
                             p
                         }
                         Err(e) => {
-                            stats.draft_failed(e, m);
+                            stats.draft_failed(e, m, &mut policy, plan.k);
                             Proposal::default()
                         }
                     }
@@ -472,9 +482,16 @@ impl Engine {
             }
             stats.base.draft_seconds += draft_secs;
             let verify_start = Instant::now();
-            let verify = self
-                .verify(&mut target, &log, &drafts, &q)
-                .instrument(tracing::info_span!(parent: &round, "verify", drafts = drafts.len()));
+            // The verify's own time, whatever the draft-node does meanwhile.
+            let verify = async {
+                let verdict = self
+                    .verify(&mut target, &log, &drafts, &q)
+                    .instrument(
+                        tracing::info_span!(parent: &round, "verify", drafts = drafts.len()),
+                    )
+                    .await;
+                (verdict, verify_start.elapsed().as_secs_f64())
+            };
             // While the target verifies, the draft-node drafts the block that follows if every
             // draft is accepted (DESIGN.md "Pipelined"): a block as long as this one (so that
             // rounds fall where they would without it, and seeded outputs stay the same), when
@@ -483,8 +500,13 @@ impl Engine {
             // would make it refuse the step, so such a block is not drafted past.
             let k = drafts.len();
             let vocab = self.target.info.vocab_size;
+            let max_draft = self
+                .draft
+                .as_ref()
+                .map_or(0, |d| d.limits().max_draft_tokens as usize);
             let ahead_k = Some(k).filter(|&k| {
                 k > 0
+                    && k < max_draft
                     && policy.ahead_k(k) >= k
                     && transcript.remaining() >= 2 * k + 2
                     && drafts.iter().all(|&t| t < vocab)
@@ -500,11 +522,11 @@ impl Engine {
                 }
                 _ => (verify.await, None),
             };
+            let (verdict, verify_wall) = verdict;
             let verdict = match verdict {
                 Ok(v) => v,
                 Err(e) => break Err(e),
             };
-            let verify_wall = verify_start.elapsed().as_secs_f64();
             let verify_secs = verdict.compute_micros as f64 * 1e-6;
             stats.base.target_seconds += verify_secs;
             let accepted = verdict.accepted as usize;
@@ -520,7 +542,7 @@ impl Engine {
             let drafted_next = match (drafted_next, model.as_mut()) {
                 (Some(Ok(next)), _) => Some(next),
                 (Some(Err(e)), Some(m)) => {
-                    stats.draft_failed(e, m);
+                    stats.draft_failed(e, m, &mut policy, k + 1);
                     None
                 }
                 _ => None,
@@ -528,6 +550,7 @@ impl Engine {
             if let Some(next) = drafted_next {
                 stats.pipeline_rounds += 1;
                 stats.draft_node_tokens += next.tokens.len() as u32;
+                stats.base.draft_seconds += next.compute_secs;
                 if accepted == drafts.len() {
                     let right = next.tokens.first() == Some(&verdict.next_token);
                     policy.observe_guess(right);

@@ -293,7 +293,7 @@ impl KPolicy {
     /// where that block is used: all `k` drafts accepted and its guess of the bonus right.
     fn rate_with(&self, drafter: Drafter, k: usize, verify: f64) -> f64 {
         let costs = self.costs(drafter);
-        let hit = if drafter == Drafter::Model && self.ahead_k(k) > 0 {
+        let hit = if drafter == Drafter::Model && self.ahead_k(k) >= k {
             costs.all_accepted(k) * self.guess
         } else {
             0.0
@@ -313,6 +313,11 @@ impl KPolicy {
             .take_while(|&j| self.model.draft_seconds(j + 1) <= window)
             .last()
             .unwrap_or(0)
+    }
+
+    /// Learns from a draft step of `k` abandoned at its deadline: it cost at least that much.
+    pub fn observe_stall(&mut self, k: usize, deadline: f64) {
+        self.model.compute.observe(k, deadline);
     }
 
     /// Learns whether the draft's guess of the bonus token was the target's, in a round whose

@@ -279,6 +279,9 @@ fn hub_references_parse_and_paths_that_are_not_references_are_refused() {
         "org/..",
         "org/name:../x.gguf",
         "org/name:/etc/passwd",
+        "org/name@../../x",
+        "org/name@refs/../main",
+        "org/name@/abs",
         "/abs/model.gguf",
         "./org/name",
     ] {

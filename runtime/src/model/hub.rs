@@ -109,10 +109,16 @@ impl HubRef {
                     .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
         };
         let (org, name) = repo.split_once('/')?;
-        let file_ok = file
-            .as_deref()
-            .is_none_or(|f| !f.starts_with('/') && !f.split('/').any(|part| part == ".."));
-        (name_ok(org) && name_ok(name) && file_ok).then(|| Self {
+        // Relative paths inside the repository (and `refs/pr/N` revisions), which the cache
+        // also uses as paths: nothing that could leave it.
+        let path_ok = |p: &str| {
+            !p.starts_with('/')
+                && !p.contains('\\')
+                && !p.chars().any(char::is_control)
+                && !p.split('/').any(|part| part == ".." || part == ".")
+        };
+        let file_ok = file.as_deref().is_none_or(path_ok);
+        (name_ok(org) && name_ok(name) && file_ok && path_ok(&revision)).then(|| Self {
             repo: repo.to_string(),
             revision,
             file,
