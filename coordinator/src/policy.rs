@@ -23,6 +23,8 @@ const LEARN: f64 = 0.15;
 const LEARN_ACCEPT: f64 = 0.04;
 /// Acceptance assumed for a position never tried.
 const PRIOR_ACCEPT: f64 = 0.6;
+/// How much longer than the verify a block drafted ahead may take.
+const AHEAD_WINDOW: f64 = 2.0;
 /// Rounds of acceptance evidence per position a new session keeps from an earlier one.
 const CARRIED_TRIALS: u32 = 4;
 /// Target-only rounds a session starts with.
@@ -235,7 +237,8 @@ impl KPolicy {
             max_k,
             model: DrafterCosts::default(),
             ngram: DrafterCosts::default(),
-            verify: SizeCost::new(max_k + 1, PRIOR_VERIFY_SLOPE),
+            // Sized for every K, so that sessions with other bounds share what they learn.
+            verify: SizeCost::new(ADAPTIVE_MAX_K + 1, PRIOR_VERIFY_SLOPE),
             guess: PRIOR_ACCEPT,
             guesses: 0,
             idle_seconds: 0.0,
@@ -250,9 +253,6 @@ impl KPolicy {
     /// as a prior worth at most [`CARRIED_TRIALS`] rounds per position (it depends on the text).
     pub fn continued(&self, max_k: usize) -> Self {
         let mut next = Self::new(max_k);
-        if next.max_k != self.max_k {
-            return next;
-        }
         next.verify = self.verify.clone();
         next.guess = self.guess;
         next.guesses = self.guesses.min(CARRIED_TRIALS);
@@ -293,22 +293,26 @@ impl KPolicy {
     /// where that block is used: all `k` drafts accepted and its guess of the bonus right.
     fn rate_with(&self, drafter: Drafter, k: usize, verify: f64) -> f64 {
         let costs = self.costs(drafter);
-        let hit = if drafter == Drafter::Model && self.ahead_k(k) >= k {
-            costs.all_accepted(k) * self.guess
-        } else {
-            0.0
-        };
-        costs.expected_tokens(k) / ((1.0 - hit) * costs.draft_seconds(k) + verify)
+        let tokens = costs.expected_tokens(k);
+        if drafter == Drafter::Model && self.ahead_k(k) >= k {
+            // The round waits for the longer of the verify and the block drafted ahead; the
+            // next round drafts only if that block is not used.
+            let hit = costs.all_accepted(k) * self.guess;
+            let round = verify.max(costs.draft_seconds(k + 1));
+            return tokens / (round + (1.0 - hit) * costs.draft_seconds(k));
+        }
+        tokens / (costs.draft_seconds(k) + verify)
     }
 
     /// How many tokens the draft-node can draft past a block of `k` while the target verifies
-    /// it (its guess of the bonus token not counted): the most whose expected time fits in the
-    /// verify's. 0 before the draft has been timed, or when not even two tokens fit.
+    /// it (its guess of the bonus token not counted): the most whose expected time is within
+    /// [`AHEAD_WINDOW`] times the verify's (the round waits for the longer of the two, which
+    /// the rate accounts for). 0 before the draft has been timed, or when not even two fit.
     pub fn ahead_k(&self, k: usize) -> usize {
         if !self.model.compute.seen.iter().any(|&n| n > 0) {
             return 0;
         }
-        let window = self.verify_seconds(k + 1);
+        let window = AHEAD_WINDOW * self.verify_seconds(k + 1);
         (1..=self.max_k)
             .take_while(|&j| self.model.draft_seconds(j + 1) <= window)
             .last()
@@ -574,10 +578,10 @@ mod tests {
         );
         // Without a model or a match: target only.
         assert_eq!(policy.choose(false, 0, 100), Plan::TARGET_ONLY);
-        // Its 8 drafts fit in the verify's 10 ms: drafted ahead, they cost time only when the
-        // guess of the bonus token (0.6, the prior) misses.
+        // Its 8 drafts fit in the verify's 10 ms: drafted ahead (9 ms with the guess), they cost
+        // time only when the guess of the bonus token (0.6, the prior) misses.
         assert_eq!(policy.ahead_k(8), 8);
-        let expected = 9.0 / (0.4 * 0.008 + 0.010);
+        let expected = 9.0 / (0.010 + 0.4 * 0.008);
         assert!((policy.rate(Drafter::Model, 8) - expected).abs() < 1e-9);
     }
 
@@ -633,7 +637,13 @@ mod tests {
             );
         }
         assert!(next.model.accept[0] < 0.61, "{:?}", next.model.accept);
-        // Another K bound starts afresh.
-        assert_eq!(first.continued(4).choose(true, 0, 100), Plan::TARGET_ONLY);
+        // A session with a lower bound on K (a request that fixes K = 4) learns from it too.
+        assert_eq!(
+            first.continued(4).choose(true, 0, 100),
+            Plan {
+                drafter: Some(Drafter::Model),
+                k: 4
+            }
+        );
     }
 }
