@@ -47,6 +47,8 @@ struct Samples {
     rounds: [u32; 3],
     /// Blocks drafted ahead during a verify, and those used.
     pipeline: [u32; 2],
+    /// Draft steps abandoned at their deadline, and draft-node sessions attached again.
+    stalls: [u32; 2],
     drafted_k: Vec<f64>,
     /// Decode time outside the nodes' compute, per round (links, gRPC, the coordinator).
     outside_ms: Vec<f64>,
@@ -170,6 +172,8 @@ async fn main() -> anyhow::Result<()> {
                         s.rounds[2] += st.target_only_rounds;
                         s.pipeline[0] += st.pipeline_rounds;
                         s.pipeline[1] += st.pipeline_hits;
+                        s.stalls[0] += st.draft_stalls;
+                        s.stalls[1] += st.draft_reattached;
                         let drafted_rounds = st.model_rounds + st.ngram_rounds;
                         if drafted_rounds > 0 {
                             s.drafted_k
@@ -186,6 +190,7 @@ async fn main() -> anyhow::Result<()> {
                         "acceptance_rate": median(s.alpha.clone()),
                         "rounds_model_ngram_target": s.rounds,
                         "drafted_ahead_used": s.pipeline,
+                        "stalls_reattached": s.stalls,
                         "mean_k_drafted": median(s.drafted_k.clone()),
                         "bytes_per_round": median(s.bytes_per_round.clone()),
                         "outside_nodes_ms_per_round": median(s.outside_ms.clone()),
