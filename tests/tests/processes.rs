@@ -313,3 +313,31 @@ async fn futures_scrape(nodes: &Nodes) -> Vec<std::collections::HashMap<String, 
     }
     out
 }
+
+#[tokio::test]
+async fn a_draft_node_restarted_after_a_crash_drafts_again() {
+    let mut nodes = start_nodes(&stories(), &stories_q8());
+    let (_, done) = generate_with(&mut nodes, 200, |n| n.draft.kill()).await;
+    assert!(done.stats.expect("stats").draft_lost);
+    // The same machine back on the same address: the coordinator's next sessions use it.
+    let addr = nodes.draft.addr;
+    let (model, listen, http) = (
+        stories_q8().display().to_string(),
+        addr.to_string(),
+        nodes.http[1].to_string(),
+    );
+    let args = [
+        "--model",
+        &model,
+        "--listen",
+        &listen,
+        "--http-listen",
+        &http,
+    ];
+    nodes.draft = Proc::start("draft-node", &args, addr);
+    let (ids, done) = generate_with(&mut nodes, 100, |_| {}).await;
+    let stats = done.stats.expect("stats");
+    assert!(!stats.draft_lost, "{}", stats.draft_lost_reason);
+    assert!(stats.model_rounds > 0, "drafting resumed: {stats:?}");
+    assert_eq!(ids, target_only(&stories(), "Once upon a time", 100));
+}
