@@ -184,25 +184,33 @@ pub fn fetch(reference: &HubRef, config: &HubConfig) -> Result<PathBuf> {
             None => parent_dir(&found),
         });
     }
-    let api = ApiBuilder::from_cache(Cache::new(config.cache_dir.clone()))
+    let client = ApiBuilder::from_cache(Cache::new(config.cache_dir.clone()))
         .with_endpoint(config.endpoint.clone())
         .with_token(config.token.clone())
         .with_progress(false)
         .build()
-        .map_err(|e| hub_error(describe(e, config)))?
-        .repo(repo);
-    let get = |file: &str| {
-        if let Some(path) = cached.get(file) {
+        .map_err(|e| hub_error(describe(e, config)))?;
+    // A file from the cache if it is there, else downloaded, at `repo`'s revision.
+    let get_at = |repo: &Repo, file: &str| {
+        if let Some(path) = Cache::new(config.cache_dir.clone())
+            .repo(repo.clone())
+            .get(file)
+        {
             return Ok(path);
         }
-        api.download_with_progress(file, StderrProgress::new(&reference.repo))
+        client
+            .repo(repo.clone())
+            .download_with_progress(file, StderrProgress::new(&reference.repo))
             .map_err(|e| hub_error(format!("`{file}`: {}", describe(e, config))))
     };
     if let Some(file) = &reference.file {
-        return get(file);
+        return get_at(&repo, file);
     }
-    let files: Vec<String> = match api.info() {
-        Ok(info) => info.siblings.into_iter().map(|s| s.rfilename).collect(),
+    let (files, commit): (Vec<String>, String) = match client.repo(repo.clone()).info() {
+        Ok(info) => (
+            info.siblings.into_iter().map(|s| s.rfilename).collect(),
+            info.sha,
+        ),
         // Unreachable Hub: a folder fetched before is still usable.
         Err(e) => match cached.get("config.json") {
             Some(config_json) => {
@@ -212,6 +220,10 @@ pub fn fetch(reference: &HubRef, config: &HubConfig) -> Result<PathBuf> {
             None => return Err(hub_error(describe(e, config))),
         },
     };
+    // Every file from the commit the listing names: a branch that moves meanwhile cannot mix
+    // two snapshots in one folder.
+    let pinned = Repo::with_revision(reference.repo.clone(), RepoType::Model, commit.clone());
+    let get = |file: &str| get_at(&pinned, file);
     let weights: Vec<&String> = files.iter().filter(|f| is_weight(f)).collect();
     if !files.iter().any(|f| f == "config.json") || weights.is_empty() {
         let ggufs: Vec<&str> = files
@@ -246,6 +258,10 @@ pub fn fetch(reference: &HubRef, config: &HubConfig) -> Result<PathBuf> {
         }
     }
     let config_json = config_json.ok_or_else(|| hub_error("config.json missing".into()))?;
+    // The revision named (a branch, a tag) now points at that commit, for offline use.
+    cached
+        .create_ref(&commit)
+        .map_err(|e| hub_error(format!("cannot record the revision in the cache: {e}")))?;
     Ok(parent_dir(&config_json))
 }
 
