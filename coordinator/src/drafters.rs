@@ -81,6 +81,15 @@ pub struct Proposal {
     pub wall_secs: f64,
 }
 
+impl Proposal {
+    /// The first `k` drafts (and their q).
+    pub fn truncated(mut self, k: usize) -> Self {
+        self.tokens.truncate(k);
+        self.q.truncate(k);
+        self
+    }
+}
+
 /// First and largest wait before attaching a lost draft-node again.
 const REATTACH_FIRST: Duration = Duration::from_millis(50);
 const REATTACH_MAX: Duration = Duration::from_secs(10);

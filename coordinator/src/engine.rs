@@ -424,7 +424,7 @@ impl Engine {
                 m.poll(&log);
             }
             let attached = model.as_ref().is_some_and(|m| m.session.is_some());
-            let plan = self.plan(job, &mut policy, &log, attached, transcript.remaining());
+            let (plan, ngram) = self.plan(job, &mut policy, &log, attached, transcript.remaining());
             let round_start = Instant::now();
             let round = tracing::info_span!("round", n = stats.base.rounds + 1, k = plan.k);
             // A block the draft drafted during the last verify, when its guess of the bonus
@@ -434,11 +434,9 @@ impl Engine {
                 .filter(|_| plan.drafter == Some(Drafter::Model));
             let drafted_ahead = ready.is_some();
             let proposal = match plan.drafter {
-                Some(Drafter::Model) if let Some(mut ready) = ready => {
-                    ready.tokens.truncate(plan.k);
-                    ready.q.truncate(plan.k);
+                Some(Drafter::Model) if let Some(ready) = ready => {
                     stats.pipeline_hits += 1;
-                    ready
+                    ready.truncated(plan.k)
                 }
                 Some(Drafter::Model) => {
                     let m = model.as_mut().expect("attached");
@@ -458,7 +456,7 @@ impl Engine {
                         }
                     }
                 }
-                Some(Drafter::Ngram) => ngram_proposal(&log, plan.k),
+                Some(Drafter::Ngram) => ngram.truncated(plan.k),
                 None => Proposal::default(),
             };
             let Proposal {
@@ -632,7 +630,9 @@ impl Engine {
         })
     }
 
-    /// This round's drafter and K: the request's fixed K, or the policy's choice.
+    /// This round's drafter and K (the request's fixed K, or the policy's choice), and the
+    /// n-gram lookup's proposal when n-gram drafting was considered (looked up once: the choice
+    /// weighs its length, the round uses its tokens).
     fn plan(
         &self,
         job: &Job,
@@ -640,23 +640,33 @@ impl Engine {
         log: &TokenLog,
         attached: bool,
         remaining: usize,
-    ) -> Plan {
+    ) -> (Plan, Proposal) {
         let cap = job.draft_tokens.min(remaining.saturating_sub(1));
         if !job.adaptive {
-            return match cap {
+            let plan = match cap {
                 0 => Plan::TARGET_ONLY,
                 k => Plan {
                     drafter: Some(fixed_drafter(job.drafter, attached)),
                     k,
                 },
             };
+            let ngram = match plan.drafter {
+                Some(Drafter::Ngram) => ngram_proposal(log, cap),
+                _ => Proposal::default(),
+            };
+            return (plan, ngram);
         }
         let ngram = if job.drafter.uses_ngram() {
-            crate::ngram::propose(log.tokens(), cap).len()
+            ngram_proposal(log, cap)
         } else {
-            0
+            Proposal::default()
         };
-        policy.choose(attached && job.drafter.uses_model(), ngram, remaining)
+        let plan = policy.choose(
+            attached && job.drafter.uses_model(),
+            ngram.tokens.len(),
+            remaining,
+        );
+        (plan, ngram)
     }
 
     /// Counts a refused block; at [`MAX_REFUSED_BLOCKS`] the draft is detached for good.

@@ -340,11 +340,6 @@ impl KPolicy {
             .map(|_| self.model.draft_seconds(k))
     }
 
-    /// Tokens per second of a plain target step.
-    pub fn target_only_rate(&self) -> f64 {
-        1.0 / self.verify_seconds(1)
-    }
-
     /// The best plan: `model` says whether the draft-node is attached, `ngram` how many tokens
     /// the n-gram lookup can propose, `remaining` how many tokens the generation may still take.
     pub fn choose(&mut self, model: bool, ngram: usize, remaining: usize) -> Plan {

@@ -20,24 +20,25 @@ struct Nodes {
     http: [SocketAddr; 3],
 }
 
+/// Starts node `name` serving `model` with gRPC on `addr` and HTTP on `http`.
+fn start_node(name: &str, model: &Path, addr: SocketAddr, http: SocketAddr) -> Proc {
+    let model = model.display().to_string();
+    let (listen, http) = (addr.to_string(), http.to_string());
+    let args = [
+        "--model",
+        &model,
+        "--listen",
+        &listen,
+        "--http-listen",
+        &http,
+    ];
+    Proc::start(name, &args, addr)
+}
+
 fn start_nodes(target: &Path, draft: &Path) -> Nodes {
     let http = [free_addr(), free_addr(), free_addr()];
-    let node = |name: &str, model: &Path, http: SocketAddr| {
-        let addr = free_addr();
-        let model = model.display().to_string();
-        let (listen, http) = (addr.to_string(), http.to_string());
-        let args = [
-            "--model",
-            &model,
-            "--listen",
-            &listen,
-            "--http-listen",
-            &http,
-        ];
-        Proc::start(name, &args, addr)
-    };
-    let target = node("target-node", target, http[0]);
-    let draft = node("draft-node", draft, http[1]);
+    let target = start_node("target-node", target, free_addr(), http[0]);
+    let draft = start_node("draft-node", draft, free_addr(), http[1]);
     let addr = free_addr();
     let (listen, http_listen) = (addr.to_string(), http[2].to_string());
     let (target_url, draft_url) = (target.url(), draft.url());
@@ -320,21 +321,7 @@ async fn a_draft_node_restarted_after_a_crash_drafts_again() {
     let (_, done) = generate_with(&mut nodes, 200, |n| n.draft.kill()).await;
     assert!(done.stats.expect("stats").draft_lost);
     // The same machine back on the same address: the coordinator's next sessions use it.
-    let addr = nodes.draft.addr;
-    let (model, listen, http) = (
-        stories_q8().display().to_string(),
-        addr.to_string(),
-        nodes.http[1].to_string(),
-    );
-    let args = [
-        "--model",
-        &model,
-        "--listen",
-        &listen,
-        "--http-listen",
-        &http,
-    ];
-    nodes.draft = Proc::start("draft-node", &args, addr);
+    nodes.draft = start_node("draft-node", &stories_q8(), nodes.draft.addr, nodes.http[1]);
     let (ids, done) = generate_with(&mut nodes, 100, |_| {}).await;
     let stats = done.stats.expect("stats");
     assert!(!stats.draft_lost, "{}", stats.draft_lost_reason);
