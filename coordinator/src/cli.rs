@@ -100,6 +100,9 @@ pub struct GenerateArgs {
     /// `ngram` (prompt lookup, no draft model).
     #[arg(long, env = "TANDEM_DRAFTER", default_value = "auto")]
     pub drafter: String,
+    /// Draft, then verify, every round: no drafting of the next block during the verify.
+    #[arg(long)]
+    pub no_pipeline: bool,
     /// Text that ends the generation (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,

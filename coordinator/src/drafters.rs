@@ -107,7 +107,7 @@ pub struct ModelDrafter {
     channel: Channel,
     spec: SessionSpec,
     pub session: Option<NodeSession<Draft>>,
-    pending: Option<(Background, oneshot::Receiver<Result<NodeSession<Draft>>>)>,
+    pending: Option<(Background, oneshot::Receiver<Result<Lent>>)>,
     backoff: Duration,
     /// Sessions attached again after a loss.
     pub reattached: u32,
@@ -120,11 +120,24 @@ enum Background {
     Reattach,
     /// Feeds the tokens committed while the draft sat idle (a step with K = 0).
     CatchUp,
+    /// Drafts K tokens nobody uses, to time the draft-node without a round waiting for it.
+    Time,
+}
+
+/// A session back from a background task, with the step it ran when it timed one.
+type Lent = (NodeSession<Draft>, Option<Proposal>);
+
+/// A draft step timed in the background: K, and what it cost.
+#[derive(Debug)]
+pub struct Timing {
+    pub k: usize,
+    pub wall_secs: f64,
+    pub compute_secs: f64,
 }
 
 /// A draft-node at least this many committed tokens behind is worth catching up.
 const CATCH_UP_LAG: usize = 2;
-/// A catch-up that has not answered in this long is a loss.
+/// A background step (a catch-up, a timing) that has not answered in this long is a loss.
 const CATCH_UP_DEADLINE: Duration = Duration::from_secs(10);
 
 impl ModelDrafter {
@@ -139,21 +152,25 @@ impl ModelDrafter {
         }
     }
 
-    /// Takes back a session a background task has finished with; a failed task (a re-attachment
-    /// that could not connect, a catch-up that failed) starts a re-attachment after a longer wait.
-    pub fn poll(&mut self, log: &TokenLog) {
-        let Some((kind, rx)) = self.pending.as_mut() else {
-            return;
-        };
+    /// Takes back a session a background task has finished with, and the timing of the step it
+    /// ran, if it timed one; a failed task (a re-attachment that could not connect, a catch-up
+    /// that failed) starts a re-attachment after a longer wait.
+    pub fn poll(&mut self, log: &TokenLog) -> Option<Timing> {
+        let (kind, rx) = self.pending.as_mut()?;
         let kind = *kind;
         match rx.try_recv() {
-            Ok(Ok(session)) => {
+            Ok(Ok((session, step))) => {
                 if kind == Background::Reattach {
                     tracing::info!("draft-node attached again");
                     self.reattached += 1;
                 }
                 self.pending = None;
                 self.session = Some(session);
+                return step.map(|p| Timing {
+                    k: p.tokens.len(),
+                    wall_secs: p.wall_secs,
+                    compute_secs: p.compute_secs,
+                });
             }
             Ok(Err(e)) => {
                 tracing::info!(error = %e, ?kind, retry_in = ?self.backoff, "draft-node unavailable");
@@ -166,6 +183,7 @@ impl ModelDrafter {
                 self.reattach_later(log);
             }
         }
+        None
     }
 
     /// Starts attaching the draft-node again in the background, after the current backoff.
@@ -182,7 +200,8 @@ impl ModelDrafter {
             tokio::time::sleep(wait).await;
             // The generation ended, or another attempt replaced this one: open nothing.
             if !tx.is_closed() {
-                let _ = tx.send(NodeSession::<Draft>::open(channel, spec, &log).await);
+                let opened = NodeSession::<Draft>::open(channel, spec, &log).await;
+                let _ = tx.send(opened.map(|session| (session, None)));
             }
         });
         self.pending = Some((Background::Reattach, rx));
@@ -198,31 +217,55 @@ impl ModelDrafter {
             .session
             .as_ref()
             .is_some_and(|s| log.len().saturating_sub(s.held_len()) >= CATCH_UP_LAG);
-        let Some(mut session) = self.session.take().filter(|_| lagging) else {
+        if lagging {
+            self.lend(log, Background::CatchUp, 0);
+        }
+    }
+
+    /// Lends the idle session to a background task that drafts `k` tokens nobody uses: the
+    /// draft-node's cost is then known ([`Self::poll`] returns it) without a round having waited
+    /// for it. A session starts with this when its draft-node has never been timed: a first
+    /// probe in the rounds would otherwise be priced at the whole session's opening.
+    pub fn time_in_background(&mut self, log: &TokenLog, k: usize) {
+        self.lend(log, Background::Time, k);
+    }
+
+    /// Runs a step of `k` on the idle session in a background task.
+    fn lend(&mut self, log: &TokenLog, kind: Background, k: usize) {
+        let Some(mut session) = self.session.take() else {
             return;
         };
         let (tx, rx) = oneshot::channel();
         let log = log.clone();
         tokio::spawn(async move {
+            let start = Instant::now();
             let step = session.call(&log, |committed, new_tokens| v1::DraftRequest {
                 kind: Some(v1::draft_request::Kind::Step(v1::DraftStep {
                     committed: Some(committed),
                     new_tokens,
-                    k: 0,
+                    k: k as u32,
                 })),
             });
             let result = match tokio::time::timeout(CATCH_UP_DEADLINE, step).await {
-                Ok(Ok(_)) => Ok(session),
+                Ok(Ok(p)) => Ok((
+                    session,
+                    (kind == Background::Time).then(|| Proposal {
+                        compute_secs: p.compute_micros as f64 * 1e-6,
+                        wall_secs: start.elapsed().as_secs_f64(),
+                        tokens: p.tokens,
+                        q: Vec::new(),
+                    }),
+                )),
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(Error::Unavailable {
                     node: "draft-node",
                     endpoint: String::new(),
-                    reason: format!("no answer to a catch-up within {CATCH_UP_DEADLINE:?}"),
+                    reason: format!("no answer to a background step within {CATCH_UP_DEADLINE:?}"),
                 }),
             };
             let _ = tx.send(result);
         });
-        self.pending = Some((Background::CatchUp, rx));
+        self.pending = Some((kind, rx));
     }
 
     /// Asks the attached draft-node for `k` drafts within a deadline `expected` seconds long

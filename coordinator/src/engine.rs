@@ -95,6 +95,8 @@ pub struct Job {
     /// K chosen each round by the cost model ([`KPolicy`]) rather than fixed.
     pub adaptive: bool,
     pub drafter: DrafterChoice,
+    /// The draft-node drafts the next block while the target verifies (DESIGN.md "Pipelined").
+    pub pipeline: bool,
 }
 
 impl std::ops::Deref for Job {
@@ -104,6 +106,9 @@ impl std::ops::Deref for Job {
         &self.request
     }
 }
+
+/// Drafts of the step that times a draft-node never timed.
+const TIMING_K: usize = 2;
 
 /// Refused blocks after which a generation detaches its draft.
 pub const MAX_REFUSED_BLOCKS: u32 = 3;
@@ -324,6 +329,7 @@ impl Engine {
             request: request_job,
             adaptive,
             drafter: DrafterChoice::parse(&request.drafter)?,
+            pipeline: request.pipeline.unwrap_or(true),
         })
     }
 
@@ -394,10 +400,15 @@ impl Engine {
                 )
             },
         );
+        policy.set_pipelining(job.pipeline);
         match (draft, model.as_mut()) {
             (Some((Ok(session), open_secs)), Some(m)) => {
                 m.session = Some(session);
                 policy.set_first_probe_cost(open_secs);
+                // A draft-node never timed is timed beside the first rounds, which do not wait.
+                if job.adaptive && !policy.draft_timed() {
+                    m.time_in_background(&log, TIMING_K);
+                }
             }
             (Some((Err(e), _)), Some(m)) => {
                 tracing::warn!(error = %e, "draft-node unavailable: decoding without it");
@@ -420,8 +431,8 @@ impl Engine {
             if let Some(finish) = transcript.finish_reason() {
                 break Ok(finish);
             }
-            if let Some(m) = model.as_mut() {
-                m.poll(&log);
+            if let Some(t) = model.as_mut().and_then(|m| m.poll(&log)) {
+                policy.observe_timing(&t);
             }
             let attached = model.as_ref().is_some_and(|m| m.session.is_some());
             let (plan, ngram) = self.plan(job, &mut policy, &log, attached, transcript.remaining());
@@ -521,6 +532,7 @@ impl Engine {
                 _ => (verify.await, None),
             };
             let (verdict, verify_wall) = verdict;
+            let round_wall = round_start.elapsed().as_secs_f64();
             let verdict = match verdict {
                 Ok(v) => v,
                 Err(e) => break Err(e),
@@ -537,6 +549,7 @@ impl Engine {
             if let Some(r) = &verdict.draft_refused {
                 self.refused(&mut stats, &mut model, &r.reason, || r.message.clone());
             }
+            let drafts_next = drafted_next.is_some();
             let drafted_next = match (drafted_next, model.as_mut()) {
                 (Some(Ok(next)), _) => Some(next),
                 (Some(Err(e)), Some(m)) => {
@@ -575,10 +588,12 @@ impl Engine {
                 &RoundCosts {
                     drafted: drafts.len(),
                     drafted_ahead,
+                    drafts_next,
                     accepted,
                     draft_wall,
                     draft_compute: draft_secs,
                     verify_wall,
+                    round_wall,
                 },
             );
             stats.base.record_round(drafts.len(), accepted);

@@ -40,6 +40,9 @@ const EXPLORE_EVERY: u32 = 16;
 const PRIOR_VERIFY_SLOPE: f64 = 0.25;
 /// Share of the time spent without the draft that its probes may lose.
 const PROBE_BUDGET: f64 = 0.02;
+/// Bounds on one round's measured-over-predicted time, as it enters the calibration (one round
+/// may be an outlier: a page fault, a scheduler hiccup).
+const CALIBRATION_SAMPLE: (f64, f64) = (0.25, 4.0);
 
 /// Who drafts a round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,6 +153,12 @@ struct DrafterCosts {
     /// Compute by K (it includes feeding the previous round's tokens, a cost that does not grow
     /// with K: hence a line, not a per-token rate).
     compute: SizeCost,
+    /// Measured round time over the time the model predicted for it, as a moving average: what
+    /// the parts do not show (a link that queues, contention for the cores, a block drafted
+    /// ahead that ran late). Rates are divided by it, so a model that is wrong about a drafter
+    /// stops choosing it after a few rounds.
+    calibration: f64,
+    calibrated: u32,
 }
 
 impl Default for DrafterCosts {
@@ -159,6 +168,8 @@ impl Default for DrafterCosts {
             tried: [0; ADAPTIVE_MAX_K],
             overhead: Ewma::default(),
             compute: SizeCost::new(ADAPTIVE_MAX_K, 1.0),
+            calibration: 1.0,
+            calibrated: 0,
         }
     }
 }
@@ -202,6 +213,17 @@ impl DrafterCosts {
         }
     }
 
+    fn timed(&self) -> bool {
+        self.compute.seen.iter().any(|&n| n > 0)
+    }
+
+    fn calibrate(&mut self, measured_over_predicted: f64) {
+        let (low, high) = CALIBRATION_SAMPLE;
+        self.calibrated = self.calibrated.saturating_add(1);
+        let weight = LEARN.max(1.0 / f64::from(self.calibrated + PRIOR_WEIGHT));
+        self.calibration += weight * (measured_over_predicted.clamp(low, high) - self.calibration);
+    }
+
     fn observe_costs(&mut self, k: usize, wall: f64, compute: f64) {
         if k > 0 {
             self.compute.observe(k, compute);
@@ -228,6 +250,8 @@ pub struct KPolicy {
     first_probe_cost: f64,
     probes: u32,
     drafted_rounds: u32,
+    /// Whether the engine drafts ahead during the verify.
+    pipelining: bool,
 }
 
 impl KPolicy {
@@ -245,7 +269,13 @@ impl KPolicy {
             first_probe_cost: 0.0,
             probes: 0,
             drafted_rounds: 0,
+            pipelining: true,
         }
+    }
+
+    /// Whether blocks are drafted ahead during the verify (the request's `pipeline`).
+    pub fn set_pipelining(&mut self, on: bool) {
+        self.pipelining = on;
     }
 
     /// A policy for a new session that starts from what an earlier session on the same nodes
@@ -293,15 +323,37 @@ impl KPolicy {
     /// where that block is used: all `k` drafts accepted and its guess of the bonus right.
     fn rate_with(&self, drafter: Drafter, k: usize, verify: f64) -> f64 {
         let costs = self.costs(drafter);
-        let tokens = costs.expected_tokens(k);
+        costs.expected_tokens(k) / (self.round_seconds(drafter, k, verify) * costs.calibration)
+    }
+
+    /// The expected wall time of a round drafting `k` with `drafter`, as the parts add up
+    /// (before calibration).
+    fn round_seconds(&self, drafter: Drafter, k: usize, verify: f64) -> f64 {
+        let costs = self.costs(drafter);
         if drafter == Drafter::Model && self.ahead_k(k) >= k {
             // The round waits for the longer of the verify and the block drafted ahead; the
             // next round drafts only if that block is not used.
             let hit = costs.all_accepted(k) * self.guess;
             let round = verify.max(costs.draft_seconds(k + 1));
-            return tokens / (round + (1.0 - hit) * costs.draft_seconds(k));
+            return round + (1.0 - hit) * costs.draft_seconds(k);
         }
-        tokens / (costs.draft_seconds(k) + verify)
+        costs.draft_seconds(k) + verify
+    }
+
+    /// What the model predicts for a round that went as `round` did.
+    fn seconds_of(&self, drafter: Drafter, round: &RoundCosts) -> f64 {
+        let (costs, k) = (self.costs(drafter), round.drafted);
+        let draft = if round.drafted_ahead {
+            0.0
+        } else {
+            costs.draft_seconds(k)
+        };
+        let verify = self.verify_seconds(k + 1);
+        if round.drafts_next {
+            draft + verify.max(costs.draft_seconds(k + 1))
+        } else {
+            draft + verify
+        }
     }
 
     /// How many tokens the draft-node can draft past a block of `k` while the target verifies
@@ -309,7 +361,7 @@ impl KPolicy {
     /// [`AHEAD_WINDOW`] times the verify's (the round waits for the longer of the two, which
     /// the rate accounts for). 0 before the draft has been timed, or when not even two fit.
     pub fn ahead_k(&self, k: usize) -> usize {
-        if !self.model.compute.seen.iter().any(|&n| n > 0) {
+        if !self.pipelining || !self.model.timed() {
             return 0;
         }
         let window = AHEAD_WINDOW * self.verify_seconds(k + 1);
@@ -317,6 +369,16 @@ impl KPolicy {
             .take_while(|&j| self.model.draft_seconds(j + 1) <= window)
             .last()
             .unwrap_or(0)
+    }
+
+    /// Whether the draft-node's cost has been measured.
+    pub fn draft_timed(&self) -> bool {
+        self.model.timed()
+    }
+
+    /// Learns the draft-node's cost from a step timed in the background.
+    pub fn observe_timing(&mut self, t: &crate::drafters::Timing) {
+        self.model.observe_costs(t.k, t.wall_secs, t.compute_secs);
     }
 
     /// Learns from a draft step of `k` abandoned at its deadline: it cost at least that much.
@@ -351,7 +413,7 @@ impl KPolicy {
         }
         let cap = self.max_k.min(remaining.saturating_sub(1));
         // The model competes once it has been timed; before, only a probe tries it.
-        let timed = self.model.compute.seen.iter().any(|&n| n > 0);
+        let timed = self.model.timed();
         // Drafting must beat target-only by a margin: a near tie is noise, and K = 0 is safe.
         let verify: Vec<f64> = (1..=cap + 1).map(|n| self.verify_seconds(n)).collect();
         let mut best = ((1.0 + MARGIN) / verify[0], Plan::TARGET_ONLY);
@@ -409,10 +471,11 @@ impl KPolicy {
     /// The time a probe drafting `k` is expected to lose against target-only decoding of the
     /// tokens it commits.
     fn probe_cost(&self, k: usize) -> f64 {
-        if !self.model.compute.seen.iter().any(|&n| n > 0) {
+        if !self.model.timed() {
             return self.first_probe_cost;
         }
-        let round = self.model.draft_seconds(k) + self.verify_seconds(k + 1);
+        let round =
+            (self.model.draft_seconds(k) + self.verify_seconds(k + 1)) * self.model.calibration;
         (round - self.model.expected_tokens(k) * self.verify_seconds(1)).max(0.0)
     }
 
@@ -436,10 +499,17 @@ impl KPolicy {
             self.idle_seconds += round.draft_wall + round.verify_wall;
         }
         if let Some(drafter) = plan.drafter {
+            // How long the round took against what the model, as it stood, predicts for a round
+            // that went as this one did (whether its drafts were ready, whether the next block
+            // was drafted during its verify): acceptance's luck is not a cost.
+            let predicted = self.seconds_of(drafter, round);
             let costs = match drafter {
                 Drafter::Model => &mut self.model,
                 Drafter::Ngram => &mut self.ngram,
             };
+            if costs.timed() && round.round_wall > 0.0 && predicted > 0.0 {
+                costs.calibrate(round.round_wall / predicted);
+            }
             costs.observe_acceptance(round.drafted, round.accepted);
             // Drafts made ahead, during the last verify, cost this round nothing to learn from.
             if !round.drafted_ahead {
@@ -456,21 +526,62 @@ pub struct RoundCosts {
     pub drafted: usize,
     /// The drafts were drafted ahead, during the previous round's verify.
     pub drafted_ahead: bool,
+    /// The next block was drafted during this round's verify.
+    pub drafts_next: bool,
     pub accepted: usize,
     pub draft_wall: f64,
     pub draft_compute: f64,
     pub verify_wall: f64,
+    /// The whole round, from the plan to the verdict (0: not measured).
+    pub round_wall: f64,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    #[derive(Clone, Copy)]
+    struct Pair {
+        alpha: f64,
+        t_d: f64,
+        rtt: f64,
+        t1: f64,
+        slope: f64,
+        hidden: f64,
+        pipelining: bool,
+    }
+
+    fn pair(alpha: f64, t_d: f64, rtt: f64, t1: f64, slope: f64) -> Pair {
+        Pair {
+            alpha,
+            t_d,
+            rtt,
+            t1,
+            slope,
+            hidden: 0.0,
+            pipelining: true,
+        }
+    }
+
     /// Feeds `rounds` rounds of a synthetic pair: a draft accepted with chance `alpha` per
-    /// position (as a deterministic fraction), costing `rtt + k·t_d`, and a target whose verify
-    /// costs `t_v(n) = t1 · (1 + slope · (n − 1))`. Returns the plans chosen.
-    fn simulate(alpha: f64, t_d: f64, rtt: f64, t1: f64, slope: f64, rounds: usize) -> Vec<Plan> {
+    /// position, costing `rtt + k·t_d`, and a target whose verify costs
+    /// `t_v(n) = t1 · (1 + slope · (n − 1))`; a drafted round also costs `hidden` seconds that
+    /// neither part shows. As the engine does, a block is drafted ahead during the verify where
+    /// the policy says it fits (the round then lasts the longer of the two), and used by the
+    /// next round when every draft was accepted (the draft's guess of the bonus always right).
+    /// Returns the plans chosen.
+    fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
+        let Pair {
+            alpha,
+            t_d,
+            rtt,
+            t1,
+            slope,
+            hidden,
+            pipelining,
+        } = pair;
         let mut policy = KPolicy::new(ADAPTIVE_MAX_K);
+        policy.set_pipelining(pipelining);
         let mut plans = Vec::new();
         // A fixed-seed generator: each position is accepted with chance alpha.
         let mut state = 0x9e37_79b9_7f4a_7c15_u64;
@@ -480,23 +591,46 @@ mod tests {
                 .wrapping_add(1_442_695_040_888_963_407);
             (state >> 11) as f64 / (1u64 << 53) as f64
         };
+        // The length of the block drafted ahead and ready for the next round.
+        let mut ready = 0;
         for _ in 0..rounds {
             let plan = policy.choose(true, 0, 1000);
-            let accepted = (0..plan.k).take_while(|_| uniform() < alpha).count();
-            let draft = if plan.k > 0 {
-                rtt + plan.k as f64 * t_d
+            let drafted_ahead = plan.k > 0 && ready > 0;
+            let k = if drafted_ahead {
+                plan.k.min(ready)
             } else {
-                0.0
+                plan.k
             };
+            let accepted = (0..k).take_while(|_| uniform() < alpha).count();
+            let draft = if k == 0 || drafted_ahead {
+                0.0
+            } else {
+                rtt + k as f64 * t_d
+            };
+            let verify = t1 * (1.0 + slope * k as f64);
+            let ahead = k > 0 && policy.ahead_k(k) >= k;
+            let round = if ahead {
+                draft + verify.max(rtt + (k + 1) as f64 * t_d)
+            } else {
+                draft + verify
+            };
+            let hidden = if k > 0 { hidden } else { 0.0 };
+            ready = if ahead && accepted == k { k } else { 0 };
+            let drafts_next = ahead;
+            if ahead && accepted == k {
+                policy.observe_guess(true);
+            }
             policy.observe(
-                plan,
+                Plan { k, ..plan },
                 &RoundCosts {
-                    drafted: plan.k,
-                    drafted_ahead: false,
+                    drafted: k,
+                    drafted_ahead,
+                    drafts_next,
                     accepted,
                     draft_wall: draft,
-                    draft_compute: plan.k as f64 * t_d,
-                    verify_wall: t1 * (1.0 + slope * plan.k as f64),
+                    draft_compute: if drafted_ahead { 0.0 } else { k as f64 * t_d },
+                    verify_wall: verify,
+                    round_wall: round + hidden,
                 },
             );
             plans.push(plan);
@@ -514,14 +648,14 @@ mod tests {
     #[test]
     fn a_good_cheap_draft_drafts_long_blocks() {
         // α = 0.9, draft 1/20 of the target, free link, verify nearly flat in n (a GPU).
-        let plans = simulate(0.9, 0.001, 0.0, 0.02, 0.02, 300);
+        let plans = simulate(pair(0.9, 0.001, 0.0, 0.02, 0.02), 300);
         assert!(settled_k(&plans) >= 6, "{:?}", &plans[plans.len() - 10..]);
     }
 
     #[test]
     fn a_useless_draft_or_a_slow_link_settles_on_target_only_with_rare_probes() {
         for (alpha, rtt) in [(0.05, 0.0), (0.8, 0.5)] {
-            let plans = simulate(alpha, 0.004, rtt, 0.02, 0.25, 400);
+            let plans = simulate(pair(alpha, 0.004, rtt, 0.02, 0.25), 400);
             assert_eq!(settled_k(&plans), 0, "alpha {alpha}, rtt {rtt}");
             let probes = plans[200..].iter().filter(|p| p.k > 0).count();
             // The budget: probes lose at most 2% of the time, a dozen of these in 200 rounds.
@@ -533,12 +667,39 @@ mod tests {
     }
 
     #[test]
+    fn a_cost_the_parts_do_not_show_is_learnt_from_the_rounds() {
+        // α = 0.8 with a cheap draft pays (see below), unless each drafted round also loses
+        // 50 ms that neither the draft's nor the verify's time shows: then drafting at any K is
+        // slower than the target alone (K = 6: 3.95 tokens in 88 ms against 1 in 20 ms), and
+        // the rounds' measured time must teach the policy so.
+        let honest = simulate(pair(0.8, 0.002, 0.0, 0.02, 0.1), 300);
+        assert!(settled_k(&honest) > 0);
+        let hidden = simulate(
+            Pair {
+                hidden: 0.05,
+                ..pair(0.8, 0.002, 0.0, 0.02, 0.1)
+            },
+            300,
+        );
+        assert_eq!(settled_k(&hidden), 0);
+        let drafted = hidden[100..].iter().filter(|p| p.k > 0).count();
+        assert!(drafted <= 12, "{drafted} drafted rounds of 200");
+    }
+
+    #[test]
     fn a_longer_link_picks_a_longer_block_while_drafting_still_pays() {
-        // α = 0.8 with a cheap draft: the round trip is paid once per round, so a longer link
-        // calls for more tokens per round.
-        let near = settled_k(&simulate(0.8, 0.002, 0.0, 0.02, 0.1, 300));
-        let far = settled_k(&simulate(0.8, 0.002, 0.02, 0.02, 0.1, 300));
+        // α = 0.8 with a cheap draft, drafting then verifying: the round trip is paid once per
+        // round, so a longer link calls for more tokens per round.
+        let serial = |rtt| Pair {
+            pipelining: false,
+            ..pair(0.8, 0.002, rtt, 0.02, 0.1)
+        };
+        let near = settled_k(&simulate(serial(0.0), 300));
+        let far = settled_k(&simulate(serial(0.02), 300));
         assert!(far >= near && far > 0, "near {near}, far {far}");
+        // Drafting during the verify, the 20 ms link still pays.
+        let pipelined = simulate(pair(0.8, 0.002, 0.02, 0.02, 0.1), 300);
+        assert!(settled_k(&pipelined) > 0);
     }
 
     #[test]

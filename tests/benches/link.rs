@@ -4,7 +4,8 @@
 //! bandwidth cap) as an edge box would be, the coordinator beside the target.
 //!
 //! Variants, alternated within each repetition: target-only (K = 0), the default (K chosen each
-//! round), and fixed K. Reported per pair and link: tokens/s, speedup over target-only (median of
+//! round), and fixed K; a `-serial` suffix (`4-serial`, `auto-serial`) turns off drafting during the
+//! verify. Reported per pair and link: tokens/s, speedup over target-only (median of
 //! the per-repetition ratios), acceptance, the rounds' split between the draft model, n-gram
 //! lookup and the target alone, blocks drafted ahead during a verify and used (the pipeline's
 //! hits), the mean K of drafted rounds, and bytes per round. Greedy outputs
@@ -121,18 +122,24 @@ async fn main() -> anyhow::Result<()> {
                 // The coordinator sits beside the target, on its core.
                 let coordinator = Proc::start_pinned("coordinator", &args, addr, &target_cpu);
                 let mut client = CoordinatorClient::connect(coordinator.url()).await?;
-                let request = |variant: &str| v1::GenerateRequest {
-                    prompt_tokens: prompt.clone(),
-                    max_tokens: pair.max_new_tokens as u32,
-                    sampling: Some((&sampling).into()),
-                    draft_tokens: match variant {
-                        "target-only" => Some(0),
-                        "auto" => None,
-                        k => Some(k.parse().expect("a variant is target-only, auto or K")),
-                    },
-                    drafter: drafter.clone(),
-                    ignore_eos: true,
-                    ..Default::default()
+                let request = |variant: &str| {
+                    let (k, serial) = variant
+                        .strip_suffix("-serial")
+                        .map_or((variant, false), |k| (k, true));
+                    v1::GenerateRequest {
+                        prompt_tokens: prompt.clone(),
+                        max_tokens: pair.max_new_tokens as u32,
+                        sampling: Some((&sampling).into()),
+                        draft_tokens: match k {
+                            "target-only" => Some(0),
+                            "auto" => None,
+                            k => Some(k.parse().expect("a variant is target-only, auto or K")),
+                        },
+                        drafter: drafter.clone(),
+                        pipeline: serial.then_some(false),
+                        ignore_eos: true,
+                        ..Default::default()
+                    }
                 };
                 // Warm-up: connections, page faults, the nodes' thread pools.
                 tandem_coordinator::client::run(&mut client, request("auto"), |_| {}).await?;

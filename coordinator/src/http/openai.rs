@@ -53,6 +53,8 @@ pub struct Common {
     /// Extension: who drafts, `auto`, `model` or `ngram`.
     #[serde(default)]
     pub drafter: String,
+    /// Extension: `false` drafts, then verifies, every round (no drafting during the verify).
+    pub pipeline: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -132,6 +134,7 @@ impl Common {
             }),
             draft_tokens: self.draft_tokens,
             drafter: self.drafter.clone(),
+            pipeline: self.pipeline,
             stop,
             ..prompt
         })
