@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use candle_core::quantized::k_quants::{
     self, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K,
-    BlockQ6K, BlockQ8_0, BlockQ8K, GgmlType,
+    BlockQ6K, BlockQ8_0, BlockQ8K,
 };
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::{bf16, f16};
 
-use super::attention::{PARALLEL_WORK, dot};
+use super::rows::{self, Path, layout};
 use crate::Result;
 
 /// Types whose candle CPU kernel on x86-64 (its repacked AVX2 / AVX-512 kernel) is the same for
@@ -21,7 +21,7 @@ use crate::Result;
 /// is any type on other architectures (aarch64 tiles rows in fours). The every-type test checks
 /// the claim on the machine that runs the tests.
 #[cfg(target_arch = "x86_64")]
-const REPACKED: &[GgmlDType] = &[GgmlDType::Q8_0, GgmlDType::Q4K];
+const REPACKED: &[GgmlDType] = &[GgmlDType::Q4K];
 #[cfg(not(target_arch = "x86_64"))]
 const REPACKED: &[GgmlDType] = &[];
 
@@ -30,6 +30,8 @@ const REPACKED_ROWS: usize = 16;
 
 /// A linear layer's weight and the kernel that multiplies by it.
 pub(crate) enum Matmul {
+    /// A GGUF tensor on the CPU of a type stored in blocks of 32 ([`rows`]' kernels).
+    Blocks(Arc<QTensor>),
     /// A GGUF tensor on the CPU.
     Quantized(Arc<QTensor>),
     /// A GGUF tensor on the CPU of a [`REPACKED`] type.
@@ -54,6 +56,12 @@ impl Matmul {
             Self::Candle(QMatMul::from_arc(t)?)
         } else if REPACKED.contains(&t.dtype()) {
             Self::Repacked(QMatMul::from_arc(t)?)
+        } else if matches!(
+            t.dtype(),
+            GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q8_0
+        ) && t.shape().dims2()?.1 % rows::QK == 0
+        {
+            Self::Blocks(t)
         } else {
             Self::Quantized(t)
         })
@@ -77,7 +85,7 @@ impl Matmul {
         let (out_dim, in_dim) = match self {
             Self::Candle(m) => return Ok(m.forward(xs)?),
             Self::Repacked(m) => return repacked(m, xs),
-            Self::Quantized(t) => t.shape().dims2()?,
+            Self::Quantized(t) | Self::Blocks(t) => t.shape().dims2()?,
             Self::Dense {
                 out_dim, in_dim, ..
             } => (*out_dim, *in_dim),
@@ -89,17 +97,10 @@ impl Matmul {
         let mkn = (rows, in_dim, out_dim);
         match self {
             Self::Quantized(t) => quantized(t, mkn, &lhs, &mut dst)?,
-            // Small weights: one thread, no pool hand-off (what tiny models spend their time
-            // on). Chosen by the weight's size, never by the row count: each weight always
-            // takes the same path.
-            Self::Dense { weight, .. } if weight.len() < PARALLEL_WORK => {
-                for (x, out) in lhs.chunks_exact(in_dim).zip(dst.chunks_exact_mut(out_dim)) {
-                    for (w, o) in weight.chunks_exact(in_dim).zip(out.iter_mut()) {
-                        *o = dot(x, w);
-                    }
-                }
+            Self::Blocks(t) => blocks(t, Path::detect(), mkn, &lhs, &mut dst)?,
+            Self::Dense { weight, .. } => {
+                rows::matmul_dense(Path::detect(), weight, mkn, &lhs, &mut dst);
             }
-            Self::Dense { weight, .. } => k_quants::matmul::<f32>(mkn, &lhs, weight, &mut dst)?,
             Self::Candle(_) | Self::Repacked(_) => unreachable!("returned above"),
         }
         if let Some(last) = dims.last_mut() {
@@ -130,6 +131,26 @@ fn repacked(m: &QMatMul, xs: &Tensor) -> Result<Tensor> {
     Ok(ys.reshape(out)?)
 }
 
+/// Runs [`rows`]' kernel for the tensor's block type.
+fn blocks(
+    t: &QTensor,
+    path: Path,
+    mkn: (usize, usize, usize),
+    lhs: &[f32],
+    dst: &mut [f32],
+) -> candle_core::Result<()> {
+    let data = t.data()?;
+    match t.dtype() {
+        GgmlDType::Q4_0 => rows::matmul_blocks(path, cast::<layout::Q4_0>(&data)?, mkn, lhs, dst),
+        GgmlDType::Q4_1 => rows::matmul_blocks(path, cast::<layout::Q4_1>(&data)?, mkn, lhs, dst),
+        GgmlDType::Q5_0 => rows::matmul_blocks(path, cast::<layout::Q5_0>(&data)?, mkn, lhs, dst),
+        GgmlDType::Q5_1 => rows::matmul_blocks(path, cast::<layout::Q5_1>(&data)?, mkn, lhs, dst),
+        GgmlDType::Q8_0 => rows::matmul_blocks(path, cast::<layout::Q8_0>(&data)?, mkn, lhs, dst),
+        other => candle_core::bail!("no block-of-32 kernel for GGUF type {other:?}"),
+    }
+    Ok(())
+}
+
 /// Runs llama.cpp's row-by-row product for the tensor's block type.
 fn quantized(
     t: &QTensor,
@@ -140,7 +161,7 @@ fn quantized(
     let data = t.data()?;
     macro_rules! run {
         ($ty:ty) => {
-            k_quants::matmul::<$ty>(mkn, lhs, blocks::<$ty>(&data)?, dst)
+            k_quants::matmul::<$ty>(mkn, lhs, cast::<$ty>(&data)?, dst)
         };
     }
     match t.dtype() {
@@ -162,12 +183,13 @@ fn quantized(
     }
 }
 
-/// The blocks of a tensor's storage.
+/// The blocks of a tensor's storage, as candle's block type or as its GGUF layout
+/// ([`rows::layout`]).
 #[allow(
     unsafe_code,
     reason = "candle stores a quantized tensor as a Vec of its block type and hands it out as bytes"
 )]
-fn blocks<T: GgmlType>(bytes: &[u8]) -> candle_core::Result<&[T]> {
+pub(super) fn cast<T>(bytes: &[u8]) -> candle_core::Result<&[T]> {
     let size = std::mem::size_of::<T>();
     if bytes.len() % size != 0 || (bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
         candle_core::bail!(

@@ -16,6 +16,19 @@
 
 mod attention;
 mod matmul;
+mod rows;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+#[cfg(target_arch = "x86_64")]
+use x86::Decode;
+/// Nothing to decode where there is no SIMD path.
+#[cfg(not(target_arch = "x86_64"))]
+trait Decode {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T> Decode for T {}
 
 pub(crate) use attention::{AttentionShape, attention};
 pub(crate) use matmul::Matmul;

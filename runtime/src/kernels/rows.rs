@@ -1,0 +1,364 @@
+//! Matrix products of a few activation rows (a decode step: 1; a verify block: K + 1) with a
+//! weight stored in blocks of 32 (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or dense f32, on the CPU.
+//!
+//! - **The weights are read once per call**, not once per row: each thread takes a range of
+//!   weight rows (output columns) and, for each weight row, decodes each block once and
+//!   multiplies it with up to [`TILE`] activation rows; the weight row stays in L1 between
+//!   tiles. A verify block therefore costs the decode step's memory traffic plus its compute.
+//! - **Batch invariance**: output (row r, column o) is the same sequence of operations whatever
+//!   the number of rows or the tile r falls in (each row has its own accumulators, summed in
+//!   block order, reduced the same way), so a position's logits are bit-identical in a decode
+//!   step, a verify block and a replayed prefill (see the module above).
+//! - Activations are quantized once per row, as llama.cpp does ([`Q8`]: 32 signed bytes, an
+//!   f32 scale, and the block's sum for the types with a minimum).
+//! - The SIMD path (x86-64 with AVX2, FMA and F16C, detected at run time) and the portable
+//!   path compute the same integer dot products; their float sums differ in order, so each
+//!   machine uses one path for every call ([`Path::detect`]).
+
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use half::f16;
+use rayon::prelude::*;
+
+/// Activation rows decoded against one weight block at a time.
+pub(crate) const TILE: usize = 4;
+/// Weights per block.
+pub(crate) const QK: usize = 32;
+
+/// 32 activations quantized to signed bytes: x ≈ d · q; `s` = d · Σq.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C)]
+pub(crate) struct Q8 {
+    pub qs: [i8; QK],
+    pub d: f32,
+    pub s: f32,
+}
+
+/// The GGUF layouts of the block types (ggml's `block_q4_0` …), read in place from a tensor's
+/// bytes: an f16 scale `d`, for the `_1` types an f16 minimum `m`, for Q5 the fifth bits `qh`,
+/// and the quants. A weight is d · (q − offset) (+ m).
+pub(crate) mod layout {
+    #[derive(Debug, Clone, Copy)]
+    #[repr(C)]
+    pub(crate) struct Q4_0 {
+        pub d: u16,
+        pub qs: [u8; 16],
+    }
+    #[derive(Debug, Clone, Copy)]
+    #[repr(C)]
+    pub(crate) struct Q4_1 {
+        pub d: u16,
+        pub m: u16,
+        pub qs: [u8; 16],
+    }
+    #[derive(Debug, Clone, Copy)]
+    #[repr(C)]
+    pub(crate) struct Q5_0 {
+        pub d: u16,
+        pub qh: [u8; 4],
+        pub qs: [u8; 16],
+    }
+    #[derive(Debug, Clone, Copy)]
+    #[repr(C)]
+    pub(crate) struct Q5_1 {
+        pub d: u16,
+        pub m: u16,
+        pub qh: [u8; 4],
+        pub qs: [u8; 16],
+    }
+    #[derive(Debug, Clone, Copy)]
+    #[repr(C)]
+    pub(crate) struct Q8_0 {
+        pub d: u16,
+        pub qs: [i8; 32],
+    }
+    const _: () = assert!(std::mem::size_of::<Q4_0>() == 18);
+    const _: () = assert!(std::mem::size_of::<Q4_1>() == 20);
+    const _: () = assert!(std::mem::size_of::<Q5_0>() == 22);
+    const _: () = assert!(std::mem::size_of::<Q5_1>() == 24);
+    const _: () = assert!(std::mem::size_of::<Q8_0>() == 34);
+}
+
+/// A weight block of 32: its quants as signed bytes (q − offset), its scale and minimum.
+pub(crate) trait Block: Copy + Sync + 'static + super::Decode {
+    /// Whether the block has a minimum (the `_1` types).
+    const MIN: bool;
+    fn scale(&self) -> f32;
+    fn min(&self) -> f32 {
+        0.0
+    }
+    /// The 32 quants, offset removed, in element order.
+    fn quants(&self) -> [i8; QK];
+}
+
+fn f16_bits(bits: u16) -> f32 {
+    f16::from_bits(bits).to_f32()
+}
+
+/// Element j < 16 is the low nibble of byte j, element j + 16 its high nibble.
+fn nibbles(qs: &[u8; 16]) -> [u8; QK] {
+    std::array::from_fn(|j| if j < 16 { qs[j] & 15 } else { qs[j - 16] >> 4 })
+}
+
+/// Adds the fifth bit of element j (bit j of `qh`) as bit 4.
+fn fifth_bits(mut q: [u8; QK], qh: [u8; 4]) -> [u8; QK] {
+    let bits = u32::from_le_bytes(qh);
+    for (j, v) in q.iter_mut().enumerate() {
+        *v |= (((bits >> j) & 1) as u8) << 4;
+    }
+    q
+}
+
+impl Block for layout::Q4_0 {
+    const MIN: bool = false;
+    fn scale(&self) -> f32 {
+        f16_bits(self.d)
+    }
+    fn quants(&self) -> [i8; QK] {
+        nibbles(&self.qs).map(|q| q as i8 - 8)
+    }
+}
+
+impl Block for layout::Q4_1 {
+    const MIN: bool = true;
+    fn scale(&self) -> f32 {
+        f16_bits(self.d)
+    }
+    fn min(&self) -> f32 {
+        f16_bits(self.m)
+    }
+    fn quants(&self) -> [i8; QK] {
+        nibbles(&self.qs).map(|q| q as i8)
+    }
+}
+
+impl Block for layout::Q5_0 {
+    const MIN: bool = false;
+    fn scale(&self) -> f32 {
+        f16_bits(self.d)
+    }
+    fn quants(&self) -> [i8; QK] {
+        fifth_bits(nibbles(&self.qs), self.qh).map(|q| q as i8 - 16)
+    }
+}
+
+impl Block for layout::Q5_1 {
+    const MIN: bool = true;
+    fn scale(&self) -> f32 {
+        f16_bits(self.d)
+    }
+    fn min(&self) -> f32 {
+        f16_bits(self.m)
+    }
+    fn quants(&self) -> [i8; QK] {
+        fifth_bits(nibbles(&self.qs), self.qh).map(|q| q as i8)
+    }
+}
+
+impl Block for layout::Q8_0 {
+    const MIN: bool = false;
+    fn scale(&self) -> f32 {
+        f16_bits(self.d)
+    }
+    fn quants(&self) -> [i8; QK] {
+        self.qs
+    }
+}
+
+/// Which code runs the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Path {
+    Portable,
+    /// x86-64 with AVX2, FMA and F16C.
+    Avx2,
+}
+
+impl Path {
+    /// The fastest path this CPU runs, chosen once per process.
+    pub(crate) fn detect() -> Self {
+        static PATH: OnceLock<Path> = OnceLock::new();
+        *PATH.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                return Path::Avx2;
+            }
+            Path::Portable
+        })
+    }
+
+    /// Every path this CPU can run (for tests).
+    pub(crate) fn available() -> Vec<Self> {
+        let mut paths = vec![Self::Portable];
+        if Self::detect() != Self::Portable {
+            paths.push(Self::detect());
+        }
+        paths
+    }
+}
+
+/// Quantizes a row of activations (a multiple of 32 long) as llama.cpp's `quantize_row_q8_0`:
+/// scale max|x| / 127, round to nearest.
+pub(crate) fn quantize(x: &[f32], out: &mut [Q8]) {
+    for (xs, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, v) in b.qs.iter_mut().zip(xs) {
+            *q = (v * id).round() as i8;
+            sum += i32::from(*q);
+        }
+        b.d = d;
+        b.s = d * sum as f32;
+    }
+}
+
+/// The portable kernel: for each weight row, for each tile of activation rows, the integer dot
+/// product of each block, scaled and summed in block order.
+fn portable_blocks<B: Block>(w: &[B], x: &[Q8], rows: usize, out: &mut [f32]) {
+    let blocks = x.len() / rows;
+    for (wrow, out) in w.chunks_exact(blocks).zip(out.chunks_exact_mut(rows)) {
+        for (tile, out) in out.chunks_mut(TILE).enumerate() {
+            let (mut acc, mut macc) = ([0f32; TILE], [0f32; TILE]);
+            for (b, wb) in wrow.iter().enumerate() {
+                let (q, d, m) = (wb.quants(), wb.scale(), wb.min());
+                for (i, (a, ma)) in acc.iter_mut().zip(&mut macc).take(out.len()).enumerate() {
+                    let xb = &x[(tile * TILE + i) * blocks + b];
+                    let dot: i32 = q
+                        .iter()
+                        .zip(&xb.qs)
+                        .map(|(&u, &v)| i32::from(u) * i32::from(v))
+                        .sum();
+                    *a += d * xb.d * dot as f32;
+                    if B::MIN {
+                        *ma += m * xb.s;
+                    }
+                }
+            }
+            for (o, (a, m)) in out.iter_mut().zip(acc.iter().zip(&macc)) {
+                *o = a + m;
+            }
+        }
+    }
+}
+
+/// The portable f32 kernel: eight lanes summed in a fixed order, as [`super::attention`] does.
+fn portable_dense(w: &[f32], x: &[f32], rows: usize, out: &mut [f32]) {
+    let k = x.len() / rows;
+    for (wrow, out) in w.chunks_exact(k).zip(out.chunks_exact_mut(rows)) {
+        for (r, o) in out.iter_mut().enumerate() {
+            *o = super::attention::dot(wrow, &x[r * k..][..k]);
+        }
+    }
+}
+
+thread_local! {
+    /// Per-thread scratch reused across calls: quantized activations, column-major results.
+    static SCRATCH: RefCell<(Vec<Q8>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Weight rows per parallel task, at least.
+const MIN_TASK_ROWS: usize = 16;
+
+/// Runs `kernel` over the weight rows in parallel: `kernel(weight rows, out)` fills `out` with
+/// `rows` results per weight row (column-major). `dst` gets them row-major.
+fn drive<W: Sync>(
+    weights: &[W],
+    per_row: usize,
+    out_dim: usize,
+    rows: usize,
+    parallel: bool,
+    dst: &mut [f32],
+    kernel: impl Fn(&[W], &mut [f32]) + Sync,
+) {
+    SCRATCH.with(|scratch| {
+        let cols = &mut scratch.borrow_mut().1;
+        // One row: column-major is row-major, write straight into dst.
+        let out: &mut [f32] = if rows == 1 {
+            dst
+        } else {
+            cols.resize(out_dim * rows, 0.0);
+            cols
+        };
+        let threads = rayon::current_num_threads();
+        if parallel && threads > 1 {
+            let task = out_dim.div_ceil(threads * 4).max(MIN_TASK_ROWS);
+            weights
+                .par_chunks(task * per_row)
+                .zip(out.par_chunks_mut(task * rows))
+                .for_each(|(w, o)| kernel(w, o));
+        } else {
+            kernel(weights, out);
+        }
+        if rows > 1 {
+            for (o, col) in cols.chunks_exact(rows).enumerate() {
+                for (r, v) in col.iter().enumerate() {
+                    dst[r * out_dim + o] = *v;
+                }
+            }
+        }
+    });
+}
+
+/// `dst` (rows × out) = `lhs` (rows × in) · `w`ᵀ, `w` holding `out` rows of `in / 32` blocks.
+pub(crate) fn matmul_blocks<B: Block>(
+    path: Path,
+    w: &[B],
+    (rows, in_dim, out_dim): (usize, usize, usize),
+    lhs: &[f32],
+    dst: &mut [f32],
+) {
+    let blocks = in_dim / QK;
+    let mut x = SCRATCH.with(|s| std::mem::take(&mut s.borrow_mut().0));
+    x.resize(rows * blocks, Q8::default());
+    for (xs, q) in lhs.chunks_exact(in_dim).zip(x.chunks_exact_mut(blocks)) {
+        quantize(xs, q);
+    }
+    let parallel = w.len() * QK >= super::attention::PARALLEL_WORK;
+    drive(
+        w,
+        blocks,
+        out_dim,
+        rows,
+        parallel,
+        dst,
+        |w, out| match path {
+            Path::Portable => portable_blocks(w, &x, rows, out),
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx2 => super::x86::blocks(w, &x, rows, out),
+            #[cfg(not(target_arch = "x86_64"))]
+            Path::Avx2 => unreachable!("AVX2 is detected on x86-64 only"),
+        },
+    );
+    SCRATCH.with(|s| s.borrow_mut().0 = x);
+}
+
+/// `dst` (rows × out) = `lhs` (rows × in) · `w`ᵀ, `w` dense (out × in) f32.
+pub(crate) fn matmul_dense(
+    path: Path,
+    w: &[f32],
+    (rows, in_dim, out_dim): (usize, usize, usize),
+    lhs: &[f32],
+    dst: &mut [f32],
+) {
+    let parallel = w.len() >= super::attention::PARALLEL_WORK;
+    drive(
+        w,
+        in_dim,
+        out_dim,
+        rows,
+        parallel,
+        dst,
+        |w, out| match path {
+            Path::Portable => portable_dense(w, lhs, rows, out),
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx2 => super::x86::dense(w, lhs, rows, out),
+            #[cfg(not(target_arch = "x86_64"))]
+            Path::Avx2 => unreachable!("AVX2 is detected on x86-64 only"),
+        },
+    );
+}
