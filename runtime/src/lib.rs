@@ -6,7 +6,7 @@ pub mod acceptance;
 pub mod draft_check;
 mod error;
 pub mod generator;
-mod kernels;
+pub mod kernels;
 pub mod kv_cache;
 pub mod model;
 pub mod quantize;

@@ -21,7 +21,7 @@ use crate::Result;
 /// is any type on other architectures (aarch64 tiles rows in fours). The every-type test checks
 /// the claim on the machine that runs the tests.
 #[cfg(target_arch = "x86_64")]
-const REPACKED: &[GgmlDType] = &[GgmlDType::Q4K];
+const REPACKED: &[GgmlDType] = &[GgmlDType::Q8_0, GgmlDType::Q4K];
 #[cfg(not(target_arch = "x86_64"))]
 const REPACKED: &[GgmlDType] = &[];
 

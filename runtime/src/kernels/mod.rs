@@ -32,3 +32,25 @@ impl<T> Decode for T {}
 
 pub(crate) use attention::{AttentionShape, attention};
 pub(crate) use matmul::Matmul;
+
+/// A linear layer's weight on the kernels a model uses (for benchmarks and tools that run one
+/// matmul alone).
+pub struct Linear(Matmul);
+
+impl std::fmt::Debug for Linear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Linear")
+    }
+}
+
+impl Linear {
+    /// A GGUF tensor (any type), on the device it is on.
+    pub fn new(weight: std::sync::Arc<candle_core::quantized::QTensor>) -> crate::Result<Self> {
+        Ok(Self(Matmul::quantized(weight)?))
+    }
+
+    /// `xs` (…, in) → (…, out).
+    pub fn forward(&self, xs: &candle_core::Tensor) -> crate::Result<candle_core::Tensor> {
+        self.0.forward(xs)
+    }
+}

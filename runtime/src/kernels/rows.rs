@@ -19,7 +19,6 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use half::f16;
-use rayon::prelude::*;
 
 /// Activation rows decoded against one weight block at a time.
 pub(crate) const TILE: usize = 4;
@@ -84,9 +83,10 @@ pub(crate) mod layout {
 pub(crate) trait Block: Copy + Sync + 'static + super::Decode {
     /// Whether the block has a minimum (the `_1` types).
     const MIN: bool;
-    fn scale(&self) -> f32;
-    fn min(&self) -> f32 {
-        0.0
+    /// The f16 bits of the scale, and of the minimum (0 without one).
+    fn d(&self) -> u16;
+    fn m(&self) -> u16 {
+        0
     }
     /// The 32 quants, offset removed, in element order.
     fn quants(&self) -> [i8; QK];
@@ -112,8 +112,8 @@ fn fifth_bits(mut q: [u8; QK], qh: [u8; 4]) -> [u8; QK] {
 
 impl Block for layout::Q4_0 {
     const MIN: bool = false;
-    fn scale(&self) -> f32 {
-        f16_bits(self.d)
+    fn d(&self) -> u16 {
+        self.d
     }
     fn quants(&self) -> [i8; QK] {
         nibbles(&self.qs).map(|q| q as i8 - 8)
@@ -122,11 +122,11 @@ impl Block for layout::Q4_0 {
 
 impl Block for layout::Q4_1 {
     const MIN: bool = true;
-    fn scale(&self) -> f32 {
-        f16_bits(self.d)
+    fn d(&self) -> u16 {
+        self.d
     }
-    fn min(&self) -> f32 {
-        f16_bits(self.m)
+    fn m(&self) -> u16 {
+        self.m
     }
     fn quants(&self) -> [i8; QK] {
         nibbles(&self.qs).map(|q| q as i8)
@@ -135,8 +135,8 @@ impl Block for layout::Q4_1 {
 
 impl Block for layout::Q5_0 {
     const MIN: bool = false;
-    fn scale(&self) -> f32 {
-        f16_bits(self.d)
+    fn d(&self) -> u16 {
+        self.d
     }
     fn quants(&self) -> [i8; QK] {
         fifth_bits(nibbles(&self.qs), self.qh).map(|q| q as i8 - 16)
@@ -145,11 +145,11 @@ impl Block for layout::Q5_0 {
 
 impl Block for layout::Q5_1 {
     const MIN: bool = true;
-    fn scale(&self) -> f32 {
-        f16_bits(self.d)
+    fn d(&self) -> u16 {
+        self.d
     }
-    fn min(&self) -> f32 {
-        f16_bits(self.m)
+    fn m(&self) -> u16 {
+        self.m
     }
     fn quants(&self) -> [i8; QK] {
         fifth_bits(nibbles(&self.qs), self.qh).map(|q| q as i8)
@@ -158,8 +158,8 @@ impl Block for layout::Q5_1 {
 
 impl Block for layout::Q8_0 {
     const MIN: bool = false;
-    fn scale(&self) -> f32 {
-        f16_bits(self.d)
+    fn d(&self) -> u16 {
+        self.d
     }
     fn quants(&self) -> [i8; QK] {
         self.qs
@@ -191,6 +191,7 @@ impl Path {
     }
 
     /// Every path this CPU can run (for tests).
+    #[cfg(test)]
     pub(crate) fn available() -> Vec<Self> {
         let mut paths = vec![Self::Portable];
         if Self::detect() != Self::Portable {
@@ -225,7 +226,7 @@ fn portable_blocks<B: Block>(w: &[B], x: &[Q8], rows: usize, out: &mut [f32]) {
         for (tile, out) in out.chunks_mut(TILE).enumerate() {
             let (mut acc, mut macc) = ([0f32; TILE], [0f32; TILE]);
             for (b, wb) in wrow.iter().enumerate() {
-                let (q, d, m) = (wb.quants(), wb.scale(), wb.min());
+                let (q, d, m) = (wb.quants(), f16_bits(wb.d()), f16_bits(wb.m()));
                 for (i, (a, ma)) in acc.iter_mut().zip(&mut macc).take(out.len()).enumerate() {
                     let xb = &x[(tile * TILE + i) * blocks + b];
                     let dot: i32 = q
@@ -264,8 +265,14 @@ thread_local! {
 /// Weight rows per parallel task, at least.
 const MIN_TASK_ROWS: usize = 16;
 
-/// Runs `kernel` over the weight rows in parallel: `kernel(weight rows, out)` fills `out` with
-/// `rows` results per weight row (column-major). `dst` gets them row-major.
+/// Runs `kernel` over the weight rows, split across candle's CPU pool (the one its own matmuls
+/// use: two pools spinning for work on the same cores slow both down): `kernel(weight rows,
+/// out)` fills `out` with `rows` results per weight row (column-major). `dst` gets them
+/// row-major.
+#[allow(
+    unsafe_code,
+    reason = "the pool's tasks write disjoint chunks of one buffer through a raw pointer"
+)]
 fn drive<W: Sync>(
     weights: &[W],
     per_row: usize,
@@ -275,6 +282,10 @@ fn drive<W: Sync>(
     dst: &mut [f32],
     kernel: impl Fn(&[W], &mut [f32]) + Sync,
 ) {
+    /// The output buffer, shared by the pool's tasks.
+    struct Shared(*mut f32);
+    // SAFETY: each task writes only its own chunk (below).
+    unsafe impl Sync for Shared {}
     SCRATCH.with(|scratch| {
         let cols = &mut scratch.borrow_mut().1;
         // One row: column-major is row-major, write straight into dst.
@@ -284,13 +295,23 @@ fn drive<W: Sync>(
             cols.resize(out_dim * rows, 0.0);
             cols
         };
-        let threads = rayon::current_num_threads();
-        if parallel && threads > 1 {
-            let task = out_dim.div_ceil(threads * 4).max(MIN_TASK_ROWS);
-            weights
-                .par_chunks(task * per_row)
-                .zip(out.par_chunks_mut(task * rows))
-                .for_each(|(w, o)| kernel(w, o));
+        if parallel && candle_core::utils::get_num_threads() > 1 {
+            let task = MIN_TASK_ROWS;
+            let shared = Shared(out.as_mut_ptr());
+            let shared = &shared;
+            let len = out.len();
+            candle_core::utils::barrier_pool().execute_chunked(out_dim.div_ceil(task), |range| {
+                for t in range {
+                    let (first, n) = (t * task, task.min(out_dim - t * task));
+                    assert!((first + n) * rows <= len);
+                    // SAFETY: task t alone writes rows first..first + n of `out`, in bounds
+                    // (checked), and `out` outlives the pool's call.
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut(shared.0.add(first * rows), n * rows)
+                    };
+                    kernel(&weights[first * per_row..][..n * per_row], o);
+                }
+            });
         } else {
             kernel(weights, out);
         }

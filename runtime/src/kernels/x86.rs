@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::rows::{Block, Q8, QK, TILE, layout};
+use super::rows::{Block, Q8, TILE, layout};
 
 /// A weight block decoded to 32 signed bytes (q − offset) in one register.
 pub(crate) trait Decode {
@@ -87,6 +87,11 @@ impl Decode for layout::Q8_0 {
     }
 }
 
+#[target_feature(enable = "f16c")]
+fn f16c(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
 #[target_feature(enable = "avx2,fma")]
 fn hsum(x: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
@@ -94,53 +99,88 @@ fn hsum(x: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
-/// One weight row against activation rows `r0..r0 + T`: `T` accumulators, each weight block
-/// decoded once. A row's operations do not depend on `T` or `r0`.
+/// `W` weight rows against activation rows `r0..r0 + T`: W · T accumulators, each weight block
+/// decoded once (several weight rows at once keep several loads in flight). The operations for
+/// one (weight row, activation row) pair do not depend on `W`, `T` or `r0`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn blocks_tile<B: Block, const T: usize>(wrow: &[B], x: &[Q8], r0: usize, out: &mut [f32]) {
-    let nb = wrow.len();
+unsafe fn blocks_tile<B: Block, const W: usize, const T: usize>(
+    wrows: &[B],
+    x: &[Q8],
+    rows: usize,
+    r0: usize,
+    out: &mut [f32],
+) {
+    let nb = wrows.len() / W;
+    let ws: [&[B]; W] = std::array::from_fn(|j| &wrows[j * nb..][..nb]);
     let xs: [&[Q8]; T] = std::array::from_fn(|i| &x[(r0 + i) * nb..][..nb]);
-    let (mut acc, mut macc) = ([_mm256_setzero_ps(); T], [0f32; T]);
+    let (mut acc, mut macc) = ([[_mm256_setzero_ps(); T]; W], [[0f32; T]; W]);
     let ones = _mm256_set1_epi16(1);
-    for (b, wb) in wrow.iter().enumerate() {
-        // SAFETY: AVX2 is enabled here.
-        let q = unsafe { wb.decode() };
-        let aq = _mm256_sign_epi8(q, q);
-        let (d, m) = (wb.scale(), wb.min());
-        for i in 0..T {
-            let xb = &xs[i][b];
-            // SAFETY: 32 bytes are read from a 32-byte array.
-            let y = unsafe { _mm256_loadu_si256(xb.qs.as_ptr().cast()) };
-            // |q| · (y with q's sign): u8 × i8 pairs, then pairs of i16 to i32.
-            let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(y, q)), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), _mm256_cvtepi32_ps(dot), acc[i]);
-            if B::MIN {
-                macc[i] += m * xb.s;
+    for b in 0..nb {
+        for j in 0..W {
+            let wb = &ws[j][b];
+            // SAFETY: AVX2 is enabled here.
+            let q = unsafe { wb.decode() };
+            let aq = _mm256_sign_epi8(q, q);
+            let (d, m) = (f16c(wb.d()), f16c(wb.m()));
+            for i in 0..T {
+                let xb = &xs[i][b];
+                // SAFETY: 32 bytes are read from a 32-byte array.
+                let y = unsafe { _mm256_loadu_si256(xb.qs.as_ptr().cast()) };
+                // |q| · (y with q's sign): u8 × i8 pairs, then pairs of i16 to i32.
+                let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(y, q)), ones);
+                acc[j][i] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), _mm256_cvtepi32_ps(dot), acc[j][i]);
+                if B::MIN {
+                    macc[j][i] += m * xb.s;
+                }
             }
         }
     }
-    for i in 0..T {
-        out[r0 + i] = hsum(acc[i]) + macc[i];
+    for j in 0..W {
+        for i in 0..T {
+            out[j * rows + r0 + i] = hsum(acc[j][i]) + macc[j][i];
+        }
     }
 }
+
+/// Weight rows `wrows` (`W` of them) against every activation row, in tiles of [`TILE`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn blocks_group<B: Block, const W: usize>(
+    wrows: &[B],
+    x: &[Q8],
+    rows: usize,
+    out: &mut [f32],
+) {
+    let mut r0 = 0;
+    // SAFETY (each call): the features are enabled here.
+    while rows - r0 >= TILE {
+        unsafe { blocks_tile::<B, W, TILE>(wrows, x, rows, r0, out) };
+        r0 += TILE;
+    }
+    match rows - r0 {
+        3 => unsafe { blocks_tile::<B, W, 3>(wrows, x, rows, r0, out) },
+        2 => unsafe { blocks_tile::<B, W, 2>(wrows, x, rows, r0, out) },
+        1 => unsafe { blocks_tile::<B, W, 1>(wrows, x, rows, r0, out) },
+        _ => {}
+    }
+}
+
+/// Weight rows taken together by the block kernel.
+const GROUP: usize = 4;
 
 /// [`super::rows`]'s block kernel: `out` gets `rows` results per weight row.
 pub(crate) fn blocks<B: Block>(w: &[B], x: &[Q8], rows: usize, out: &mut [f32]) {
     let nb = x.len() / rows;
-    debug_assert_eq!(nb * QK, nb * 32);
-    for (wrow, out) in w.chunks_exact(nb).zip(out.chunks_exact_mut(rows)) {
-        let mut r0 = 0;
-        // SAFETY (each call): the caller checked AVX2, FMA and F16C (Path::Avx2).
-        while rows - r0 >= TILE {
-            unsafe { blocks_tile::<B, TILE>(wrow, x, r0, out) };
-            r0 += TILE;
-        }
-        match rows - r0 {
-            3 => unsafe { blocks_tile::<B, 3>(wrow, x, r0, out) },
-            2 => unsafe { blocks_tile::<B, 2>(wrow, x, r0, out) },
-            1 => unsafe { blocks_tile::<B, 1>(wrow, x, r0, out) },
-            _ => {}
-        }
+    let groups = w.chunks_exact(nb * GROUP);
+    let rest = groups.remainder();
+    let mut outs = out.chunks_exact_mut(rows * GROUP);
+    // SAFETY (each call): the caller checked AVX2, FMA and F16C (Path::Avx2).
+    for (wrows, out) in groups.zip(&mut outs) {
+        unsafe { blocks_group::<B, GROUP>(wrows, x, rows, out) };
+    }
+    let out = outs.into_remainder();
+    for (wrow, out) in rest.chunks_exact(nb).zip(out.chunks_exact_mut(rows)) {
+        unsafe { blocks_group::<B, 1>(wrow, x, rows, out) };
     }
 }
 
