@@ -447,7 +447,7 @@ impl KPolicy {
             } else {
                 cap
             };
-            if self.drafted_rounds % EXPLORE_EVERY == 0 && plan.k < limit {
+            if self.drafted_rounds.is_multiple_of(EXPLORE_EVERY) && plan.k < limit {
                 plan.k += 1;
             }
         }

@@ -167,11 +167,11 @@ pub fn quantize_to_gguf(dir: &Path, out: &Path, quant: QuantType) -> Result<Quan
     }
     let mut metadata = model_metadata(&config, quant, dir);
     let tokenizer_path = dir.join("tokenizer.json");
-    if tokenizer_path.exists() {
-        if let Some(tok) = sentencepiece_metadata(&tokenizer_path, &config)? {
-            metadata.extend(tok);
-            report.tokenizer_in_metadata = true;
-        }
+    if tokenizer_path.exists()
+        && let Some(tok) = sentencepiece_metadata(&tokenizer_path, &config)?
+    {
+        metadata.extend(tok);
+        report.tokenizer_in_metadata = true;
     }
     let meta_refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> =

@@ -11,6 +11,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::{bf16, f16};
 
+use super::kquants;
 use super::rows::{self, Path, layout};
 use crate::Result;
 
@@ -32,6 +33,8 @@ const REPACKED_ROWS: usize = 16;
 pub(crate) enum Matmul {
     /// A GGUF tensor on the CPU of a type stored in blocks of 32 ([`rows`]' kernels).
     Blocks(Arc<QTensor>),
+    /// A Q4_K or Q6_K tensor on a CPU with AVX-512 ([`kquants`]' kernels).
+    KQuant(Arc<QTensor>),
     /// A GGUF tensor on the CPU.
     Quantized(Arc<QTensor>),
     /// A GGUF tensor on the CPU of a [`REPACKED`] type.
@@ -54,6 +57,11 @@ impl Matmul {
         }
         Ok(if !t.device().is_cpu() {
             Self::Candle(QMatMul::from_arc(t)?)
+        } else if Path::detect() == Path::Avx512
+            && matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q6K)
+            && t.shape().dims2()?.1 % kquants::QK_K == 0
+        {
+            Self::KQuant(t)
         } else if REPACKED.contains(&t.dtype()) {
             Self::Repacked(QMatMul::from_arc(t)?)
         } else if matches!(
@@ -85,7 +93,7 @@ impl Matmul {
         let (out_dim, in_dim) = match self {
             Self::Candle(m) => return Ok(m.forward(xs)?),
             Self::Repacked(m) => return repacked(m, xs),
-            Self::Quantized(t) | Self::Blocks(t) => t.shape().dims2()?,
+            Self::Quantized(t) | Self::Blocks(t) | Self::KQuant(t) => t.shape().dims2()?,
             Self::Dense {
                 out_dim, in_dim, ..
             } => (*out_dim, *in_dim),
@@ -98,6 +106,19 @@ impl Matmul {
         match self {
             Self::Quantized(t) => quantized(t, mkn, &lhs, &mut dst)?,
             Self::Blocks(t) => blocks(t, Path::detect(), mkn, &lhs, &mut dst)?,
+            Self::KQuant(t) => {
+                let data = t.data()?;
+                match t.dtype() {
+                    GgmlDType::Q4K => {
+                        let w = cast::<kquants::layout::Q4K>(&data)?;
+                        kquants::matmul(Path::detect(), w, mkn, &lhs, &mut dst);
+                    }
+                    _ => {
+                        let w = cast::<kquants::layout::Q6K>(&data)?;
+                        kquants::matmul(Path::detect(), w, mkn, &lhs, &mut dst);
+                    }
+                }
+            }
             Self::Dense { weight, .. } => {
                 rows::matmul_dense(Path::detect(), weight, mkn, &lhs, &mut dst);
             }
@@ -191,7 +212,9 @@ fn quantized(
 )]
 pub(super) fn cast<T>(bytes: &[u8]) -> candle_core::Result<&[T]> {
     let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 || (bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+    if !bytes.len().is_multiple_of(size)
+        || !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+    {
         candle_core::bail!(
             "{} bytes at {:p} are not {} blocks",
             bytes.len(),

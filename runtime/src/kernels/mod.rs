@@ -15,20 +15,29 @@
 //! Other devices (CUDA) keep candle's kernels.
 
 mod attention;
+mod kquants;
 mod matmul;
 mod rows;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_kquants;
 
 #[cfg(target_arch = "x86_64")]
 use x86::Decode;
+#[cfg(target_arch = "x86_64")]
+use x86_kquants::DecodeK;
 /// Nothing to decode where there is no SIMD path.
 #[cfg(not(target_arch = "x86_64"))]
 trait Decode {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<T> Decode for T {}
+#[cfg(not(target_arch = "x86_64"))]
+trait DecodeK {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T> DecodeK for T {}
 
 pub(crate) use attention::{AttentionShape, attention};
 pub(crate) use matmul::Matmul;

@@ -172,6 +172,8 @@ pub(crate) enum Path {
     Portable,
     /// x86-64 with AVX2, FMA and F16C.
     Avx2,
+    /// And AVX-512 F and BW: the K-quant kernels too ([`super::kquants`]).
+    Avx512,
 }
 
 impl Path {
@@ -184,6 +186,11 @@ impl Path {
                 && std::arch::is_x86_feature_detected!("fma")
                 && std::arch::is_x86_feature_detected!("f16c")
             {
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                {
+                    return Path::Avx512;
+                }
                 return Path::Avx2;
             }
             Path::Portable
@@ -193,11 +200,11 @@ impl Path {
     /// Every path this CPU can run (for tests).
     #[cfg(test)]
     pub(crate) fn available() -> Vec<Self> {
-        let mut paths = vec![Self::Portable];
-        if Self::detect() != Self::Portable {
-            paths.push(Self::detect());
+        match Self::detect() {
+            Self::Portable => vec![Self::Portable],
+            Self::Avx2 => vec![Self::Portable, Self::Avx2],
+            Self::Avx512 => vec![Self::Portable, Self::Avx2, Self::Avx512],
         }
-        paths
     }
 }
 
@@ -273,7 +280,7 @@ const MIN_TASK_ROWS: usize = 16;
     unsafe_code,
     reason = "the pool's tasks write disjoint chunks of one buffer through a raw pointer"
 )]
-fn drive<W: Sync>(
+pub(crate) fn drive<W: Sync>(
     weights: &[W],
     per_row: usize,
     out_dim: usize,
@@ -350,9 +357,9 @@ pub(crate) fn matmul_blocks<B: Block>(
         |w, out| match path {
             Path::Portable => portable_blocks(w, &x, rows, out),
             #[cfg(target_arch = "x86_64")]
-            Path::Avx2 => super::x86::blocks(w, &x, rows, out),
+            Path::Avx2 | Path::Avx512 => super::x86::blocks(w, &x, rows, out),
             #[cfg(not(target_arch = "x86_64"))]
-            Path::Avx2 => unreachable!("AVX2 is detected on x86-64 only"),
+            Path::Avx2 | Path::Avx512 => unreachable!("AVX2 is detected on x86-64 only"),
         },
     );
     SCRATCH.with(|s| s.borrow_mut().0 = x);
@@ -377,9 +384,9 @@ pub(crate) fn matmul_dense(
         |w, out| match path {
             Path::Portable => portable_dense(w, lhs, rows, out),
             #[cfg(target_arch = "x86_64")]
-            Path::Avx2 => super::x86::dense(w, lhs, rows, out),
+            Path::Avx2 | Path::Avx512 => super::x86::dense(w, lhs, rows, out),
             #[cfg(not(target_arch = "x86_64"))]
-            Path::Avx2 => unreachable!("AVX2 is detected on x86-64 only"),
+            Path::Avx2 | Path::Avx512 => unreachable!("AVX2 is detected on x86-64 only"),
         },
     );
 }

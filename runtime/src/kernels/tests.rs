@@ -4,6 +4,7 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
+use super::kquants;
 use super::matmul::cast;
 use super::rows::{self, Path, layout};
 
@@ -38,6 +39,20 @@ fn run(dtype: GgmlDType, path: Path, w: &[f32], x: &[f32], mkn: (usize, usize, u
         };
     }
     match dtype {
+        GgmlDType::Q4K => kquants::matmul(
+            path,
+            cast::<kquants::layout::Q4K>(&bytes).expect("blocks"),
+            mkn,
+            x,
+            &mut dst,
+        ),
+        GgmlDType::Q6K => kquants::matmul(
+            path,
+            cast::<kquants::layout::Q6K>(&bytes).expect("blocks"),
+            mkn,
+            x,
+            &mut dst,
+        ),
         GgmlDType::Q4_0 => go!(layout::Q4_0),
         GgmlDType::Q4_1 => go!(layout::Q4_1),
         GgmlDType::Q5_0 => go!(layout::Q5_0),
@@ -59,24 +74,45 @@ fn dequantized(dtype: GgmlDType, w: &[f32], out_dim: usize, in_dim: usize) -> Ve
     d.flatten_all().expect("flat").to_vec1().expect("vec")
 }
 
-const TYPES: [GgmlDType; 6] = [
+const TYPES: [GgmlDType; 8] = [
     GgmlDType::Q4_0,
     GgmlDType::Q4_1,
     GgmlDType::Q5_0,
     GgmlDType::Q5_1,
     GgmlDType::Q8_0,
     GgmlDType::F32,
+    GgmlDType::Q4K,
+    GgmlDType::Q6K,
 ];
+
+/// The paths that run `dtype`: the K-quants have an AVX-512 kernel only.
+fn paths(dtype: GgmlDType) -> Vec<Path> {
+    let all = Path::available();
+    if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) {
+        let paths: Vec<Path> = all.into_iter().filter(|p| *p == Path::Avx512).collect();
+        if paths.is_empty() {
+            eprintln!("{dtype:?}: no AVX-512 on this CPU, its kernel is not tested here");
+        }
+        paths
+    } else {
+        all
+    }
+}
 
 #[test]
 fn every_kernel_matches_the_dequantized_product() {
-    // 320 inputs (10 blocks; for f32 324, a tail past the 16-wide body), 37 outputs, 6 rows.
+    // 320 inputs (10 blocks; for f32 324, a tail past the 16-wide body; for K-quants 512, two
+    // super-blocks), 37 outputs, 6 rows.
     let (rows, out_dim) = (6, 37);
     for dtype in TYPES {
-        let in_dim = if dtype == GgmlDType::F32 { 324 } else { 320 };
+        let in_dim = match dtype {
+            GgmlDType::F32 => 324,
+            GgmlDType::Q4K | GgmlDType::Q6K => 512,
+            _ => 320,
+        };
         let (w, x) = data(out_dim, in_dim, rows);
         let reference = dequantized(dtype, &w, out_dim, in_dim);
-        for path in Path::available() {
+        for path in paths(dtype) {
             let got = run(dtype, path, &w, &x, (rows, in_dim, out_dim));
             for r in 0..rows {
                 for o in 0..out_dim {
@@ -107,10 +143,10 @@ fn every_kernel_matches_the_dequantized_product() {
 
 #[test]
 fn a_row_gets_the_same_bits_in_a_block_of_any_size() {
-    let (in_dim, out_dim) = (256, 300);
+    let (in_dim, out_dim) = (512, 300);
     let (w, x) = data(out_dim, in_dim, 9);
     for dtype in TYPES {
-        for path in Path::available() {
+        for path in paths(dtype) {
             let block = run(dtype, path, &w, &x, (9, in_dim, out_dim));
             for r in 0..9 {
                 let alone = run(

@@ -88,7 +88,7 @@ impl Decode for layout::Q8_0 {
 }
 
 #[target_feature(enable = "f16c")]
-fn f16c(bits: u16) -> f32 {
+pub(crate) fn f16c(bits: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
 

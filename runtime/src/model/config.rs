@@ -231,13 +231,13 @@ impl ModelConfig {
                     .into(),
             );
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return fail(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return fail(format!("head_dim {} must be even for rope", self.head_dim));
         }
         if self.vocab_size == 0 || self.max_context == 0 {

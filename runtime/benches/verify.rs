@@ -1,0 +1,67 @@
+//! What a verify block costs against a decode step, for a whole model: the wall time of one
+//! forward over n positions (logits for each, as verification asks) over that of one position,
+//! alternated, medians. Issue 11's goal is ≤ 1.3 at n = 9.
+//!
+//! `BENCH_MODEL=path.gguf cargo bench -p tandem-runtime --bench verify` (BENCH_ROWS, default
+//! `1,5,9`; BENCH_ITERS, default 10). Without BENCH_MODEL, the Qwen2.5-Coder 1.5B target in
+//! ~/.cache/tandem/models if it is there.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use tandem_runtime::{LoadOptions, Logits, Model};
+
+fn main() -> anyhow::Result<()> {
+    tandem_runtime::init_cpu_threads();
+    let model = match std::env::var_os("BENCH_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => {
+            let home = std::env::var_os("HOME").unwrap_or_default();
+            PathBuf::from(home).join(".cache/tandem/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+        }
+    };
+    if !model.exists() {
+        println!("{} not found: set BENCH_MODEL", model.display());
+        return Ok(());
+    }
+    let iters: usize = std::env::var("BENCH_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10);
+    let rows: Vec<usize> = std::env::var("BENCH_ROWS")
+        .unwrap_or_else(|_| "1,5,9".into())
+        .split(',')
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    let m = Model::load(&model, &LoadOptions::default())?;
+    let mut cache = m.new_cache();
+    let prompt: Vec<u32> = (0..64).map(|i| 100 + i * 7).collect();
+    m.forward(&prompt, &mut cache, Logits::Last)?;
+    let base = cache.len();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
+    for i in 0..iters + 2 {
+        for (n, t) in rows.iter().zip(times.iter_mut()) {
+            let block: Vec<u32> = (0..*n as u32).map(|j| 200 + j).collect();
+            let start = Instant::now();
+            m.forward(&block, &mut cache, Logits::All)?;
+            if i >= 2 {
+                t.push(start.elapsed().as_secs_f64());
+            }
+            cache.truncate(base)?;
+        }
+    }
+    println!("{}", model.display());
+    println!("| positions | ms | / one position |");
+    println!("|---|---|---|");
+    let medians: Vec<f64> = times
+        .into_iter()
+        .map(|mut t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        })
+        .collect();
+    for (n, t) in rows.iter().zip(&medians) {
+        println!("| {n} | {:.1} | {:.2} |", t * 1e3, t / medians[0]);
+    }
+    Ok(())
+}
