@@ -131,8 +131,15 @@ async fn eight_concurrent_sessions_equal_the_same_requests_alone() {
     }
     for (req, concurrent) in requests.iter().zip(&together) {
         let alone = generate(&engine, req).await;
-        assert_eq!(concurrent.token_ids, alone.token_ids);
         assert_eq!(concurrent.token_ids.len(), req.max_tokens as usize);
+        // A sampled token depends on the draft it was verified against (the acceptance rule
+        // is exact in distribution, not draw for draw): a draft step abandoned at its deadline
+        // (a loaded machine) drafts nothing that round, and the sample may differ. Greedy
+        // output never does.
+        let stalled = concurrent.stats.draft_stalls + alone.stats.draft_stalls > 0;
+        if req.sampling.as_ref().is_none_or(|s| s.temperature == 0.0) || !stalled {
+            assert_eq!(concurrent.token_ids, alone.token_ids);
+        }
     }
     for addr in [cluster.target_addr, cluster.draft_addr.expect("draft")] {
         assert!(
