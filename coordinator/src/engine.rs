@@ -436,6 +436,7 @@ impl Engine {
             }
             let attached = model.as_ref().is_some_and(|m| m.session.is_some());
             let (plan, ngram) = self.plan(job, &mut policy, &log, attached, transcript.remaining());
+            tracing::debug!(?plan, policy = %policy.summary(), "round planned");
             let round_start = Instant::now();
             let round = tracing::info_span!("round", n = stats.base.rounds + 1, k = plan.k);
             // A block the draft drafted during the last verify, when its guess of the bonus

@@ -479,6 +479,22 @@ impl KPolicy {
         (round - self.model.expected_tokens(k) * self.verify_seconds(1)).max(0.0)
     }
 
+    /// A one-line account of the estimates (for debug logs).
+    pub fn summary(&self) -> String {
+        let model: Vec<String> = (1..=self.max_k)
+            .map(|k| format!("{:.0}", self.rate(Drafter::Model, k)))
+            .collect();
+        format!(
+            "target-only {:.0} tok/s, model by K {:?} (timed {}, calibration {:.2}), guess {:.2}, idle {:.2} s",
+            1.0 / self.verify_seconds(1),
+            model,
+            self.model.timed(),
+            self.model.calibration,
+            self.guess,
+            self.idle_seconds,
+        )
+    }
+
     /// What a first probe is expected to cost: how long the draft's session took to open.
     pub fn set_first_probe_cost(&mut self, seconds: f64) {
         self.first_probe_cost = seconds;
