@@ -6,14 +6,14 @@
 //! Qwen2.5-Coder 1.5B Q4_K_M target with candle's own kernels: logits 0.5 apart and a different
 //! greedy text after 20 tokens).
 //!
-//! - [`Matmul`]: every row is a dot product of the weight row with that activation row,
+//! - `Matmul`: every row is a dot product of the weight row with that activation row,
 //!   quantized once per row to 8 bits as llama.cpp does, the same code for one row and for many;
 //!   the weights are read once per call. Which code runs is chosen per weight when the model
-//!   loads, and nothing outside this module knows: [`rows`] (blocks of 32 and f32: AVX2 + FMA +
-//!   F16C in [`x86`], portable code elsewhere), [`kquants`] (Q4_K and Q6_K: AVX-512 in
-//!   [`x86_kquants`]), candle's repacked kernel for Q8_0 (and Q4_K without AVX-512), candle's
+//!   loads, and nothing outside this module knows: `rows` (blocks of 32 and f32: AVX2 + FMA +
+//!   F16C in `x86`, portable code elsewhere), `kquants` (Q4_K and Q6_K: AVX-512 in
+//!   `x86_kquants`), candle's repacked kernel for Q8_0 (and Q4_K without AVX-512), candle's
 //!   row-by-row product for the other types.
-//! - [`attention`]: causal attention row by row over exactly the keys the row sees, in a fixed
+//! - `attention`: causal attention row by row over exactly the keys the row sees, in a fixed
 //!   order.
 //!
 //! Other devices (CUDA) keep candle's kernels.
