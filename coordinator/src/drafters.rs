@@ -188,14 +188,15 @@ impl ModelDrafter {
 
     /// Starts attaching the draft-node again in the background, after the current backoff.
     pub fn reattach_later(&mut self, log: &TokenLog) {
-        let (tx, rx) = oneshot::channel();
-        let (channel, spec, log, wait) = (
-            self.channel.clone(),
-            self.spec.clone(),
-            log.clone(),
-            self.backoff,
-        );
+        let wait = self.backoff;
         self.backoff = (self.backoff * 2).min(REATTACH_MAX);
+        self.reattach_after(log, wait);
+    }
+
+    /// Starts attaching the draft-node again in the background after `wait`.
+    fn reattach_after(&mut self, log: &TokenLog, wait: Duration) {
+        let (tx, rx) = oneshot::channel();
+        let (channel, spec, log) = (self.channel.clone(), self.spec.clone(), log.clone());
         tokio::spawn(async move {
             tokio::time::sleep(wait).await;
             // The generation ended, or another attempt replaced this one: open nothing.
@@ -322,8 +323,13 @@ impl ModelDrafter {
                 })
             }
             Err(e) => {
-                // The caller drops the session (counting its traffic) before the next round.
-                self.reattach_later(committed);
+                // The caller drops the session (counting its traffic) before the next round. A
+                // node that answered late is alive: its new session is opened at once (a
+                // failure waits for the backoff).
+                match e {
+                    StepFailure::Stalled(_) => self.reattach_after(committed, Duration::ZERO),
+                    StepFailure::Failed(_) => self.reattach_later(committed),
+                }
                 Err(e)
             }
         }

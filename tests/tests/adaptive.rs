@@ -36,11 +36,14 @@ fn target_only(target: &Path, prompt: &[u32], n: u32) -> Vec<u32> {
 fn describe(o: &Outcome) -> String {
     let s = &o.stats;
     format!(
-        "model {} / ngram {} / target-only {} rounds, α {:.2}",
+        "model {} / ngram {} / target-only {} rounds, α {:.2}, stalls {}, re-attached {}, lost {:?}",
         s.model_rounds,
         s.ngram_rounds,
         s.target_only_rounds,
-        s.base.acceptance_rate()
+        s.base.acceptance_rate(),
+        s.draft_stalls,
+        s.draft_reattached,
+        s.draft_lost_reason
     )
 }
 
