@@ -1,0 +1,266 @@
+//! The K controller on synthetic costs.
+
+use super::*;
+
+#[derive(Clone, Copy)]
+struct Pair {
+    alpha: f64,
+    t_d: f64,
+    rtt: f64,
+    t1: f64,
+    slope: f64,
+    hidden: f64,
+    pipelining: bool,
+}
+
+fn pair(alpha: f64, t_d: f64, rtt: f64, t1: f64, slope: f64) -> Pair {
+    Pair {
+        alpha,
+        t_d,
+        rtt,
+        t1,
+        slope,
+        hidden: 0.0,
+        pipelining: true,
+    }
+}
+
+/// Feeds `rounds` rounds of a synthetic pair: a draft accepted with chance `alpha` per
+/// position, costing `rtt + k·t_d`, and a target whose verify costs
+/// `t_v(n) = t1 · (1 + slope · (n − 1))`; a drafted round also costs `hidden` seconds that
+/// neither part shows. As the engine does, a block is drafted ahead during the verify where
+/// the policy says it fits (the round then lasts the longer of the two), and used by the
+/// next round when every draft was accepted (the draft's guess of the bonus always right).
+/// Returns the plans chosen.
+fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
+    let Pair {
+        alpha,
+        t_d,
+        rtt,
+        t1,
+        slope,
+        hidden,
+        pipelining,
+    } = pair;
+    let mut policy = KPolicy::new(ADAPTIVE_MAX_K);
+    policy.set_pipelining(pipelining);
+    let mut plans = Vec::new();
+    // A fixed-seed generator: each position is accepted with chance alpha.
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut uniform = move || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 11) as f64 / (1u64 << 53) as f64
+    };
+    // The length of the block drafted ahead and ready for the next round.
+    let mut ready = 0;
+    for _ in 0..rounds {
+        let plan = policy.choose(true, 0, 1000);
+        let drafted_ahead = plan.k > 0 && ready > 0;
+        let k = if drafted_ahead {
+            plan.k.min(ready)
+        } else {
+            plan.k
+        };
+        let accepted = (0..k).take_while(|_| uniform() < alpha).count();
+        let draft = if k == 0 || drafted_ahead {
+            0.0
+        } else {
+            rtt + k as f64 * t_d
+        };
+        let verify = t1 * (1.0 + slope * k as f64);
+        let ahead = k > 0 && policy.ahead_k(k) >= k;
+        let round = if ahead {
+            draft + verify.max(rtt + (k + 1) as f64 * t_d)
+        } else {
+            draft + verify
+        };
+        let hidden = if k > 0 { hidden } else { 0.0 };
+        ready = if ahead && accepted == k { k } else { 0 };
+        let drafts_next = ahead;
+        if ahead && accepted == k {
+            policy.observe_guess(true);
+        }
+        policy.observe(
+            Plan { k, ..plan },
+            &RoundCosts {
+                drafted: k,
+                drafted_ahead,
+                drafts_next,
+                accepted,
+                draft_wall: draft,
+                draft_compute: if drafted_ahead { 0.0 } else { k as f64 * t_d },
+                verify_wall: verify,
+                round_wall: round + hidden,
+            },
+        );
+        plans.push(plan);
+    }
+    plans
+}
+
+fn settled_k(plans: &[Plan]) -> usize {
+    let tail = &plans[plans.len() - 40..];
+    let mut ks: Vec<usize> = tail.iter().map(|p| p.k).collect();
+    ks.sort_unstable();
+    ks[ks.len() / 2]
+}
+
+#[test]
+fn a_good_cheap_draft_drafts_long_blocks() {
+    // α = 0.9, draft 1/20 of the target, free link, verify nearly flat in n (a GPU).
+    let plans = simulate(pair(0.9, 0.001, 0.0, 0.02, 0.02), 300);
+    assert!(settled_k(&plans) >= 6, "{:?}", &plans[plans.len() - 10..]);
+}
+
+#[test]
+fn a_useless_draft_or_a_slow_link_settles_on_target_only_with_rare_probes() {
+    for (alpha, rtt) in [(0.05, 0.0), (0.8, 0.5)] {
+        let plans = simulate(pair(alpha, 0.004, rtt, 0.02, 0.25), 400);
+        assert_eq!(settled_k(&plans), 0, "alpha {alpha}, rtt {rtt}");
+        let probes = plans[200..].iter().filter(|p| p.k > 0).count();
+        // The budget: probes lose at most 2% of the time, a dozen of these in 200 rounds.
+        assert!(
+            probes <= 12,
+            "alpha {alpha}, rtt {rtt}: {probes} probes in 200 rounds"
+        );
+    }
+}
+
+#[test]
+fn a_cost_the_parts_do_not_show_is_learnt_from_the_rounds() {
+    // α = 0.8 with a cheap draft pays (see below), unless each drafted round also loses
+    // 50 ms that neither the draft's nor the verify's time shows: then drafting at any K is
+    // slower than the target alone (K = 6: 3.95 tokens in 88 ms against 1 in 20 ms), and
+    // the rounds' measured time must teach the policy so.
+    let honest = simulate(pair(0.8, 0.002, 0.0, 0.02, 0.1), 300);
+    assert!(settled_k(&honest) > 0);
+    let hidden = simulate(
+        Pair {
+            hidden: 0.05,
+            ..pair(0.8, 0.002, 0.0, 0.02, 0.1)
+        },
+        300,
+    );
+    assert_eq!(settled_k(&hidden), 0);
+    let drafted = hidden[100..].iter().filter(|p| p.k > 0).count();
+    assert!(drafted <= 12, "{drafted} drafted rounds of 200");
+}
+
+#[test]
+fn a_longer_link_picks_a_longer_block_while_drafting_still_pays() {
+    // α = 0.8 with a cheap draft, drafting then verifying: the round trip is paid once per
+    // round, so a longer link calls for more tokens per round.
+    let serial = |rtt| Pair {
+        pipelining: false,
+        ..pair(0.8, 0.002, rtt, 0.02, 0.1)
+    };
+    let near = settled_k(&simulate(serial(0.0), 300));
+    let far = settled_k(&simulate(serial(0.02), 300));
+    assert!(far >= near && far > 0, "near {near}, far {far}");
+    // Drafting during the verify, the 20 ms link still pays.
+    let pipelined = simulate(pair(0.8, 0.002, 0.02, 0.02, 0.1), 300);
+    assert!(settled_k(&pipelined) > 0);
+}
+
+#[test]
+fn the_choice_maximises_the_cost_model() {
+    let mut policy = KPolicy::new(8);
+    // Known costs: verify 10 ms flat, model free and always right, n-gram as well.
+    for n in [1, 1, 2, 3, 4, 5, 6, 7, 8, 9] {
+        policy.verify.observe(n, 0.010);
+    }
+    policy.model.accept = [1.0; ADAPTIVE_MAX_K];
+    policy.model.tried = [100; ADAPTIVE_MAX_K];
+    policy.model.overhead.add(0.0);
+    policy.model.compute.observe(1, 0.001);
+    assert_eq!(
+        policy.choose(true, 0, 100),
+        Plan {
+            drafter: Some(Drafter::Model),
+            k: 8
+        }
+    );
+    // Only 3 tokens left: K = 2 at most (the last token is the bonus).
+    assert_eq!(policy.choose(true, 0, 3).k, 2);
+    // A perfect, free n-gram match beats a model that costs time.
+    policy.ngram.accept = [1.0; ADAPTIVE_MAX_K];
+    policy.ngram.tried = [100; ADAPTIVE_MAX_K];
+    assert_eq!(
+        policy.choose(true, 8, 100),
+        Plan {
+            drafter: Some(Drafter::Ngram),
+            k: 8
+        }
+    );
+    // Without a model or a match: target only.
+    assert_eq!(policy.choose(false, 0, 100), Plan::TARGET_ONLY);
+    // Its 8 drafts fit in the verify's 10 ms: drafted ahead (9 ms with the guess), they cost
+    // time only when the guess of the bonus token (0.6, the prior) misses.
+    assert_eq!(policy.ahead_k(8), 8);
+    let expected = 9.0 / (0.010 + 0.4 * 0.008);
+    assert!((policy.rate(Drafter::Model, 8) - expected).abs() < 1e-9);
+}
+
+#[test]
+fn verify_cost_interpolates_between_the_sizes_seen() {
+    let mut policy = KPolicy::new(8);
+    policy.verify.observe(1, 0.010);
+    // One size seen: the prior slope scales it.
+    assert!((policy.verify_seconds(5) - 0.010 * 2.0).abs() < 1e-12);
+    policy.verify.observe(5, 0.030);
+    assert!((policy.verify_seconds(3) - 0.020).abs() < 1e-12);
+    assert!((policy.verify_seconds(9) - 0.050).abs() < 1e-12);
+    assert!((policy.verify_seconds(5) - 0.030).abs() < 1e-12);
+    // A draft whose compute has a fixed part (feeding the last round's tokens): the line
+    // through two sizes carries it, where a per-token rate would overcharge long blocks.
+    policy.model.compute.observe(2, 0.018);
+    assert!((policy.model.draft_seconds(8) - 0.072).abs() < 1e-12);
+    policy.model.compute.observe(4, 0.026);
+    assert!((policy.model.draft_seconds(8) - 0.042).abs() < 1e-12);
+}
+
+#[test]
+fn a_new_session_starts_from_what_the_last_one_learnt() {
+    let mut first = KPolicy::new(8);
+    for n in [1, 1, 9] {
+        first.verify.observe(n, 0.010);
+    }
+    first.model.overhead.add(0.0);
+    first.model.compute.observe(8, 0.008);
+    first.model.accept = [1.0; ADAPTIVE_MAX_K];
+    first.model.tried = [100; ADAPTIVE_MAX_K];
+    let mut next = first.continued(8);
+    // No target-only warm-up and no probe needed: the model drafts from the first round.
+    assert_eq!(
+        next.choose(true, 0, 100),
+        Plan {
+            drafter: Some(Drafter::Model),
+            k: 8
+        }
+    );
+    // Acceptance carries as a prior only: four misses bring position 1 from 1 to 0.6.
+    for _ in 0..4 {
+        next.observe(
+            Plan {
+                drafter: Some(Drafter::Model),
+                k: 1,
+            },
+            &RoundCosts {
+                drafted: 1,
+                verify_wall: 0.010,
+                ..RoundCosts::default()
+            },
+        );
+    }
+    assert!(next.model.accept[0] < 0.61, "{:?}", next.model.accept);
+    // A session with a lower bound on K (a request that fixes K = 4) learns from it too.
+    assert_eq!(
+        first.continued(4).choose(true, 0, 100),
+        Plan {
+            drafter: Some(Drafter::Model),
+            k: 4
+        }
+    );
+}
