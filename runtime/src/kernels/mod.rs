@@ -28,11 +28,15 @@ mod tests;
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_kquants;
+#[cfg(target_arch = "x86_64")]
+mod x86_pairs;
 
 #[cfg(target_arch = "x86_64")]
 use x86::Decode;
 #[cfg(target_arch = "x86_64")]
 use x86_kquants::DecodeK;
+#[cfg(target_arch = "x86_64")]
+use x86_pairs::DecodePair;
 /// Nothing to decode where there is no SIMD path.
 #[cfg(not(target_arch = "x86_64"))]
 trait Decode {}
@@ -42,6 +46,10 @@ impl<T> Decode for T {}
 trait DecodeK {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<T> DecodeK for T {}
+#[cfg(not(target_arch = "x86_64"))]
+trait DecodePair {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T> DecodePair for T {}
 
 pub(crate) use attention::{AttentionShape, attention};
 pub(crate) use matmul::Matmul;

@@ -80,7 +80,7 @@ pub(crate) mod layout {
 }
 
 /// A weight block of 32: its quants as signed bytes (q − offset), its scale and minimum.
-pub(crate) trait Block: Copy + Sync + 'static + super::Decode {
+pub(crate) trait Block: Copy + Sync + 'static + super::Decode + super::DecodePair {
     /// Whether the block has a minimum (the `_1` types).
     const MIN: bool;
     /// The f16 bits of the scale, and of the minimum (0 without one).
@@ -172,7 +172,8 @@ pub(crate) enum Path {
     Portable,
     /// x86-64 with AVX2, FMA and F16C.
     Avx2,
-    /// And AVX-512 F and BW: the K-quant kernels too ([`super::kquants`]).
+    /// And AVX-512 F, BW, DQ, VL and VNNI: the K-quant kernels ([`super::kquants`]) and the blocks
+    /// of 32 two at a time.
     Avx512,
 }
 
@@ -188,6 +189,9 @@ impl Path {
             {
                 if std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512dq")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx512vnni")
                 {
                     return Path::Avx512;
                 }
@@ -341,12 +345,29 @@ pub(crate) fn matmul_blocks<B: Block>(
     dst: &mut [f32],
 ) {
     let blocks = in_dim / QK;
+    let parallel = w.len() * QK >= super::attention::PARALLEL_WORK;
+    #[cfg(target_arch = "x86_64")]
+    if path == Path::Avx512 && blocks % 2 == 0 {
+        use super::x86_pairs::{Q8Pair, blocks as pairs, quantize as quantize_pairs};
+        thread_local! {
+            static X: RefCell<Vec<Q8Pair>> = const { RefCell::new(Vec::new()) };
+        }
+        let mut x = X.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        x.resize(rows * blocks / 2, Q8Pair::default());
+        for (xs, q) in lhs.chunks_exact(in_dim).zip(x.chunks_exact_mut(blocks / 2)) {
+            quantize_pairs(xs, q);
+        }
+        drive(w, blocks, out_dim, rows, parallel, dst, |w, out| {
+            pairs(w, &x, rows, out);
+        });
+        X.with(|s| *s.borrow_mut() = x);
+        return;
+    }
     let mut x = SCRATCH.with(|s| std::mem::take(&mut s.borrow_mut().0));
     x.resize(rows * blocks, Q8::default());
     for (xs, q) in lhs.chunks_exact(in_dim).zip(x.chunks_exact_mut(blocks)) {
         quantize(xs, q);
     }
-    let parallel = w.len() * QK >= super::attention::PARALLEL_WORK;
     drive(
         w,
         blocks,
