@@ -347,7 +347,7 @@ pub(crate) fn matmul_blocks<B: Block>(
     let blocks = in_dim / QK;
     let parallel = w.len() * QK >= super::attention::PARALLEL_WORK;
     #[cfg(target_arch = "x86_64")]
-    if path == Path::Avx512 && blocks % 2 == 0 {
+    if path == Path::Avx512 && blocks.is_multiple_of(2) {
         use super::x86_pairs::{Q8Pair, blocks as pairs, quantize as quantize_pairs};
         thread_local! {
             static X: RefCell<Vec<Q8Pair>> = const { RefCell::new(Vec::new()) };
