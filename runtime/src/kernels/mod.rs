@@ -10,9 +10,9 @@
 //!   quantized once per row to 8 bits as llama.cpp does, the same code for one row and for many;
 //!   the weights are read once per call. Which code runs is chosen per weight when the model
 //!   loads, and nothing outside this module knows: `rows` (blocks of 32 and f32: AVX2 + FMA +
-//!   F16C in `x86`, portable code elsewhere), `kquants` (Q4_K and Q6_K: AVX-512 in
-//!   `x86_kquants`), candle's repacked kernel for Q8_0 (and Q4_K without AVX-512), candle's
-//!   row-by-row product for the other types.
+//!   F16C in `x86`, AVX-512 VNNI two blocks at a time in `x86_pairs`, portable code elsewhere),
+//!   `kquants` (Q4_K and Q6_K: AVX-512 in `x86_kquants`), candle's repacked kernel for Q8_0 (and
+//!   Q4_K without AVX-512), candle's row-by-row product for the other types.
 //! - `attention`: causal attention row by row over exactly the keys the row sees, in a fixed
 //!   order.
 //!
