@@ -485,11 +485,19 @@ impl KPolicy {
             .map(|k| format!("{:.0}", self.rate(Drafter::Model, k)))
             .collect();
         format!(
-            "target-only {:.0} tok/s, model by K {:?} (timed {}, calibration {:.2}), guess {:.2}, idle {:.2} s",
+            "target-only {:.0} tok/s, model by K {:?} (timed {}, calibration {:.2}, acceptance {:?}, draft s by K {:?}, ahead {}), verify s by n {:?}, guess {:.2}, idle {:.2} s",
             1.0 / self.verify_seconds(1),
             model,
             self.model.timed(),
             self.model.calibration,
+            self.model.accept.map(|a| (a * 100.0).round() / 100.0),
+            (1..=self.max_k)
+                .map(|k| (self.model.draft_seconds(k) * 1e3).round() / 1e3)
+                .collect::<Vec<_>>(),
+            self.ahead_k(self.max_k),
+            (1..=self.max_k + 1)
+                .map(|n| (self.verify_seconds(n) * 1e3).round() / 1e3)
+                .collect::<Vec<_>>(),
             self.guess,
             self.idle_seconds,
         )

@@ -69,8 +69,10 @@ impl Proc {
         env: &[(&str, &str)],
     ) -> Self {
         let mut command = Command::new(binary(name));
+        // Warnings only, unless the caller asks for more.
+        let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
         command
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", log)
             .args(args)
             .envs(env.iter().copied());
         Self::spawn(name, command, addr)
@@ -82,8 +84,10 @@ impl Proc {
         let mut command = Command::new("taskset");
         // The node sizes its thread pools to the CPUs it may run on: pools inherited from this
         // process (sized to the whole machine) would fight over the one core.
+        // Warnings only, unless the caller asks for more.
+        let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
         command
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", log)
             .env_remove("RAYON_NUM_THREADS")
             .env_remove("CANDLE_NUM_THREADS")
             .args(["-c", cpus])
