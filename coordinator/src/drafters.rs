@@ -137,8 +137,9 @@ pub struct Timing {
 
 /// A draft-node at least this many committed tokens behind is worth catching up.
 const CATCH_UP_LAG: usize = 2;
-/// A background step (a catch-up, a timing) that has not answered in this long is a loss.
-const CATCH_UP_DEADLINE: Duration = Duration::from_secs(10);
+/// A background task (a re-attachment, a catch-up, a timing) that has not answered in this long
+/// is a loss.
+const BACKGROUND_DEADLINE: Duration = Duration::from_secs(10);
 
 impl ModelDrafter {
     pub fn new(channel: Channel, spec: SessionSpec, session: Option<NodeSession<Draft>>) -> Self {
@@ -190,18 +191,21 @@ impl ModelDrafter {
     pub fn reattach_later(&mut self, log: &TokenLog) {
         let wait = self.backoff;
         self.backoff = (self.backoff * 2).min(REATTACH_MAX);
-        self.reattach_after(log, wait);
-    }
-
-    /// Starts attaching the draft-node again in the background after `wait`.
-    fn reattach_after(&mut self, log: &TokenLog, wait: Duration) {
         let (tx, rx) = oneshot::channel();
         let (channel, spec, log) = (self.channel.clone(), self.spec.clone(), log.clone());
         tokio::spawn(async move {
             tokio::time::sleep(wait).await;
             // The generation ended, or another attempt replaced this one: open nothing.
             if !tx.is_closed() {
-                let opened = NodeSession::<Draft>::open(channel, spec, &log).await;
+                let open = NodeSession::<Draft>::open(channel, spec, &log);
+                let opened = match tokio::time::timeout(BACKGROUND_DEADLINE, open).await {
+                    Ok(opened) => opened,
+                    Err(_) => Err(Error::Unavailable {
+                        node: "draft-node",
+                        endpoint: String::new(),
+                        reason: format!("no session opened within {BACKGROUND_DEADLINE:?}"),
+                    }),
+                };
                 let _ = tx.send(opened.map(|session| (session, None)));
             }
         });
@@ -247,7 +251,7 @@ impl ModelDrafter {
                     k: k as u32,
                 })),
             });
-            let result = match tokio::time::timeout(CATCH_UP_DEADLINE, step).await {
+            let result = match tokio::time::timeout(BACKGROUND_DEADLINE, step).await {
                 Ok(Ok(p)) => Ok((
                     session,
                     (kind == Background::Time).then(|| Proposal {
@@ -261,7 +265,9 @@ impl ModelDrafter {
                 Err(_) => Err(Error::Unavailable {
                     node: "draft-node",
                     endpoint: String::new(),
-                    reason: format!("no answer to a background step within {CATCH_UP_DEADLINE:?}"),
+                    reason: format!(
+                        "no answer to a background step within {BACKGROUND_DEADLINE:?}"
+                    ),
                 }),
             };
             let _ = tx.send(result);
@@ -323,13 +329,11 @@ impl ModelDrafter {
                 })
             }
             Err(e) => {
-                // The caller drops the session (counting its traffic) before the next round. A
-                // node that answered late is alive: its new session is opened at once (a
-                // failure waits for the backoff).
-                match e {
-                    StepFailure::Stalled(_) => self.reattach_after(committed, Duration::ZERO),
-                    StepFailure::Failed(_) => self.reattach_later(committed),
-                }
+                // The caller drops the session (counting its traffic) before the next round; a
+                // new one is opened after the backoff, which doubles while the node keeps
+                // failing or stalling (a node still busy with the abandoned step is not asked
+                // again at once, round after round).
+                self.reattach_later(committed);
                 Err(e)
             }
         }

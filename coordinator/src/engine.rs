@@ -550,7 +550,10 @@ impl Engine {
             if let Some(r) = &verdict.draft_refused {
                 self.refused(&mut stats, &mut model, &r.reason, || r.message.clone());
             }
-            let drafts_next = drafted_next.is_some();
+            // A block drafted ahead that failed or stalled was priced by `observe_stall`: the
+            // round's wall time says nothing more about the drafter's cost.
+            let drafts_next = matches!(drafted_next, Some(Ok(_)));
+            let ahead_failed = matches!(drafted_next, Some(Err(_)));
             let drafted_next = match (drafted_next, model.as_mut()) {
                 (Some(Ok(next)), _) => Some(next),
                 (Some(Err(e)), Some(m)) => {
@@ -594,7 +597,7 @@ impl Engine {
                     draft_wall,
                     draft_compute: draft_secs,
                     verify_wall,
-                    round_wall,
+                    round_wall: if ahead_failed { 0.0 } else { round_wall },
                 },
             );
             stats.base.record_round(drafts.len(), accepted);

@@ -382,8 +382,13 @@ impl KPolicy {
     }
 
     /// Learns from a draft step of `k` abandoned at its deadline: it cost at least that much.
+    /// Entered as a round slower than predicted (the calibration, which rounds that go as
+    /// predicted bring back), not as the cost of `k` tokens: a cost by size would stand until
+    /// that size is drafted again, which its own price prevents.
     pub fn observe_stall(&mut self, k: usize, deadline: f64) {
-        self.model.compute.observe(k, deadline);
+        let expected = self.model.draft_seconds(k);
+        self.model
+            .calibrate(deadline / expected.max(f64::MIN_POSITIVE));
     }
 
     /// Learns whether the draft's guess of the bonus token was the target's, in a round whose

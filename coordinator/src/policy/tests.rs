@@ -11,6 +11,9 @@ struct Pair {
     slope: f64,
     hidden: f64,
     pipelining: bool,
+    /// A round whose block drafted ahead stalls: abandoned at the engine's deadline, 8 times
+    /// its expected time plus 0.5 s.
+    stall_at: Option<usize>,
 }
 
 fn pair(alpha: f64, t_d: f64, rtt: f64, t1: f64, slope: f64) -> Pair {
@@ -22,6 +25,7 @@ fn pair(alpha: f64, t_d: f64, rtt: f64, t1: f64, slope: f64) -> Pair {
         slope,
         hidden: 0.0,
         pipelining: true,
+        stall_at: None,
     }
 }
 
@@ -41,6 +45,7 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
         slope,
         hidden,
         pipelining,
+        mut stall_at,
     } = pair;
     let mut policy = KPolicy::new(ADAPTIVE_MAX_K);
     policy.set_pipelining(pipelining);
@@ -55,7 +60,7 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
     };
     // The length of the block drafted ahead and ready for the next round.
     let mut ready = 0;
-    for _ in 0..rounds {
+    for round_index in 0..rounds {
         let plan = policy.choose(true, 0, 1000);
         let drafted_ahead = plan.k > 0 && ready > 0;
         let k = if drafted_ahead {
@@ -71,15 +76,23 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
         };
         let verify = t1 * (1.0 + slope * k as f64);
         let ahead = k > 0 && policy.ahead_k(k) >= k;
-        let round = if ahead {
+        let stalled = ahead && stall_at.is_some_and(|at| round_index >= at) && {
+            stall_at = None;
+            true
+        };
+        let round = if stalled {
+            let deadline = 8.0 * (rtt + (k + 1) as f64 * t_d) + 0.5;
+            policy.observe_stall(k + 1, deadline);
+            draft + verify.max(deadline)
+        } else if ahead {
             draft + verify.max(rtt + (k + 1) as f64 * t_d)
         } else {
             draft + verify
         };
         let hidden = if k > 0 { hidden } else { 0.0 };
-        ready = if ahead && accepted == k { k } else { 0 };
-        let drafts_next = ahead;
-        if ahead && accepted == k {
+        let drafts_next = ahead && !stalled;
+        ready = if drafts_next && accepted == k { k } else { 0 };
+        if drafts_next && accepted == k {
             policy.observe_guess(true);
         }
         policy.observe(
@@ -92,7 +105,8 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
                 draft_wall: draft,
                 draft_compute: if drafted_ahead { 0.0 } else { k as f64 * t_d },
                 verify_wall: verify,
-                round_wall: round + hidden,
+                // The engine does not calibrate on a round whose step ahead failed.
+                round_wall: if stalled { 0.0 } else { round + hidden },
             },
         );
         plans.push(plan);
@@ -146,6 +160,29 @@ fn a_cost_the_parts_do_not_show_is_learnt_from_the_rounds() {
     assert_eq!(settled_k(&hidden), 0);
     let drafted = hidden[100..].iter().filter(|p| p.k > 0).count();
     assert!(drafted <= 12, "{drafted} drafted rounds of 200");
+}
+
+#[test]
+fn one_stalled_step_ahead_does_not_shut_the_draft_out() {
+    // A good cheap draft whose block drafted ahead stalls once, at round 100: it is priced
+    // at its deadline, yet the drafter keeps drafting and, once rounds go as predicted again,
+    // settles on the K it had without the stall (a stall once priced as the cost of K + 1
+    // tokens kept K below that for good).
+    let good = pair(0.8, 0.002, 0.0, 0.02, 0.1);
+    let calm = settled_k(&simulate(good, 300));
+    let plans = simulate(
+        Pair {
+            stall_at: Some(100),
+            ..good
+        },
+        300,
+    );
+    let drafted = plans[110..].iter().filter(|p| p.k > 0).count();
+    assert!(
+        drafted >= 180,
+        "{drafted} drafted rounds of 190 after the stall"
+    );
+    assert_eq!(settled_k(&plans), calm);
 }
 
 #[test]
