@@ -3,7 +3,7 @@
 //! alternated, medians. Issue 11's goal is ≤ 1.3 at n = 9.
 //!
 //! `BENCH_MODEL=path.gguf cargo bench -p tandem-runtime --bench verify` (BENCH_ROWS, default
-//! `1,5,9`; BENCH_ITERS, default 10). Without BENCH_MODEL, the Qwen2.5-Coder 1.5B target in
+//! `1,5,9`; BENCH_ITERS, default 10; BENCH_CONTEXT, the positions before the block, default 64). Without BENCH_MODEL, the Qwen2.5-Coder 1.5B target in
 //! ~/.cache/tandem/models if it is there.
 
 use std::path::PathBuf;
@@ -35,7 +35,11 @@ fn main() -> anyhow::Result<()> {
         .collect::<Result<_, _>>()?;
     let m = Model::load(&model, &LoadOptions::default())?;
     let mut cache = m.new_cache();
-    let prompt: Vec<u32> = (0..64).map(|i| 100 + i * 7).collect();
+    let context: u32 = std::env::var("BENCH_CONTEXT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(64);
+    let prompt: Vec<u32> = (0..context).map(|i| 100 + (i * 7) % 1000).collect();
     m.forward(&prompt, &mut cache, Logits::Last)?;
     let base = cache.len();
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];

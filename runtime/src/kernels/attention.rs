@@ -1,8 +1,14 @@
 //! Causal attention row by row on the CPU: each query row attends to exactly the positions it
 //! sees, with dot products, the softmax and the weighted sum in a fixed order, so that a row's
-//! output is the same in a block of any size.
+//! output is the same in a block of any size. Keys and values are read where the cache holds
+//! them: nothing is copied or concatenated per call, whatever the context's length.
 
-use rayon::prelude::*;
+use std::cell::RefCell;
+
+use candle_core::{Layout, Storage, Tensor};
+
+use super::rows::{Path, on_pool};
+use crate::Result;
 
 /// The sizes of one attention call.
 #[derive(Debug, Clone, Copy)]
@@ -12,53 +18,190 @@ pub(crate) struct AttentionShape {
     /// Query rows, at positions `pos..pos + n`.
     pub n: usize,
     pub pos: usize,
-    /// Rows held by `k` and `v` per kv head (≥ pos + n).
-    pub kv_len: usize,
     pub head_dim: usize,
+    /// Elements from one query head's first row to the next one's in `q`, and from one kv
+    /// head's to the next one's in `k` and `v` (≥ (pos + n) · head_dim: a cache allocated
+    /// for more positions than it holds).
+    pub q_stride: usize,
+    pub kv_stride: usize,
 }
 
-/// `q`: (heads, n, d); `k`, `v`: (kv_heads, kv_len, d); returns (n, heads · d).
+/// `q` (1, heads, n, d), `k` and `v` (1, kv_heads, pos + n, d), f32 on the CPU: returns
+/// (1, n, heads · d). Views whose rows are contiguous (those of a preallocated cache) are read
+/// in place; others are copied first.
+pub(crate) fn attention_cpu(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (_, heads, n, head_dim) = q.dims4()?;
+    let (_, kv_heads, seen, _) = k.dims4()?;
+    let rows = |t: &Tensor| -> Result<Tensor> {
+        let contiguous_rows = t.stride()[3] == 1 && t.stride()[2] == head_dim;
+        Ok(if contiguous_rows {
+            t.clone()
+        } else {
+            t.contiguous()?
+        })
+    };
+    let (q, k, v) = (rows(q)?, rows(k)?, rows(v)?);
+    let (q_storage, q_layout) = q.storage_and_layout();
+    let (k_storage, k_layout) = k.storage_and_layout();
+    let (v_storage, v_layout) = v.storage_and_layout();
+    let (q_elements, q_stride) = elements(&q_storage, q_layout)?;
+    let (k_elements, kv_stride) = elements(&k_storage, k_layout)?;
+    let (v_elements, v_stride) = elements(&v_storage, v_layout)?;
+    if v_stride != kv_stride {
+        return Err(candle_core::Error::Msg("keys and values laid out differently".into()).into());
+    }
+    let shape = AttentionShape {
+        heads,
+        kv_heads,
+        n,
+        pos: seen - n,
+        head_dim,
+        q_stride,
+        kv_stride,
+    };
+    let ys = attention(q_elements, k_elements, v_elements, shape);
+    Ok(Tensor::from_vec(ys, (1, n, heads * head_dim), q.device())?)
+}
+
+/// A CPU f32 tensor's elements from the start of its view, and the distance between its heads
+/// (axis 1).
+fn elements<'a>(storage: &'a Storage, layout: &Layout) -> Result<(&'a [f32], usize)> {
+    let Storage::Cpu(cpu) = storage else {
+        return Err(
+            candle_core::Error::Msg("CPU attention on a tensor not on the CPU".into()).into(),
+        );
+    };
+    Ok((
+        &cpu.as_slice::<f32>()?[layout.start_offset()..],
+        layout.stride()[1],
+    ))
+}
+
+thread_local! {
+    /// One row's scores, reused: no allocation per row once the context stops growing.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `q`: heads of `n` rows; `k`, `v`: kv heads of `pos + n` rows (see [`AttentionShape`] for the
+/// strides); returns (n, heads · d).
 pub(crate) fn attention(q: &[f32], k: &[f32], v: &[f32], s: AttentionShape) -> Vec<f32> {
     let d = s.head_dim;
     let group = s.heads / s.kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
     let mut out = vec![0f32; s.n * s.heads * d];
+    #[cfg(target_arch = "x86_64")]
+    let fused = Path::detect() != Path::Portable;
     let one = |(index, out_row): (usize, &mut [f32])| {
         // Output (row i, head h) is chunk i · heads + h.
         let (i, h) = (index / s.heads, index % s.heads);
-        let q_row = &q[(h * s.n + i) * d..][..d];
+        let q_row = &q[h * s.q_stride + i * d..][..d];
         let kv = h / group;
-        let keys = &k[kv * s.kv_len * d..][..s.kv_len * d];
-        let values = &v[kv * s.kv_len * d..][..s.kv_len * d];
         let seen = s.pos + i + 1;
-        let mut scores: Vec<f32> = keys
-            .chunks_exact(d)
-            .take(seen)
-            .map(|key| dot(q_row, key) * scale)
-            .collect();
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for w in scores.iter_mut() {
-            *w = (*w - max).exp();
-            sum += *w;
-        }
-        for (w, value) in scores.iter().zip(values.chunks_exact(d)) {
-            for (o, x) in out_row.iter_mut().zip(value) {
-                *o += w * x;
+        let rows = Rows {
+            keys: &k[kv * s.kv_stride..][..seen * d],
+            values: &v[kv * s.kv_stride..][..seen * d],
+            d,
+            scale,
+        };
+        SCORES.with_borrow_mut(|scores| {
+            #[cfg(target_arch = "x86_64")]
+            if fused {
+                // SAFETY: `Path::detect` found AVX2 and FMA on this CPU.
+                #[allow(unsafe_code, reason = "a target-feature function, features checked")]
+                unsafe {
+                    attend_fma(q_row, rows, scores, out_row)
+                };
+                return;
             }
-        }
-        let inv = 1.0 / sum;
-        out_row.iter_mut().for_each(|o| *o *= inv);
+            attend::<false>(q_row, rows, scores, out_row);
+        });
     };
     // Threads pay off only past a few hundred thousand multiply-adds (tiny models decode faster
     // on one); how the rows are split never changes a row's result.
     let work = s.n * s.heads * (s.pos + s.n) * d;
     if work >= PARALLEL_WORK {
-        out.par_chunks_mut(d).enumerate().for_each(one);
+        on_pool(&mut out, d, |i, row| one((i, row)));
     } else {
         out.chunks_mut(d).enumerate().for_each(one);
     }
     out
+}
+
+/// The keys and values one query row sees, and the scale of its scores.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    keys: &'a [f32],
+    values: &'a [f32],
+    d: usize,
+    scale: f32,
+}
+
+/// `out_row` = softmax(q · kᵀ · scale) · v over `rows`, in a fixed order: each score a dot product
+/// in 16 lanes then the lanes pairwise, the values summed position by position. `FUSED` makes
+/// each multiply-add one rounding (FMA): the same order, so a row's result is still the same
+/// alone or in a block on a given CPU.
+#[inline(always)]
+fn attend<const FUSED: bool>(
+    q_row: &[f32],
+    rows: Rows,
+    scores: &mut Vec<f32>,
+    out_row: &mut [f32],
+) {
+    let madd = |a: f32, b: f32, acc: f32| {
+        if FUSED {
+            a.mul_add(b, acc)
+        } else {
+            acc + a * b
+        }
+    };
+    let Rows {
+        keys,
+        values,
+        d,
+        scale,
+    } = rows;
+    // Plain loops: iterator adapters may be left out of line, compiled without FMA.
+    scores.clear();
+    let body = d - d % 16;
+    for key in keys.chunks_exact(d) {
+        let mut lanes = [0f32; 16];
+        for c in (0..body).step_by(16) {
+            for l in 0..16 {
+                lanes[l] = madd(q_row[c + l], key[c + l], lanes[l]);
+            }
+        }
+        let mut tail = 0f32;
+        for c in body..d {
+            tail = madd(q_row[c], key[c], tail);
+        }
+        // The lanes summed pairwise (a fixed tree: 4 dependent adds, not 15).
+        for width in [8, 4, 2, 1] {
+            for l in 0..width {
+                lanes[l] += lanes[l + width];
+            }
+        }
+        scores.push((lanes[0] + tail) * scale);
+    }
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for w in scores.iter_mut() {
+        *w = (*w - max).exp();
+        sum += *w;
+    }
+    for (w, value) in scores.iter().zip(values.chunks_exact(d)) {
+        for (o, x) in out_row.iter_mut().zip(value) {
+            *o = madd(*w, *x, *o);
+        }
+    }
+    let inv = 1.0 / sum;
+    out_row.iter_mut().for_each(|o| *o *= inv);
+}
+
+/// [`attend`] compiled for AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn attend_fma(q_row: &[f32], rows: Rows, scores: &mut Vec<f32>, out_row: &mut [f32]) {
+    attend::<true>(q_row, rows, scores, out_row);
 }
 
 /// Multiply-adds above which a call is split across threads.

@@ -26,6 +26,25 @@ const REPACKED: &[GgmlDType] = &[GgmlDType::Q8_0, GgmlDType::Q4K];
 #[cfg(not(target_arch = "x86_64"))]
 const REPACKED: &[GgmlDType] = &[];
 
+/// Whether candle repacks this weight (as its `repack_x86::select` decides): 16 outputs to a
+/// tile, inputs in super-blocks of 256, and for Q8_0 a CPU with VNNI. Otherwise candle would
+/// multiply it row by row (the 0.5B Qwen's Q8_0 output projection, 896 inputs, was 10 % of a
+/// decode step there): the blocks-of-32 kernels take it instead.
+fn candle_repacks(t: &QTensor) -> Result<bool> {
+    let (out_dim, in_dim) = t.shape().dims2()?;
+    if !out_dim.is_multiple_of(16) || !in_dim.is_multiple_of(kquants::QK_K) {
+        return Ok(false);
+    }
+    #[cfg(target_arch = "x86_64")]
+    let vnni = (std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512vnni"))
+        || (std::arch::is_x86_feature_detected!("avxvnni")
+            && std::arch::is_x86_feature_detected!("avx2"));
+    #[cfg(not(target_arch = "x86_64"))]
+    let vnni = false;
+    Ok(t.dtype() != GgmlDType::Q8_0 || vnni)
+}
+
 /// Rows per call of a repacked kernel.
 const REPACKED_ROWS: usize = 16;
 
@@ -62,7 +81,7 @@ impl Matmul {
             && t.shape().dims2()?.1 % kquants::QK_K == 0
         {
             Self::KQuant(t)
-        } else if REPACKED.contains(&t.dtype()) {
+        } else if REPACKED.contains(&t.dtype()) && candle_repacks(&t)? {
             Self::Repacked(QMatMul::from_arc(t)?)
         } else if matches!(
             t.dtype(),

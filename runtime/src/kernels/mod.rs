@@ -12,9 +12,11 @@
 //!   loads, and nothing outside this module knows: `rows` (blocks of 32 and f32: AVX2 + FMA +
 //!   F16C in `x86`, AVX-512 VNNI two blocks at a time in `x86_pairs`, portable code elsewhere),
 //!   `kquants` (Q4_K and Q6_K: AVX-512 in `x86_kquants`), candle's repacked kernel for Q8_0 (and
-//!   Q4_K without AVX-512), candle's row-by-row product for the other types.
+//!   Q4_K without AVX-512) where candle repacks the shape, candle's row-by-row product for the other types.
 //! - `attention`: causal attention row by row over exactly the keys the row sees, in a fixed
-//!   order.
+//!   order, read in place from the KV cache (AVX2 + FMA where the CPU has them).
+//! - `rows::on_pool`: every kernel splits its work on candle's CPU pool, the one candle's own
+//!   operations use.
 //!
 //! Other devices (CUDA) keep candle's kernels.
 
@@ -51,7 +53,7 @@ trait DecodePair {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<T> DecodePair for T {}
 
-pub(crate) use attention::{AttentionShape, attention};
+pub(crate) use attention::attention_cpu;
 pub(crate) use matmul::Matmul;
 
 /// A linear layer's weight on the kernels a model uses (for benchmarks and tools that run one

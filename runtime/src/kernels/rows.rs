@@ -280,10 +280,6 @@ const MIN_TASK_ROWS: usize = 16;
 /// use: two pools spinning for work on the same cores slow both down): `kernel(weight rows,
 /// out)` fills `out` with `rows` results per weight row (column-major). `dst` gets them
 /// row-major.
-#[allow(
-    unsafe_code,
-    reason = "the pool's tasks write disjoint chunks of one buffer through a raw pointer"
-)]
 pub(crate) fn drive<W: Sync>(
     weights: &[W],
     per_row: usize,
@@ -293,10 +289,6 @@ pub(crate) fn drive<W: Sync>(
     dst: &mut [f32],
     kernel: impl Fn(&[W], &mut [f32]) + Sync,
 ) {
-    /// The output buffer, shared by the pool's tasks.
-    struct Shared(*mut f32);
-    // SAFETY: each task writes only its own chunk (below).
-    unsafe impl Sync for Shared {}
     SCRATCH.with(|scratch| {
         let cols = &mut scratch.borrow_mut().1;
         // One row: column-major is row-major, write straight into dst.
@@ -306,22 +298,11 @@ pub(crate) fn drive<W: Sync>(
             cols.resize(out_dim * rows, 0.0);
             cols
         };
-        if parallel && candle_core::utils::get_num_threads() > 1 {
+        if parallel {
             let task = MIN_TASK_ROWS;
-            let shared = Shared(out.as_mut_ptr());
-            let shared = &shared;
-            let len = out.len();
-            candle_core::utils::barrier_pool().execute_chunked(out_dim.div_ceil(task), |range| {
-                for t in range {
-                    let (first, n) = (t * task, task.min(out_dim - t * task));
-                    assert!((first + n) * rows <= len);
-                    // SAFETY: task t alone writes rows first..first + n of `out`, in bounds
-                    // (checked), and `out` outlives the pool's call.
-                    let o = unsafe {
-                        std::slice::from_raw_parts_mut(shared.0.add(first * rows), n * rows)
-                    };
-                    kernel(&weights[first * per_row..][..n * per_row], o);
-                }
+            on_pool(out, task * rows, |t, o| {
+                let n = o.len() / rows;
+                kernel(&weights[t * task * per_row..][..n * per_row], o);
             });
         } else {
             kernel(weights, out);
@@ -332,6 +313,40 @@ pub(crate) fn drive<W: Sync>(
                     dst[r * out_dim + o] = *v;
                 }
             }
+        }
+    });
+}
+
+/// Runs `f(i, part)` on each part `i` of `out`, `part_len` elements each (the last may be
+/// shorter), split across candle's CPU pool: one pool for every kernel of a forward (ours on
+/// rayon's while candle's workers spun for work on the same cores cost ~2x).
+#[allow(
+    unsafe_code,
+    reason = "the pool's tasks write disjoint parts of one buffer through a raw pointer"
+)]
+pub(crate) fn on_pool(out: &mut [f32], part_len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    /// The output buffer, shared by the pool's tasks.
+    struct Shared(*mut f32);
+    // SAFETY: each task writes only its own part (below).
+    unsafe impl Sync for Shared {}
+    let len = out.len();
+    if candle_core::utils::get_num_threads() <= 1 || len <= part_len {
+        out.chunks_mut(part_len.max(1))
+            .enumerate()
+            .for_each(|(i, part)| f(i, part));
+        return;
+    }
+    let shared = Shared(out.as_mut_ptr());
+    let shared = &shared;
+    candle_core::utils::barrier_pool().execute_chunked(len.div_ceil(part_len), |range| {
+        for i in range {
+            let first = i * part_len;
+            let n = part_len.min(len - first);
+            assert!(first + n <= len);
+            // SAFETY: part i alone covers first..first + n of `out`, in bounds (checked), and
+            // `out` outlives the pool's call.
+            let part = unsafe { std::slice::from_raw_parts_mut(shared.0.add(first), n) };
+            f(i, part);
         }
     });
 }

@@ -167,3 +167,122 @@ fn a_row_gets_the_same_bits_in_a_block_of_any_size() {
         }
     }
 }
+
+#[test]
+fn blocks_past_a_tile_split_across_threads_keep_each_rows_bits() {
+    // 1,100 outputs of 512 inputs: enough work for the rows to be split across threads. Blocks
+    // of 3, 7 and 17 rows leave partial tiles (of 4 rows, and of 16 for the K-quants).
+    let (in_dim, out_dim) = (512, 1100);
+    let (w, x) = data(out_dim, in_dim, 17);
+    for dtype in TYPES {
+        for path in paths(dtype) {
+            let alone: Vec<Vec<f32>> = (0..17)
+                .map(|r| {
+                    let row = &x[r * in_dim..][..in_dim];
+                    run(dtype, path, &w, row, (1, in_dim, out_dim))
+                })
+                .collect();
+            for rows in [3, 7, 17] {
+                let block = run(
+                    dtype,
+                    path,
+                    &w,
+                    &x[..rows * in_dim],
+                    (rows, in_dim, out_dim),
+                );
+                for (r, alone) in alone.iter().enumerate().take(rows) {
+                    let same = alone
+                        .iter()
+                        .zip(&block[r * out_dim..][..out_dim])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{dtype:?} {path:?}: row {r} of {rows} differs");
+                }
+            }
+        }
+    }
+}
+
+/// Causal attention in f64: (n, heads · d) for queries `q` (heads, n, d) at positions
+/// `pos..pos + n` over keys and values (kv_heads, pos + n, d).
+fn attention_reference(q: &[f32], k: &[f32], v: &[f32], dims: [usize; 5]) -> Vec<f64> {
+    let [heads, kv_heads, n, pos, d] = dims;
+    let seen_all = pos + n;
+    let mut out = vec![0f64; n * heads * d];
+    for h in 0..heads {
+        let kv = h / (heads / kv_heads);
+        for i in 0..n {
+            let qr = &q[(h * n + i) * d..][..d];
+            let scores: Vec<f64> = (0..=pos + i)
+                .map(|j| {
+                    let kr = &k[(kv * seen_all + j) * d..][..d];
+                    qr.iter()
+                        .zip(kr)
+                        .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = weights.iter().sum();
+            for (j, w) in weights.iter().enumerate() {
+                for c in 0..d {
+                    let value = f64::from(v[(kv * seen_all + j) * d + c]);
+                    out[(i * heads + h) * d + c] += w / sum * value;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn attention_reads_the_cache_in_place_and_matches_the_reference() {
+    // A cache allocated for 40 positions holding 23 (20 before a block of 3), and one long
+    // enough for the rows to be split across threads; 4 query heads sharing 2 kv heads of 16.
+    for (capacity, pos) in [(40, 20), (1600, 1400)] {
+        attention_case(capacity, pos);
+    }
+}
+
+fn attention_case(capacity: usize, pos: usize) {
+    let (heads, kv_heads, d, n) = (4, 2, 16, 3);
+    let seen = pos + n;
+    let (kv, qv) = data(2 * kv_heads * capacity, d, heads * n);
+    let device = Device::Cpu;
+    let cache = Tensor::from_slice(&kv, (2, kv_heads, capacity, d), &device).expect("cache");
+    let view = |i: usize| {
+        cache
+            .narrow(0, i, 1)
+            .and_then(|t| t.narrow(2, 0, seen))
+            .expect("view")
+    };
+    let (k, v) = (view(0), view(1));
+    let q = Tensor::from_slice(&qv, (1, heads, n, d), &device).expect("q");
+    let got = super::attention_cpu(&q, &k, &v).expect("attention");
+    let got: Vec<f32> = got.flatten_all().and_then(|t| t.to_vec1()).expect("vec");
+    let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().and_then(|t| t.to_vec1()).expect("vec") };
+    let reference = attention_reference(&qv, &flat(&k), &flat(&v), [heads, kv_heads, n, pos, d]);
+    for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
+        assert!(
+            (f64::from(*a) - b).abs() < 1e-5,
+            "{pos}, {i}: {a} against {b}"
+        );
+    }
+    // Each row as a decode step over the positions it sees: the same bits.
+    for i in 0..n {
+        let q_row = q.narrow(2, i, 1).expect("row");
+        let k_row = k.narrow(2, 0, pos + i + 1).expect("keys");
+        let v_row = v.narrow(2, 0, pos + i + 1).expect("values");
+        let alone = super::attention_cpu(&q_row, &k_row, &v_row).expect("attention");
+        let alone: Vec<f32> = alone.flatten_all().and_then(|t| t.to_vec1()).expect("vec");
+        let in_block = &got[i * heads * d..][..heads * d];
+        assert!(
+            alone
+                .iter()
+                .zip(in_block)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "row {i} alone differs from row {i} of the block"
+        );
+    }
+}

@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use super::config::ModelConfig;
 use super::weights::Vb;
 use crate::Result;
-use crate::kernels::{AttentionShape, Matmul, attention};
+use crate::kernels::{Matmul, attention_cpu};
 use crate::kv_cache::KvCache;
 
 /// A linear layer whose weight may be quantized, with an optional bias.
@@ -109,18 +109,7 @@ impl Attention {
         let v = self.heads(self.v_proj.forward(xs)?, self.num_kv_heads, None)?;
         let (k, v) = cache.append(layer, &k, &v)?;
         if matches!(xs.device(), Device::Cpu) && xs.dtype() == DType::F32 {
-            let shape = AttentionShape {
-                heads: self.num_heads,
-                kv_heads: self.num_kv_heads,
-                n,
-                pos: k.dim(2)? - n,
-                kv_len: k.dim(2)?,
-                head_dim: self.head_dim,
-            };
-            let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
-            let ys = attention(&flat(&q)?, &flat(&k)?, &flat(&v)?, shape);
-            let ys = Tensor::from_vec(ys, (1, n, self.num_heads * self.head_dim), xs.device())?;
-            return self.o_proj.forward(&ys);
+            return self.o_proj.forward(&attention_cpu(&q, &k, &v)?);
         }
         let total = k.dim(2)?;
         // Grouped-query attention without copying keys: the query heads that share a kv head
