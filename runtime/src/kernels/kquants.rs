@@ -82,6 +82,10 @@ impl KBlock for layout::Q6K {}
 
 /// `dst` (rows × out) = `lhs` (rows × in) · `w`ᵀ, `w` holding `out` rows of `in / 256`
 /// super-blocks. `path` must be [`Path::Avx512`].
+#[allow(
+    unsafe_code,
+    reason = "calls the AVX-512 kernel once the CPU is checked"
+)]
 pub(crate) fn matmul<B: KBlock>(
     path: Path,
     w: &[B],
@@ -89,7 +93,11 @@ pub(crate) fn matmul<B: KBlock>(
     lhs: &[f32],
     dst: &mut [f32],
 ) {
-    assert_eq!(path, Path::Avx512, "the K-quant kernels are AVX-512 only");
+    assert!(
+        path == Path::Avx512 && path.supported() == path,
+        "the K-quant kernels need AVX-512 ({path:?} asked, the CPU runs {:?})",
+        Path::detect()
+    );
     let blocks = in_dim / QK_K;
     thread_local! {
         static X: std::cell::RefCell<Vec<Q8K>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -102,7 +110,10 @@ pub(crate) fn matmul<B: KBlock>(
     let parallel = w.len() * QK_K >= super::attention::PARALLEL_WORK;
     rows::drive(w, blocks, out_dim, rows, parallel, dst, |w, out| {
         #[cfg(target_arch = "x86_64")]
-        super::x86_kquants::matmul(w, &x, rows, out);
+        // SAFETY: the CPU runs Path::Avx512 (asserted above).
+        unsafe {
+            super::x86_kquants::matmul(w, &x, rows, out)
+        };
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!(
             "AVX-512 is detected on x86-64 only: {} {}",

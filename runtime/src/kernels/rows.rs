@@ -166,8 +166,8 @@ impl Block for layout::Q8_0 {
     }
 }
 
-/// Which code runs the kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which code runs the kernels, from the most portable to the fastest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Path {
     Portable,
     /// x86-64 with AVX2, FMA and F16C.
@@ -199,6 +199,12 @@ impl Path {
             }
             Path::Portable
         })
+    }
+
+    /// `self`, or the fastest path this CPU runs if `self` needs more: a caller (a test forcing
+    /// a path) can never run code the CPU lacks.
+    pub(crate) fn supported(self) -> Self {
+        self.min(Self::detect())
     }
 
     /// Every path this CPU can run (for tests).
@@ -352,6 +358,7 @@ pub(crate) fn on_pool(out: &mut [f32], part_len: usize, f: impl Fn(usize, &mut [
 }
 
 /// `dst` (rows × out) = `lhs` (rows × in) · `w`ᵀ, `w` holding `out` rows of `in / 32` blocks.
+#[allow(unsafe_code, reason = "calls the SIMD kernels the CPU was checked for")]
 pub(crate) fn matmul_blocks<B: Block>(
     path: Path,
     w: &[B],
@@ -359,6 +366,7 @@ pub(crate) fn matmul_blocks<B: Block>(
     lhs: &[f32],
     dst: &mut [f32],
 ) {
+    let path = path.supported();
     let blocks = in_dim / QK;
     let parallel = w.len() * QK >= super::attention::PARALLEL_WORK;
     #[cfg(target_arch = "x86_64")]
@@ -373,7 +381,8 @@ pub(crate) fn matmul_blocks<B: Block>(
             quantize_pairs(xs, q);
         }
         drive(w, blocks, out_dim, rows, parallel, dst, |w, out| {
-            pairs(w, &x, rows, out);
+            // SAFETY: the CPU runs Path::Avx512 (`supported` above).
+            unsafe { pairs(w, &x, rows, out) };
         });
         X.with(|s| *s.borrow_mut() = x);
         return;
@@ -393,7 +402,8 @@ pub(crate) fn matmul_blocks<B: Block>(
         |w, out| match path {
             Path::Portable => portable_blocks(w, &x, rows, out),
             #[cfg(target_arch = "x86_64")]
-            Path::Avx2 | Path::Avx512 => super::x86::blocks(w, &x, rows, out),
+            // SAFETY: the CPU runs Path::Avx2 at least (`supported` above).
+            Path::Avx2 | Path::Avx512 => unsafe { super::x86::blocks(w, &x, rows, out) },
             #[cfg(not(target_arch = "x86_64"))]
             Path::Avx2 | Path::Avx512 => unreachable!("AVX2 is detected on x86-64 only"),
         },
@@ -402,6 +412,7 @@ pub(crate) fn matmul_blocks<B: Block>(
 }
 
 /// `dst` (rows × out) = `lhs` (rows × in) · `w`ᵀ, `w` dense (out × in) f32.
+#[allow(unsafe_code, reason = "calls the SIMD kernels the CPU was checked for")]
 pub(crate) fn matmul_dense(
     path: Path,
     w: &[f32],
@@ -409,6 +420,7 @@ pub(crate) fn matmul_dense(
     lhs: &[f32],
     dst: &mut [f32],
 ) {
+    let path = path.supported();
     let parallel = w.len() >= super::attention::PARALLEL_WORK;
     drive(
         w,
@@ -420,7 +432,8 @@ pub(crate) fn matmul_dense(
         |w, out| match path {
             Path::Portable => portable_dense(w, lhs, rows, out),
             #[cfg(target_arch = "x86_64")]
-            Path::Avx2 | Path::Avx512 => super::x86::dense(w, lhs, rows, out),
+            // SAFETY: the CPU runs Path::Avx2 at least (`supported` above).
+            Path::Avx2 | Path::Avx512 => unsafe { super::x86::dense(w, lhs, rows, out) },
             #[cfg(not(target_arch = "x86_64"))]
             Path::Avx2 | Path::Avx512 => unreachable!("AVX2 is detected on x86-64 only"),
         },

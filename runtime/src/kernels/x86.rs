@@ -169,7 +169,10 @@ unsafe fn blocks_group<B: Block, const W: usize>(
 const GROUP: usize = 4;
 
 /// [`super::rows`]'s block kernel: `out` gets `rows` results per weight row.
-pub(crate) fn blocks<B: Block>(w: &[B], x: &[Q8], rows: usize, out: &mut [f32]) {
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C ([`super::rows::Path::Avx2`]).
+pub(crate) unsafe fn blocks<B: Block>(w: &[B], x: &[Q8], rows: usize, out: &mut [f32]) {
     let nb = x.len() / rows;
     let groups = w.chunks_exact(nb * GROUP);
     let rest = groups.remainder();
@@ -216,7 +219,10 @@ unsafe fn dense_tile<const T: usize>(wrow: &[f32], x: &[f32], r0: usize, out: &m
 }
 
 /// [`super::rows`]'s dense kernel: `out` gets `rows` results per weight row.
-pub(crate) fn dense(w: &[f32], x: &[f32], rows: usize, out: &mut [f32]) {
+///
+/// # Safety
+/// The CPU has AVX2 and FMA ([`super::rows::Path::Avx2`]).
+pub(crate) unsafe fn dense(w: &[f32], x: &[f32], rows: usize, out: &mut [f32]) {
     let k = x.len() / rows;
     for (wrow, out) in w.chunks_exact(k).zip(out.chunks_exact_mut(rows)) {
         let mut r0 = 0;

@@ -218,7 +218,10 @@ unsafe fn span<B: KBlock>(wrow: &[B], x: &[Q8K], r0: usize, n: usize, out: &mut 
 }
 
 /// [`super::kquants`]' kernel: `out` gets `rows` results per weight row.
-pub(crate) fn matmul<B: KBlock>(w: &[B], x: &[Q8K], rows: usize, out: &mut [f32]) {
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW and F16C ([`super::rows::Path::Avx512`]).
+pub(crate) unsafe fn matmul<B: KBlock>(w: &[B], x: &[Q8K], rows: usize, out: &mut [f32]) {
     let nb = x.len() / rows;
     for (wrow, out) in w.chunks_exact(nb).zip(out.chunks_exact_mut(rows)) {
         // SAFETY (each call): the caller checked AVX-512 F and BW and F16C (Path::Avx512).

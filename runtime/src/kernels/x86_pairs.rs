@@ -177,7 +177,10 @@ unsafe fn tile<B: Block, const T: usize>(wrow: &[B], x: &[Q8Pair], r0: usize, ou
 }
 
 /// The kernel: `out` gets `rows` results per weight row.
-pub(crate) fn blocks<B: Block>(w: &[B], x: &[Q8Pair], rows: usize, out: &mut [f32]) {
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW, DQ, VL and VNNI and F16C ([`super::rows::Path::Avx512`]).
+pub(crate) unsafe fn blocks<B: Block>(w: &[B], x: &[Q8Pair], rows: usize, out: &mut [f32]) {
     let nb = 2 * (x.len() / rows);
     for (wrow, out) in w.chunks_exact(nb).zip(out.chunks_exact_mut(rows)) {
         let mut r0 = 0;
