@@ -503,32 +503,41 @@ impl Engine {
                 (verdict, verify_start.elapsed().as_secs_f64())
             };
             // While the target verifies, the draft-node drafts the block that follows if every
-            // draft is accepted (DESIGN.md "Pipelined"): a block as long as this one (so that
-            // rounds fall where they would without it, and seeded outputs stay the same), when
-            // it fits in the verify's time and in what the generation has left. The drafts go
-            // back to the draft-node unverified: ids outside the vocabulary (a lying draft)
-            // would make it refuse the step, so such a block is not drafted past.
+            // draft is accepted (DESIGN.md "Pipelined"), when it fits in the verify's time and in
+            // what the generation has left: at least as long as this one, and one longer where K
+            // is adaptive, so that a policy that grows K (or explores a longer block) is not held
+            // to this K by its own pipeline; the next round takes the part it planned, so rounds
+            // fall where they would without drafting ahead. The drafts go back to the draft-node
+            // unverified: ids outside the vocabulary (a lying draft) would make it refuse the
+            // step, so such a block is not drafted past.
             let k = drafts.len();
             let vocab = self.target.info.vocab_size;
             let max_draft = self
                 .draft
                 .as_ref()
                 .map_or(0, |d| d.limits().max_draft_tokens as usize);
-            let ahead_k = Some(k).filter(|&k| {
+            let longest = if job.adaptive {
+                (k + 1).min(job.draft_tokens)
+            } else {
+                k
+            };
+            let next = longest
+                .min(policy.ahead_k(k))
+                .min(max_draft.saturating_sub(1));
+            let ahead_k = Some(next).filter(|&next| {
                 k > 0
-                    && k < max_draft
-                    && policy.ahead_k(k) >= k
-                    && transcript.remaining() >= 2 * k + 2
+                    && next >= k
+                    && transcript.remaining() >= k + next + 2
                     && drafts.iter().all(|&t| t < vocab)
             });
             let (verdict, drafted_next) = match (model.as_mut(), ahead_k) {
-                (Some(m), Some(k))
+                (Some(m), Some(next))
                     if plan.drafter == Some(Drafter::Model) && m.session.is_some() =>
                 {
-                    let expected = policy.expected_draft_seconds(k + 1);
-                    let (v, next) =
-                        tokio::join!(verify, m.step_ahead(&log, &drafts, k + 1, expected));
-                    (v, Some(next))
+                    let expected = policy.expected_draft_seconds(next + 1);
+                    let (v, drafted) =
+                        tokio::join!(verify, m.step_ahead(&log, &drafts, next + 1, expected));
+                    (v, Some((next, drafted)))
                 }
                 _ => (verify.await, None),
             };
@@ -552,12 +561,12 @@ impl Engine {
             }
             // A block drafted ahead that failed or stalled was priced by `observe_stall`: the
             // round's wall time says nothing more about the drafter's cost.
-            let drafts_next = matches!(drafted_next, Some(Ok(_)));
-            let ahead_failed = matches!(drafted_next, Some(Err(_)));
+            let drafts_next = matches!(drafted_next, Some((_, Ok(_))));
+            let ahead_failed = matches!(drafted_next, Some((_, Err(_))));
             let drafted_next = match (drafted_next, model.as_mut()) {
-                (Some(Ok(next)), _) => Some(next),
-                (Some(Err(e)), Some(m)) => {
-                    stats.draft_failed(e, m, &mut policy, k + 1);
+                (Some((_, Ok(next))), _) => Some(next),
+                (Some((next, Err(e))), Some(m)) => {
+                    stats.draft_failed(e, m, &mut policy, next + 1);
                     None
                 }
                 _ => None,

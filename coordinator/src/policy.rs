@@ -206,6 +206,12 @@ impl DrafterCosts {
     fn observe_acceptance(&mut self, k: usize, accepted: usize) {
         for i in 0..k.min(accepted + 1).min(ADAPTIVE_MAX_K) {
             let hit = if i < accepted { 1.0 } else { 0.0 };
+            // A position reached for the first time starts from the one before it, as `reach`
+            // assumed while it was untried (not from the fixed prior: one success on an
+            // exploration round must not make a longer block look worse than before it).
+            if self.tried[i] == 0 && i > 0 {
+                self.accept[i] = self.accept[i - 1];
+            }
             // The first trials weigh more, so a few rounds replace the prior.
             self.tried[i] = self.tried[i].saturating_add(1);
             let weight = LEARN_ACCEPT.max(1.0 / f64::from(self.tried[i] + PRIOR_WEIGHT));
