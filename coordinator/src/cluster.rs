@@ -76,16 +76,18 @@ impl LocalCluster {
         })
     }
 
-    /// An engine connected to this cluster's nodes.
+    /// An engine connected to this cluster's nodes (which share this process's cores).
     /// `default_draft_tokens`: K of requests that name none (`None`: adaptive).
     pub async fn engine(&self, default_draft_tokens: impl Into<Option<usize>>) -> Result<Engine> {
         let draft = self.draft_addr.map(|a| format!("http://{a}"));
-        Engine::connect(
+        let mut engine = Engine::connect(
             &format!("http://{}", self.target_addr),
             draft.as_deref(),
             default_draft_tokens.into(),
         )
-        .await
+        .await?;
+        engine.draft_shares_cores = true;
+        Ok(engine)
     }
 }
 

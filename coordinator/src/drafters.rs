@@ -124,15 +124,19 @@ enum Background {
     Time,
 }
 
-/// A session back from a background task, with the step it ran when it timed one.
-type Lent = (NodeSession<Draft>, Option<Proposal>);
+/// A session back from a background task, with the step it ran when it timed one (and the
+/// length of the log it drafted past).
+type Lent = (NodeSession<Draft>, Option<(usize, Proposal)>);
 
-/// A draft step timed in the background: K, and what it cost.
+/// A draft step timed in the background: K, what it cost, and what it drafted past the first
+/// `from` tokens of the log.
 #[derive(Debug)]
 pub struct Timing {
     pub k: usize,
     pub wall_secs: f64,
     pub compute_secs: f64,
+    pub from: usize,
+    pub tokens: Vec<u32>,
 }
 
 /// A draft-node at least this many committed tokens behind is worth catching up.
@@ -167,10 +171,12 @@ impl ModelDrafter {
                 }
                 self.pending = None;
                 self.session = Some(session);
-                return step.map(|p| Timing {
+                return step.map(|(from, p)| Timing {
                     k: p.tokens.len(),
                     wall_secs: p.wall_secs,
                     compute_secs: p.compute_secs,
+                    from,
+                    tokens: p.tokens,
                 });
             }
             Ok(Err(e)) => {
@@ -242,6 +248,7 @@ impl ModelDrafter {
         };
         let (tx, rx) = oneshot::channel();
         let log = log.clone();
+        let from = log.len();
         tokio::spawn(async move {
             let start = Instant::now();
             let step = session.call(&log, |committed, new_tokens| v1::DraftRequest {
@@ -254,11 +261,14 @@ impl ModelDrafter {
             let result = match tokio::time::timeout(BACKGROUND_DEADLINE, step).await {
                 Ok(Ok(p)) => Ok((
                     session,
-                    (kind == Background::Time).then(|| Proposal {
-                        compute_secs: p.compute_micros as f64 * 1e-6,
-                        wall_secs: start.elapsed().as_secs_f64(),
-                        tokens: p.tokens,
-                        q: Vec::new(),
+                    (kind == Background::Time).then(|| {
+                        let step = Proposal {
+                            compute_secs: p.compute_micros as f64 * 1e-6,
+                            wall_secs: start.elapsed().as_secs_f64(),
+                            tokens: p.tokens,
+                            q: Vec::new(),
+                        };
+                        (from, step)
                     }),
                 )),
                 Ok(Err(e)) => Err(e),

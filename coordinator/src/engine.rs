@@ -29,6 +29,7 @@ use crate::drafters::{
 use crate::links::{Draft, NodeSession, SessionSpec, Target, Traffic, Wire};
 use crate::metrics::CoordinatorMetrics;
 use crate::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, Plan, RoundCosts};
+use crate::shadow::{SHADOW_K, Shadow};
 
 /// A node the coordinator talks to.
 #[derive(Debug, Clone)]
@@ -106,9 +107,6 @@ impl std::ops::Deref for Job {
         &self.request
     }
 }
-
-/// Drafts of the step that times a draft-node never timed.
-const TIMING_K: usize = 2;
 
 /// Refused blocks after which a generation detaches its draft.
 pub const MAX_REFUSED_BLOCKS: u32 = 3;
@@ -200,6 +198,9 @@ pub struct Engine {
     /// K of a request that names none; `None`: chosen each round (adaptive).
     pub default_draft_tokens: Option<usize>,
     pub metrics: CoordinatorMetrics,
+    /// Whether the draft-node runs on the target's cores (the all-in-one mode): background draft
+    /// steps are then spaced out ([`crate::shadow`]).
+    pub draft_shares_cores: bool,
     /// What the last session learnt of the nodes' costs and the draft's acceptance.
     learnt: std::sync::Mutex<Option<KPolicy>>,
     active: AtomicUsize,
@@ -259,6 +260,7 @@ impl Engine {
             tokenizer,
             default_draft_tokens,
             metrics: CoordinatorMetrics::default(),
+            draft_shares_cores: false,
             learnt: std::sync::Mutex::new(None),
             active: AtomicUsize::new(0),
             next_id: AtomicUsize::new(0),
@@ -407,7 +409,7 @@ impl Engine {
                 policy.set_first_probe_cost(open_secs);
                 // A draft-node never timed is timed beside the first rounds, which do not wait.
                 if job.adaptive && !policy.draft_timed() {
-                    m.time_in_background(&log, TIMING_K);
+                    m.time_in_background(&log, SHADOW_K);
                 }
             }
             (Some((Err(e), _)), Some(m)) => {
@@ -419,6 +421,10 @@ impl Engine {
         }
         stats.base.prefill_seconds = prefill_start.elapsed().as_secs_f64();
 
+        let mut shadow = Shadow::new(
+            job.adaptive && job.sampling.is_greedy(),
+            self.draft_shares_cores,
+        );
         let mut transcript = Transcript::new(
             &self.tokenizer,
             &job.stop_token_ids,
@@ -433,6 +439,7 @@ impl Engine {
             }
             if let Some(t) = model.as_mut().and_then(|m| m.poll(&log)) {
                 policy.observe_timing(&t);
+                shadow.drafted(&t);
             }
             let attached = model.as_ref().is_some_and(|m| m.session.is_some());
             let (plan, ngram) = self.plan(job, &mut policy, &log, attached, transcript.remaining());
@@ -623,11 +630,15 @@ impl Engine {
                 Err(e) => break Err(e.into()),
             };
             log.extend(&commit.tokens);
+            shadow.compare(&log, &mut policy);
             if plan.drafter != Some(Drafter::Model)
-                && policy.probe_soon()
                 && let Some(m) = model.as_mut()
             {
-                m.catch_up_in_background(&log);
+                if shadow.due() {
+                    m.time_in_background(&log, SHADOW_K);
+                } else if policy.probe_soon() {
+                    m.catch_up_in_background(&log);
+                }
             }
             if !sink.send(&commit).await {
                 break Err(Error::Cancelled);

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod ngram;
 pub mod policy;
 pub mod service;
+pub mod shadow;
 
 pub use cluster::LocalCluster;
 pub use engine::{CommitSink, Discard, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats};

@@ -258,6 +258,8 @@ pub struct KPolicy {
     drafted_rounds: u32,
     /// Whether the engine drafts ahead during the verify.
     pipelining: bool,
+    /// Drafts of background steps the target would have accepted, and those compared.
+    shadow: [u32; 2],
 }
 
 impl KPolicy {
@@ -276,6 +278,7 @@ impl KPolicy {
             probes: 0,
             drafted_rounds: 0,
             pipelining: true,
+            shadow: [0, 0],
         }
     }
 
@@ -387,6 +390,19 @@ impl KPolicy {
         self.model.observe_costs(t.k, t.wall_secs, t.compute_secs);
     }
 
+    /// Learns the draft's acceptance from `k` drafts of a background step that no round used,
+    /// `accepted` of which were the target's tokens ([`crate::shadow`]).
+    pub fn observe_shadow(&mut self, k: usize, accepted: usize) {
+        self.model.observe_acceptance(k, accepted);
+        self.shadow[0] += accepted as u32;
+        self.shadow[1] += k.min(accepted + 1) as u32;
+    }
+
+    /// Drafts of background steps the target would have accepted, and those compared.
+    pub fn shadow_acceptance(&self) -> [u32; 2] {
+        self.shadow
+    }
+
     /// Learns from a draft step of `k` abandoned at its deadline: it cost at least that much.
     /// Entered as a round slower than predicted (the calibration, which rounds that go as
     /// predicted bring back), not as the cost of `k` tokens: a cost by size would stand until
@@ -496,7 +512,7 @@ impl KPolicy {
             .map(|k| format!("{:.0}", self.rate(Drafter::Model, k)))
             .collect();
         format!(
-            "target-only {:.0} tok/s, model by K {:?} (timed {}, calibration {:.2}, acceptance {:?}, draft s by K {:?}, ahead {}), verify s by n {:?}, guess {:.2}, idle {:.2} s",
+            "target-only {:.0} tok/s, model by K {:?} (timed {}, calibration {:.2}, acceptance {:?}, draft s by K {:?}, ahead {}, shadow {:?}), verify s by n {:?}, guess {:.2}, idle {:.2} s",
             1.0 / self.verify_seconds(1),
             model,
             self.model.timed(),
@@ -506,6 +522,7 @@ impl KPolicy {
                 .map(|k| (self.model.draft_seconds(k) * 1e3).round() / 1e3)
                 .collect::<Vec<_>>(),
             self.ahead_k(self.max_k),
+            self.shadow,
             (1..=self.max_k + 1)
                 .map(|n| (self.verify_seconds(n) * 1e3).round() / 1e3)
                 .collect::<Vec<_>>(),

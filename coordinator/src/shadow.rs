@@ -1,0 +1,135 @@
+//! Acceptance measured without a round paying for it. While the target decodes alone (the policy
+//! found drafting not worth it, or has not yet learnt that it is), the idle draft-node drafts a
+//! few tokens in the background from where the log stands, a step no round waits for (which
+//! times it too); once the target has produced those positions, the drafts it would have
+//! accepted are counted. Greedy only: a greedy draft is accepted exactly when it is the target's
+//! greedy token, while a sampled one is accepted with a probability no single match measures.
+//!
+//! Without it the policy learns acceptance only from probes, which its 2 % budget spaces out: a
+//! good draft behind a 20 ms link stayed unused for whole requests, its acceptance at the prior.
+
+use tandem_runtime::TokenLog;
+
+use crate::drafters::Timing;
+use crate::policy::KPolicy;
+
+/// Drafts per background step.
+pub const SHADOW_K: usize = 4;
+/// Rounds without the draft model between two background steps, where the draft-node has cores
+/// of its own, and where it shares the target's (the all-in-one mode: there a step slows the
+/// target down, about 1 draft token per 16 target tokens at most).
+const EVERY: usize = 2;
+const EVERY_SHARING_CORES: usize = 4 * SHADOW_K;
+
+/// The background steps of one generation.
+#[derive(Debug)]
+pub struct Shadow {
+    /// Drafts past the first `.0` tokens of the log, to compare once the target has produced
+    /// their positions.
+    pending: Option<(usize, Vec<u32>)>,
+    every: usize,
+    rounds: usize,
+    on: bool,
+}
+
+impl Shadow {
+    /// `greedy`: the generation's sampling (anything else is not measured); `sharing_cores`:
+    /// whether the draft-node runs on the target's cores.
+    pub fn new(greedy: bool, sharing_cores: bool) -> Self {
+        Self {
+            pending: None,
+            every: if sharing_cores {
+                EVERY_SHARING_CORES
+            } else {
+                EVERY
+            },
+            rounds: 0,
+            on: greedy,
+        }
+    }
+
+    /// Keeps what a background step drafted, to compare.
+    pub fn drafted(&mut self, t: &Timing) {
+        if self.on && !t.tokens.is_empty() {
+            self.pending = Some((t.from, t.tokens.clone()));
+        }
+    }
+
+    /// After a commit: once the target has produced every position a background step drafted,
+    /// the policy learns how many of its drafts it would have accepted.
+    pub fn compare(&mut self, log: &TokenLog, policy: &mut KPolicy) {
+        let Some((from, drafts)) = &self.pending else {
+            return;
+        };
+        let Some(target) = log.tokens().get(*from..from + drafts.len()) else {
+            return;
+        };
+        let accepted = drafts
+            .iter()
+            .zip(target)
+            .take_while(|(d, t)| d == t)
+            .count();
+        policy.observe_shadow(drafts.len(), accepted);
+        self.pending = None;
+    }
+
+    /// Counts a round without the draft model; true when a background step is due (none is
+    /// waiting to be compared, and enough such rounds have passed).
+    pub fn due(&mut self) -> bool {
+        if !self.on || self.pending.is_some() {
+            return false;
+        }
+        self.rounds += 1;
+        if self.rounds >= self.every {
+            self.rounds = 0;
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timing(from: usize, tokens: &[u32]) -> Timing {
+        Timing {
+            k: tokens.len(),
+            wall_secs: 0.01,
+            compute_secs: 0.005,
+            from,
+            tokens: tokens.to_vec(),
+        }
+    }
+
+    #[test]
+    fn drafts_are_scored_against_the_targets_tokens_once_it_has_produced_them() {
+        let mut policy = KPolicy::new(8);
+        let mut shadow = Shadow::new(true, false);
+        let mut log = TokenLog::new(&[1, 2, 3]);
+        shadow.drafted(&timing(3, &[10, 11, 12, 13]));
+        log.extend(&[10, 11]);
+        shadow.compare(&log, &mut policy);
+        assert!(!shadow.due(), "still waiting for two positions");
+        log.extend(&[12, 99, 5]);
+        let before = policy.summary();
+        shadow.compare(&log, &mut policy);
+        // Three accepted, the fourth refused: position 1 up from the prior, position 4 down.
+        let after = policy.summary();
+        assert_ne!(before, after);
+        assert_eq!(policy.shadow_acceptance(), [3, 4]);
+        // Compared: the next step is due after `EVERY` rounds.
+        assert!(!shadow.due());
+        assert!(shadow.due());
+    }
+
+    #[test]
+    fn sampled_generations_are_not_measured() {
+        let mut policy = KPolicy::new(8);
+        let mut shadow = Shadow::new(false, false);
+        shadow.drafted(&timing(0, &[1, 2]));
+        shadow.compare(&TokenLog::new(&[1, 2, 3]), &mut policy);
+        assert_eq!(policy.shadow_acceptance(), [0, 0]);
+        assert!(!(0..10).any(|_| shadow.due()));
+    }
+}
