@@ -390,10 +390,16 @@ impl KPolicy {
         self.model.observe_costs(t.k, t.wall_secs, t.compute_secs);
     }
 
-    /// Learns the draft's acceptance from `k` drafts of a background step that no round used,
-    /// `accepted` of which were the target's tokens ([`crate::shadow`]).
+    /// Learns the draft's acceptance (and its guesses) from `k` drafts of a greedy background
+    /// step that no round used, `accepted` of which were the target's tokens
+    /// ([`crate::shadow`]).
     pub fn observe_shadow(&mut self, k: usize, accepted: usize) {
         self.model.observe_acceptance(k, accepted);
+        // Greedy, each compared draft is also a guess of the target's next token after a
+        // right prefix: the event that makes a block drafted ahead usable.
+        for i in 0..k.min(accepted + 1) {
+            self.observe_guess(i < accepted);
+        }
         self.shadow[0] += accepted as u32;
         self.shadow[1] += k.min(accepted + 1) as u32;
     }
