@@ -54,7 +54,7 @@ impl NodeHandle {
             .http2_keep_alive_interval(Duration::from_secs(30))
             .connect()
             .await
-            .map_err(|e| unavailable(format!("{e}")))?;
+            .map_err(|e| unavailable(crate::error_chain(&e)))?;
         let info = v1::node_service_client::NodeServiceClient::new(channel.clone())
             .info(v1::InfoRequest {})
             .await
