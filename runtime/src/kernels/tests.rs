@@ -74,6 +74,11 @@ fn dequantized(dtype: GgmlDType, w: &[f32], out_dim: usize, in_dim: usize) -> Ve
     d.flatten_all().expect("flat").to_vec1().expect("vec")
 }
 
+/// Whether two results are the same bit for bit (and as long).
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 const TYPES: [GgmlDType; 8] = [
     GgmlDType::Q4_0,
     GgmlDType::Q4_1,
@@ -157,10 +162,7 @@ fn a_row_gets_the_same_bits_in_a_block_of_any_size() {
                     (1, in_dim, out_dim),
                 );
                 assert!(
-                    alone
-                        .iter()
-                        .zip(&block[r * out_dim..][..out_dim])
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    same_bits(&alone, &block[r * out_dim..][..out_dim]),
                     "{dtype:?} {path:?}: row {r} alone differs from row {r} of 9"
                 );
             }
@@ -191,10 +193,7 @@ fn blocks_past_a_tile_split_across_threads_keep_each_rows_bits() {
                     (rows, in_dim, out_dim),
                 );
                 for (r, alone) in alone.iter().enumerate().take(rows) {
-                    let same = alone
-                        .iter()
-                        .zip(&block[r * out_dim..][..out_dim])
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    let same = same_bits(alone, &block[r * out_dim..][..out_dim]);
                     assert!(same, "{dtype:?} {path:?}: row {r} of {rows} differs");
                 }
             }
@@ -278,10 +277,7 @@ fn attention_case(capacity: usize, pos: usize) {
         let alone: Vec<f32> = alone.flatten_all().and_then(|t| t.to_vec1()).expect("vec");
         let in_block = &got[i * heads * d..][..heads * d];
         assert!(
-            alone
-                .iter()
-                .zip(in_block)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&alone, in_block),
             "row {i} alone differs from row {i} of the block"
         );
     }
