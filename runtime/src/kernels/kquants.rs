@@ -80,6 +80,16 @@ pub(crate) trait KBlock: Copy + Sync + 'static + super::DecodeK {}
 impl KBlock for layout::Q4K {}
 impl KBlock for layout::Q6K {}
 
+thread_local! {
+    /// Activations quantized for the kernel, reused across calls.
+    static X: std::cell::RefCell<Vec<Q8K>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Gives back what the calling thread's scratch holds past what a verify block needs.
+pub(crate) fn trim_scratch() {
+    X.with_borrow_mut(rows::trim);
+}
+
 /// `dst` (rows × out) = `lhs` (rows × in) · `w`ᵀ, `w` holding `out` rows of `in / 256`
 /// super-blocks. `path` must be [`Path::Avx512`].
 #[allow(
@@ -99,9 +109,6 @@ pub(crate) fn matmul<B: KBlock>(
         Path::detect()
     );
     let blocks = in_dim / QK_K;
-    thread_local! {
-        static X: std::cell::RefCell<Vec<Q8K>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
     let mut x = X.with(|s| std::mem::take(&mut *s.borrow_mut()));
     x.resize(rows * blocks, Q8K::default());
     for (xs, q) in lhs.chunks_exact(in_dim).zip(x.chunks_exact_mut(blocks)) {

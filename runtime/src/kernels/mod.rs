@@ -56,6 +56,13 @@ impl<T> DecodePair for T {}
 pub(crate) use attention::attention_cpu;
 pub(crate) use matmul::Matmul;
 
+/// Gives back the calling thread's kernel scratch past what a verify block needs: called after
+/// each forward, so a long prefill does not leave its buffers held for good.
+pub(crate) fn trim_scratch() {
+    rows::trim_scratch();
+    kquants::trim_scratch();
+}
+
 /// A linear layer's weight on the kernels a model uses (for benchmarks and tools that run one
 /// matmul alone).
 pub struct Linear(Matmul);

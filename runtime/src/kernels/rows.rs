@@ -274,6 +274,44 @@ fn portable_dense(w: &[f32], x: &[f32], rows: usize, out: &mut [f32]) {
     }
 }
 
+/// Scratch a thread keeps after a forward, at most: a verify block's (16 rows of a 151,936-token
+/// output projection) fits; a long prefill's (~150 MB for 4,096 rows of an 8,960-wide layer) is
+/// given back once the forward ends (not after each matmul, which would fault it in anew).
+const KEEP_BYTES: usize = 16 << 20;
+
+/// Gives back what the calling thread's scratch holds past [`KEEP_BYTES`].
+pub(crate) fn trim_scratch() {
+    SCRATCH.with_borrow_mut(|(x, cols)| {
+        trim(x);
+        trim(cols);
+    });
+    #[cfg(target_arch = "x86_64")]
+    PAIRS.with_borrow_mut(trim);
+}
+
+/// Gives back the part of a scratch buffer past [`KEEP_BYTES`] (its contents are dead).
+pub(super) fn trim<T>(v: &mut Vec<T>) {
+    let keep = KEEP_BYTES / std::mem::size_of::<T>().max(1);
+    if v.capacity() > keep {
+        v.clear();
+        v.shrink_to(keep);
+    }
+}
+
+/// Bytes of the calling thread's scratch (for tests).
+#[cfg(test)]
+pub(crate) fn scratch_bytes() -> usize {
+    SCRATCH.with_borrow(|(x, cols)| {
+        x.capacity() * std::mem::size_of::<Q8>() + cols.capacity() * std::mem::size_of::<f32>()
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// Activations quantized in pairs of blocks ([`super::x86_pairs`]), reused across calls.
+    static PAIRS: RefCell<Vec<super::x86_pairs::Q8Pair>> = const { RefCell::new(Vec::new()) };
+}
+
 thread_local! {
     /// Per-thread scratch reused across calls: quantized activations, column-major results.
     static SCRATCH: RefCell<(Vec<Q8>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
@@ -372,10 +410,7 @@ pub(crate) fn matmul_blocks<B: Block>(
     #[cfg(target_arch = "x86_64")]
     if path == Path::Avx512 && blocks.is_multiple_of(2) {
         use super::x86_pairs::{Q8Pair, blocks as pairs, quantize as quantize_pairs};
-        thread_local! {
-            static X: RefCell<Vec<Q8Pair>> = const { RefCell::new(Vec::new()) };
-        }
-        let mut x = X.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        let mut x = PAIRS.with(|s| std::mem::take(&mut *s.borrow_mut()));
         x.resize(rows * blocks / 2, Q8Pair::default());
         for (xs, q) in lhs.chunks_exact(in_dim).zip(x.chunks_exact_mut(blocks / 2)) {
             quantize_pairs(xs, q);
@@ -384,7 +419,7 @@ pub(crate) fn matmul_blocks<B: Block>(
             // SAFETY: the CPU runs Path::Avx512 (`supported` above).
             unsafe { pairs(w, &x, rows, out) };
         });
-        X.with(|s| *s.borrow_mut() = x);
+        PAIRS.with(|s| *s.borrow_mut() = x);
         return;
     }
     let mut x = SCRATCH.with(|s| std::mem::take(&mut s.borrow_mut().0));

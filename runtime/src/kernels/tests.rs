@@ -282,3 +282,27 @@ fn attention_case(capacity: usize, pos: usize) {
         );
     }
 }
+
+#[test]
+fn a_long_prefill_gives_its_scratch_back() {
+    // 1,100 rows of a 4,096-wide output: 18 MB of column-major results during the call, as a
+    // long prefill's matmuls need.
+    let (rows, in_dim, out_dim) = (1100, 64, 4096);
+    let (w, x) = data(out_dim, in_dim, rows);
+    let dst = run(
+        GgmlDType::F32,
+        Path::detect(),
+        &w,
+        &x,
+        (rows, in_dim, out_dim),
+    );
+    assert_eq!(dst.len(), rows * out_dim);
+    // Kept through the forward (each matmul of a prefill reuses it), given back at its end.
+    assert!(rows::scratch_bytes() > 16 << 20);
+    super::trim_scratch();
+    let kept = rows::scratch_bytes();
+    assert!(
+        kept <= 16 << 20,
+        "{kept} bytes of scratch kept after the forward"
+    );
+}

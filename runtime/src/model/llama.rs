@@ -283,6 +283,7 @@ impl Llama {
             xs = layer.forward(&xs, i, cache, &rope, mask.as_ref())?;
         }
         cache.advance(n);
+        crate::kernels::trim_scratch();
         let xs = match logits {
             Logits::All => xs,
             Logits::Last => xs.narrow(1, n - 1, 1)?,
