@@ -29,7 +29,7 @@ use crate::drafters::{
 use crate::links::{Draft, NodeSession, SessionSpec, Target, Traffic, Wire};
 use crate::metrics::CoordinatorMetrics;
 use crate::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, Plan, RoundCosts};
-use crate::shadow::{SHADOW_K, Shadow};
+use crate::shadow::{Shadow, shadow_len};
 
 /// A node the coordinator talks to.
 #[derive(Debug, Clone)]
@@ -403,13 +403,16 @@ impl Engine {
             },
         );
         policy.set_pipelining(job.pipeline);
+        let max_draft = use_draft.map_or(0, |d| d.limits().max_draft_tokens as usize);
+        let shadow_k = |remaining| shadow_len(job.draft_tokens.min(max_draft), remaining);
         match (draft, model.as_mut()) {
             (Some((Ok(session), open_secs)), Some(m)) => {
                 m.session = Some(session);
                 policy.set_first_probe_cost(open_secs);
                 // A draft-node never timed is timed beside the first rounds, which do not wait.
-                if job.adaptive && !policy.draft_timed() {
-                    m.time_in_background(&log, SHADOW_K);
+                let k = shadow_k(job.max_new_tokens);
+                if job.adaptive && !policy.draft_timed() && k > 0 {
+                    m.time_in_background(&log, k);
                 }
             }
             (Some((Err(e), _)), Some(m)) => {
@@ -635,7 +638,10 @@ impl Engine {
                 && let Some(m) = model.as_mut()
             {
                 if shadow.due() {
-                    m.time_in_background(&log, SHADOW_K);
+                    let k = shadow_k(transcript.remaining());
+                    if k > 0 {
+                        m.time_in_background(&log, k);
+                    }
                 } else if policy.probe_soon() {
                     m.catch_up_in_background(&log);
                 }

@@ -23,6 +23,12 @@ pub const SHADOW_K: usize = 4;
 const EVERY: usize = 4;
 const EVERY_SHARING_CORES: usize = 4 * SHADOW_K;
 
+/// Drafts of a background step: no more than the draft-node accepts per step (`cap`: it refuses
+/// a longer step, which drops its session and replays the log) nor past the session's room.
+pub fn shadow_len(cap: usize, remaining: usize) -> usize {
+    SHADOW_K.min(cap).min(remaining.saturating_sub(1))
+}
+
 /// The background steps of one generation.
 #[derive(Debug)]
 pub struct Shadow {
@@ -123,6 +129,15 @@ mod tests {
         // Compared: the next step is due after `EVERY` rounds.
         assert_eq!((0..EVERY).filter(|_| shadow.due()).count(), 1);
         assert!(!shadow.due());
+    }
+
+    #[test]
+    fn a_step_fits_the_draft_nodes_limit_and_the_sessions_room() {
+        assert_eq!(shadow_len(8, 100), SHADOW_K);
+        assert_eq!(shadow_len(3, 100), 3);
+        assert_eq!(shadow_len(8, 3), 2);
+        assert_eq!(shadow_len(0, 100), 0);
+        assert_eq!(shadow_len(8, 1), 0);
     }
 
     #[test]
