@@ -403,6 +403,7 @@ impl Engine {
             },
         );
         policy.set_pipelining(job.pipeline);
+        // Drafts the draft-node accepts per step (0 without one).
         let max_draft = use_draft.map_or(0, |d| d.limits().max_draft_tokens as usize);
         let shadow_k = |remaining| shadow_len(job.draft_tokens.min(max_draft), remaining);
         match (draft, model.as_mut()) {
@@ -522,10 +523,6 @@ impl Engine {
             // step, so such a block is not drafted past.
             let k = drafts.len();
             let vocab = self.target.info.vocab_size;
-            let max_draft = self
-                .draft
-                .as_ref()
-                .map_or(0, |d| d.limits().max_draft_tokens as usize);
             let longest = if job.adaptive {
                 (k + 1).min(job.draft_tokens)
             } else {
