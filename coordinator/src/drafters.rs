@@ -139,11 +139,30 @@ pub struct Timing {
     pub tokens: Vec<u32>,
 }
 
+/// A draft step of `k` tokens after feeding `new_tokens` past `committed`.
+fn draft_step(committed: v1::Prefix, new_tokens: Vec<u32>, k: usize) -> v1::DraftRequest {
+    v1::DraftRequest {
+        kind: Some(v1::draft_request::Kind::Step(v1::DraftStep {
+            committed: Some(committed),
+            new_tokens,
+            k: k as u32,
+        })),
+    }
+}
+
 /// A draft-node at least this many committed tokens behind is worth catching up.
 const CATCH_UP_LAG: usize = 2;
-/// A background task (a re-attachment, a catch-up, a timing) that has not answered in this long
-/// is a loss.
+/// A background task (a re-attachment, a catch-up, a timing) that has not answered in this long,
+/// plus [`BACKGROUND_PER_TOKEN`] for each token it may have to feed, is a loss.
 const BACKGROUND_DEADLINE: Duration = Duration::from_secs(10);
+/// A re-attachment replays the whole log: on a CPU draft of 0.5B parameters prefill runs at a
+/// few hundred tokens/s, so a long prompt alone can take longer than the flat deadline.
+const BACKGROUND_PER_TOKEN: Duration = Duration::from_millis(20);
+
+/// The deadline of a background task that may feed up to `tokens` tokens.
+fn background_deadline(tokens: usize) -> Duration {
+    BACKGROUND_DEADLINE + BACKGROUND_PER_TOKEN * u32::try_from(tokens).unwrap_or(u32::MAX)
+}
 
 impl ModelDrafter {
     pub fn new(channel: Channel, spec: SessionSpec, session: Option<NodeSession<Draft>>) -> Self {
@@ -203,13 +222,14 @@ impl ModelDrafter {
             tokio::time::sleep(wait).await;
             // The generation ended, or another attempt replaced this one: open nothing.
             if !tx.is_closed() {
+                let deadline = background_deadline(log.len());
                 let open = NodeSession::<Draft>::open(channel, spec, &log);
-                let opened = match tokio::time::timeout(BACKGROUND_DEADLINE, open).await {
+                let opened = match tokio::time::timeout(deadline, open).await {
                     Ok(opened) => opened,
                     Err(_) => Err(Error::Unavailable {
                         node: "draft-node",
                         endpoint: String::new(),
-                        reason: format!("no session opened within {BACKGROUND_DEADLINE:?}"),
+                        reason: format!("no session opened within {deadline:?}"),
                     }),
                 };
                 let _ = tx.send(opened.map(|session| (session, None)));
@@ -249,22 +269,31 @@ impl ModelDrafter {
         let (tx, rx) = oneshot::channel();
         let log = log.clone();
         let from = log.len();
+        // A timed step is priced as a round's step: the gap since the session last drafted (a
+        // few target-only rounds' tokens, more where steps are spaced out) is fed first, untimed,
+        // so that the step feeds one token, as a step after a target-only round does.
+        let behind = (kind == Background::Time
+            && from.saturating_sub(session.held_len()) >= CATCH_UP_LAG)
+            .then(|| TokenLog::new(&log.tokens()[..from - 1]));
+        let deadline = background_deadline(from.saturating_sub(session.held_len()) + k);
         tokio::spawn(async move {
-            let start = Instant::now();
-            let step = session.call(&log, |committed, new_tokens| v1::DraftRequest {
-                kind: Some(v1::draft_request::Kind::Step(v1::DraftStep {
-                    committed: Some(committed),
-                    new_tokens,
-                    k: k as u32,
-                })),
-            });
-            let result = match tokio::time::timeout(BACKGROUND_DEADLINE, step).await {
-                Ok(Ok(p)) => Ok((
+            let run = async {
+                if let Some(behind) = &behind {
+                    session.call(behind, |c, new| draft_step(c, new, 0)).await?;
+                }
+                let start = Instant::now();
+                let p = session.call(&log, |c, new| draft_step(c, new, k)).await?;
+                Ok::<_, Error>((p, start.elapsed().as_secs_f64()))
+            };
+            let result = match tokio::time::timeout(deadline, run).await {
+                Ok(Ok((mut p, wall_secs))) => Ok((
                     session,
                     (kind == Background::Time).then(|| {
+                        // A draft-node that sends more than asked is not believed past `k`.
+                        p.tokens.truncate(k);
                         let step = Proposal {
                             compute_secs: p.compute_micros as f64 * 1e-6,
-                            wall_secs: start.elapsed().as_secs_f64(),
+                            wall_secs,
                             tokens: p.tokens,
                             q: Vec::new(),
                         };
@@ -275,9 +304,7 @@ impl ModelDrafter {
                 Err(_) => Err(Error::Unavailable {
                     node: "draft-node",
                     endpoint: String::new(),
-                    reason: format!(
-                        "no answer to a background step within {BACKGROUND_DEADLINE:?}"
-                    ),
+                    reason: format!("no answer to a background step within {deadline:?}"),
                 }),
             };
             let _ = tx.send(result);
@@ -316,12 +343,8 @@ impl ModelDrafter {
             Duration::from_secs_f64(secs * DEADLINE_FACTOR) + DEADLINE_SLACK
         });
         let start = Instant::now();
-        let call = session.call(log, |committed, new_tokens| v1::DraftRequest {
-            kind: Some(v1::draft_request::Kind::Step(v1::DraftStep {
-                committed: Some(committed),
-                new_tokens,
-                k: k as u32,
-            })),
+        let call = session.call(log, |committed, new_tokens| {
+            draft_step(committed, new_tokens, k)
         });
         let outcome = match tokio::time::timeout(deadline, call).await {
             Ok(r) => r.map_err(StepFailure::Failed),

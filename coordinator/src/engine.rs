@@ -516,21 +516,18 @@ impl Engine {
             // While the target verifies, the draft-node drafts the block that follows if every
             // draft is accepted (DESIGN.md "Pipelined"), when it fits in the verify's time and in
             // what the generation has left: at least as long as this one, and one longer where K
-            // is adaptive, so that a policy that grows K (or explores a longer block) is not held
-            // to this K by its own pipeline; the next round takes the part it planned, so rounds
-            // fall where they would without drafting ahead. The drafts go back to the draft-node
-            // unverified: ids outside the vocabulary (a lying draft) would make it refuse the
-            // step, so such a block is not drafted past.
+            // is adaptive ([`KPolicy::ahead_len`]); the next round takes the part it planned, so
+            // rounds fall where they would without drafting ahead. The drafts go back to the
+            // draft-node unverified: ids outside the vocabulary (a lying draft) would make it
+            // refuse the step, so such a block is not drafted past.
             let k = drafts.len();
             let vocab = self.target.info.vocab_size;
-            let longest = if job.adaptive {
-                (k + 1).min(job.draft_tokens)
+            let next = if job.adaptive {
+                policy.ahead_len(k)
             } else {
-                k
-            };
-            let next = longest
-                .min(policy.ahead_k(k))
-                .min(max_draft.saturating_sub(1));
+                policy.ahead_k(k).min(k)
+            }
+            .min(max_draft.saturating_sub(1));
             let ahead_k = Some(next).filter(|&next| {
                 k > 0
                     && next >= k
@@ -568,7 +565,10 @@ impl Engine {
             }
             // A block drafted ahead that failed or stalled was priced by `observe_stall`: the
             // round's wall time says nothing more about the drafter's cost.
-            let drafts_next = matches!(drafted_next, Some((_, Ok(_))));
+            let ahead_tokens = match drafted_next {
+                Some((next, Ok(_))) => next + 1,
+                _ => 0,
+            };
             let ahead_failed = matches!(drafted_next, Some((_, Err(_))));
             let drafted_next = match (drafted_next, model.as_mut()) {
                 (Some((_, Ok(next))), _) => Some(next),
@@ -608,7 +608,7 @@ impl Engine {
                 &RoundCosts {
                     drafted: drafts.len(),
                     drafted_ahead,
-                    drafts_next,
+                    drafted_next: ahead_tokens,
                     accepted,
                     draft_wall,
                     draft_compute: draft_secs,

@@ -303,6 +303,8 @@ impl KPolicy {
             for tried in &mut to.tried {
                 *tried = (*tried).min(CARRIED_TRIALS);
             }
+            // A calibration raised by one session's stalls weighs no more than its acceptance.
+            to.calibrated = to.calibrated.min(CARRIED_TRIALS);
         }
         next
     }
@@ -340,10 +342,11 @@ impl KPolicy {
     fn round_seconds(&self, drafter: Drafter, k: usize, verify: f64) -> f64 {
         let costs = self.costs(drafter);
         if drafter == Drafter::Model && self.ahead_k(k) >= k {
-            // The round waits for the longer of the verify and the block drafted ahead; the
-            // next round drafts only if that block is not used.
+            // The round waits for the longer of the verify and the step drafting ahead (the
+            // guess of the bonus token and the block past it); the next round drafts only if
+            // that block is not used.
             let hit = costs.all_accepted(k) * self.guess;
-            let round = verify.max(costs.draft_seconds(k + 1));
+            let round = verify.max(costs.draft_seconds(self.ahead_len(k) + 1));
             return round + (1.0 - hit) * costs.draft_seconds(k);
         }
         costs.draft_seconds(k) + verify
@@ -358,8 +361,8 @@ impl KPolicy {
             costs.draft_seconds(k)
         };
         let verify = self.verify_seconds(k + 1);
-        if round.drafts_next {
-            draft + verify.max(costs.draft_seconds(k + 1))
+        if round.drafted_next > 0 {
+            draft + verify.max(costs.draft_seconds(round.drafted_next))
         } else {
             draft + verify
         }
@@ -378,6 +381,13 @@ impl KPolicy {
             .take_while(|&j| self.model.draft_seconds(j + 1) <= window)
             .last()
             .unwrap_or(0)
+    }
+
+    /// How many tokens an adaptive session drafts past a block of `k` during its verify (the
+    /// guess of the bonus token not counted): one more than `k` where it fits, so that a policy
+    /// that grows K (or explores a longer block) is not held to this K by its own pipeline.
+    pub fn ahead_len(&self, k: usize) -> usize {
+        self.ahead_k(k).min(k + 1)
     }
 
     /// Whether the draft-node's cost has been measured.
@@ -584,8 +594,9 @@ pub struct RoundCosts {
     pub drafted: usize,
     /// The drafts were drafted ahead, during the previous round's verify.
     pub drafted_ahead: bool,
-    /// The next block was drafted during this round's verify.
-    pub drafts_next: bool,
+    /// Tokens the draft-node drafted during this round's verify, its guess of the bonus token
+    /// included (0: none, or the step failed).
+    pub drafted_next: usize,
     pub accepted: usize,
     pub draft_wall: f64,
     pub draft_compute: f64,

@@ -76,7 +76,7 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
         };
         let verify = t1 * (1.0 + slope * k as f64);
         // As the engine: the block drafted ahead is one longer than this one where it fits.
-        let next = (k + 1).min(policy.ahead_k(k)).min(ADAPTIVE_MAX_K);
+        let next = policy.ahead_len(k);
         let ahead = k > 0 && next >= k;
         let stalled = ahead && stall_at.is_some_and(|at| round_index >= at) && {
             stall_at = None;
@@ -106,7 +106,7 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
             &RoundCosts {
                 drafted: k,
                 drafted_ahead,
-                drafts_next,
+                drafted_next: if drafts_next { next + 1 } else { 0 },
                 accepted,
                 draft_wall: draft,
                 draft_compute: if drafted_ahead { 0.0 } else { k as f64 * t_d },
