@@ -51,6 +51,10 @@ pub struct LimitsArgs {
     /// A session with no message for this long is closed and its cache freed.
     #[arg(long, env = "TANDEM_IDLE_TIMEOUT_SECS", default_value_t = 300)]
     pub idle_timeout_secs: u64,
+    /// Most sessions whose work one forward pass runs together (continuous batching: what is
+    /// ready when the model comes free runs as one batch); 1 runs sessions one at a time.
+    #[arg(long, env = "TANDEM_MAX_BATCH", default_value_t = 64)]
+    pub max_batch: usize,
 }
 
 impl Default for LimitsArgs {
@@ -60,6 +64,7 @@ impl Default for LimitsArgs {
             max_session_tokens: 0,
             max_draft_tokens: 32,
             idle_timeout_secs: 300,
+            max_batch: 64,
         }
     }
 }

@@ -92,7 +92,10 @@ impl NodeState {
             device: device.to_string(),
             metrics: crate::metrics::NodeMetrics::default(),
             draining: std::sync::atomic::AtomicBool::new(false),
-            worker: crate::worker::ModelThread::spawn(&format!("{}-model", role.as_str())),
+            worker: crate::worker::ModelThread::spawn(
+                &format!("{}-model", role.as_str()),
+                limits.max_batch,
+            ),
             vocab_hash: tokenizer.vocab_hash(),
             stop_token_ids: default_stop_tokens(&model, &tokenizer),
             model,

@@ -16,6 +16,7 @@ use tonic::{Code, Status, Streaming};
 use tracing::Instrument;
 
 use crate::state::NodeState;
+use crate::worker::Batch;
 
 /// What a request on a session stream asks for.
 #[derive(Debug)]
@@ -41,6 +42,21 @@ pub trait Session: Sized + Send + 'static {
     fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self>;
     /// Does one piece of work (blocking). On error the session must be as it was.
     fn handle(&mut self, state: &NodeState, work: Self::Work) -> Result<Self::Response>;
+    /// Whether the work of sessions ready at the same time runs as one batch
+    /// ([`Self::handle_batch`]); otherwise each piece runs alone, as it arrives.
+    const BATCHES: bool = false;
+    /// Does the work of several sessions (blocking), as [`Self::handle`] would one by one: one
+    /// result per item, in order. `span` is each item's own span (the whole batch runs inside
+    /// all of them). A role that can run many sessions' work in one forward pass overrides it.
+    fn handle_batch(
+        state: &NodeState,
+        items: Vec<(&mut Self, Self::Work, &tracing::Span)>,
+    ) -> Vec<Result<Self::Response>> {
+        items
+            .into_iter()
+            .map(|(s, work, span)| span.in_scope(|| s.handle(state, work)))
+            .collect()
+    }
     /// Tokens a reply proposes (draft) or commits (target), for the metrics.
     fn tokens(reply: &Self::Response) -> usize;
     /// The committed prefix the session holds.
@@ -116,7 +132,7 @@ async fn run<S: Session>(
                 reply
             }
             Incoming::Work(work) => {
-                let (mut s, slot) = session.take().ok_or(Error::NoSession)?;
+                let (s, slot) = session.take().ok_or(Error::NoSession)?;
                 let st = Arc::clone(state);
                 let start = std::time::Instant::now();
                 let held = s.held().len;
@@ -124,12 +140,13 @@ async fn run<S: Session>(
                     crate::Role::Draft => tracing::info_span!("draft_step", held),
                     crate::Role::Target => tracing::info_span!("verify", held),
                 };
-                let (s, result) = (state.worker)
-                    .run(move || {
-                        let r = span.in_scope(|| s.handle(&st, work));
-                        (s, r)
-                    })
-                    .await?;
+                let item = (s, work, st, span);
+                let (s, result) = if S::BATCHES {
+                    state.worker.batch::<Handle<S>>(item).await?
+                } else {
+                    let run = move || Handle::<S>::run(vec![item]).pop();
+                    state.worker.run(run).await?.ok_or(Error::NoSession)?
+                };
                 slot.set_kv_bytes(s.kv_bytes());
                 let m = &state.metrics;
                 let reply = match result {
@@ -161,6 +178,35 @@ async fn run<S: Session>(
         if tx.send(Ok(reply)).await.is_err() {
             return Ok(()); // nobody listens any more
         }
+    }
+}
+
+/// The work of sessions of role `S`, run in batches on the model thread.
+struct Handle<S>(std::marker::PhantomData<S>);
+
+impl<S: Session> Batch for Handle<S> {
+    type Item = (S, S::Work, Arc<NodeState>, tracing::Span);
+    type Output = (S, Result<S::Response>);
+
+    fn run(items: Vec<Self::Item>) -> Vec<Self::Output> {
+        let Some(state) = items.first().map(|(_, _, st, _)| Arc::clone(st)) else {
+            return Vec::new();
+        };
+        let (mut sessions, rest): (Vec<S>, Vec<_>) = items
+            .into_iter()
+            .map(|(s, work, _, span)| (s, (work, span)))
+            .unzip();
+        let (works, spans): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
+        let results = {
+            // Each session's span covers the whole batch it waited for.
+            let mut entered: Vec<_> = spans.iter().map(tracing::Span::enter).collect();
+            let _batch = tracing::debug_span!("batch", size = sessions.len()).entered();
+            let items = sessions.iter_mut().zip(works).zip(&spans);
+            let results = S::handle_batch(&state, items.map(|((s, w), sp)| (s, w, sp)).collect());
+            while entered.pop().is_some() {}
+            results
+        };
+        sessions.into_iter().zip(results).collect()
     }
 }
 

@@ -1,15 +1,42 @@
-//! The node's model thread: every forward pass of every session runs on this one OS thread, in
-//! arrival order, never on the async workers. One thread keeps the model's working memory
-//! (thread-local matmul buffers, caches) warm where a pool would hop between threads (measured:
-//! a pool cost up to 9 % of decode speed on a 110M model); the matmuls inside a forward still
-//! use every core through the compute pools.
+//! The node's model thread: every forward pass of every session runs on this one OS thread, never
+//! on the async workers. One thread keeps the model's working memory (thread-local matmul
+//! buffers, caches) warm where a pool would hop between threads (measured: a pool cost up to 9 %
+//! of decode speed on a 110M model); the matmuls inside a forward still use every core through
+//! the compute pools.
+//!
+//! It is also the node's scheduler (continuous batching, DESIGN.md "Batching"): work of a kind
+//! that runs many at a time ([`Batch`]: the target's verify blocks) is not run as it arrives but
+//! gathered, with whatever else is queued when the thread comes free, into one call over up to
+//! `max_batch` items; a session joins the next batch as soon as its request arrives and has its
+//! answer when its batch ends. Other jobs (opening a session, a prefill chunk) run one at a time,
+//! in arrival order, between batches.
 
+use std::any::{Any, TypeId};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
 
 use tandem_proto::{Error, Result};
+use tokio::sync::oneshot;
 
-type Job = Box<dyn FnOnce() + Send>;
+/// Work the model thread runs many items of at once.
+pub trait Batch: 'static {
+    type Item: Send + 'static;
+    type Output: Send + 'static;
+    /// Runs every item (blocking), returning one output per item, in order.
+    fn run(items: Vec<Self::Item>) -> Vec<Self::Output>;
+}
+
+type Erased = Box<dyn Any + Send>;
+
+enum Job {
+    Once(Box<dyn FnOnce() + Send>),
+    Batched {
+        kind: TypeId,
+        /// `(B::Item, oneshot::Sender<B::Output>)`.
+        item: Erased,
+        run: fn(Vec<Erased>),
+    },
+}
 
 /// A handle to the model thread; the thread ends when the last handle is dropped.
 #[derive(Debug)]
@@ -18,13 +45,23 @@ pub struct ModelThread {
 }
 
 impl ModelThread {
-    pub fn spawn(name: &str) -> Self {
+    /// Starts the thread; a batch holds at most `max_batch` items (at least 1).
+    pub fn spawn(name: &str, max_batch: usize) -> Self {
         let (jobs, queue) = mpsc::channel::<Job>();
+        let max_batch = max_batch.max(1);
         let spawned = std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
-                for job in queue {
-                    job();
+                let mut ready = Vec::new();
+                loop {
+                    if ready.is_empty() {
+                        match queue.recv() {
+                            Ok(job) => ready.push(job),
+                            Err(_) => break,
+                        }
+                    }
+                    ready.extend(queue.try_iter());
+                    ready = run_ready(ready, max_batch);
                 }
             });
         if let Err(e) = spawned {
@@ -39,21 +76,84 @@ impl ModelThread {
         &self,
         f: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T> {
-        let (done, result) = tokio::sync::oneshot::channel();
-        let job: Job = Box::new(move || {
+        let (done, result) = oneshot::channel();
+        let job = Job::Once(Box::new(move || {
             let _ = done.send(catch_unwind(AssertUnwindSafe(f)));
-        });
-        let failed = |what: &str| Error::Protocol {
-            node: "node",
-            what: what.to_string(),
-        };
-        self.jobs
-            .send(job)
-            .map_err(|_| failed("the model thread is gone"))?;
+        }));
+        self.send(job)?;
         match result.await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(_)) => Err(failed("a model task panicked")),
             Err(_) => Err(failed("the model thread dropped a task")),
+        }
+    }
+
+    /// Runs `item` on the model thread in the next batch of `B`, and waits for its output. A
+    /// panic in the batch fails every item in it; the thread lives on.
+    pub async fn batch<B: Batch>(&self, item: B::Item) -> Result<B::Output> {
+        let (done, result) = oneshot::channel::<B::Output>();
+        self.send(Job::Batched {
+            kind: TypeId::of::<B>(),
+            item: Box::new((item, done)),
+            run: run_erased::<B>,
+        })?;
+        result
+            .await
+            .map_err(|_| failed("a batch of model work failed"))
+    }
+
+    fn send(&self, job: Job) -> Result<()> {
+        self.jobs
+            .send(job)
+            .map_err(|_| failed("the model thread is gone"))
+    }
+}
+
+fn failed(what: &str) -> Error {
+    Error::Protocol {
+        node: "node",
+        what: what.to_string(),
+    }
+}
+
+/// Runs the jobs that were ready together: each one-off job in its turn, and at the turn of the
+/// first item of a kind of batch, every ready item of that kind (up to `max_batch`) in one call.
+/// Returns the items left over past a full batch, in order, for the next turn.
+fn run_ready(ready: Vec<Job>, max_batch: usize) -> Vec<Job> {
+    let mut pending: Vec<Option<Job>> = ready.into_iter().map(Some).collect();
+    let mut left = Vec::new();
+    for i in 0..pending.len() {
+        match pending[i].take() {
+            None => {}
+            Some(Job::Once(f)) => f(),
+            Some(Job::Batched { kind, item, run }) => {
+                let mut items = vec![item];
+                for slot in &mut pending[i + 1..] {
+                    if matches!(slot, Some(Job::Batched { kind: k, .. }) if *k == kind) {
+                        if items.len() == max_batch {
+                            left.extend(slot.take());
+                        } else if let Some(Job::Batched { item, .. }) = slot.take() {
+                            items.push(item);
+                        }
+                    }
+                }
+                run(items);
+            }
+        }
+    }
+    left
+}
+
+/// [`Batch::run`] over type-erased items; a panic drops the senders, failing every item.
+fn run_erased<B: Batch>(items: Vec<Erased>) {
+    let (items, senders): (Vec<_>, Vec<_>) = items
+        .into_iter()
+        .filter_map(|item| item.downcast::<(B::Item, oneshot::Sender<B::Output>)>().ok())
+        .map(|item| *item)
+        .unzip();
+    if let Ok(outputs) = catch_unwind(AssertUnwindSafe(|| B::run(items))) {
+        for (output, done) in outputs.into_iter().zip(senders) {
+            let _ = done.send(output);
         }
     }
 }
@@ -64,7 +164,7 @@ mod tests {
 
     #[tokio::test]
     async fn runs_tasks_in_order_on_one_thread_and_survives_a_panic() {
-        let worker = ModelThread::spawn("test-model");
+        let worker = ModelThread::spawn("test-model", 8);
         let a = worker
             .run(|| std::thread::current().id())
             .await
@@ -77,5 +177,54 @@ mod tests {
             .expect("run");
         assert_eq!(a, b, "one thread");
         assert_ne!(a, std::thread::current().id());
+    }
+
+    /// Answers each item with the size of the batch it ran in.
+    struct Sizes;
+
+    impl Batch for Sizes {
+        type Item = u32;
+        type Output = (u32, usize);
+        fn run(items: Vec<u32>) -> Vec<(u32, usize)> {
+            let n = items.len();
+            items.into_iter().map(|i| (i, n)).collect()
+        }
+    }
+
+    /// Items sent while the thread is busy run together when it comes free, at most
+    /// `max_batch` at a time, each answered with its own output.
+    async fn batch_sizes(max_batch: usize, items: u32) -> Vec<(u32, usize)> {
+        let worker = std::sync::Arc::new(ModelThread::spawn("test-batch", max_batch));
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let busy = {
+            let worker = std::sync::Arc::clone(&worker);
+            tokio::spawn(async move { worker.run(move || wait.recv()).await })
+        };
+        let calls: Vec<_> = (0..items)
+            .map(|i| {
+                let worker = std::sync::Arc::clone(&worker);
+                tokio::spawn(async move { worker.batch::<Sizes>(i).await })
+            })
+            .collect();
+        // Every item is queued behind the busy job before it ends.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        release.send(()).expect("release");
+        busy.await.expect("join").expect("busy job").expect("released");
+        let mut out = Vec::new();
+        for call in calls {
+            out.push(call.await.expect("join").expect("batched"));
+        }
+        out.sort_unstable();
+        out
+    }
+
+    #[tokio::test]
+    async fn work_queued_while_busy_runs_as_one_batch_up_to_the_cap() {
+        assert_eq!(batch_sizes(8, 3).await, vec![(0, 3), (1, 3), (2, 3)]);
+        let capped = batch_sizes(2, 5).await;
+        assert_eq!(capped.iter().map(|&(i, _)| i).collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+        let mut sizes: Vec<usize> = capped.iter().map(|&(_, n)| n).collect();
+        sizes.sort_unstable();
+        assert_eq!(sizes, [1, 2, 2, 2, 2], "two batches of two, then one");
     }
 }

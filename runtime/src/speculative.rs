@@ -191,41 +191,152 @@ impl Verifier {
         q: &[Distribution],
         max_drafts: usize,
     ) -> Result<Verified> {
-        let rules = BlockRules {
-            vocab_size: self.0.model.config().vocab_size,
+        let mut jobs = [VerifyJob {
+            verifier: self,
+            log,
+            drafts,
+            q,
             max_drafts,
-            greedy: self.0.params.is_greedy(),
-        };
-        Ok(match check_block(drafts, q, &rules) {
-            Ok(()) => Verified {
-                verdict: self.score(log, drafts, q)?,
-                refused: None,
-            },
-            Err(refusal) => self.step(log, refusal)?,
-        })
+            refused: None,
+        }];
+        one(Self::verify_batch(&mut jobs))
     }
 
     /// One plain target step in place of a block refused before it reached the verifier (one
     /// that did not decode).
     pub fn step(&mut self, log: &[u32], refusal: DraftRefusal) -> Result<Verified> {
-        Ok(Verified {
-            verdict: self.score(log, &[], &[])?,
+        let mut jobs = [VerifyJob {
+            verifier: self,
+            log,
+            drafts: &[],
+            q: &[],
+            max_drafts: 0,
             refused: Some(refusal),
-        })
+        }];
+        one(Self::verify_batch(&mut jobs))
     }
 
-    fn score(&mut self, log: &[u32], drafts: &[u32], q: &[Distribution]) -> Result<Verdict> {
-        let st = &mut self.0;
-        let mut block = st.seq.sync(log)?.to_vec();
-        block.extend_from_slice(drafts);
-        let logits = if drafts.is_empty() {
-            Logits::Last
-        } else {
-            Logits::All
+    /// [`Self::verify`] (or [`Self::step`]) for the blocks of several sequences in one forward
+    /// pass over all their rows. Each job's result is what it would be alone: a job that
+    /// cannot run (its block over the context) fails alone, before the forward.
+    pub fn verify_batch(jobs: &mut [VerifyJob<'_>]) -> Vec<Result<Verified>> {
+        let mut results: Vec<Option<Result<Verified>>> = jobs.iter().map(|_| None).collect();
+        // The block each job feeds, and the drafts it scores (none where it was refused).
+        let mut blocks: Vec<Option<(Vec<u32>, Option<DraftRefusal>)>> = Vec::new();
+        for (job, result) in jobs.iter_mut().zip(&mut results) {
+            let prepared = job.prepare();
+            blocks.push(match prepared {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    *result = Some(Err(e));
+                    None
+                }
+            });
+        }
+        // All sessions of a node share one model; a job on other weights runs in its own batch.
+        while let Some(first) = blocks.iter().position(Option::is_some) {
+            let model = jobs[first].verifier.0.model.clone();
+            let mut members = Vec::new();
+            let mut items: Vec<(&[u32], &mut KvCache, Logits)> = Vec::new();
+            for (i, (job, block)) in jobs.iter_mut().zip(&mut blocks).enumerate() {
+                if block.is_none() || !job.verifier.0.model.same_weights(&model) {
+                    continue;
+                }
+                let (feed, refused) = block.take().expect("prepared");
+                let logits = if refused.is_some() || job.drafts.is_empty() {
+                    Logits::Last
+                } else {
+                    Logits::All
+                };
+                members.push((i, feed, refused));
+                items.push((&[], &mut job.verifier.0.seq.cache, logits));
+            }
+            for (item, (_, feed, _)) in items.iter_mut().zip(&members) {
+                item.0 = feed.as_slice();
+            }
+            let rows = model.forward_batch(&mut items);
+            drop(items);
+            match rows {
+                Ok(rows) => {
+                    for ((i, feed, refused), rows) in members.into_iter().zip(rows) {
+                        results[i] = Some(jobs[i].finish(&feed, refused, &rows));
+                    }
+                }
+                Err(e) => {
+                    let message = e.to_string();
+                    for (i, _, _) in members {
+                        results[i] = Some(Err(Error::Candle(candle_core::Error::Msg(
+                            format!("a batched forward failed: {message}"),
+                        ))));
+                    }
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every job answered"))
+            .collect()
+    }
+
+    /// Bytes held by this sequence's cache.
+    pub fn cache_bytes(&self) -> usize {
+        self.0.seq.cache.bytes()
+    }
+}
+
+/// One block of a batch of verifies ([`Verifier::verify_batch`]).
+#[derive(Debug)]
+pub struct VerifyJob<'a> {
+    pub verifier: &'a mut Verifier,
+    /// The committed tokens so far.
+    pub log: &'a [u32],
+    pub drafts: &'a [u32],
+    pub q: &'a [Distribution],
+    /// The most drafts the block may hold.
+    pub max_drafts: usize,
+    /// Set when the block was refused before it reached the verifier (its q did not decode):
+    /// the job is one plain target step.
+    pub refused: Option<DraftRefusal>,
+}
+
+impl VerifyJob<'_> {
+    /// Checks the block and brings the cache in step with the log: returns the tokens to feed
+    /// and the refusal, if the block is refused (then only the log's tail is fed).
+    fn prepare(&mut self) -> Result<(Vec<u32>, Option<DraftRefusal>)> {
+        let st = &mut self.verifier.0;
+        let rules = BlockRules {
+            vocab_size: st.model.config().vocab_size,
+            max_drafts: self.max_drafts,
+            greedy: st.params.is_greedy(),
         };
-        let rows = st.seq.forward(&st.model, &block, logits)?;
+        let refused = match self.refused.take() {
+            Some(r) => Some(r),
+            None => check_block(self.drafts, self.q, &rules).err(),
+        };
+        let mut feed = st.seq.sync(self.log)?.to_vec();
+        if refused.is_none() {
+            feed.extend_from_slice(self.drafts);
+        }
+        st.model.check_block(&feed, &st.seq.cache)?;
+        Ok((feed, refused))
+    }
+
+    /// The acceptance rule on the logits of the block `feed` (the last rows: one per draft
+    /// scored, plus one); the cache keeps the log and the accepted drafts.
+    fn finish(
+        &mut self,
+        feed: &[u32],
+        refused: Option<DraftRefusal>,
+        rows: &[Vec<f32>],
+    ) -> Result<Verified> {
+        let st = &mut self.verifier.0;
+        st.seq.tokens.extend_from_slice(feed);
+        let (drafts, q) = match refused {
+            Some(_) => (&[][..], &[][..]),
+            None => (self.drafts, self.q),
+        };
         let rows = &rows[rows.len() - (drafts.len() + 1)..];
-        let mut context = log.to_vec();
+        let mut context = self.log.to_vec();
         let mut p = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
             p.push(distribution(row, &st.params, &context)?);
@@ -233,15 +344,19 @@ impl Verifier {
                 context.push(d);
             }
         }
-        let verdict = acceptance::verify(drafts, q, &p, &st.draws, log.len());
-        st.seq.truncate(log.len() + verdict.accepted)?;
-        Ok(verdict)
+        let verdict = acceptance::verify(drafts, q, &p, &st.draws, self.log.len());
+        st.seq.truncate(self.log.len() + verdict.accepted)?;
+        Ok(Verified { verdict, refused })
     }
+}
 
-    /// Bytes held by this sequence's cache.
-    pub fn cache_bytes(&self) -> usize {
-        self.0.seq.cache.bytes()
-    }
+/// The result of a batch of one.
+fn one(mut results: Vec<Result<Verified>>) -> Result<Verified> {
+    results.pop().unwrap_or_else(|| {
+        Err(Error::Candle(candle_core::Error::Msg(
+            "an empty batch".to_string(),
+        )))
+    })
 }
 
 /// Wall-clock seconds of a closure, with its result.

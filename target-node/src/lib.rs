@@ -16,6 +16,7 @@ use tandem_proto::v1::target_service_server::{TargetService, TargetServiceServer
 use tandem_proto::v1::{self, target_request::Kind};
 use tandem_proto::{Error, Result, distribution_from_wire, prefix_from_wire, prefix_to_wire};
 use tandem_runtime::draft_check::check_counts;
+use tandem_runtime::speculative::VerifyJob;
 use tandem_runtime::{Distribution, DraftRefusal, Prefix, TokenLog, Verified, Verifier};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::ReceiverStream;
@@ -42,6 +43,7 @@ impl Session for TargetSession {
     type Request = v1::TargetRequest;
     type Response = v1::TargetResponse;
     type Work = v1::VerifyBlock;
+    const BATCHES: bool = true;
 
     fn classify(request: v1::TargetRequest) -> Result<Incoming<v1::VerifyBlock>> {
         match request.kind.ok_or(Error::MissingField("kind"))? {
@@ -75,28 +77,136 @@ impl Session for TargetSession {
     }
 
     fn handle(&mut self, state: &NodeState, block: v1::VerifyBlock) -> Result<v1::TargetResponse> {
+        let span = tracing::Span::current();
+        let mut results = Self::handle_batch(state, vec![(self, block, &span)]);
+        results.pop().unwrap_or(Err(Error::MissingField("verdict")))
+    }
+
+    /// The blocks of every session in the batch verified in one forward pass
+    /// ([`Verifier::verify_batch`]); each session's checks, refusals and errors are its own.
+    fn handle_batch(
+        state: &NodeState,
+        mut items: Vec<(&mut Self, v1::VerifyBlock, &tracing::Span)>,
+    ) -> Vec<Result<v1::TargetResponse>> {
+        let start = std::time::Instant::now();
+        let mut results: Vec<Option<Result<v1::TargetResponse>>> = Vec::new();
+        let mut plans = Vec::new();
+        for (s, block, span) in &mut items {
+            let (result, plan) = match span.in_scope(|| s.plan(state, block)) {
+                Ok(Planned::Repeat(reply)) => (Some(Ok(reply)), None),
+                Ok(Planned::Verify(plan)) => (None, Some(plan)),
+                Err(e) => (Some(Err(e)), None),
+            };
+            results.push(result);
+            plans.push(plan);
+        }
+        let mut jobs = Vec::new();
+        let mut verifying = Vec::new();
+        for (i, ((s, block, _), plan)) in items.iter_mut().zip(&mut plans).enumerate() {
+            if let Some(plan) = plan {
+                let TargetSession { verifier, log, .. } = &mut **s;
+                jobs.push(VerifyJob {
+                    verifier,
+                    log: log.tokens(),
+                    drafts: &block.drafts,
+                    q: &plan.q,
+                    max_drafts: plan.max_drafts,
+                    refused: plan.refused.take(),
+                });
+                verifying.push(i);
+            }
+        }
+        let verified = Verifier::verify_batch(&mut jobs);
+        drop(jobs);
+        let compute_micros = start.elapsed().as_micros() as u64;
+        for (i, verified) in verifying.into_iter().zip(verified) {
+            let (s, block, span) = &mut items[i];
+            let committed = plans[i].as_ref().map_or(s.log.prefix(), |p| p.committed);
+            let reply = span.in_scope(|| {
+                s.answer(state, block.clone(), committed, verified, compute_micros)
+            });
+            results[i] = Some(reply);
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or(Err(Error::MissingField("verdict"))))
+            .collect()
+    }
+
+    fn tokens(reply: &v1::TargetResponse) -> usize {
+        match &reply.kind {
+            Some(Reply::Verdict(v)) => v.accepted as usize + 1,
+            _ => 0,
+        }
+    }
+
+    fn held(&self) -> Prefix {
+        self.log.prefix()
+    }
+
+    fn kv_bytes(&self) -> usize {
+        self.verifier.cache_bytes()
+    }
+}
+
+/// What a block needs before the batch's forward.
+enum Planned {
+    /// The block repeats the last one answered: the same reply, no forward pass.
+    Repeat(v1::TargetResponse),
+    Verify(Plan),
+}
+
+/// A block ready to verify: the log already holds its newly committed tokens.
+#[derive(Debug)]
+struct Plan {
+    /// The prefix the block named, to roll back to if the verify fails.
+    committed: Prefix,
+    q: Vec<Distribution>,
+    refused: Option<DraftRefusal>,
+    max_drafts: usize,
+}
+
+impl TargetSession {
+    /// Checks the coordinator's part of the block, brings the log to it and decodes q.
+    fn plan(&mut self, state: &NodeState, block: &v1::VerifyBlock) -> Result<Planned> {
         if let Some(last) = &self.last
-            && last.block == block
+            && last.block == *block
             && last.held == self.log.prefix()
         {
             state.metrics.repeated_blocks.add(1);
-            return Ok(last.reply.clone());
+            return Ok(Planned::Repeat(last.reply.clone()));
         }
         let committed = prefix_from_wire(block.committed)?;
         // The coordinator's part of the block: a prefix, newly committed tokens and room for
-        // the token this round commits at least. The drafts are the draft's part, checked below.
+        // the token this round commits at least. The drafts are the draft's part, checked by
+        // the verifier.
         state.check_step(committed.len, &block.new_tokens, 0, 1)?;
         self.log.rollback_to(committed)?;
         self.log.extend(&block.new_tokens);
         let room = state.limits.max_session_tokens - (self.log.len() + 1);
         let max_drafts = state.limits.max_draft_tokens.min(room);
-        let start = std::time::Instant::now();
-        let verified = match decode_q(&block, state.vocab_size(), max_drafts) {
-            Ok(q) => self
-                .verifier
-                .verify(self.log.tokens(), &block.drafts, &q, max_drafts),
-            Err(refusal) => self.verifier.step(self.log.tokens(), refusal),
+        let (q, refused) = match decode_q(block, state.vocab_size(), max_drafts) {
+            Ok(q) => (q, None),
+            Err(refusal) => (Vec::new(), Some(refusal)),
         };
+        Ok(Planned::Verify(Plan {
+            committed,
+            q,
+            refused,
+            max_drafts,
+        }))
+    }
+
+    /// The reply to a verified block; the log takes what it committed (or, on error, goes back
+    /// to the prefix the block named).
+    fn answer(
+        &mut self,
+        state: &NodeState,
+        block: v1::VerifyBlock,
+        committed: Prefix,
+        verified: tandem_runtime::Result<Verified>,
+        compute_micros: u64,
+    ) -> Result<v1::TargetResponse> {
         let Verified { verdict, refused } = match verified {
             Ok(v) => v,
             Err(e) => {
@@ -118,7 +228,7 @@ impl Session for TargetSession {
             accepted: verdict.accepted as u32,
             next_token: verdict.next,
             committed: Some(prefix_to_wire(self.log.prefix())),
-            compute_micros: start.elapsed().as_micros() as u64,
+            compute_micros,
             draft_refused: refused.map(|r| v1::DraftRefusal {
                 position: r.position as u32,
                 reason: r.reason.as_str().into(),
@@ -131,21 +241,6 @@ impl Session for TargetSession {
             held: self.log.prefix(),
         });
         Ok(response)
-    }
-
-    fn tokens(reply: &v1::TargetResponse) -> usize {
-        match &reply.kind {
-            Some(Reply::Verdict(v)) => v.accepted as usize + 1,
-            _ => 0,
-        }
-    }
-
-    fn held(&self) -> Prefix {
-        self.log.prefix()
-    }
-
-    fn kv_bytes(&self) -> usize {
-        self.verifier.cache_bytes()
     }
 }
 

@@ -95,22 +95,38 @@ impl Attention {
         }
     }
 
-    fn forward(
-        &self,
-        xs: &Tensor,
-        layer: usize,
-        cache: &KvCache,
-        rope: &Rope,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let n = xs.dim(1)?;
-        let q = self.heads(self.q_proj.forward(xs)?, self.num_heads, Some(rope))?;
-        let k = self.heads(self.k_proj.forward(xs)?, self.num_kv_heads, Some(rope))?;
-        let v = self.heads(self.v_proj.forward(xs)?, self.num_kv_heads, None)?;
-        let (k, v) = cache.append(layer, &k, &v)?;
-        if matches!(xs.device(), Device::Cpu) && xs.dtype() == DType::F32 {
-            return self.o_proj.forward(&attention_cpu(&q, &k, &v)?);
+    /// The attention of every sequence of a batch: one projection over all rows, then each
+    /// sequence's rows against its own cache.
+    fn forward(&self, xs: &Tensor, layer: usize, seqs: &[SeqRows<'_>]) -> Result<Tensor> {
+        let (q_all, k_all, v_all) = (
+            self.q_proj.forward(xs)?,
+            self.k_proj.forward(xs)?,
+            self.v_proj.forward(xs)?,
+        );
+        let mut out = Vec::with_capacity(seqs.len());
+        for seq in seqs {
+            let rows = |t: &Tensor| t.narrow(1, seq.offset, seq.n);
+            let q = self.heads(rows(&q_all)?, self.num_heads, Some(&seq.rope))?;
+            let k = self.heads(rows(&k_all)?, self.num_kv_heads, Some(&seq.rope))?;
+            let v = self.heads(rows(&v_all)?, self.num_kv_heads, None)?;
+            let (k, v) = seq.cache.append(layer, &k, &v)?;
+            out.push(self.attend(&q, &k, &v, seq.mask.as_ref())?);
         }
+        let ys = if out.len() == 1 {
+            out.pop().expect("one sequence")
+        } else {
+            Tensor::cat(&out, 1)?
+        };
+        self.o_proj.forward(&ys)
+    }
+
+    /// One sequence's attention of q (1, heads, n, d) over its cached k and v, as
+    /// (1, n, heads · d).
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        if matches!(q.device(), Device::Cpu) && q.dtype() == DType::F32 {
+            return attention_cpu(q, k, v);
+        }
+        let n = q.dim(2)?;
         let total = k.dim(2)?;
         // Grouped-query attention without copying keys: the query heads that share a kv head
         // are stacked along the row axis, (1, kv_heads, group * n, d).
@@ -126,12 +142,11 @@ impl Attention {
                 .reshape((1, self.num_kv_heads, group * n, total))?,
         };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let ys = att
-            .matmul(&v)?
+        Ok(att
+            .matmul(v)?
             .reshape((1, self.num_heads, n, self.head_dim))?
             .transpose(1, 2)?
-            .reshape((1, n, self.num_heads * self.head_dim))?;
-        self.o_proj.forward(&ys)
+            .reshape((1, n, self.num_heads * self.head_dim))?)
     }
 }
 
@@ -175,17 +190,10 @@ impl Block {
         })
     }
 
-    fn forward(
-        &self,
-        xs: &Tensor,
-        layer: usize,
-        cache: &KvCache,
-        rope: &Rope,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let attn =
-            self.self_attn
-                .forward(&self.input_layernorm.forward(xs)?, layer, cache, rope, mask)?;
+    fn forward(&self, xs: &Tensor, layer: usize, seqs: &[SeqRows<'_>]) -> Result<Tensor> {
+        let attn = self
+            .self_attn
+            .forward(&self.input_layernorm.forward(xs)?, layer, seqs)?;
         let xs = (xs + attn)?;
         let mlp = self
             .mlp
@@ -198,6 +206,24 @@ impl Block {
 struct Rope {
     cos: Tensor,
     sin: Tensor,
+}
+
+/// One sequence of a batched forward: its rows of the batch, their rotary embeddings and mask,
+/// and its cache.
+struct SeqRows<'a> {
+    offset: usize,
+    n: usize,
+    rope: Rope,
+    mask: Option<Tensor>,
+    cache: &'a KvCache,
+}
+
+/// One sequence of a batch: the tokens it feeds at positions `cache.len()..`, its cache, and
+/// which of its positions get logits.
+pub(crate) struct BatchItem<'a> {
+    pub(crate) tokens: &'a [u32],
+    pub(crate) cache: &'a mut KvCache,
+    pub(crate) logits: Logits,
 }
 
 /// Which positions of a block get logits.
@@ -255,45 +281,74 @@ impl Llama {
         })
     }
 
-    /// Runs `tokens` at positions `cache.len()..`, appending their keys and values to `cache`.
-    /// Returns f32 logits of shape (positions, vocab).
-    pub(crate) fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        logits: Logits,
-    ) -> Result<Tensor> {
-        let n = tokens.len();
-        let pos = cache.len();
-        cache.reserve(n)?;
-        let device = self.embed_tokens.device();
-        let ids = Tensor::new(tokens, device)?;
-        let mut xs = self.embed_tokens.index_select(&ids, 0)?.unsqueeze(0)?;
-        let rope = Rope {
-            cos: self.cos.narrow(0, pos, n)?,
-            sin: self.sin.narrow(0, pos, n)?,
-        };
-        // The CPU attention kernel masks by construction.
-        let mask = if n > 1 && !matches!(device, Device::Cpu) {
-            Some(causal_mask(n, pos, self.dtype, device)?)
-        } else {
-            None
-        };
-        for (i, layer) in self.layers.iter().enumerate() {
-            xs = layer.forward(&xs, i, cache, &rope, mask.as_ref())?;
+    /// Runs the tokens of every item at positions `cache.len()..` of its own cache, appending
+    /// their keys and values there, as one forward pass: the rows of all items go through each
+    /// matmul together (the weights are read once for the batch) and each item's rows attend
+    /// over its own cache. Returns each item's f32 logits, (positions, vocab).
+    pub(crate) fn forward(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Tensor>> {
+        for item in items.iter_mut() {
+            item.cache.reserve(item.tokens.len())?;
         }
-        cache.advance(n);
+        let device = self.embed_tokens.device();
+        let ids: Vec<u32> = items.iter().flat_map(|i| i.tokens.iter().copied()).collect();
+        let ids = Tensor::new(ids.as_slice(), device)?;
+        let mut xs = self.embed_tokens.index_select(&ids, 0)?.unsqueeze(0)?;
+        let mut offset = 0;
+        let mut seqs = Vec::with_capacity(items.len());
+        for item in items.iter() {
+            let (n, pos) = (item.tokens.len(), item.cache.len());
+            // The CPU attention kernel masks by construction.
+            let mask = if n > 1 && !matches!(device, Device::Cpu) {
+                Some(causal_mask(n, pos, self.dtype, device)?)
+            } else {
+                None
+            };
+            seqs.push(SeqRows {
+                offset,
+                n,
+                rope: Rope {
+                    cos: self.cos.narrow(0, pos, n)?,
+                    sin: self.sin.narrow(0, pos, n)?,
+                },
+                mask,
+                cache: &*item.cache,
+            });
+            offset += n;
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            xs = layer.forward(&xs, i, &seqs)?;
+        }
+        // The rows that get logits, gathered so that the output projection runs once.
+        let mut kept = Vec::with_capacity(items.len());
+        let mut parts = Vec::with_capacity(items.len());
+        for (seq, item) in seqs.iter().zip(items.iter()) {
+            let (start, len) = match item.logits {
+                Logits::All => (seq.offset, seq.n),
+                Logits::Last => (seq.offset + seq.n - 1, 1),
+            };
+            parts.push(xs.narrow(1, start, len)?);
+            kept.push(len);
+        }
+        drop(seqs);
+        for item in items.iter_mut() {
+            item.cache.advance(item.tokens.len());
+        }
         crate::kernels::trim_scratch();
-        let xs = match logits {
-            Logits::All => xs,
-            Logits::Last => xs.narrow(1, n - 1, 1)?,
+        let xs = if parts.len() == 1 {
+            parts.pop().expect("one item")
+        } else {
+            Tensor::cat(&parts, 1)?
         };
         let xs = self.norm.forward(&xs)?;
-        Ok(self
-            .lm_head
-            .forward(&xs)?
-            .squeeze(0)?
-            .to_dtype(DType::F32)?)
+        let logits = self.lm_head.forward(&xs)?.squeeze(0)?.to_dtype(DType::F32)?;
+        let mut start = 0;
+        kept.into_iter()
+            .map(|len| {
+                let rows = logits.narrow(0, start, len)?;
+                start += len;
+                Ok(rows)
+            })
+            .collect()
     }
 }
 

@@ -195,6 +195,46 @@ impl Model {
         cache: &mut KvCache,
         logits: Logits,
     ) -> Result<Vec<Vec<f32>>> {
+        let mut rows = self.forward_batch(&mut [(tokens, cache, logits)])?;
+        Ok(rows.pop().unwrap_or_default())
+    }
+
+    /// [`Self::forward`] for several sequences at once, each over its own cache, in one pass
+    /// whose matmuls take the rows of all of them (continuous batching: what each sequence
+    /// gets is what it would get alone, up to the rounding of a matmul over more rows). A
+    /// sequence that cannot run (an empty block, a token outside the vocabulary, a full cache)
+    /// fails the whole batch before anything runs: callers check theirs first
+    /// ([`Self::check_block`]).
+    pub fn forward_batch(
+        &self,
+        items: &mut [(&[u32], &mut KvCache, Logits)],
+    ) -> Result<Vec<Vec<Vec<f32>>>> {
+        for (tokens, cache, _) in items.iter() {
+            self.check_block(tokens, cache)?;
+        }
+        let mut batch: Vec<llama::BatchItem<'_>> = items
+            .iter_mut()
+            .map(|(tokens, cache, logits)| llama::BatchItem {
+                tokens,
+                cache,
+                logits: *logits,
+            })
+            .collect();
+        self.llama
+            .forward(&mut batch)?
+            .into_iter()
+            .map(|t| Ok(t.to_vec2::<f32>()?))
+            .collect()
+    }
+
+    /// Whether both share the same loaded weights (clones of one load).
+    pub fn same_weights(&self, other: &Model) -> bool {
+        Arc::ptr_eq(&self.llama, &other.llama)
+    }
+
+    /// Whether `tokens` can run on `cache`: not empty, every token in the vocabulary, room in
+    /// the context.
+    pub fn check_block(&self, tokens: &[u32], cache: &KvCache) -> Result<()> {
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
         }
@@ -202,9 +242,13 @@ impl Model {
         if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
             return Err(Error::TokenOutOfRange { token, vocab_size });
         }
-        Ok(self
-            .llama
-            .forward(tokens, cache, logits)?
-            .to_vec2::<f32>()?)
+        let len = cache.len() + tokens.len();
+        if len > cache.max_len() {
+            return Err(Error::ContextFull {
+                len,
+                limit: cache.max_len(),
+            });
+        }
+        Ok(())
     }
 }

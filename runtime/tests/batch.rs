@@ -1,0 +1,226 @@
+//! Continuous batching: a forward over the rows of several sequences gives each the logits it
+//! gets alone, and verifying the blocks of many sessions in one pass commits, per session, the
+//! tokens it commits alone, whoever joins, leaves or sends a bad block.
+
+mod common;
+
+use common::*;
+use tandem_runtime::quantize::QuantType;
+use tandem_runtime::speculative::{Drafter, Verifier, VerifyJob};
+use tandem_runtime::{Logits, Model, SamplingParams};
+
+/// A matmul over more rows may sum in another order: logits agree to this much.
+const TOLERANCE: f32 = 1e-3;
+
+fn prompts() -> Vec<Vec<u32>> {
+    let tok = tokenizer();
+    [
+        "Once upon a time",
+        "The little dog ran to the park and saw a big red ball",
+        "Tom",
+        "One day, a girl named Sue went to the beach with her mom",
+    ]
+    .iter()
+    .map(|p| tok.encode(p).expect("encode"))
+    .collect()
+}
+
+fn assert_batch_matches_solo(model: &Model) {
+    let prompts = prompts();
+    let modes = [Logits::All, Logits::Last, Logits::All, Logits::Last];
+    // Solo: each prompt after a shared first token, so that every sequence has a cached past.
+    let mut solo = Vec::new();
+    for (p, &mode) in prompts.iter().zip(&modes) {
+        let mut cache = model.new_cache();
+        model.forward(&p[..1], &mut cache, Logits::Last).expect("head");
+        solo.push(model.forward(&p[1..], &mut cache, mode).expect("solo"));
+    }
+    let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
+    for (p, cache) in prompts.iter().zip(&mut caches) {
+        model.forward(&p[..1], cache, Logits::Last).expect("head");
+    }
+    let mut items: Vec<(&[u32], _, Logits)> = prompts
+        .iter()
+        .zip(caches.iter_mut())
+        .zip(&modes)
+        .map(|((p, cache), &mode)| (&p[1..], cache, mode))
+        .collect();
+    let batched = model.forward_batch(&mut items).expect("batch");
+    assert_eq!(batched.len(), prompts.len());
+    for (i, (b, s)) in batched.iter().zip(&solo).enumerate() {
+        assert_eq!(b.len(), s.len(), "sequence {i}: rows");
+        for (rb, rs) in b.iter().zip(s) {
+            let diff = max_diff(rb, rs);
+            assert!(diff <= TOLERANCE, "sequence {i}: logits differ by {diff}");
+        }
+    }
+    for (p, cache) in prompts.iter().zip(&caches) {
+        assert_eq!(cache.len(), p.len(), "each cache advanced by its own block");
+    }
+}
+
+#[test]
+fn a_batched_forward_gives_each_sequence_its_solo_logits() {
+    assert_batch_matches_solo(&load(&stories_dir()));
+    assert_batch_matches_solo(&load(&stories_gguf(QuantType::Q8_0)));
+}
+
+/// One session of the simulation: its own draft and target sides and the committed log.
+struct Session {
+    drafter: Drafter,
+    verifier: Verifier,
+    log: Vec<u32>,
+    prompt_len: usize,
+    max_new: usize,
+    k: usize,
+    /// Its drafts are replaced by ids outside the vocabulary: every block is refused.
+    lying: bool,
+}
+
+impl Session {
+    fn new(target: &Model, draft: &Model, prompt: &[u32], max_new: usize, k: usize) -> Self {
+        let mut drafter = Drafter::new(draft, SamplingParams::greedy());
+        drafter.prefill(prompt).expect("draft prefill");
+        let mut verifier = Verifier::new(target, SamplingParams::greedy());
+        verifier.prefill(prompt).expect("target prefill");
+        Self {
+            drafter,
+            verifier,
+            log: prompt.to_vec(),
+            prompt_len: prompt.len(),
+            max_new,
+            k,
+            lying: false,
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.log.len() - self.prompt_len >= self.max_new
+    }
+}
+
+/// Target-only greedy continuation of `prompt`.
+fn target_only(target: &Model, prompt: &[u32], max_new: usize) -> Vec<u32> {
+    let mut verifier = Verifier::new(target, SamplingParams::greedy());
+    verifier.prefill(prompt).expect("prefill");
+    let mut log = prompt.to_vec();
+    while log.len() - prompt.len() < max_new {
+        let v = verifier.verify(&log, &[], &[], 0).expect("step");
+        log.push(v.verdict.next);
+    }
+    log
+}
+
+#[test]
+fn batched_verification_commits_what_each_session_commits_alone() {
+    let target = load(&stories_dir());
+    let draft = load(&stories_gguf(QuantType::Q8_0));
+    let vocab = target.config().vocab_size as u32;
+    let prompts = prompts();
+    // Sessions of different lengths and K, joining at different rounds; one lies.
+    let plan: Vec<(usize, usize, usize)> = vec![(0, 40, 4), (0, 25, 2), (3, 30, 8), (6, 20, 1)];
+    let mut waiting: Vec<(usize, usize, Session)> = plan
+        .iter()
+        .zip(&prompts)
+        .enumerate()
+        .map(|(i, (&(join, max_new, k), p))| {
+            (i, join, Session::new(&target, &draft, p, max_new, k))
+        })
+        .collect();
+    waiting[3].2.lying = true;
+    let mut active: Vec<(usize, Session)> = Vec::new();
+    let mut finished: Vec<(usize, Session)> = Vec::new();
+    let mut refusals = 0;
+    let mut widest = 0;
+    for round in 0.. {
+        // Sessions join between rounds...
+        let (joining, rest): (Vec<_>, Vec<_>) =
+            waiting.into_iter().partition(|(_, join, _)| *join <= round);
+        waiting = rest;
+        active.extend(joining.into_iter().map(|(i, _, s)| (i, s)));
+        if active.is_empty() && waiting.is_empty() {
+            break;
+        }
+        // ...draft alone, and are verified together.
+        let mut blocks = Vec::new();
+        for (_, s) in &mut active {
+            let room = s.max_new - (s.log.len() - s.prompt_len) - 1;
+            let mut p = s.drafter.propose(&s.log, s.k.min(room)).expect("propose");
+            if s.lying {
+                p.tokens.iter_mut().for_each(|t| *t = vocab + 7);
+            }
+            blocks.push(p);
+        }
+        let mut jobs: Vec<VerifyJob<'_>> = active
+            .iter_mut()
+            .zip(&blocks)
+            .map(|((_, s), p)| VerifyJob {
+                verifier: &mut s.verifier,
+                log: &s.log,
+                drafts: &p.tokens,
+                q: &p.q,
+                max_drafts: 8,
+                refused: None,
+            })
+            .collect();
+        widest = widest.max(jobs.len());
+        let results = Verifier::verify_batch(&mut jobs);
+        drop(jobs);
+        for (((_, s), p), r) in active.iter_mut().zip(&blocks).zip(results) {
+            let v = r.expect("verified");
+            refusals += usize::from(v.refused.is_some());
+            let drafts = if v.refused.is_some() { &[][..] } else { &p.tokens };
+            s.log.extend(v.verdict.committed(drafts));
+        }
+        // ...and leave when done.
+        let (done, going): (Vec<_>, Vec<_>) = active.into_iter().partition(|(_, s)| s.done());
+        finished.extend(done);
+        active = going;
+    }
+    assert_eq!(widest, 4, "all four sessions shared a batch at some point");
+    assert!(refusals > 0, "the lying session's blocks were refused");
+    assert_eq!(finished.len(), prompts.len());
+    for (i, s) in &finished {
+        let expected = target_only(&target, &prompts[*i], s.max_new);
+        assert_eq!(s.log, expected, "session {i}");
+    }
+}
+
+#[test]
+fn a_block_that_cannot_run_fails_alone() {
+    let model = load(&stories_dir());
+    let limit = model.config().max_context;
+    let prompts = prompts();
+    let mut ok = Verifier::new(&model, SamplingParams::greedy());
+    ok.prefill(&prompts[0]).expect("prefill");
+    let mut full = Verifier::new(&model, SamplingParams::greedy());
+    let long: Vec<u32> = prompts[1].iter().copied().cycle().take(limit).collect();
+    full.prefill(&long).expect("prefill to the limit");
+    let over: Vec<u32> = long.iter().copied().chain([5, 6]).collect();
+    let mut jobs = vec![
+        VerifyJob {
+            verifier: &mut full,
+            log: &over,
+            drafts: &[9],
+            q: &[],
+            max_drafts: 8,
+            refused: None,
+        },
+        VerifyJob {
+            verifier: &mut ok,
+            log: &prompts[0],
+            drafts: &[],
+            q: &[],
+            max_drafts: 8,
+            refused: None,
+        },
+    ];
+    let results = Verifier::verify_batch(&mut jobs);
+    let err = results[0].as_ref().expect_err("over the context");
+    assert!(err.to_string().contains("exceeds the context"), "{err}");
+    let alone = target_only(&model, &prompts[0], 1);
+    assert_eq!(
+        results[1].as_ref().expect("the other job runs").verdict.next,
+        alone[prompts[0].len()]
+    );
+}
