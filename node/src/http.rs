@@ -56,6 +56,16 @@ fn exposition(state: &NodeState) -> String {
         "Verify blocks that repeated the last one, answered without a forward pass.",
         m.repeated_blocks.get(),
     )
+    .counter(
+        "tandem_node_batches_total",
+        "Batches of sessions' work run as one forward pass (continuous batching).",
+        m.batches.get(),
+    )
+    .counter(
+        "tandem_node_batched_requests_total",
+        "Requests run in those batches (over batches: the mean batch size).",
+        m.batched_requests.get(),
+    )
     .labeled(
         "tandem_node_draft_blocks_refused_total",
         "Drafted blocks the target-node refused (run as plain target steps), by reason.",

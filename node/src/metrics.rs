@@ -177,6 +177,10 @@ pub struct NodeMetrics {
     pub draft_blocks_refused: LabeledCounter,
     /// Verify blocks that repeated the last one and got its verdict without a forward pass.
     pub repeated_blocks: Counter,
+    /// Batches of work run as one forward pass, and the requests they held (their ratio is the
+    /// mean batch size).
+    pub batches: Counter,
+    pub batched_requests: Counter,
 }
 
 #[cfg(test)]

@@ -197,6 +197,10 @@ impl<S: Session> Batch for Handle<S> {
             .map(|(s, work, _, span)| (s, (work, span)))
             .unzip();
         let (works, spans): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
+        if S::BATCHES {
+            state.metrics.batches.add(1);
+            state.metrics.batched_requests.add(sessions.len() as u64);
+        }
         let results = {
             // Each session's span covers the whole batch it waited for.
             let mut entered: Vec<_> = spans.iter().map(tracing::Span::enter).collect();

@@ -1,0 +1,193 @@
+//! Many sessions on one target: the three binaries as processes on loopback, N generations at
+//! once through one coordinator, with the target-node batching the verify blocks of the
+//! sessions ready together (continuous batching, the default) and, in the same run, alternating,
+//! a second target-node that runs them one at a time (`--max-batch 1`, the behaviour before).
+//!
+//! Reported per N and variant: aggregate tokens/s (all sessions' tokens over the wall time from
+//! the first request to the last answer), its ratio to one session alone, and p50/p99 of the time
+//! between two streamed commits of a session (a round as its client sees it). Every greedy
+//! output is checked equal to the same request alone.
+//!
+//! Environment: BENCH_REPS (default 1), BENCH_PAIRS (default `110m-q8_0`), BENCH_SESSIONS
+//! (default `1,4,8,16,64`), BENCH_VARIANTS (default `target-only,4`: K = 0 or a fixed K),
+//! BENCH_BATCH (default `64,1`: the target-nodes' --max-batch), BENCH_TOKENS (default 64).
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tandem_proto::v1;
+use tandem_proto::v1::coordinator_client::CoordinatorClient;
+use tandem_runtime::SamplingParams;
+use tandem_tests::bench::{env_list, median, pairs};
+use tandem_tests::processes::{Proc, free_addr};
+use tandem_tests::tokenizer;
+
+const PROMPTS: [&str; 4] = [
+    "Once upon a time",
+    "The little dog ran to the park",
+    "Tom and Sue went",
+    "One day, a girl named Lily",
+];
+
+fn numbers(name: &str, default: &str) -> anyhow::Result<Vec<usize>> {
+    env_list(name, default)
+        .iter()
+        .map(|s| s.parse().map_err(|e| anyhow::anyhow!("{name}: `{s}`: {e}")))
+        .collect()
+}
+
+/// The `q`-quantile of `xs` (nearest rank).
+fn quantile(mut xs: Vec<f64>, q: f64) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let i = ((xs.len() as f64 * q).ceil() as usize).clamp(1, xs.len().max(1)) - 1;
+    xs.get(i).copied().unwrap_or(f64::NAN)
+}
+
+/// One wave of `n` concurrent generations: aggregate tokens/s, the gaps between commits (s),
+/// and each session's tokens.
+async fn wave(
+    client: &CoordinatorClient<tonic::transport::Channel>,
+    requests: Vec<v1::GenerateRequest>,
+) -> anyhow::Result<(f64, Vec<f64>, Vec<Vec<u32>>)> {
+    let start = Instant::now();
+    let tasks: Vec<_> = requests
+        .into_iter()
+        .map(|request| {
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                let mut gaps = Vec::new();
+                let mut last = Instant::now();
+                let done = tandem_coordinator::client::run(&mut client, request, |_| {
+                    gaps.push(last.elapsed().as_secs_f64());
+                    last = Instant::now();
+                })
+                .await;
+                // The first gap holds the prefill: not a round.
+                gaps.remove(0);
+                done.map(|d| (gaps, d.token_ids))
+            })
+        })
+        .collect();
+    let mut all_gaps = Vec::new();
+    let mut outputs = Vec::new();
+    for task in tasks {
+        let (gaps, ids) = task.await??;
+        all_gaps.extend(gaps);
+        outputs.push(ids);
+    }
+    let tokens: usize = outputs.iter().map(Vec::len).sum();
+    Ok((
+        tokens as f64 / start.elapsed().as_secs_f64(),
+        all_gaps,
+        outputs,
+    ))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let reps: usize = numbers("BENCH_REPS", "1")?[0];
+    let sessions = numbers("BENCH_SESSIONS", "1,4,8,16,64")?;
+    let batches = numbers("BENCH_BATCH", "64,1")?;
+    let tokens = numbers("BENCH_TOKENS", "64")?[0];
+    let variants = env_list("BENCH_VARIANTS", "target-only,4");
+    let scratch = tempfile::tempdir()?;
+    let pairs = pairs(scratch.path(), &env_list("BENCH_PAIRS", "110m-q8_0"))?;
+    println!("| pair | sessions | variant | max batch | aggregate tok/s | × one session | round p50 ms | round p99 ms |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for pair in &pairs {
+        let tok = tokenizer(&pair.target);
+        let prompts: Vec<Vec<u32>> = PROMPTS
+            .iter()
+            .map(|p| tok.encode(p))
+            .collect::<Result<_, _>>()?;
+        let node = |name: &str, model: &std::path::Path, extra: &[&str]| {
+            let addr = free_addr();
+            let (model, listen) = (model.display().to_string(), addr.to_string());
+            let mut args = vec!["--model", &model, "--listen", &listen];
+            args.extend_from_slice(extra);
+            Proc::start(name, &args, addr)
+        };
+        let draft = node("draft-node", &pair.draft, &[]);
+        let mut setups = Vec::new();
+        for &max_batch in &batches {
+            let batch = max_batch.to_string();
+            let target = node("target-node", &pair.target, &["--max-batch", &batch]);
+            let addr = free_addr();
+            let (target_url, draft_url, listen) = (target.url(), draft.url(), addr.to_string());
+            let args = [
+                "serve", "--target", &target_url, "--draft", &draft_url, "--listen", &listen,
+            ];
+            let coordinator = Proc::start("coordinator", &args, addr);
+            let client = CoordinatorClient::connect(coordinator.url()).await?;
+            setups.push((max_batch, target, coordinator, client));
+        }
+        let request = |i: usize, variant: &str| v1::GenerateRequest {
+            prompt_tokens: prompts[i % prompts.len()].clone(),
+            max_tokens: tokens as u32,
+            sampling: Some((&SamplingParams::greedy()).into()),
+            draft_tokens: Some(match variant {
+                "target-only" => 0,
+                k => k.parse().expect("a variant is target-only or K"),
+            }),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        // Each prompt alone, target-only: what every session must reproduce; and a warm-up.
+        let (_, _, solo) = wave(
+            &setups[0].3,
+            (0..prompts.len()).map(|i| request(i, "target-only")).collect(),
+        )
+        .await?;
+        let mut alone: Vec<Vec<f64>> = vec![Vec::new(); variants.len() * setups.len()];
+        for &n in &sessions {
+            let mut samples: Vec<(Vec<f64>, Vec<f64>)> =
+                vec![(Vec::new(), Vec::new()); variants.len() * setups.len()];
+            for _ in 0..reps {
+                for (v, variant) in variants.iter().enumerate() {
+                    for (b, (_, _, _, client)) in setups.iter().enumerate() {
+                        let requests = (0..n).map(|i| request(i, variant)).collect();
+                        let (tps, gaps, outputs) = wave(client, requests).await?;
+                        for (i, out) in outputs.iter().enumerate() {
+                            anyhow::ensure!(
+                                *out == solo[i % prompts.len()],
+                                "{n} sessions, {variant}: session {i}'s output differs from alone"
+                            );
+                        }
+                        let s = &mut samples[v * setups.len() + b];
+                        s.0.push(tps);
+                        s.1.extend(gaps);
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+            for (v, variant) in variants.iter().enumerate() {
+                for (b, (max_batch, ..)) in setups.iter().enumerate() {
+                    let (tps, gaps) = &samples[v * setups.len() + b];
+                    let tps = median(tps.clone());
+                    if n == 1 {
+                        alone[v * setups.len() + b].push(tps);
+                    }
+                    let one = alone[v * setups.len() + b].first().copied().unwrap_or(f64::NAN);
+                    let (p50, p99) = (quantile(gaps.clone(), 0.5), quantile(gaps.clone(), 0.99));
+                    println!(
+                        "| {} | {n} | {variant} | {max_batch} | {tps:.1} | {:.2} | {:.1} | {:.1} |",
+                        pair.name,
+                        tps / one,
+                        1e3 * p50,
+                        1e3 * p99
+                    );
+                    eprintln!(
+                        "{}",
+                        json!({
+                            "pair": pair.name, "sessions": n, "variant": variant,
+                            "max_batch": max_batch, "reps": reps, "tokens": tokens,
+                            "aggregate_tokens_per_second": tps, "over_one_session": tps / one,
+                            "round_p50_ms": 1e3 * p50, "round_p99_ms": 1e3 * p99,
+                        })
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
