@@ -9,7 +9,8 @@ use tandem_proto::v1::draft_response::Kind as Reply;
 use tandem_proto::v1::draft_service_server::{DraftService, DraftServiceServer};
 use tandem_proto::v1::{self, draft_request::Kind};
 use tandem_proto::{Error, Result, distribution_to_wire, prefix_from_wire, prefix_to_wire};
-use tandem_runtime::{Drafter, Prefix, TokenLog};
+use tandem_runtime::speculative::ProposeJob;
+use tandem_runtime::{Drafter, Prefix, Proposal, TokenLog};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -56,28 +57,42 @@ impl Session for DraftSession {
         })
     }
 
-    fn handle(&mut self, state: &NodeState, step: v1::DraftStep) -> Result<v1::DraftResponse> {
-        let committed = prefix_from_wire(step.committed)?;
-        let k = step.k as usize;
-        state.check_step(committed.len, &step.new_tokens, k, 0)?;
-        self.log.rollback_to(committed)?;
-        self.log.extend(&step.new_tokens);
+    /// The steps of every session in the batch drafted together: K forward passes for the
+    /// batch ([`Drafter::propose_batch`]); each session's checks and errors are its own.
+    fn handle_batch(
+        state: &NodeState,
+        mut items: Vec<(&mut Self, v1::DraftStep, &tracing::Span)>,
+    ) -> Vec<Result<v1::DraftResponse>> {
         let start = std::time::Instant::now();
-        let proposal = self.drafter.propose(self.log.tokens(), k);
-        let proposal = match proposal {
-            Ok(p) => p,
-            Err(e) => {
-                // Keep the session as it was: the log goes back to the step's prefix.
-                self.log.rollback_to(committed)?;
-                return Err(e.into());
+        let planned: Vec<Result<Prefix>> = items
+            .iter_mut()
+            .map(|(s, step, span)| span.in_scope(|| s.plan(state, step)))
+            .collect();
+        let mut jobs = Vec::new();
+        for ((s, step, _), p) in items.iter_mut().zip(&planned) {
+            if p.is_ok() {
+                let DraftSession { drafter, log } = &mut **s;
+                jobs.push(ProposeJob {
+                    drafter,
+                    log: log.tokens(),
+                    k: step.k as usize,
+                });
             }
-        };
-        Ok(reply(Reply::Proposal(v1::Proposal {
-            committed: Some(prefix_to_wire(self.log.prefix())),
-            tokens: proposal.tokens,
-            q: proposal.q.iter().map(distribution_to_wire).collect(),
-            compute_micros: start.elapsed().as_micros() as u64,
-        })))
+        }
+        let mut proposals = Drafter::propose_batch(&mut jobs).into_iter();
+        drop(jobs);
+        let compute_micros = start.elapsed().as_micros() as u64;
+        items
+            .into_iter()
+            .zip(planned)
+            .map(|((s, _, _), committed)| {
+                let committed = committed?;
+                let proposal = proposals
+                    .next()
+                    .unwrap_or(Err(tandem_runtime::Error::EmptyPrompt));
+                s.answer(committed, proposal, compute_micros)
+            })
+            .collect()
     }
 
     fn tokens(reply: &v1::DraftResponse) -> usize {
@@ -93,6 +108,40 @@ impl Session for DraftSession {
 
     fn kv_bytes(&self) -> usize {
         self.drafter.cache_bytes()
+    }
+}
+
+impl DraftSession {
+    /// Checks the step and brings the log to it; returns the prefix the step named.
+    fn plan(&mut self, state: &NodeState, step: &v1::DraftStep) -> Result<Prefix> {
+        let committed = prefix_from_wire(step.committed)?;
+        state.check_step(committed.len, &step.new_tokens, step.k as usize, 0)?;
+        self.log.rollback_to(committed)?;
+        self.log.extend(&step.new_tokens);
+        Ok(committed)
+    }
+
+    /// The reply to a drafted step; on error the log goes back to the step's prefix, keeping
+    /// the session as it was.
+    fn answer(
+        &mut self,
+        committed: Prefix,
+        proposal: tandem_runtime::Result<Proposal>,
+        compute_micros: u64,
+    ) -> Result<v1::DraftResponse> {
+        let proposal = match proposal {
+            Ok(p) => p,
+            Err(e) => {
+                self.log.rollback_to(committed)?;
+                return Err(e.into());
+            }
+        };
+        Ok(reply(Reply::Proposal(v1::Proposal {
+            committed: Some(prefix_to_wire(self.log.prefix())),
+            tokens: proposal.tokens,
+            q: proposal.q.iter().map(distribution_to_wire).collect(),
+            compute_micros,
+        })))
     }
 }
 

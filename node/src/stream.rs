@@ -40,23 +40,14 @@ pub trait Session: Sized + Send + 'static {
 
     /// Checks the request and prefills the prompt (blocking).
     fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self>;
-    /// Does one piece of work (blocking). On error the session must be as it was.
-    fn handle(&mut self, state: &NodeState, work: Self::Work) -> Result<Self::Response>;
-    /// Whether the work of sessions ready at the same time runs as one batch
-    /// ([`Self::handle_batch`]); otherwise each piece runs alone, as it arrives.
-    const BATCHES: bool = false;
-    /// Does the work of several sessions (blocking), as [`Self::handle`] would one by one: one
-    /// result per item, in order. `span` is each item's own span (the whole batch runs inside
-    /// all of them). A role that can run many sessions' work in one forward pass overrides it.
+    /// Does the work of several sessions at once (blocking; a batch of the pieces that were
+    /// ready together, DESIGN.md "Batching"): one result per item, in order, each what the
+    /// session would get alone. `span` is each item's own span (the whole batch runs inside all
+    /// of them). On error a session must be as it was.
     fn handle_batch(
         state: &NodeState,
         items: Vec<(&mut Self, Self::Work, &tracing::Span)>,
-    ) -> Vec<Result<Self::Response>> {
-        items
-            .into_iter()
-            .map(|(s, work, span)| span.in_scope(|| s.handle(state, work)))
-            .collect()
-    }
+    ) -> Vec<Result<Self::Response>>;
     /// Tokens a reply proposes (draft) or commits (target), for the metrics.
     fn tokens(reply: &Self::Response) -> usize;
     /// The committed prefix the session holds.
@@ -140,13 +131,9 @@ async fn run<S: Session>(
                     crate::Role::Draft => tracing::info_span!("draft_step", held),
                     crate::Role::Target => tracing::info_span!("verify", held),
                 };
-                let item = (s, work, st, span);
-                let (s, result) = if S::BATCHES {
-                    state.worker.batch::<Handle<S>>(item).await?
-                } else {
-                    let run = move || Handle::<S>::run(vec![item]).pop();
-                    state.worker.run(run).await?.ok_or(Error::NoSession)?
-                };
+                let (s, result) = (state.worker)
+                    .batch::<Handle<S>>((s, work, st, span))
+                    .await?;
                 slot.set_kv_bytes(s.kv_bytes());
                 let m = &state.metrics;
                 let reply = match result {
@@ -197,10 +184,8 @@ impl<S: Session> Batch for Handle<S> {
             .map(|(s, work, _, span)| (s, (work, span)))
             .unzip();
         let (works, spans): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
-        if S::BATCHES {
-            state.metrics.batches.add(1);
-            state.metrics.batched_requests.add(sessions.len() as u64);
-        }
+        state.metrics.batches.add(1);
+        state.metrics.batched_requests.add(sessions.len() as u64);
         let results = {
             // Each session's span covers the whole batch it waited for.
             let mut entered: Vec<_> = spans.iter().map(tracing::Span::enter).collect();

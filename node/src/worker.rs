@@ -5,7 +5,7 @@
 //! the compute pools.
 //!
 //! It is also the node's scheduler (continuous batching, DESIGN.md "Batching"): work of a kind
-//! that runs many at a time ([`Batch`]: the target's verify blocks) is not run as it arrives but
+//! that runs many at a time ([`Batch`]: verify blocks, draft steps) is not run as it arrives but
 //! gathered, with whatever else is queued when the thread comes free, into one call over up to
 //! `max_batch` items; a session joins the next batch as soon as its request arrives and has its
 //! answer when its batch ends. Other jobs (opening a session, a prefill chunk) run one at a time,
@@ -148,7 +148,10 @@ fn run_ready(ready: Vec<Job>, max_batch: usize) -> Vec<Job> {
 fn run_erased<B: Batch>(items: Vec<Erased>) {
     let (items, senders): (Vec<_>, Vec<_>) = items
         .into_iter()
-        .filter_map(|item| item.downcast::<(B::Item, oneshot::Sender<B::Output>)>().ok())
+        .filter_map(|item| {
+            item.downcast::<(B::Item, oneshot::Sender<B::Output>)>()
+                .ok()
+        })
         .map(|item| *item)
         .unzip();
     if let Ok(outputs) = catch_unwind(AssertUnwindSafe(|| B::run(items))) {
@@ -209,7 +212,10 @@ mod tests {
         // Every item is queued behind the busy job before it ends.
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         release.send(()).expect("release");
-        busy.await.expect("join").expect("busy job").expect("released");
+        busy.await
+            .expect("join")
+            .expect("busy job")
+            .expect("released");
         let mut out = Vec::new();
         for call in calls {
             out.push(call.await.expect("join").expect("batched"));
@@ -222,7 +228,10 @@ mod tests {
     async fn work_queued_while_busy_runs_as_one_batch_up_to_the_cap() {
         assert_eq!(batch_sizes(8, 3).await, vec![(0, 3), (1, 3), (2, 3)]);
         let capped = batch_sizes(2, 5).await;
-        assert_eq!(capped.iter().map(|&(i, _)| i).collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+        assert_eq!(
+            capped.iter().map(|&(i, _)| i).collect::<Vec<_>>(),
+            [0, 1, 2, 3, 4]
+        );
         let mut sizes: Vec<usize> = capped.iter().map(|&(_, n)| n).collect();
         sizes.sort_unstable();
         assert_eq!(sizes, [1, 2, 2, 2, 2], "two batches of two, then one");

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use tandem_runtime::quantize::QuantType;
-use tandem_runtime::speculative::{Drafter, Verifier, VerifyJob};
+use tandem_runtime::speculative::{Drafter, ProposeJob, Verifier, VerifyJob};
 use tandem_runtime::{Logits, Model, SamplingParams};
 
 /// A matmul over more rows may sum in another order: logits agree to this much.
@@ -32,7 +32,9 @@ fn assert_batch_matches_solo(model: &Model) {
     let mut solo = Vec::new();
     for (p, &mode) in prompts.iter().zip(&modes) {
         let mut cache = model.new_cache();
-        model.forward(&p[..1], &mut cache, Logits::Last).expect("head");
+        model
+            .forward(&p[..1], &mut cache, Logits::Last)
+            .expect("head");
         solo.push(model.forward(&p[1..], &mut cache, mode).expect("solo"));
     }
     let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
@@ -169,7 +171,11 @@ fn batched_verification_commits_what_each_session_commits_alone() {
         for (((_, s), p), r) in active.iter_mut().zip(&blocks).zip(results) {
             let v = r.expect("verified");
             refusals += usize::from(v.refused.is_some());
-            let drafts = if v.refused.is_some() { &[][..] } else { &p.tokens };
+            let drafts = if v.refused.is_some() {
+                &[][..]
+            } else {
+                &p.tokens
+            };
             s.log.extend(v.verdict.committed(drafts));
         }
         // ...and leave when done.
@@ -220,7 +226,54 @@ fn a_block_that_cannot_run_fails_alone() {
     assert!(err.to_string().contains("exceeds the context"), "{err}");
     let alone = target_only(&model, &prompts[0], 1);
     assert_eq!(
-        results[1].as_ref().expect("the other job runs").verdict.next,
+        results[1]
+            .as_ref()
+            .expect("the other job runs")
+            .verdict
+            .next,
         alone[prompts[0].len()]
     );
+}
+
+#[test]
+fn batched_draft_steps_propose_what_each_drafter_proposes_alone() {
+    let model = load(&stories_dir());
+    let prompts = prompts();
+    let params = |i: usize| {
+        if i.is_multiple_of(2) {
+            SamplingParams::greedy()
+        } else {
+            SamplingParams {
+                temperature: 0.8,
+                seed: i as u64,
+                ..SamplingParams::default()
+            }
+        }
+    };
+    let new = |i: usize| {
+        let mut d = Drafter::new(&model, params(i));
+        d.prefill(&prompts[i][..2]).expect("prefill");
+        d
+    };
+    let mut batched: Vec<Drafter> = (0..prompts.len()).map(new).collect();
+    let mut alone: Vec<Drafter> = (0..prompts.len()).map(new).collect();
+    // Steps of different K (a catch-up among them) over logs of different lengths, twice: the
+    // second round starts from caches the first left.
+    for ks in [[4, 0, 7, 1], [2, 5, 0, 3]] {
+        let mut jobs: Vec<ProposeJob<'_>> = batched
+            .iter_mut()
+            .zip(&prompts)
+            .zip(ks)
+            .map(|((drafter, log), k)| ProposeJob { drafter, log, k })
+            .collect();
+        let together = Drafter::propose_batch(&mut jobs);
+        drop(jobs);
+        for (i, (got, k)) in together.into_iter().zip(ks).enumerate() {
+            let got = got.expect("proposed");
+            let want = alone[i].propose(&prompts[i], k).expect("proposed alone");
+            assert_eq!(got.tokens, want.tokens, "drafter {i}, K = {k}");
+            assert_eq!(got.tokens.len(), k);
+            assert_eq!(batched[i].cached_tokens(), alone[i].cached_tokens());
+        }
+    }
 }

@@ -43,7 +43,6 @@ impl Session for TargetSession {
     type Request = v1::TargetRequest;
     type Response = v1::TargetResponse;
     type Work = v1::VerifyBlock;
-    const BATCHES: bool = true;
 
     fn classify(request: v1::TargetRequest) -> Result<Incoming<v1::VerifyBlock>> {
         match request.kind.ok_or(Error::MissingField("kind"))? {
@@ -74,12 +73,6 @@ impl Session for TargetSession {
             log: TokenLog::new(&open.prompt),
             last: None,
         })
-    }
-
-    fn handle(&mut self, state: &NodeState, block: v1::VerifyBlock) -> Result<v1::TargetResponse> {
-        let span = tracing::Span::current();
-        let mut results = Self::handle_batch(state, vec![(self, block, &span)]);
-        results.pop().unwrap_or(Err(Error::MissingField("verdict")))
     }
 
     /// The blocks of every session in the batch verified in one forward pass
@@ -122,9 +115,8 @@ impl Session for TargetSession {
         for (i, verified) in verifying.into_iter().zip(verified) {
             let (s, block, span) = &mut items[i];
             let committed = plans[i].as_ref().map_or(s.log.prefix(), |p| p.committed);
-            let reply = span.in_scope(|| {
-                s.answer(state, block.clone(), committed, verified, compute_micros)
-            });
+            let reply = span
+                .in_scope(|| s.answer(state, block.clone(), committed, verified, compute_micros));
             results[i] = Some(reply);
         }
         results

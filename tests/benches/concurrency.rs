@@ -92,7 +92,9 @@ async fn main() -> anyhow::Result<()> {
     let variants = env_list("BENCH_VARIANTS", "target-only,4");
     let scratch = tempfile::tempdir()?;
     let pairs = pairs(scratch.path(), &env_list("BENCH_PAIRS", "110m-q8_0"))?;
-    println!("| pair | sessions | variant | max batch | aggregate tok/s | × one session | round p50 ms | round p99 ms |");
+    println!(
+        "| pair | sessions | variant | max batch | aggregate tok/s | × one session | round p50 ms | round p99 ms |"
+    );
     println!("|---|---|---|---|---|---|---|---|");
     for pair in &pairs {
         let tok = tokenizer(&pair.target);
@@ -115,7 +117,13 @@ async fn main() -> anyhow::Result<()> {
             let addr = free_addr();
             let (target_url, draft_url, listen) = (target.url(), draft.url(), addr.to_string());
             let args = [
-                "serve", "--target", &target_url, "--draft", &draft_url, "--listen", &listen,
+                "serve",
+                "--target",
+                &target_url,
+                "--draft",
+                &draft_url,
+                "--listen",
+                &listen,
             ];
             let coordinator = Proc::start("coordinator", &args, addr);
             let client = CoordinatorClient::connect(coordinator.url()).await?;
@@ -135,7 +143,9 @@ async fn main() -> anyhow::Result<()> {
         // Each prompt alone, target-only: what every session must reproduce; and a warm-up.
         let (_, _, solo) = wave(
             &setups[0].3,
-            (0..prompts.len()).map(|i| request(i, "target-only")).collect(),
+            (0..prompts.len())
+                .map(|i| request(i, "target-only"))
+                .collect(),
         )
         .await?;
         let mut alone: Vec<Vec<f64>> = vec![Vec::new(); variants.len() * setups.len()];
@@ -167,7 +177,10 @@ async fn main() -> anyhow::Result<()> {
                     if n == 1 {
                         alone[v * setups.len() + b].push(tps);
                     }
-                    let one = alone[v * setups.len() + b].first().copied().unwrap_or(f64::NAN);
+                    let one = alone[v * setups.len() + b]
+                        .first()
+                        .copied()
+                        .unwrap_or(f64::NAN);
                     let (p50, p99) = (quantile(gaps.clone(), 0.5), quantile(gaps.clone(), 0.99));
                     println!(
                         "| {} | {n} | {variant} | {max_batch} | {tps:.1} | {:.2} | {:.1} | {:.1} |",

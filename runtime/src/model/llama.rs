@@ -290,7 +290,10 @@ impl Llama {
             item.cache.reserve(item.tokens.len())?;
         }
         let device = self.embed_tokens.device();
-        let ids: Vec<u32> = items.iter().flat_map(|i| i.tokens.iter().copied()).collect();
+        let ids: Vec<u32> = items
+            .iter()
+            .flat_map(|i| i.tokens.iter().copied())
+            .collect();
         let ids = Tensor::new(ids.as_slice(), device)?;
         let mut xs = self.embed_tokens.index_select(&ids, 0)?.unsqueeze(0)?;
         let mut offset = 0;
@@ -340,7 +343,11 @@ impl Llama {
             Tensor::cat(&parts, 1)?
         };
         let xs = self.norm.forward(&xs)?;
-        let logits = self.lm_head.forward(&xs)?.squeeze(0)?.to_dtype(DType::F32)?;
+        let logits = self
+            .lm_head
+            .forward(&xs)?
+            .squeeze(0)?
+            .to_dtype(DType::F32)?;
         let mut start = 0;
         kept.into_iter()
             .map(|len| {

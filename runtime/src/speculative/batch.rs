@@ -1,0 +1,284 @@
+//! The work of many sequences in one forward pass (continuous batching, DESIGN.md "Batching"):
+//! draft steps and verify blocks of different sessions run together, each sequence's rows
+//! attending over its own cache ([`Model::forward_batch`]), each job's result what it would be
+//! alone. A job that cannot run (a block past the context) fails alone, before the forward.
+
+use super::{CachedSequence, Drafter, Proposal, SequenceState, Verified, Verifier};
+use crate::acceptance;
+use crate::draft_check::{BlockRules, DraftRefusal, check_block};
+use crate::model::{Logits, Model};
+use crate::rng::SAMPLE_DRAW;
+use crate::sampling::{Distribution, distribution, draft_support};
+use crate::{Error, Result};
+
+/// One block of a batch of verifies ([`Verifier::verify_batch`]).
+#[derive(Debug)]
+pub struct VerifyJob<'a> {
+    pub verifier: &'a mut Verifier,
+    /// The committed tokens so far.
+    pub log: &'a [u32],
+    pub drafts: &'a [u32],
+    pub q: &'a [Distribution],
+    /// The most drafts the block may hold.
+    pub max_drafts: usize,
+    /// Set when the block was refused before it reached the verifier (its q did not decode):
+    /// the job is one plain target step.
+    pub refused: Option<DraftRefusal>,
+}
+
+/// One step of a batch of draft steps ([`Drafter::propose_batch`]).
+#[derive(Debug)]
+pub struct ProposeJob<'a> {
+    pub drafter: &'a mut Drafter,
+    /// The committed tokens so far.
+    pub log: &'a [u32],
+    /// Tokens to draft; 0 only catches the cache up with the log.
+    pub k: usize,
+}
+
+/// One sequence's block in a forward pass over many.
+struct Feed<'a> {
+    model: &'a Model,
+    tokens: &'a [u32],
+    seq: &'a mut CachedSequence,
+    logits: Logits,
+}
+
+/// Runs every feed's tokens on its own cache, one forward pass per set of feeds that share
+/// weights (on a node: all of them). Returns each feed's logits, or its own error.
+fn forward_all(feeds: &mut [Feed<'_>]) -> Vec<Result<Vec<Vec<f32>>>> {
+    let mut results: Vec<Option<Result<Vec<Vec<f32>>>>> = feeds
+        .iter()
+        .map(|f| f.model.check_block(f.tokens, &f.seq.cache).err().map(Err))
+        .collect();
+    while let Some(first) = results.iter().position(Option::is_none) {
+        let model = feeds[first].model.clone();
+        let mut members = Vec::new();
+        let mut items = Vec::new();
+        for (i, (f, r)) in feeds.iter_mut().zip(&results).enumerate() {
+            if r.is_none() && f.model.same_weights(&model) {
+                members.push(i);
+                items.push((f.tokens, &mut f.seq.cache, f.logits));
+            }
+        }
+        let rows = model.forward_batch(&mut items);
+        drop(items);
+        match rows {
+            Ok(rows) => {
+                for (&i, rows) in members.iter().zip(rows) {
+                    let f = &mut feeds[i];
+                    f.seq.tokens.extend_from_slice(f.tokens);
+                    results[i] = Some(Ok(rows));
+                }
+            }
+            Err(e) => {
+                let message = e.to_string();
+                for &i in &members {
+                    results[i] = Some(Err(failed(&format!("a batched forward failed: {message}"))));
+                }
+            }
+        }
+    }
+    results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(failed("a feed was not run"))))
+        .collect()
+}
+
+fn failed(what: &str) -> Error {
+    Error::Candle(candle_core::Error::Msg(what.to_string()))
+}
+
+/// The result of a batch of one.
+pub(super) fn one<T>(mut results: Vec<Result<T>>) -> Result<T> {
+    results
+        .pop()
+        .unwrap_or_else(|| Err(failed("an empty batch")))
+}
+
+impl Verifier {
+    /// [`Self::verify`] (or [`Self::step`]) for the blocks of several sequences in one forward
+    /// pass over all their rows.
+    pub fn verify_batch(jobs: &mut [VerifyJob<'_>]) -> Vec<Result<Verified>> {
+        let prepared: Vec<Result<(Vec<u32>, Option<DraftRefusal>)>> =
+            jobs.iter_mut().map(VerifyJob::prepare).collect();
+        let mut feeds = Vec::new();
+        let mut fed = Vec::new();
+        for (i, (job, p)) in jobs.iter_mut().zip(&prepared).enumerate() {
+            if let Ok((block, refused)) = p {
+                let SequenceState { model, seq, .. } = &mut job.verifier.0;
+                let scored = refused.is_none() && !job.drafts.is_empty();
+                feeds.push(Feed {
+                    model,
+                    tokens: block,
+                    seq,
+                    logits: if scored { Logits::All } else { Logits::Last },
+                });
+                fed.push(i);
+            }
+        }
+        let mut rows = forward_all(&mut feeds).into_iter();
+        drop(feeds);
+        let mut fed = fed.into_iter().peekable();
+        jobs.iter_mut()
+            .zip(prepared)
+            .enumerate()
+            .map(|(i, (job, p))| {
+                let (_, refused) = p?;
+                debug_assert_eq!(fed.peek(), Some(&i));
+                fed.next();
+                let rows = rows.next().unwrap_or_else(|| Err(failed("no logits")))?;
+                job.finish(refused, &rows)
+            })
+            .collect()
+    }
+}
+
+impl VerifyJob<'_> {
+    /// Checks the block and brings the cache in step with the log: returns the tokens to feed
+    /// and the refusal, if the block is refused (then only the log's tail is fed).
+    fn prepare(&mut self) -> Result<(Vec<u32>, Option<DraftRefusal>)> {
+        let st = &mut self.verifier.0;
+        let rules = BlockRules {
+            vocab_size: st.model.config().vocab_size,
+            max_drafts: self.max_drafts,
+            greedy: st.params.is_greedy(),
+        };
+        let refused = match self.refused.take() {
+            Some(r) => Some(r),
+            None => check_block(self.drafts, self.q, &rules).err(),
+        };
+        let mut feed = st.seq.sync(self.log)?.to_vec();
+        if refused.is_none() {
+            feed.extend_from_slice(self.drafts);
+        }
+        Ok((feed, refused))
+    }
+
+    /// The acceptance rule on the block's logits (the last rows: one per draft scored, plus
+    /// one); the cache keeps the log and the accepted drafts.
+    fn finish(&mut self, refused: Option<DraftRefusal>, rows: &[Vec<f32>]) -> Result<Verified> {
+        let st = &mut self.verifier.0;
+        let (drafts, q) = match refused {
+            Some(_) => (&[][..], &[][..]),
+            None => (self.drafts, self.q),
+        };
+        let rows = &rows[rows.len() - (drafts.len() + 1)..];
+        let mut context = self.log.to_vec();
+        let mut p = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            p.push(distribution(row, &st.params, &context)?);
+            if let Some(&d) = drafts.get(i) {
+                context.push(d);
+            }
+        }
+        let verdict = acceptance::verify(drafts, q, &p, &st.draws, self.log.len());
+        st.seq.truncate(self.log.len() + verdict.accepted)?;
+        Ok(Verified { verdict, refused })
+    }
+}
+
+/// Where one draft step stands in a batch.
+struct Drafting {
+    /// The committed tokens and the drafts so far.
+    context: Vec<u32>,
+    /// What the next forward feeds: the log's uncached tail, then each draft.
+    feed: Vec<u32>,
+    proposal: Proposal,
+    /// Tokens still to draft; a catch-up step (k = 0) feeds once and samples nothing.
+    left: usize,
+    catch_up: bool,
+    error: Option<Error>,
+}
+
+impl Drafter {
+    /// [`Self::propose`] for several sequences: each forward pass feeds every step that still
+    /// drafts (its first the log's uncached tail, then one token each), so that K draft tokens
+    /// of many sessions cost K passes, not K per session.
+    pub fn propose_batch(jobs: &mut [ProposeJob<'_>]) -> Vec<Result<Proposal>> {
+        let mut steps: Vec<Drafting> = jobs.iter_mut().map(ProposeJob::start).collect();
+        loop {
+            let mut feeds = Vec::new();
+            let mut fed = Vec::new();
+            for (i, (job, step)) in jobs.iter_mut().zip(&steps).enumerate() {
+                if step.error.is_none() && (step.left > 0 || step.catch_up) {
+                    let SequenceState { model, seq, .. } = &mut job.drafter.0;
+                    feeds.push(Feed {
+                        model,
+                        tokens: &step.feed,
+                        seq,
+                        logits: Logits::Last,
+                    });
+                    fed.push(i);
+                }
+            }
+            if feeds.is_empty() {
+                break;
+            }
+            let rows = forward_all(&mut feeds);
+            drop(feeds);
+            for (i, rows) in fed.into_iter().zip(rows) {
+                let step = &mut steps[i];
+                match rows.and_then(|rows| jobs[i].sample(step, &rows)) {
+                    Ok(()) => {}
+                    Err(e) => step.error = Some(e),
+                }
+            }
+        }
+        steps
+            .into_iter()
+            .map(|s| match s.error {
+                Some(e) => Err(e),
+                None => Ok(s.proposal),
+            })
+            .collect()
+    }
+}
+
+impl ProposeJob<'_> {
+    /// Brings the cache in step with the log and says what the first forward feeds.
+    fn start(&mut self) -> Drafting {
+        let mut step = Drafting {
+            context: self.log.to_vec(),
+            feed: Vec::new(),
+            proposal: Proposal {
+                tokens: Vec::with_capacity(self.k),
+                q: Vec::with_capacity(self.k),
+            },
+            left: self.k,
+            catch_up: false,
+            error: None,
+        };
+        match self.drafter.0.seq.sync(self.log) {
+            Ok(feed) if self.k > 0 => step.feed = feed.to_vec(),
+            // A catch-up feeds all but the log's last token (which the next proposal feeds),
+            // if there is anything before it.
+            Ok(feed) => {
+                if let Some((_, behind)) = feed.split_last().filter(|(_, b)| !b.is_empty()) {
+                    step.feed = behind.to_vec();
+                    step.catch_up = true;
+                }
+            }
+            Err(e) => step.error = Some(e),
+        }
+        step
+    }
+
+    /// Samples the next draft from the last forward's logits.
+    fn sample(&mut self, step: &mut Drafting, rows: &[Vec<f32>]) -> Result<()> {
+        if step.catch_up {
+            step.catch_up = false;
+            return Ok(());
+        }
+        let st = &mut self.drafter.0;
+        let row = rows.last().ok_or_else(|| failed("no logits"))?;
+        let q = draft_support(distribution(row, &st.params, &step.context)?);
+        let token = q.sample(st.draws.uniform(step.context.len(), SAMPLE_DRAW));
+        step.context.push(token);
+        step.proposal.tokens.push(token);
+        step.proposal.q.push(q);
+        step.feed = vec![token];
+        step.left -= 1;
+        Ok(())
+    }
+}

@@ -1,0 +1,218 @@
+//! Per-sequence building blocks of speculative decoding, shared by the in-process generator and
+//! the nodes: a [`Drafter`] proposes K tokens with their distributions q, a [`Verifier`] scores
+//! them in one forward pass and applies the acceptance rule. Both keep a KV cache in step with a
+//! canonical token log they are handed: what they cached beyond the log's common prefix is
+//! truncated, never recomputed.
+
+use std::time::Instant;
+
+use crate::acceptance::Verdict;
+use crate::draft_check::DraftRefusal;
+use crate::kv_cache::KvCache;
+use crate::model::{Logits, Model};
+use crate::rng::Draws;
+use crate::sampling::{Distribution, SamplingParams};
+use crate::{Error, Result};
+
+mod batch;
+
+use batch::one;
+pub use batch::{ProposeJob, VerifyJob};
+
+/// Stream separation so that the draft's and the target's draws never coincide.
+const DRAFT_STREAM: u64 = 0x5eed_d4af_7000_0001;
+const TARGET_STREAM: u64 = 0x5eed_7a46_e700_0002;
+
+/// A model's cache with the tokens it holds (`tokens.len() == cache.len()`).
+#[derive(Debug)]
+struct CachedSequence {
+    cache: KvCache,
+    tokens: Vec<u32>,
+}
+
+impl CachedSequence {
+    /// Truncates to the longest prefix shared with `log`, keeping at least one token of `log`
+    /// uncached so that the next forward yields its logits. Returns the tokens to feed.
+    fn sync<'a>(&mut self, log: &'a [u32]) -> Result<&'a [u32]> {
+        let common = self
+            .tokens
+            .iter()
+            .zip(log)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(log.len().saturating_sub(1));
+        self.cache.truncate(common)?;
+        self.tokens.truncate(common);
+        Ok(&log[common..])
+    }
+
+    fn forward(&mut self, model: &Model, tokens: &[u32], logits: Logits) -> Result<Vec<Vec<f32>>> {
+        let rows = model.forward(tokens, &mut self.cache, logits)?;
+        self.tokens.extend_from_slice(tokens);
+        Ok(rows)
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.cache.truncate(len)?;
+        self.tokens.truncate(len);
+        Ok(())
+    }
+}
+
+/// What each side of a sequence holds: its model, cache, sampling parameters and draws.
+#[derive(Debug)]
+struct SequenceState {
+    model: Model,
+    seq: CachedSequence,
+    params: SamplingParams,
+    draws: Draws,
+}
+
+impl SequenceState {
+    fn new(model: &Model, params: SamplingParams, stream: u64) -> Self {
+        Self {
+            model: model.clone(),
+            seq: CachedSequence {
+                cache: model.new_cache(),
+                tokens: Vec::new(),
+            },
+            draws: Draws::new(params.seed, stream),
+            params,
+        }
+    }
+
+    /// Feeds all but the last prompt token, so that the first step feeds exactly one token.
+    fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        let limit = self.model.config().max_context;
+        if prompt.len() > limit {
+            return Err(Error::ContextFull {
+                len: prompt.len(),
+                limit,
+            });
+        }
+        let head = &prompt[..prompt.len() - 1];
+        self.seq.sync(prompt)?;
+        if self.seq.tokens.len() < head.len() {
+            let rest = head[self.seq.tokens.len()..].to_vec();
+            self.seq.forward(&self.model, &rest, Logits::Last)?;
+        }
+        Ok(())
+    }
+}
+
+/// K drafted tokens and the distributions they were sampled from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    pub q: Vec<Distribution>,
+}
+
+/// The draft side of one sequence.
+#[derive(Debug)]
+pub struct Drafter(SequenceState);
+
+impl Drafter {
+    pub fn new(model: &Model, params: SamplingParams) -> Self {
+        Self(SequenceState::new(model, params, DRAFT_STREAM))
+    }
+
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
+        self.0.prefill(prompt)
+    }
+
+    /// Proposes `k` tokens continuing `log`, the committed tokens so far. `k == 0` only catches
+    /// the cache up with `log` (all but its last token, which the next proposal feeds), so that
+    /// a draft left idle for many rounds drafts at once when asked again.
+    pub fn propose(&mut self, log: &[u32], k: usize) -> Result<Proposal> {
+        let mut jobs = [ProposeJob {
+            drafter: self,
+            log,
+            k,
+        }];
+        one(Self::propose_batch(&mut jobs))
+    }
+
+    /// Bytes held by this sequence's cache.
+    pub fn cache_bytes(&self) -> usize {
+        self.0.seq.cache.bytes()
+    }
+
+    /// Positions in this sequence's cache.
+    pub fn cached_tokens(&self) -> usize {
+        self.0.seq.cache.len()
+    }
+}
+
+/// A verified block: the verdict, and why the draft's block was refused when it was (the verdict
+/// is then one plain target step: nothing accepted, `next` sampled from p).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verified {
+    pub verdict: Verdict,
+    pub refused: Option<DraftRefusal>,
+}
+
+/// The target side of one sequence.
+#[derive(Debug)]
+pub struct Verifier(SequenceState);
+
+impl Verifier {
+    pub fn new(model: &Model, params: SamplingParams) -> Self {
+        Self(SequenceState::new(model, params, TARGET_STREAM))
+    }
+
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
+        self.0.prefill(prompt)
+    }
+
+    /// Checks the drafted block ([`check_block`]: at most `max_drafts`, valid q) and scores
+    /// `[uncached tail of log, drafts…]` in one forward pass with the acceptance rule. A block
+    /// that fails the checks is not scored: the round is one plain target step and the refusal
+    /// says why. Afterwards the cache holds the log plus the accepted drafts: everything
+    /// committed except the returned next token.
+    pub fn verify(
+        &mut self,
+        log: &[u32],
+        drafts: &[u32],
+        q: &[Distribution],
+        max_drafts: usize,
+    ) -> Result<Verified> {
+        let mut jobs = [VerifyJob {
+            verifier: self,
+            log,
+            drafts,
+            q,
+            max_drafts,
+            refused: None,
+        }];
+        one(Self::verify_batch(&mut jobs))
+    }
+
+    /// One plain target step in place of a block refused before it reached the verifier (one
+    /// that did not decode).
+    pub fn step(&mut self, log: &[u32], refusal: DraftRefusal) -> Result<Verified> {
+        let mut jobs = [VerifyJob {
+            verifier: self,
+            log,
+            drafts: &[],
+            q: &[],
+            max_drafts: 0,
+            refused: Some(refusal),
+        }];
+        one(Self::verify_batch(&mut jobs))
+    }
+
+    /// Bytes held by this sequence's cache.
+    pub fn cache_bytes(&self) -> usize {
+        self.0.seq.cache.bytes()
+    }
+}
+
+/// Wall-clock seconds of a closure, with its result.
+pub(crate) fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
+    let start = Instant::now();
+    let out = f();
+    (out, start.elapsed().as_secs_f64())
+}
