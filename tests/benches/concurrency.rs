@@ -5,7 +5,8 @@
 //!
 //! Reported per N and variant: aggregate tokens/s (all sessions' tokens over the wall time from
 //! the first request to the last answer), its ratio to one session alone, and p50/p99 of the time
-//! between two streamed commits of a session (a round as its client sees it). Every greedy
+//! between two streamed commits of a session (a round as its client sees it), and the draft steps
+//! abandoned at their deadline (a loaded draft-node answers late). Every greedy
 //! output is checked equal to the same request alone.
 //!
 //! Environment: BENCH_REPS (default 1), BENCH_PAIRS (default `110m-q8_0`), BENCH_SESSIONS
@@ -43,12 +44,20 @@ fn quantile(mut xs: Vec<f64>, q: f64) -> f64 {
     xs.get(i).copied().unwrap_or(f64::NAN)
 }
 
-/// One wave of `n` concurrent generations: aggregate tokens/s, the gaps between commits (s),
-/// and each session's tokens.
+/// One wave of `n` concurrent generations.
+struct Wave {
+    tokens_per_second: f64,
+    /// The gaps between two commits of a session, in seconds.
+    gaps: Vec<f64>,
+    outputs: Vec<Vec<u32>>,
+    /// Draft steps abandoned at their deadline, over all sessions.
+    stalls: u32,
+}
+
 async fn wave(
     client: &CoordinatorClient<tonic::transport::Channel>,
     requests: Vec<v1::GenerateRequest>,
-) -> anyhow::Result<(f64, Vec<f64>, Vec<Vec<u32>>)> {
+) -> anyhow::Result<Wave> {
     let start = Instant::now();
     let tasks: Vec<_> = requests
         .into_iter()
@@ -64,23 +73,25 @@ async fn wave(
                 .await;
                 // The first gap holds the prefill: not a round.
                 gaps.remove(0);
-                done.map(|d| (gaps, d.token_ids))
+                done.map(|d| (gaps, d.token_ids, d.stats.unwrap_or_default().draft_stalls))
             })
         })
         .collect();
-    let mut all_gaps = Vec::new();
-    let mut outputs = Vec::new();
+    let mut w = Wave {
+        tokens_per_second: 0.0,
+        gaps: Vec::new(),
+        outputs: Vec::new(),
+        stalls: 0,
+    };
     for task in tasks {
-        let (gaps, ids) = task.await??;
-        all_gaps.extend(gaps);
-        outputs.push(ids);
+        let (gaps, ids, stalls) = task.await??;
+        w.gaps.extend(gaps);
+        w.outputs.push(ids);
+        w.stalls += stalls;
     }
-    let tokens: usize = outputs.iter().map(Vec::len).sum();
-    Ok((
-        tokens as f64 / start.elapsed().as_secs_f64(),
-        all_gaps,
-        outputs,
-    ))
+    let tokens: usize = w.outputs.iter().map(Vec::len).sum();
+    w.tokens_per_second = tokens as f64 / start.elapsed().as_secs_f64();
+    Ok(w)
 }
 
 #[tokio::main]
@@ -89,7 +100,7 @@ async fn main() -> anyhow::Result<()> {
     let sessions = numbers("BENCH_SESSIONS", "1,4,8,16,64")?;
     let batches = numbers("BENCH_BATCH", "64,1")?;
     let tokens = numbers("BENCH_TOKENS", "64")?[0];
-    let variants = env_list("BENCH_VARIANTS", "target-only,4");
+    let variants = env_list("BENCH_VARIANTS", "target-only,auto,4");
     let scratch = tempfile::tempdir()?;
     let pairs = pairs(scratch.path(), &env_list("BENCH_PAIRS", "110m-q8_0"))?;
     println!(
@@ -133,46 +144,49 @@ async fn main() -> anyhow::Result<()> {
             prompt_tokens: prompts[i % prompts.len()].clone(),
             max_tokens: tokens as u32,
             sampling: Some((&SamplingParams::greedy()).into()),
-            draft_tokens: Some(match variant {
-                "target-only" => 0,
-                k => k.parse().expect("a variant is target-only or K"),
-            }),
+            draft_tokens: match variant {
+                "target-only" => Some(0),
+                "auto" => None,
+                k => Some(k.parse().expect("a variant is target-only, auto or K")),
+            },
             ignore_eos: true,
             ..Default::default()
         };
         // Each prompt alone, target-only: what every session must reproduce; and a warm-up.
-        let (_, _, solo) = wave(
+        let solo = wave(
             &setups[0].3,
             (0..prompts.len())
                 .map(|i| request(i, "target-only"))
                 .collect(),
         )
-        .await?;
+        .await?
+        .outputs;
         let mut alone: Vec<Vec<f64>> = vec![Vec::new(); variants.len() * setups.len()];
         for &n in &sessions {
-            let mut samples: Vec<(Vec<f64>, Vec<f64>)> =
-                vec![(Vec::new(), Vec::new()); variants.len() * setups.len()];
+            let mut samples: Vec<(Vec<f64>, Vec<f64>, u32)> =
+                vec![(Vec::new(), Vec::new(), 0); variants.len() * setups.len()];
             for _ in 0..reps {
                 for (v, variant) in variants.iter().enumerate() {
                     for (b, (_, _, _, client)) in setups.iter().enumerate() {
                         let requests = (0..n).map(|i| request(i, variant)).collect();
-                        let (tps, gaps, outputs) = wave(client, requests).await?;
-                        for (i, out) in outputs.iter().enumerate() {
+                        let w = wave(client, requests).await?;
+                        for (i, out) in w.outputs.iter().enumerate() {
                             anyhow::ensure!(
                                 *out == solo[i % prompts.len()],
                                 "{n} sessions, {variant}: session {i}'s output differs from alone"
                             );
                         }
                         let s = &mut samples[v * setups.len() + b];
-                        s.0.push(tps);
-                        s.1.extend(gaps);
+                        s.0.push(w.tokens_per_second);
+                        s.1.extend(w.gaps);
+                        s.2 += w.stalls;
                     }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
             for (v, variant) in variants.iter().enumerate() {
                 for (b, (max_batch, ..)) in setups.iter().enumerate() {
-                    let (tps, gaps) = &samples[v * setups.len() + b];
+                    let (tps, gaps, stalls) = &samples[v * setups.len() + b];
                     let tps = median(tps.clone());
                     if n == 1 {
                         alone[v * setups.len() + b].push(tps);
@@ -183,7 +197,7 @@ async fn main() -> anyhow::Result<()> {
                         .unwrap_or(f64::NAN);
                     let (p50, p99) = (quantile(gaps.clone(), 0.5), quantile(gaps.clone(), 0.99));
                     println!(
-                        "| {} | {n} | {variant} | {max_batch} | {tps:.1} | {:.2} | {:.1} | {:.1} |",
+                        "| {} | {n} | {variant} | {max_batch} | {tps:.1} | {:.2} | {:.1} | {:.1} | {stalls} |",
                         pair.name,
                         tps / one,
                         1e3 * p50,
@@ -195,7 +209,7 @@ async fn main() -> anyhow::Result<()> {
                             "pair": pair.name, "sessions": n, "variant": variant,
                             "max_batch": max_batch, "reps": reps, "tokens": tokens,
                             "aggregate_tokens_per_second": tps, "over_one_session": tps / one,
-                            "round_p50_ms": 1e3 * p50, "round_p99_ms": 1e3 * p99,
+                            "round_p50_ms": 1e3 * p50, "round_p99_ms": 1e3 * p99, "draft_stalls": stalls,
                         })
                     );
                 }
