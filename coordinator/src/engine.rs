@@ -16,20 +16,19 @@ use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::generator::MAX_DRAFT_TOKENS;
 use tandem_runtime::{
-    Commit, DraftRefusal, FinishReason, GenerateRequest, GenerationStats, RefusalReason,
-    RequestLimits, SamplingParams, TokenLog, Tokenizer, Transcript, Verdict,
+    Commit, DraftRefusal, FinishReason, GenerateRequest, RefusalReason, RequestLimits,
+    SamplingParams, TokenLog, Tokenizer, Transcript, Verdict,
 };
 use tonic::Code;
 use tonic::transport::{Channel, Endpoint};
 use tracing::Instrument;
 
-use crate::drafters::{
-    DrafterChoice, ModelDrafter, Proposal, StepFailure, fixed_drafter, ngram_proposal,
-};
-use crate::links::{Draft, NodeSession, SessionSpec, Target, Traffic, Wire};
+use crate::drafters::{DrafterChoice, ModelDrafter, Proposal, fixed_drafter, ngram_proposal};
+use crate::links::{Draft, NodeSession, SessionSpec, Target};
 use crate::metrics::CoordinatorMetrics;
 use crate::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, Plan, RoundCosts};
 use crate::shadow::{Shadow, shadow_len};
+pub use crate::stats::Stats;
 
 /// A node the coordinator talks to.
 #[derive(Debug, Clone)]
@@ -111,72 +110,6 @@ impl std::ops::Deref for Job {
 /// Refused blocks after which a generation detaches its draft.
 pub const MAX_REFUSED_BLOCKS: u32 = 3;
 
-/// Statistics of a distributed generation.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Stats {
-    /// Rounds, drafted, accepted, and times: draft and target seconds are the nodes' compute.
-    pub base: GenerationStats,
-    pub repairs: u32,
-    pub draft_lost: bool,
-    /// Why the draft was detached, when it was.
-    pub draft_lost_reason: String,
-    /// Drafted blocks refused (each ran as a plain target step).
-    pub draft_blocks_refused: u32,
-    /// The seed every draw was keyed by.
-    pub seed: u64,
-    pub traffic: Traffic,
-    /// Rounds drafted by the draft-node's model, by n-gram lookup, and target-only rounds.
-    pub model_rounds: u32,
-    pub ngram_rounds: u32,
-    pub target_only_rounds: u32,
-    /// Times a lost or stalled draft-node was attached again.
-    pub draft_reattached: u32,
-    /// Draft steps abandoned at their deadline.
-    pub draft_stalls: u32,
-    /// Rounds whose next block the draft-node drafted during the verify, and rounds that used
-    /// such a block (the pipeline's hits).
-    pub pipeline_rounds: u32,
-    pub pipeline_hits: u32,
-    /// Tokens the draft-node drafted (its steps and the blocks it drafted ahead).
-    pub draft_node_tokens: u32,
-}
-
-impl Stats {
-    /// Counts a draft step that failed or stalled; the draft-node's session is dropped (the
-    /// drafter re-attaches it in the background).
-    fn draft_failed(
-        &mut self,
-        failure: StepFailure,
-        model: &mut ModelDrafter,
-        policy: &mut KPolicy,
-        k: usize,
-    ) {
-        tracing::warn!(error = %failure, "dropped the draft-node: going on without it until it is attached again");
-        match failure {
-            StepFailure::Stalled(deadline) => {
-                self.draft_stalls += 1;
-                // It cost at least its deadline: priced so, it is not chosen again at once.
-                policy.observe_stall(k, deadline.as_secs_f64());
-            }
-            StepFailure::Failed(e) => self.lose_draft(format!("the draft-node failed: {e}")),
-        }
-        if let Some(d) = model.session.take() {
-            self.settle(&d);
-        }
-    }
-
-    fn lose_draft(&mut self, reason: String) {
-        self.draft_lost = true;
-        self.draft_lost_reason = reason;
-    }
-
-    /// Adds what a node session counted (repairs, bytes) as it ends.
-    fn settle<W: Wire>(&mut self, session: &NodeSession<W>) {
-        self.repairs += session.repairs;
-        self.traffic += session.traffic();
-    }
-}
-
 /// A finished generation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
@@ -201,6 +134,10 @@ pub struct Engine {
     /// Whether the draft-node runs on the target's cores (the all-in-one mode): background draft
     /// steps are then spaced out ([`crate::shadow`]).
     pub draft_shares_cores: bool,
+    /// Adaptive K speculates only while at most this many generations run here: beyond, the
+    /// target's batch of plain steps is already compute-bound and drafts cost it more than they
+    /// save (vLLM's disable-by-batch-size). `None`: no limit.
+    pub max_speculating: Option<usize>,
     /// What the last session learnt of the nodes' costs and the draft's acceptance.
     learnt: std::sync::Mutex<Option<KPolicy>>,
     active: AtomicUsize,
@@ -216,6 +153,7 @@ impl Engine {
         default_draft_tokens: Option<usize>,
     ) -> Result<Self> {
         let target = NodeHandle::connect("target-node", target).await?;
+        let cpu_target = target.info.device.starts_with("cpu");
         let draft = match draft {
             Some(url) => Some(NodeHandle::connect("draft-node", url).await?),
             None => None,
@@ -261,6 +199,9 @@ impl Engine {
             default_draft_tokens,
             metrics: CoordinatorMetrics::default(),
             draft_shares_cores: false,
+            // A CPU target gains nothing from speculation once it batches other sessions
+            // (docs/benchmarks.md, "Many sessions on one target").
+            max_speculating: cpu_target.then_some(1),
             learnt: std::sync::Mutex::new(None),
             active: AtomicUsize::new(0),
             next_id: AtomicUsize::new(0),
@@ -270,6 +211,11 @@ impl Engine {
     /// Generations running now.
     pub fn active(&self) -> usize {
         self.active.load(Ordering::Relaxed)
+    }
+
+    /// Whether more generations run than adaptive K speculates for ([`Self::max_speculating`]).
+    fn crowded(&self) -> bool {
+        self.max_speculating.is_some_and(|n| self.active() > n)
     }
 
     /// Checks a request against the nodes' limits, naming the field and the limit.
@@ -412,7 +358,7 @@ impl Engine {
                 policy.set_first_probe_cost(open_secs);
                 // A draft-node never timed is timed beside the first rounds, which do not wait.
                 let k = shadow_k(job.max_new_tokens);
-                if job.adaptive && !policy.draft_timed() && k > 0 {
+                if job.adaptive && !policy.draft_timed() && k > 0 && !self.crowded() {
                     m.time_in_background(&log, k);
                 }
             }
@@ -632,6 +578,7 @@ impl Engine {
             log.extend(&commit.tokens);
             shadow.compare(&log, &mut policy);
             if plan.drafter != Some(Drafter::Model)
+                && !(job.adaptive && self.crowded())
                 && let Some(m) = model.as_mut()
             {
                 if shadow.due() {
@@ -697,6 +644,9 @@ impl Engine {
                 _ => Proposal::default(),
             };
             return (plan, ngram);
+        }
+        if self.crowded() {
+            return (Plan::TARGET_ONLY, Proposal::default());
         }
         let ngram = if job.drafter.uses_ngram() {
             ngram_proposal(log, cap)

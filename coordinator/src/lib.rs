@@ -15,6 +15,7 @@ pub mod ngram;
 pub mod policy;
 pub mod service;
 pub mod shadow;
+pub mod stats;
 
 pub use cluster::LocalCluster;
 pub use engine::{CommitSink, Discard, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats};

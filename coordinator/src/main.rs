@@ -42,9 +42,12 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
-    let engine = Engine::connect(&args.target, args.draft.as_deref(), args.draft_tokens.0)
+    let mut engine = Engine::connect(&args.target, args.draft.as_deref(), args.draft_tokens.0)
         .await
         .context("connecting to the nodes")?;
+    if let Some(n) = args.max_speculating_sessions {
+        engine.max_speculating = (n > 0).then_some(n);
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;

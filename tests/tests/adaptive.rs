@@ -134,6 +134,41 @@ async fn ngram_drafting_accepts_what_the_text_repeats() {
 }
 
 #[tokio::test]
+async fn adaptive_k_stops_speculating_past_its_concurrency_limit() {
+    // Past `max_speculating` generations (here 0: every one is past it) adaptive K decodes with
+    // the target alone, where a batch of plain steps is cheaper than drafts, and leaves the
+    // draft-node idle (no background steps either); a request that fixes K still drafts.
+    let (target, draft) = (stories(), stories_q8());
+    let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
+    let mut engine = cluster.engine(None).await.expect("engine");
+    assert_eq!(engine.max_speculating, Some(1), "a CPU target speculates alone");
+    engine.max_speculating = Some(0);
+    let prompt = tokenizer(&target)
+        .encode("Once upon a time")
+        .expect("encode");
+    let expected = target_only(&target, &prompt, 120);
+    let steps = || cluster.draft.as_ref().expect("draft").metrics.requests.get();
+    let crowded = generate(&engine, &adaptive(&prompt, 120, None, "auto")).await;
+    assert_eq!(crowded.token_ids, expected);
+    let s = &crowded.stats;
+    assert_eq!((s.model_rounds, s.ngram_rounds), (0, 0), "{}", describe(&crowded));
+    assert_eq!(steps(), 0, "the draft-node was left alone");
+    let fixed = generate(&engine, &adaptive(&prompt, 120, Some(4), "model")).await;
+    assert_eq!(fixed.token_ids, expected);
+    assert!(fixed.stats.model_rounds > 0, "{}", describe(&fixed));
+    // Alone again, adaptive K uses the draft-node (at least to time it in the background).
+    engine.max_speculating = None;
+    let before = steps();
+    let alone = generate(&engine, &adaptive(&prompt, 120, None, "auto")).await;
+    assert_eq!(alone.token_ids, expected);
+    assert!(
+        eventually(async || steps() > before).await,
+        "{}",
+        describe(&alone)
+    );
+}
+
+#[tokio::test]
 async fn sampled_ngram_drafting_is_reproducible_from_its_seed() {
     let target = stories();
     let cluster = cluster(&target, None, &LimitsArgs::default()).await;

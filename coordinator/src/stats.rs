@@ -1,0 +1,74 @@
+//! What a distributed generation counts: rounds and their drafters, the draft-node's failures
+//! and re-attachments, the pipeline's hits, and the bytes on the links.
+
+use tandem_runtime::GenerationStats;
+
+use crate::drafters::{ModelDrafter, StepFailure};
+use crate::links::{NodeSession, Traffic, Wire};
+use crate::policy::KPolicy;
+
+/// Statistics of a distributed generation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stats {
+    /// Rounds, drafted, accepted, and times: draft and target seconds are the nodes' compute.
+    pub base: GenerationStats,
+    pub repairs: u32,
+    pub draft_lost: bool,
+    /// Why the draft was detached, when it was.
+    pub draft_lost_reason: String,
+    /// Drafted blocks refused (each ran as a plain target step).
+    pub draft_blocks_refused: u32,
+    /// The seed every draw was keyed by.
+    pub seed: u64,
+    pub traffic: Traffic,
+    /// Rounds drafted by the draft-node's model, by n-gram lookup, and target-only rounds.
+    pub model_rounds: u32,
+    pub ngram_rounds: u32,
+    pub target_only_rounds: u32,
+    /// Times a lost or stalled draft-node was attached again.
+    pub draft_reattached: u32,
+    /// Draft steps abandoned at their deadline.
+    pub draft_stalls: u32,
+    /// Rounds whose next block the draft-node drafted during the verify, and rounds that used
+    /// such a block (the pipeline's hits).
+    pub pipeline_rounds: u32,
+    pub pipeline_hits: u32,
+    /// Tokens the draft-node drafted (its steps and the blocks it drafted ahead).
+    pub draft_node_tokens: u32,
+}
+
+impl Stats {
+    /// Counts a draft step that failed or stalled; the draft-node's session is dropped (the
+    /// drafter re-attaches it in the background).
+    pub(crate) fn draft_failed(
+        &mut self,
+        failure: StepFailure,
+        model: &mut ModelDrafter,
+        policy: &mut KPolicy,
+        k: usize,
+    ) {
+        tracing::warn!(error = %failure, "dropped the draft-node: going on without it until it is attached again");
+        match failure {
+            StepFailure::Stalled(deadline) => {
+                self.draft_stalls += 1;
+                // It cost at least its deadline: priced so, it is not chosen again at once.
+                policy.observe_stall(k, deadline.as_secs_f64());
+            }
+            StepFailure::Failed(e) => self.lose_draft(format!("the draft-node failed: {e}")),
+        }
+        if let Some(d) = model.session.take() {
+            self.settle(&d);
+        }
+    }
+
+    pub(crate) fn lose_draft(&mut self, reason: String) {
+        self.draft_lost = true;
+        self.draft_lost_reason = reason;
+    }
+
+    /// Adds what a node session counted (repairs, bytes) as it ends.
+    pub(crate) fn settle<W: Wire>(&mut self, session: &NodeSession<W>) {
+        self.repairs += session.repairs;
+        self.traffic += session.traffic();
+    }
+}
