@@ -51,6 +51,11 @@ pub struct LimitsArgs {
     /// A session with no message for this long is closed and its cache freed.
     #[arg(long, env = "TANDEM_IDLE_TIMEOUT_SECS", default_value_t = 300)]
     pub idle_timeout_secs: u64,
+    /// KV-cache memory, in bytes, that all sessions together may grow to; a session that would
+    /// pass it is refused at once (RESOURCE_EXHAUSTED). 0: 80 % of the memory available once
+    /// the model is loaded (CPU); no limit on a GPU, where it must be set.
+    #[arg(long, env = "TANDEM_KV_CACHE_BYTES", default_value_t = 0)]
+    pub kv_cache_bytes: u64,
     /// Most sessions whose work one forward pass runs together (continuous batching: what is
     /// ready when the model comes free runs as one batch); 1 runs sessions one at a time.
     #[arg(long, env = "TANDEM_MAX_BATCH", default_value_t = 64)]
@@ -64,6 +69,7 @@ impl Default for LimitsArgs {
             max_session_tokens: 0,
             max_draft_tokens: 32,
             idle_timeout_secs: 300,
+            kv_cache_bytes: 0,
             max_batch: 64,
         }
     }

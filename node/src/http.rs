@@ -14,6 +14,7 @@ use crate::state::NodeState;
 /// The node's metrics in the Prometheus text format.
 fn exposition(state: &NodeState) -> String {
     let m = &state.metrics;
+    let (reserved, budget) = state.sessions.kv_reserved();
     let mut e = Exposition::default();
     e.gauge(
         "tandem_node_sessions_active",
@@ -24,6 +25,16 @@ fn exposition(state: &NodeState) -> String {
         "tandem_node_kv_cache_bytes",
         "KV-cache bytes held by open sessions.",
         state.sessions.kv_bytes() as f64,
+    )
+    .gauge(
+        "tandem_node_kv_cache_reserved_bytes",
+        "KV-cache bytes open sessions may grow to (what admission counts).",
+        reserved as f64,
+    )
+    .gauge(
+        "tandem_node_kv_cache_budget_bytes",
+        "KV-cache bytes all sessions together may grow to (--kv-cache-bytes).",
+        budget as f64,
     )
     .counter(
         "tandem_node_sessions_opened_total",

@@ -34,6 +34,8 @@ pub struct Limits {
     pub max_session_tokens: usize,
     pub max_draft_tokens: usize,
     pub idle_timeout: std::time::Duration,
+    /// KV-cache bytes all sessions together may grow to.
+    pub kv_cache_bytes: usize,
 }
 
 /// A loaded node.
@@ -52,6 +54,8 @@ pub struct NodeState {
     pub draining: std::sync::atomic::AtomicBool,
     vocab_hash: u64,
     stop_token_ids: Vec<u32>,
+    /// KV-cache bytes of one position of one session.
+    kv_bytes_per_position: usize,
 }
 
 impl NodeState {
@@ -80,6 +84,11 @@ impl NodeState {
             0 => context,
             n => n.min(context),
         };
+        let kv_cache_bytes = match limits.kv_cache_bytes {
+            0 if device == "cpu" => available_memory().map_or(usize::MAX, |m| m / 5 * 4),
+            0 => usize::MAX,
+            n => usize::try_from(n).unwrap_or(usize::MAX),
+        };
         Self {
             role,
             limits: Limits {
@@ -87,8 +96,10 @@ impl NodeState {
                 max_session_tokens,
                 max_draft_tokens: limits.max_draft_tokens,
                 idle_timeout: std::time::Duration::from_secs(limits.idle_timeout_secs),
+                kv_cache_bytes,
             },
-            sessions: SessionTable::new(limits.max_sessions),
+            sessions: SessionTable::new(limits.max_sessions, kv_cache_bytes),
+            kv_bytes_per_position: model.new_cache().bytes_per_position(),
             device: device.to_string(),
             metrics: crate::metrics::NodeMetrics::default(),
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -152,6 +163,16 @@ impl NodeState {
             .to_runtime()
     }
 
+    /// The positions a session opened by `open` may grow to (its prompt, its new tokens and
+    /// one block of drafts past them), and their KV-cache bytes: what admission reserves and
+    /// what its cache is capped at.
+    pub fn session_room(&self, open: &v1::OpenSession) -> (usize, usize) {
+        let positions = (open.prompt.len() + open.max_new_tokens as usize)
+            .saturating_add(self.limits.max_draft_tokens + 1)
+            .min(self.limits.max_session_tokens);
+        (positions, positions * self.kv_bytes_per_position)
+    }
+
     /// Checks a step before it changes anything: K within the limit, known tokens, and room in
     /// the session for the committed prefix, the new tokens and the block (plus `extra`).
     pub fn check_step(
@@ -194,4 +215,12 @@ impl NodeState {
 
 fn invalid(field: &'static str, value: impl ToString, limit: impl ToString) -> Error {
     tandem_runtime::Error::invalid(field, value, limit).into()
+}
+
+/// Memory the kernel says is available now (`MemAvailable`), in bytes.
+fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }

@@ -107,7 +107,7 @@ async fn run<S: Session>(
                     return Err(Error::SessionAlreadyOpen);
                 }
                 tracing::Span::current().record("session_id", open.session_id.as_str());
-                let slot = state.sessions.acquire()?;
+                let slot = state.sessions.acquire(state.session_room(&open).1)?;
                 let st = Arc::clone(state);
                 let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());
                 let s = (state.worker)

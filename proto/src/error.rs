@@ -16,6 +16,14 @@ pub enum Error {
     SessionAlreadyOpen,
     #[error("too many sessions: {limit} are open, the limit (--max-sessions) is {limit}")]
     TooManySessions { limit: usize },
+    #[error(
+        "kv cache budget exhausted: this session may need {need} bytes, {free} of {budget} are free (--kv-cache-bytes); retry when sessions end"
+    )]
+    KvCacheFull {
+        need: usize,
+        free: usize,
+        budget: usize,
+    },
     #[error("session idle for more than {secs} s (--idle-timeout-secs): closed")]
     IdleTimeout { secs: u64 },
     #[error("{node} is unavailable at {endpoint}: {reason}")]
@@ -54,7 +62,7 @@ impl Error {
             Self::MissingField(_) => Code::InvalidArgument,
             Self::NoSession => Code::NotFound,
             Self::SessionAlreadyOpen => Code::FailedPrecondition,
-            Self::TooManySessions { .. } => Code::ResourceExhausted,
+            Self::TooManySessions { .. } | Self::KvCacheFull { .. } => Code::ResourceExhausted,
             Self::IdleTimeout { .. } => Code::DeadlineExceeded,
             Self::Unavailable { .. } | Self::ShuttingDown => Code::Unavailable,
             Self::Protocol { .. } => Code::Internal,

@@ -56,10 +56,21 @@ impl KvCache {
         self.shape.max_len
     }
 
+    /// Caps the positions this cache may ever hold (and allocate) at `max_len`, or at what it
+    /// holds already if that is more: a node sizes each session's cache to what it admitted.
+    pub fn limit(&mut self, max_len: usize) {
+        self.shape.max_len = self.shape.max_len.min(max_len.max(self.len));
+    }
+
+    /// Bytes one position takes, keys and values of every layer.
+    pub fn bytes_per_position(&self) -> usize {
+        let s = &self.shape;
+        2 * s.num_layers * s.num_kv_heads * s.head_dim * s.dtype.size_in_bytes()
+    }
+
     /// Bytes allocated for keys and values.
     pub fn bytes(&self) -> usize {
-        let s = &self.shape;
-        2 * s.num_layers * s.num_kv_heads * s.head_dim * self.capacity * s.dtype.size_in_bytes()
+        self.bytes_per_position() * self.capacity
     }
 
     /// Drops every position at or after `len`. O(1): nothing is recomputed or copied.

@@ -67,6 +67,8 @@ impl Session for TargetSession {
     fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self> {
         let sampling = state.check_open(&open)?;
         let mut verifier = Verifier::new(&state.model, sampling);
+        // Never past what admission reserved for it.
+        verifier.limit_cache(state.session_room(&open).0);
         verifier.prefill(&open.prompt)?;
         Ok(Self {
             verifier,

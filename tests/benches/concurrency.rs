@@ -10,7 +10,8 @@
 //! output is checked equal to the same request alone.
 //!
 //! Environment: BENCH_REPS (default 1), BENCH_PAIRS (default `110m-q8_0`), BENCH_SESSIONS
-//! (default `1,4,8,16,64`), BENCH_VARIANTS (default `target-only,4`: K = 0 or a fixed K),
+//! (default `1,4,8,16,64`), BENCH_VARIANTS (default `target-only,auto,4`: K = 0, K chosen
+//! each round, or a fixed K),
 //! BENCH_BATCH (default `64,1`: the target-nodes' --max-batch), BENCH_TOKENS (default 64).
 
 use std::time::{Duration, Instant};
@@ -104,9 +105,9 @@ async fn main() -> anyhow::Result<()> {
     let scratch = tempfile::tempdir()?;
     let pairs = pairs(scratch.path(), &env_list("BENCH_PAIRS", "110m-q8_0"))?;
     println!(
-        "| pair | sessions | variant | max batch | aggregate tok/s | × one session | round p50 ms | round p99 ms |"
+        "| pair | sessions | variant | max batch | aggregate tok/s | × one session | round p50 ms | round p99 ms | draft stalls |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for pair in &pairs {
         let tok = tokenizer(&pair.target);
         let prompts: Vec<Vec<u32>> = PROMPTS

@@ -238,6 +238,17 @@ pub async fn http_request(
     path: &str,
     body: &str,
 ) -> (u16, String) {
+    let (status, _, body) = http_exchange(addr, method, path, body).await;
+    (status, body)
+}
+
+/// [`http_request`], with the response's head (status line and headers) as well.
+pub async fn http_exchange(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (u16, String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let request = format!(
@@ -252,8 +263,8 @@ pub async fn http_request(
         .get(9..12)
         .and_then(|s| s.parse().ok())
         .expect("status line");
-    let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    (status, body.to_string())
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    (status, head.to_string(), body.to_string())
 }
 
 /// Where `.ci/run` fetches the real Qwen2.5-Coder pair (`TANDEM_QWEN_DIR`, default

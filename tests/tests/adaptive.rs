@@ -141,17 +141,34 @@ async fn adaptive_k_stops_speculating_past_its_concurrency_limit() {
     let (target, draft) = (stories(), stories_q8());
     let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
     let mut engine = cluster.engine(None).await.expect("engine");
-    assert_eq!(engine.max_speculating, Some(1), "a CPU target speculates alone");
+    assert_eq!(
+        engine.max_speculating,
+        Some(1),
+        "a CPU target speculates alone"
+    );
     engine.max_speculating = Some(0);
     let prompt = tokenizer(&target)
         .encode("Once upon a time")
         .expect("encode");
     let expected = target_only(&target, &prompt, 120);
-    let steps = || cluster.draft.as_ref().expect("draft").metrics.requests.get();
+    let steps = || {
+        cluster
+            .draft
+            .as_ref()
+            .expect("draft")
+            .metrics
+            .requests
+            .get()
+    };
     let crowded = generate(&engine, &adaptive(&prompt, 120, None, "auto")).await;
     assert_eq!(crowded.token_ids, expected);
     let s = &crowded.stats;
-    assert_eq!((s.model_rounds, s.ngram_rounds), (0, 0), "{}", describe(&crowded));
+    assert_eq!(
+        (s.model_rounds, s.ngram_rounds),
+        (0, 0),
+        "{}",
+        describe(&crowded)
+    );
     assert_eq!(steps(), 0, "the draft-node was left alone");
     let fixed = generate(&engine, &adaptive(&prompt, 120, Some(4), "model")).await;
     assert_eq!(fixed.token_ids, expected);

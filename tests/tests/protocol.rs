@@ -233,6 +233,69 @@ async fn unknown_session_and_values_over_the_limits_are_named() {
 }
 
 #[tokio::test]
+async fn the_kv_budget_admits_what_fits_and_refuses_the_rest_at_once() {
+    // stories260K: 5 layers × 4 kv heads × 8 dims, keys and values, f32 = 1280 bytes a position.
+    let per_position = 1280;
+    let limits = LimitsArgs {
+        max_draft_tokens: 8,
+        kv_cache_bytes: 100 * per_position,
+        ..LimitsArgs::default()
+    };
+    let cluster = cluster(&stories(), None, &limits).await;
+    // 2 prompt tokens + 40 new + one block of 8 drafts and its bonus: 51 positions.
+    let (tx, mut rx) = target_stream(cluster.target_addr).await;
+    let log = TokenLog::new(&[1, 403]);
+    target_call(
+        &tx,
+        &mut rx,
+        target_request::Kind::Open(open(log.tokens(), 40)),
+    )
+    .await
+    .expect("fits");
+    let step = target_call(&tx, &mut rx, verify(wire_prefix(&log), vec![], vec![5; 8])).await;
+    assert!(
+        matches!(step, Ok(target_response::Kind::Verdict(_))),
+        "{step:?}"
+    );
+    let info = node_info(cluster.target_addr).await;
+    assert!(
+        info.kv_cache_bytes <= 51 * per_position as u64,
+        "the cache stays within its reservation: {} bytes",
+        info.kv_cache_bytes
+    );
+    // 70 positions do not fit in the 49 left: refused at once, naming need, free and budget.
+    let (tx2, mut rx2) = target_stream(cluster.target_addr).await;
+    let err = target_call(&tx2, &mut rx2, target_request::Kind::Open(open(&[1], 60)))
+        .await
+        .expect_err("over the budget");
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    for w in ["89600", "62720", "128000", "--kv-cache-bytes"] {
+        assert!(err.message().contains(w), "{:?} lacks {w:?}", err.message());
+    }
+    // Through the coordinator's HTTP API: 429 with Retry-After.
+    let engine = Arc::new(cluster.engine(0).await.expect("engine"));
+    let http = serve_http(engine).await;
+    let body = r#"{"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 60}"#;
+    let (status, head, body) = http_exchange(http, "POST", "/v1/completions", body).await;
+    assert_eq!(status, 429, "{body}");
+    assert!(
+        head.to_ascii_lowercase().contains("retry-after: 1"),
+        "{head}"
+    );
+    assert!(body.contains("--kv-cache-bytes"), "{body}");
+    // The first session ends: its reservation is free again and the second fits.
+    drop((tx, rx));
+    assert!(
+        eventually(async || node_info(cluster.target_addr).await.active_sessions == 0).await,
+        "the session is freed"
+    );
+    let (tx3, mut rx3) = target_stream(cluster.target_addr).await;
+    target_call(&tx3, &mut rx3, target_request::Kind::Open(open(&[1], 60)))
+        .await
+        .expect("fits once the first session ended");
+}
+
+#[tokio::test]
 async fn the_coordinator_names_bad_requests() {
     let cluster = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
     let engine = cluster.engine(4).await.expect("engine");

@@ -123,6 +123,11 @@ impl Drafter {
         self.0.prefill(prompt)
     }
 
+    /// Caps the positions this sequence's cache may hold ([`KvCache::limit`]).
+    pub fn limit_cache(&mut self, max_len: usize) {
+        self.0.seq.cache.limit(max_len);
+    }
+
     /// Proposes `k` tokens continuing `log`, the committed tokens so far. `k == 0` only catches
     /// the cache up with `log` (all but its last token, which the next proposal feeds), so that
     /// a draft left idle for many rounds drafts at once when asked again.
@@ -165,6 +170,11 @@ impl Verifier {
 
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
         self.0.prefill(prompt)
+    }
+
+    /// Caps the positions this sequence's cache may hold ([`KvCache::limit`]).
+    pub fn limit_cache(&mut self, max_len: usize) {
+        self.0.seq.cache.limit(max_len);
     }
 
     /// Checks the drafted block ([`check_block`]: at most `max_drafts`, valid q) and scores
