@@ -259,7 +259,7 @@ async fn the_kv_budget_admits_what_fits_and_refuses_the_rest_at_once() {
     );
     let info = node_info(cluster.target_addr).await;
     assert!(
-        info.kv_cache_bytes <= 51 * per_position as u64,
+        info.kv_cache_bytes <= 51 * per_position,
         "the cache stays within its reservation: {} bytes",
         info.kv_cache_bytes
     );
