@@ -52,11 +52,14 @@ impl Session for DraftSession {
         let mut drafter = Drafter::new(&state.model, sampling);
         // Never past what admission reserved for it.
         drafter.limit_cache(state.session_room(&open).0);
-        drafter.prefill(&open.prompt)?;
         Ok(Self {
             drafter,
             log: TokenLog::new(&open.prompt),
         })
+    }
+
+    fn prefill_chunk(&mut self, max_tokens: usize) -> Result<bool> {
+        Ok(self.drafter.prefill_chunk(self.log.tokens(), max_tokens)?)
     }
 
     /// The steps of every session in the batch drafted together: K forward passes for the

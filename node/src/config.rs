@@ -56,6 +56,11 @@ pub struct LimitsArgs {
     /// the model is loaded (CPU); no limit on a GPU, where it must be set.
     #[arg(long, env = "TANDEM_KV_CACHE_BYTES", default_value_t = 0)]
     pub kv_cache_bytes: u64,
+    /// Prompt tokens prefilled in one forward pass: a longer prompt is fed in chunks, and the
+    /// work of other sessions runs between two chunks (a long prompt delays their rounds by at
+    /// most one chunk's time).
+    #[arg(long, env = "TANDEM_PREFILL_CHUNK", default_value_t = 512)]
+    pub prefill_chunk: usize,
     /// Most sessions whose work one forward pass runs together (continuous batching: what is
     /// ready when the model comes free runs as one batch); 1 runs sessions one at a time.
     #[arg(long, env = "TANDEM_MAX_BATCH", default_value_t = 64)]
@@ -70,6 +75,7 @@ impl Default for LimitsArgs {
             max_draft_tokens: 32,
             idle_timeout_secs: 300,
             kv_cache_bytes: 0,
+            prefill_chunk: 512,
             max_batch: 64,
         }
     }

@@ -42,6 +42,11 @@ fn exposition(state: &NodeState) -> String {
         m.sessions_opened.get(),
     )
     .counter(
+        "tandem_node_prefill_chunks_total",
+        "Chunks of prompts prefilled (other sessions' work runs between two chunks).",
+        m.prefill_chunks.get(),
+    )
+    .counter(
         "tandem_node_requests_total",
         "Draft steps or verify blocks answered.",
         m.requests.get(),

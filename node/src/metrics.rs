@@ -167,6 +167,8 @@ impl Exposition {
 #[derive(Debug, Default)]
 pub struct NodeMetrics {
     pub sessions_opened: Counter,
+    /// Chunks of prompts prefilled (a prompt longer than --prefill-chunk takes several).
+    pub prefill_chunks: Counter,
     /// Steps (draft) or verify blocks (target) answered.
     pub requests: Counter,
     /// Tokens proposed (draft) or committed (target).

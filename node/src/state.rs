@@ -36,6 +36,8 @@ pub struct Limits {
     pub idle_timeout: std::time::Duration,
     /// KV-cache bytes all sessions together may grow to.
     pub kv_cache_bytes: usize,
+    /// Prompt tokens prefilled in one forward pass.
+    pub prefill_chunk: usize,
 }
 
 /// A loaded node.
@@ -97,6 +99,7 @@ impl NodeState {
                 max_draft_tokens: limits.max_draft_tokens,
                 idle_timeout: std::time::Duration::from_secs(limits.idle_timeout_secs),
                 kv_cache_bytes,
+                prefill_chunk: limits.prefill_chunk.max(1),
             },
             sessions: SessionTable::new(limits.max_sessions, kv_cache_bytes),
             kv_bytes_per_position: model.new_cache().bytes_per_position(),

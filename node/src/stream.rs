@@ -38,8 +38,10 @@ pub trait Session: Sized + Send + 'static {
     fn closed() -> Self::Response;
     fn rejected(rejection: v1::Rejection) -> Self::Response;
 
-    /// Checks the request and prefills the prompt (blocking).
+    /// Checks the request and sets the session up, its prompt not yet fed.
     fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self>;
+    /// Feeds the next at most `max_tokens` of the prompt (blocking); true once all is fed.
+    fn prefill_chunk(&mut self, max_tokens: usize) -> Result<bool>;
     /// Does the work of several sessions at once (blocking; a batch of the pieces that were
     /// ready together, DESIGN.md "Batching"): one result per item, in order, each what the
     /// session would get alone. `span` is each item's own span (the whole batch runs inside all
@@ -108,11 +110,25 @@ async fn run<S: Session>(
                 }
                 tracing::Span::current().record("session_id", open.session_id.as_str());
                 let slot = state.sessions.acquire(state.session_room(&open).1)?;
-                let st = Arc::clone(state);
                 let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());
-                let s = (state.worker)
-                    .run(move || span.in_scope(|| S::open(&st, open)))
-                    .await??;
+                let mut s = S::open(state, open)?;
+                // Chunked prefill: each chunk is its own job on the model thread, so the
+                // batches of other sessions run between two chunks of a long prompt.
+                loop {
+                    let (st, span) = (Arc::clone(state), span.clone());
+                    let chunk = state.limits.prefill_chunk;
+                    let (back, done) = (state.worker)
+                        .run(move || {
+                            let done = span.in_scope(|| s.prefill_chunk(chunk));
+                            st.metrics.prefill_chunks.add(1);
+                            (s, done)
+                        })
+                        .await?;
+                    s = back;
+                    if done? {
+                        break;
+                    }
+                }
                 state.metrics.sessions_opened.add(1);
                 slot.set_kv_bytes(s.kv_bytes());
                 let reply = S::opened(v1::Opened {

@@ -69,12 +69,15 @@ impl Session for TargetSession {
         let mut verifier = Verifier::new(&state.model, sampling);
         // Never past what admission reserved for it.
         verifier.limit_cache(state.session_room(&open).0);
-        verifier.prefill(&open.prompt)?;
         Ok(Self {
             verifier,
             log: TokenLog::new(&open.prompt),
             last: None,
         })
+    }
+
+    fn prefill_chunk(&mut self, max_tokens: usize) -> Result<bool> {
+        Ok(self.verifier.prefill_chunk(self.log.tokens(), max_tokens)?)
     }
 
     /// The blocks of every session in the batch verified in one forward pass

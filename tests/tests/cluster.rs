@@ -158,6 +158,45 @@ async fn eight_concurrent_sessions_equal_the_same_requests_alone() {
 }
 
 #[tokio::test]
+async fn a_prompt_near_the_context_is_prefilled_in_chunks_beside_another_session() {
+    // stories260K's context is 512: a 480-token prompt, fed 16 tokens per forward pass, while a
+    // short generation runs on the same nodes; both equal the in-process generator.
+    let (target, draft) = (stories(), stories_q8());
+    let limits = LimitsArgs {
+        prefill_chunk: 16,
+        ..LimitsArgs::default()
+    };
+    let cluster = cluster(&target, Some(&draft), &limits).await;
+    let engine = Arc::new(cluster.engine(4).await.expect("engine"));
+    let story = prompt("Once upon a time, there was a little girl named Lily. She loved to play.");
+    let long: Vec<u32> = story.iter().copied().cycle().take(480).collect();
+    let requests = [
+        request(&long, 24, 4, &SamplingParams::greedy()),
+        request(&prompt("The cat"), 60, 2, &SamplingParams::greedy()),
+    ];
+    let tasks: Vec<_> = requests
+        .iter()
+        .cloned()
+        .map(|req| {
+            let engine = Arc::clone(&engine);
+            tokio::spawn(async move { generate(&engine, &req).await })
+        })
+        .collect();
+    for (req, task) in requests.iter().zip(tasks) {
+        let out = task.await.expect("task");
+        assert_eq!(
+            out.token_ids,
+            in_process(&target, Some(&draft), req).token_ids
+        );
+    }
+    // 479 prompt tokens before the last, 16 at a time: at least 30 chunks on each node.
+    for node in [&cluster.target, cluster.draft.as_ref().expect("draft")] {
+        let chunks = node.metrics.prefill_chunks.get();
+        assert!(chunks >= 30 + 1, "{chunks} prefill chunks");
+    }
+}
+
+#[tokio::test]
 async fn a_draft_with_a_different_vocabulary_is_refused_at_connect_time() {
     let limits = LimitsArgs::default();
     let cluster = cluster(&stories(), Some(&foreign_vocab_model()), &limits).await;

@@ -83,6 +83,12 @@ impl SequenceState {
 
     /// Feeds all but the last prompt token, so that the first step feeds exactly one token.
     fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
+        while !self.prefill_chunk(prompt, usize::MAX)? {}
+        Ok(())
+    }
+
+    /// Feeds the next at most `max` tokens of the prefill; true once it is complete.
+    fn prefill_chunk(&mut self, prompt: &[u32], max: usize) -> Result<bool> {
         if prompt.is_empty() {
             return Err(Error::EmptyPrompt);
         }
@@ -95,11 +101,14 @@ impl SequenceState {
         }
         let head = &prompt[..prompt.len() - 1];
         self.seq.sync(prompt)?;
-        if self.seq.tokens.len() < head.len() {
-            let rest = head[self.seq.tokens.len()..].to_vec();
-            self.seq.forward(&self.model, &rest, Logits::Last)?;
+        let done = self.seq.tokens.len();
+        if done >= head.len() {
+            return Ok(true);
         }
-        Ok(())
+        let end = done.saturating_add(max.max(1)).min(head.len());
+        let chunk = head[done..end].to_vec();
+        self.seq.forward(&self.model, &chunk, Logits::Last)?;
+        Ok(end == head.len())
     }
 }
 
@@ -121,6 +130,12 @@ impl Drafter {
 
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
         self.0.prefill(prompt)
+    }
+
+    /// One chunk of [`Self::prefill`], at most `max` tokens (chunked prefill: a node runs other
+    /// sessions' work between chunks); true once the prefill is complete.
+    pub fn prefill_chunk(&mut self, prompt: &[u32], max: usize) -> Result<bool> {
+        self.0.prefill_chunk(prompt, max)
     }
 
     /// Caps the positions this sequence's cache may hold ([`KvCache::limit`]).
@@ -170,6 +185,12 @@ impl Verifier {
 
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
         self.0.prefill(prompt)
+    }
+
+    /// One chunk of [`Self::prefill`], at most `max` tokens (chunked prefill: a node runs other
+    /// sessions' work between chunks); true once the prefill is complete.
+    pub fn prefill_chunk(&mut self, prompt: &[u32], max: usize) -> Result<bool> {
+        self.0.prefill_chunk(prompt, max)
     }
 
     /// Caps the positions this sequence's cache may hold ([`KvCache::limit`]).
