@@ -192,7 +192,7 @@ async fn a_prompt_near_the_context_is_prefilled_in_chunks_beside_another_session
     // 479 prompt tokens before the last, 16 at a time: at least 30 chunks on each node.
     for node in [&cluster.target, cluster.draft.as_ref().expect("draft")] {
         let chunks = node.metrics.prefill_chunks.get();
-        assert!(chunks >= 30 + 1, "{chunks} prefill chunks");
+        assert!(chunks >= 30, "{chunks} prefill chunks");
     }
 }
 
