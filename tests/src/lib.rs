@@ -184,6 +184,26 @@ pub async fn generate(engine: &Engine, req: &v1::GenerateRequest) -> Outcome {
         .expect("generation")
 }
 
+/// Runs all `requests` at once on `engine`; their outcomes in order.
+pub async fn generate_concurrently(
+    engine: &std::sync::Arc<Engine>,
+    requests: &[v1::GenerateRequest],
+) -> Vec<Outcome> {
+    let tasks: Vec<_> = requests
+        .iter()
+        .cloned()
+        .map(|req| {
+            let engine = std::sync::Arc::clone(engine);
+            tokio::spawn(async move { generate(&engine, &req).await })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(t.await.expect("task"));
+    }
+    outcomes
+}
+
 /// Serves the OpenAI-compatible HTTP API of `engine` on 127.0.0.1:0.
 pub async fn serve_http(engine: std::sync::Arc<Engine>) -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

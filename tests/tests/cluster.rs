@@ -117,18 +117,7 @@ async fn eight_concurrent_sessions_equal_the_same_requests_alone() {
             request(&p, 40 + 4 * i, 1 + i % 5, &sampling)
         })
         .collect();
-    let tasks: Vec<_> = requests
-        .iter()
-        .cloned()
-        .map(|req| {
-            let engine = Arc::clone(&engine);
-            tokio::spawn(async move { generate(&engine, &req).await })
-        })
-        .collect();
-    let mut together = Vec::new();
-    for t in tasks {
-        together.push(t.await.expect("task"));
-    }
+    let together = generate_concurrently(&engine, &requests).await;
     for (req, concurrent) in requests.iter().zip(&together) {
         let alone = generate(&engine, req).await;
         assert_eq!(concurrent.token_ids.len(), req.max_tokens as usize);
@@ -174,16 +163,8 @@ async fn a_prompt_near_the_context_is_prefilled_in_chunks_beside_another_session
         request(&long, 24, 4, &SamplingParams::greedy()),
         request(&prompt("The cat"), 60, 2, &SamplingParams::greedy()),
     ];
-    let tasks: Vec<_> = requests
-        .iter()
-        .cloned()
-        .map(|req| {
-            let engine = Arc::clone(&engine);
-            tokio::spawn(async move { generate(&engine, &req).await })
-        })
-        .collect();
-    for (req, task) in requests.iter().zip(tasks) {
-        let out = task.await.expect("task");
+    let together = generate_concurrently(&engine, &requests).await;
+    for (req, out) in requests.iter().zip(together) {
         assert_eq!(
             out.token_ids,
             in_process(&target, Some(&draft), req).token_ids

@@ -59,9 +59,10 @@ impl CachedSequence {
     }
 }
 
-/// What each side of a sequence holds: its model, cache, sampling parameters and draws.
+/// What each side of a sequence holds: its model, cache, sampling parameters and draws; a
+/// [`Drafter`] and a [`Verifier`] are one each, and share these methods.
 #[derive(Debug)]
-struct SequenceState {
+pub struct SequenceState {
     model: Model,
     seq: CachedSequence,
     params: SamplingParams,
@@ -82,13 +83,14 @@ impl SequenceState {
     }
 
     /// Feeds all but the last prompt token, so that the first step feeds exactly one token.
-    fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
         while !self.prefill_chunk(prompt, usize::MAX)? {}
         Ok(())
     }
 
-    /// Feeds the next at most `max` tokens of the prefill; true once it is complete.
-    fn prefill_chunk(&mut self, prompt: &[u32], max: usize) -> Result<bool> {
+    /// One chunk of [`Self::prefill`], at most `max` tokens (chunked prefill: a node runs other
+    /// sessions' work between chunks); true once the prefill is complete.
+    pub fn prefill_chunk(&mut self, prompt: &[u32], max: usize) -> Result<bool> {
         if prompt.is_empty() {
             return Err(Error::EmptyPrompt);
         }
@@ -110,7 +112,42 @@ impl SequenceState {
         self.seq.forward(&self.model, &chunk, Logits::Last)?;
         Ok(end == head.len())
     }
+
+    /// Caps the positions this sequence's cache may hold ([`KvCache::limit`]).
+    pub fn limit_cache(&mut self, max_len: usize) {
+        self.seq.cache.limit(max_len);
+    }
+
+    /// Bytes held by this sequence's cache.
+    pub fn cache_bytes(&self) -> usize {
+        self.seq.cache.bytes()
+    }
+
+    /// Positions in this sequence's cache.
+    pub fn cached_tokens(&self) -> usize {
+        self.seq.cache.len()
+    }
 }
+
+/// The shared methods of a [`Drafter`] or a [`Verifier`] are those of its [`SequenceState`].
+macro_rules! sequence_side {
+    ($side:ty) => {
+        impl std::ops::Deref for $side {
+            type Target = SequenceState;
+            fn deref(&self) -> &SequenceState {
+                &self.0
+            }
+        }
+
+        impl std::ops::DerefMut for $side {
+            fn deref_mut(&mut self) -> &mut SequenceState {
+                &mut self.0
+            }
+        }
+    };
+}
+sequence_side!(Drafter);
+sequence_side!(Verifier);
 
 /// K drafted tokens and the distributions they were sampled from.
 #[derive(Debug, Clone, PartialEq)]
@@ -128,21 +165,6 @@ impl Drafter {
         Self(SequenceState::new(model, params, DRAFT_STREAM))
     }
 
-    pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
-        self.0.prefill(prompt)
-    }
-
-    /// One chunk of [`Self::prefill`], at most `max` tokens (chunked prefill: a node runs other
-    /// sessions' work between chunks); true once the prefill is complete.
-    pub fn prefill_chunk(&mut self, prompt: &[u32], max: usize) -> Result<bool> {
-        self.0.prefill_chunk(prompt, max)
-    }
-
-    /// Caps the positions this sequence's cache may hold ([`KvCache::limit`]).
-    pub fn limit_cache(&mut self, max_len: usize) {
-        self.0.seq.cache.limit(max_len);
-    }
-
     /// Proposes `k` tokens continuing `log`, the committed tokens so far. `k == 0` only catches
     /// the cache up with `log` (all but its last token, which the next proposal feeds), so that
     /// a draft left idle for many rounds drafts at once when asked again.
@@ -153,16 +175,6 @@ impl Drafter {
             k,
         }];
         one(Self::propose_batch(&mut jobs))
-    }
-
-    /// Bytes held by this sequence's cache.
-    pub fn cache_bytes(&self) -> usize {
-        self.0.seq.cache.bytes()
-    }
-
-    /// Positions in this sequence's cache.
-    pub fn cached_tokens(&self) -> usize {
-        self.0.seq.cache.len()
     }
 }
 
@@ -181,21 +193,6 @@ pub struct Verifier(SequenceState);
 impl Verifier {
     pub fn new(model: &Model, params: SamplingParams) -> Self {
         Self(SequenceState::new(model, params, TARGET_STREAM))
-    }
-
-    pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
-        self.0.prefill(prompt)
-    }
-
-    /// One chunk of [`Self::prefill`], at most `max` tokens (chunked prefill: a node runs other
-    /// sessions' work between chunks); true once the prefill is complete.
-    pub fn prefill_chunk(&mut self, prompt: &[u32], max: usize) -> Result<bool> {
-        self.0.prefill_chunk(prompt, max)
-    }
-
-    /// Caps the positions this sequence's cache may hold ([`KvCache::limit`]).
-    pub fn limit_cache(&mut self, max_len: usize) {
-        self.0.seq.cache.limit(max_len);
     }
 
     /// Checks the drafted block ([`check_block`]: at most `max_drafts`, valid q) and scores
@@ -233,11 +230,6 @@ impl Verifier {
             refused: Some(refusal),
         }];
         one(Self::verify_batch(&mut jobs))
-    }
-
-    /// Bytes held by this sequence's cache.
-    pub fn cache_bytes(&self) -> usize {
-        self.0.seq.cache.bytes()
     }
 }
 
