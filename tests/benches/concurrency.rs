@@ -126,18 +126,8 @@ async fn main() -> anyhow::Result<()> {
         for &max_batch in &batches {
             let batch = max_batch.to_string();
             let target = node("target-node", &pair.target, &["--max-batch", &batch]);
-            let addr = free_addr();
-            let (target_url, draft_url, listen) = (target.url(), draft.url(), addr.to_string());
-            let args = [
-                "serve",
-                "--target",
-                &target_url,
-                "--draft",
-                &draft_url,
-                "--listen",
-                &listen,
-            ];
-            let coordinator = Proc::start("coordinator", &args, addr);
+            let coordinator =
+                Proc::coordinator(&target.url(), &draft.url(), free_addr(), &[], None);
             let client = CoordinatorClient::connect(coordinator.url()).await?;
             setups.push((max_batch, target, coordinator, client));
         }

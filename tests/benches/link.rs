@@ -104,23 +104,15 @@ async fn main() -> anyhow::Result<()> {
                     bits_per_second: (mbit > 0.0).then_some(mbit * 1e6),
                 };
                 let link = Link::start(draft.addr, spec).await?;
-                let addr = free_addr();
-                let (target_url, draft_url, listen) = (
-                    target.url(),
-                    format!("http://{}", link.addr),
-                    addr.to_string(),
-                );
-                let args = [
-                    "serve",
-                    "--target",
-                    &target_url,
-                    "--draft",
-                    &draft_url,
-                    "--listen",
-                    &listen,
-                ];
+                let draft_url = format!("http://{}", link.addr);
                 // The coordinator sits beside the target, on its core.
-                let coordinator = Proc::start_pinned("coordinator", &args, addr, &target_cpu);
+                let coordinator = Proc::coordinator(
+                    &target.url(),
+                    &draft_url,
+                    free_addr(),
+                    &[],
+                    Some(&target_cpu),
+                );
                 let mut client = CoordinatorClient::connect(coordinator.url()).await?;
                 let request = |variant: &str| {
                     let (k, serial) = variant

@@ -114,6 +114,26 @@ impl Proc {
         proc
     }
 
+    /// `coordinator serve` in front of the target-node and draft-node at these URLs, listening
+    /// on `addr`, with `extra` arguments; pinned to `cpus` when given.
+    pub fn coordinator(
+        target_url: &str,
+        draft_url: &str,
+        addr: SocketAddr,
+        extra: &[&str],
+        cpus: Option<&str>,
+    ) -> Self {
+        let listen = addr.to_string();
+        let mut args = vec![
+            "serve", "--target", target_url, "--draft", draft_url, "--listen", &listen,
+        ];
+        args.extend_from_slice(extra);
+        match cpus {
+            Some(cpus) => Self::start_pinned("coordinator", &args, addr, cpus),
+            None => Self::start("coordinator", &args, addr),
+        }
+    }
+
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }

@@ -39,21 +39,14 @@ fn start_nodes(target: &Path, draft: &Path) -> Nodes {
     let http = [free_addr(), free_addr(), free_addr()];
     let target = start_node("target-node", target, free_addr(), http[0]);
     let draft = start_node("draft-node", draft, free_addr(), http[1]);
-    let addr = free_addr();
-    let (listen, http_listen) = (addr.to_string(), http[2].to_string());
-    let (target_url, draft_url) = (target.url(), draft.url());
-    let args = [
-        "serve",
-        "--target",
-        &target_url,
-        "--draft",
-        &draft_url,
-        "--listen",
-        &listen,
-        "--http-listen",
-        &http_listen,
-    ];
-    let coordinator = Proc::start("coordinator", &args, addr);
+    let http_listen = http[2].to_string();
+    let coordinator = Proc::coordinator(
+        &target.url(),
+        &draft.url(),
+        free_addr(),
+        &["--http-listen", &http_listen],
+        None,
+    );
     Nodes {
         _target: target,
         draft,
