@@ -92,10 +92,16 @@ impl Session for DraftSession {
             .zip(planned)
             .map(|((s, _, _), committed)| {
                 let committed = committed?;
-                let proposal = proposals
-                    .next()
-                    .unwrap_or(Err(tandem_runtime::Error::EmptyPrompt));
-                s.answer(committed, proposal, compute_micros)
+                match proposals.next() {
+                    Some(proposal) => s.answer(committed, proposal, compute_micros),
+                    None => {
+                        s.log.rollback_to(committed)?;
+                        Err(Error::Protocol {
+                            node: "draft-node",
+                            what: "a step of the batch got no proposal".into(),
+                        })
+                    }
+                }
             })
             .collect()
     }

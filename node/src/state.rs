@@ -34,8 +34,6 @@ pub struct Limits {
     pub max_session_tokens: usize,
     pub max_draft_tokens: usize,
     pub idle_timeout: std::time::Duration,
-    /// KV-cache bytes all sessions together may grow to.
-    pub kv_cache_bytes: usize,
     /// Prompt tokens prefilled in one forward pass.
     pub prefill_chunk: usize,
 }
@@ -98,7 +96,6 @@ impl NodeState {
                 max_session_tokens,
                 max_draft_tokens: limits.max_draft_tokens,
                 idle_timeout: std::time::Duration::from_secs(limits.idle_timeout_secs),
-                kv_cache_bytes,
                 prefill_chunk: limits.prefill_chunk.max(1),
             },
             sessions: SessionTable::new(limits.max_sessions, kv_cache_bytes),

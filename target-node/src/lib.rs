@@ -111,22 +111,28 @@ impl Session for TargetSession {
                     max_drafts: plan.max_drafts,
                     refused: plan.refused.take(),
                 });
-                verifying.push(i);
+                verifying.push((i, plan.committed));
             }
         }
         let verified = Verifier::verify_batch(&mut jobs);
         drop(jobs);
         let compute_micros = start.elapsed().as_micros() as u64;
-        for (i, verified) in verifying.into_iter().zip(verified) {
+        for ((i, committed), verified) in verifying.into_iter().zip(verified) {
             let (s, block, span) = &mut items[i];
-            let committed = plans[i].as_ref().map_or(s.log.prefix(), |p| p.committed);
             let reply = span
                 .in_scope(|| s.answer(state, block.clone(), committed, verified, compute_micros));
             results[i] = Some(reply);
         }
         results
             .into_iter()
-            .map(|r| r.unwrap_or(Err(Error::MissingField("verdict"))))
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(Error::Protocol {
+                        node: "target-node",
+                        what: "a block of the batch got no verdict".into(),
+                    })
+                })
+            })
             .collect()
     }
 

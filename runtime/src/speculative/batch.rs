@@ -97,14 +97,13 @@ pub(super) fn one<T>(mut results: Vec<Result<T>>) -> Result<T> {
 }
 
 impl Verifier {
-    /// [`Self::verify`] (or [`Self::step`]) for the blocks of several sequences in one forward
-    /// pass over all their rows.
+    /// [`Self::verify`] for the blocks of several sequences in one forward pass over all their
+    /// rows (a job with `refused` set is one plain target step).
     pub fn verify_batch(jobs: &mut [VerifyJob<'_>]) -> Vec<Result<Verified>> {
         let prepared: Vec<Result<(Vec<u32>, Option<DraftRefusal>)>> =
             jobs.iter_mut().map(VerifyJob::prepare).collect();
         let mut feeds = Vec::new();
-        let mut fed = Vec::new();
-        for (i, (job, p)) in jobs.iter_mut().zip(&prepared).enumerate() {
+        for (job, p) in jobs.iter_mut().zip(&prepared) {
             if let Ok((block, refused)) = p {
                 let SequenceState { model, seq, .. } = &mut job.verifier.0;
                 let scored = refused.is_none() && !job.drafts.is_empty();
@@ -114,19 +113,15 @@ impl Verifier {
                     seq,
                     logits: if scored { Logits::All } else { Logits::Last },
                 });
-                fed.push(i);
             }
         }
+        // One result per prepared job, in order.
         let mut rows = forward_all(&mut feeds).into_iter();
         drop(feeds);
-        let mut fed = fed.into_iter().peekable();
         jobs.iter_mut()
             .zip(prepared)
-            .enumerate()
-            .map(|(i, (job, p))| {
+            .map(|(job, p)| {
                 let (_, refused) = p?;
-                debug_assert_eq!(fed.peek(), Some(&i));
-                fed.next();
                 let rows = rows.next().unwrap_or_else(|| Err(failed("no logits")))?;
                 job.finish(refused, &rows)
             })

@@ -217,20 +217,6 @@ impl Verifier {
         }];
         one(Self::verify_batch(&mut jobs))
     }
-
-    /// One plain target step in place of a block refused before it reached the verifier (one
-    /// that did not decode).
-    pub fn step(&mut self, log: &[u32], refusal: DraftRefusal) -> Result<Verified> {
-        let mut jobs = [VerifyJob {
-            verifier: self,
-            log,
-            drafts: &[],
-            q: &[],
-            max_drafts: 0,
-            refused: Some(refusal),
-        }];
-        one(Self::verify_batch(&mut jobs))
-    }
 }
 
 /// Wall-clock seconds of a closure, with its result.
