@@ -2,7 +2,8 @@
 //! per product and GB/s of weights read, for 1 row (a decode step) and 9 (a verify block of
 //! K = 8), Tandem's kernels against candle's own (`QMatMul`), alternated, medians.
 //!
-//! `cargo bench -p tandem-runtime --bench kernels` (BENCH_ITERS, default 40; BENCH_TYPES).
+//! `cargo bench -p tandem-runtime --bench kernels` (BENCH_ITERS, default 40; BENCH_TYPES;
+//! BENCH_SHAPE, `in,out`, default `1536,8960`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -24,7 +25,14 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or(40);
     let types = std::env::var("BENCH_TYPES")
         .unwrap_or_else(|_| "q4_0,q4_1,q5_0,q5_1,q8_0,q4k,q6k,f32".into());
-    let (in_dim, out_dim) = (1536, 8960);
+    let shape: Vec<usize> = std::env::var("BENCH_SHAPE")
+        .unwrap_or_else(|_| "1536,8960".into())
+        .split(',')
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    let [in_dim, out_dim] = shape[..] else {
+        anyhow::bail!("BENCH_SHAPE: in,out");
+    };
     let dev = Device::Cpu;
     let w = Tensor::randn(0f32, 0.02, (out_dim, in_dim), &dev)?;
     println!(

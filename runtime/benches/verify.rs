@@ -3,17 +3,32 @@
 //! alternated, medians. Issue 11's goal is ≤ 1.3 at n = 9.
 //!
 //! `BENCH_MODEL=path.gguf cargo bench -p tandem-runtime --bench verify` (BENCH_ROWS, default
-//! `1,5,9`; BENCH_ITERS, default 10; BENCH_CONTEXT, the positions before the block, default 64). Without BENCH_MODEL, the Qwen2.5-Coder 1.5B target in
-//! ~/.cache/tandem/models if it is there.
+//! `1,5,9`; BENCH_ITERS, default 10; BENCH_CONTEXT, the positions before the block, default 64).
+//! `BENCH_MODEL=random-110m` writes and measures the benchmarks' random 110M-shape f32 model;
+//! without BENCH_MODEL, the Qwen2.5-Coder 1.5B target in ~/.cache/tandem/models if it is there.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
+use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
 use tandem_runtime::{LoadOptions, Logits, Model};
+
+/// A random-weight f32 model of the stories110M shape (the benchmarks' 110M target), written
+/// once to the system's temporary directory.
+fn random_110m() -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join("tandem-bench-random-110m");
+    if !dir.join("config.json").exists() {
+        let tokenizer =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/models/llama2-tokenizer");
+        write_random_llama(&dir, &SyntheticSpec::stories110m(110), &tokenizer)?;
+    }
+    Ok(dir)
+}
 
 fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
     let model = match std::env::var_os("BENCH_MODEL") {
+        Some(p) if p == "random-110m" => random_110m()?,
         Some(p) => PathBuf::from(p),
         None => {
             let home = std::env::var_os("HOME").unwrap_or_default();

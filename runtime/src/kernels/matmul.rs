@@ -12,6 +12,7 @@ use candle_core::{Device, Module, Tensor};
 use half::{bf16, f16};
 
 use super::kquants;
+use super::panels::Dense;
 use super::rows::{self, Path, layout};
 use crate::Result;
 
@@ -58,12 +59,8 @@ pub(crate) enum Matmul {
     Quantized(Arc<QTensor>),
     /// A GGUF tensor on the CPU of a [`REPACKED`] type.
     Repacked(QMatMul),
-    /// A dense weight on the CPU, (out, in) row-major f32.
-    Dense {
-        weight: Vec<f32>,
-        out_dim: usize,
-        in_dim: usize,
-    },
+    /// A dense f32 weight on the CPU.
+    Dense(Dense),
     /// Any other device: candle's kernels.
     Candle(QMatMul),
 }
@@ -100,11 +97,13 @@ impl Matmul {
             return Ok(Self::Candle(QMatMul::Tensor(w)));
         }
         let (out_dim, in_dim) = w.dims2()?;
-        Ok(Self::Dense {
-            weight: w.flatten_all()?.to_vec1::<f32>()?,
+        let weight = w.flatten_all()?.to_vec1::<f32>()?;
+        Ok(Self::Dense(Dense::new(
+            Path::detect(),
+            weight,
             out_dim,
             in_dim,
-        })
+        )))
     }
 
     /// `xs` (…, in) → (…, out).
@@ -113,9 +112,7 @@ impl Matmul {
             Self::Candle(m) => return Ok(m.forward(xs)?),
             Self::Repacked(m) => return repacked(m, xs),
             Self::Quantized(t) | Self::Blocks(t) | Self::KQuant(t) => t.shape().dims2()?,
-            Self::Dense {
-                out_dim, in_dim, ..
-            } => (*out_dim, *in_dim),
+            Self::Dense(d) => d.dims(),
         };
         let mut dims = xs.dims().to_vec();
         let rows = xs.elem_count() / in_dim;
@@ -138,9 +135,7 @@ impl Matmul {
                     }
                 }
             }
-            Self::Dense { weight, .. } => {
-                rows::matmul_dense(Path::detect(), weight, mkn, &lhs, &mut dst);
-            }
+            Self::Dense(d) => d.matmul(&lhs, rows, &mut dst),
             Self::Candle(_) | Self::Repacked(_) => unreachable!("returned above"),
         }
         if let Some(last) = dims.last_mut() {

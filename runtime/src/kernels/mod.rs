@@ -23,6 +23,7 @@
 mod attention;
 mod kquants;
 mod matmul;
+mod panels;
 mod rows;
 #[cfg(test)]
 mod tests;
@@ -32,6 +33,8 @@ mod x86;
 mod x86_kquants;
 #[cfg(target_arch = "x86_64")]
 mod x86_pairs;
+#[cfg(target_arch = "x86_64")]
+mod x86_panels;
 
 #[cfg(target_arch = "x86_64")]
 use x86::Decode;
@@ -61,6 +64,13 @@ pub(crate) use matmul::Matmul;
 pub(crate) fn trim_scratch() {
     rows::trim_scratch();
     kquants::trim_scratch();
+    panels::trim_scratch();
+}
+
+/// Bytes of the calling thread's scratch (for tests).
+#[cfg(test)]
+fn scratch_bytes() -> usize {
+    rows::scratch_bytes() + panels::scratch_bytes()
 }
 
 /// A linear layer's weight on the kernels a model uses (for benchmarks and tools that run one

@@ -6,6 +6,7 @@ use candle_core::{Device, Tensor};
 
 use super::kquants;
 use super::matmul::cast;
+use super::panels::Dense;
 use super::rows::{self, Path, layout};
 
 /// A (out, in) weight and (rows, in) activations of fixed pseudo-random values.
@@ -27,7 +28,7 @@ fn run(dtype: GgmlDType, path: Path, w: &[f32], x: &[f32], mkn: (usize, usize, u
     let (rows, in_dim, out_dim) = mkn;
     let mut dst = vec![0f32; rows * out_dim];
     if dtype == GgmlDType::F32 {
-        rows::matmul_dense(path, w, mkn, x, &mut dst);
+        Dense::new(path, w.to_vec(), out_dim, in_dim).matmul(x, rows, &mut dst);
         return dst;
     }
     let t = Tensor::from_slice(w, (out_dim, in_dim), &Device::Cpu).expect("tensor");
@@ -172,9 +173,10 @@ fn a_row_gets_the_same_bits_in_a_block_of_any_size() {
 
 #[test]
 fn blocks_past_a_tile_split_across_threads_keep_each_rows_bits() {
-    // 1,100 outputs of 512 inputs: enough work for the rows to be split across threads. Blocks
-    // of 3, 7 and 17 rows leave partial tiles (of 4 rows, and of 16 for the K-quants).
-    let (in_dim, out_dim) = (512, 1100);
+    // 1,100 outputs of 768 inputs: enough work for the rows to be split across threads, and
+    // two chunks of inputs for the f32 panels. Blocks of 3, 7 and 17 rows leave partial tiles
+    // (of 4 rows, 6 for f32, 16 for the K-quants).
+    let (in_dim, out_dim) = (768, 1100);
     let (w, x) = data(out_dim, in_dim, 17);
     for dtype in TYPES {
         for path in paths(dtype) {
@@ -298,9 +300,9 @@ fn a_long_prefill_gives_its_scratch_back() {
     );
     assert_eq!(dst.len(), rows * out_dim);
     // Kept through the forward (each matmul of a prefill reuses it), given back at its end.
-    assert!(rows::scratch_bytes() > 16 << 20);
+    assert!(super::scratch_bytes() > 16 << 20);
     super::trim_scratch();
-    let kept = rows::scratch_bytes();
+    let kept = super::scratch_bytes();
     assert!(
         kept <= 16 << 20,
         "{kept} bytes of scratch kept after the forward"
