@@ -12,7 +12,7 @@ use candle_core::{Device, Module, Tensor};
 use half::{bf16, f16};
 
 use super::kquants;
-use super::panels::Dense;
+use super::panels::{Blocks, Dense};
 use super::rows::{self, Path, layout};
 use crate::Result;
 
@@ -51,8 +51,9 @@ const REPACKED_ROWS: usize = 16;
 
 /// A linear layer's weight and the kernel that multiplies by it.
 pub(crate) enum Matmul {
-    /// A GGUF tensor on the CPU of a type stored in blocks of 32 ([`rows`]' kernels).
-    Blocks(Arc<QTensor>),
+    /// A GGUF tensor on the CPU of a type stored in blocks of 32 ([`rows`]' or [`super::panels`]'
+    /// kernels).
+    Blocks(Blocks),
     /// A Q4_K or Q6_K tensor on a CPU with AVX-512 ([`kquants`]' kernels).
     KQuant(Arc<QTensor>),
     /// A GGUF tensor on the CPU.
@@ -85,7 +86,7 @@ impl Matmul {
             GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q8_0
         ) && t.shape().dims2()?.1 % rows::QK == 0
         {
-            Self::Blocks(t)
+            Self::Blocks(Blocks::new(Path::detect(), t)?)
         } else {
             Self::Quantized(t)
         })
@@ -111,7 +112,8 @@ impl Matmul {
         let (out_dim, in_dim) = match self {
             Self::Candle(m) => return Ok(m.forward(xs)?),
             Self::Repacked(m) => return repacked(m, xs),
-            Self::Quantized(t) | Self::Blocks(t) | Self::KQuant(t) => t.shape().dims2()?,
+            Self::Quantized(t) | Self::KQuant(t) => t.shape().dims2()?,
+            Self::Blocks(b) => b.dims(),
             Self::Dense(d) => d.dims(),
         };
         let mut dims = xs.dims().to_vec();
@@ -121,7 +123,7 @@ impl Matmul {
         let mkn = (rows, in_dim, out_dim);
         match self {
             Self::Quantized(t) => quantized(t, mkn, &lhs, &mut dst)?,
-            Self::Blocks(t) => blocks(t, Path::detect(), mkn, &lhs, &mut dst)?,
+            Self::Blocks(b) => b.matmul(&lhs, rows, &mut dst)?,
             Self::KQuant(t) => {
                 let data = t.data()?;
                 match t.dtype() {
@@ -167,7 +169,7 @@ fn repacked(m: &QMatMul, xs: &Tensor) -> Result<Tensor> {
 }
 
 /// Runs [`rows`]' kernel for the tensor's block type.
-fn blocks(
+pub(super) fn blocks(
     t: &QTensor,
     path: Path,
     mkn: (usize, usize, usize),

@@ -6,13 +6,16 @@
 //! Qwen2.5-Coder 1.5B Q4_K_M target with candle's own kernels: logits 0.5 apart and a different
 //! greedy text after 20 tokens).
 //!
-//! - `Matmul`: every row is a dot product of the weight row with that activation row,
-//!   quantized once per row to 8 bits as llama.cpp does, the same code for one row and for many;
-//!   the weights are read once per call. Which code runs is chosen per weight when the model
-//!   loads, and nothing outside this module knows: `rows` (blocks of 32 and f32: AVX2 + FMA +
-//!   F16C in `x86`, AVX-512 VNNI two blocks at a time in `x86_pairs`, portable code elsewhere),
-//!   `kquants` (Q4_K and Q6_K: AVX-512 in `x86_kquants`), candle's repacked kernel for Q8_0 (and
-//!   Q4_K without AVX-512) where candle repacks the shape, candle's row-by-row product for the other types.
+//! - `Matmul`: each output is the weight row's product with the activation row (quantized once
+//!   per row to 8 bits for the quantized types, as llama.cpp does), by the same operations for
+//!   one row and for many; the weights are read once per call. Which code runs is chosen per
+//!   weight when the model loads, and nothing outside this module knows: `panels` (x86-64 with
+//!   AVX2: weights repacked into panels of outputs, an outer-product tile of panels × rows in
+//!   registers, so a verify block costs the decode step's memory traffic plus its arithmetic;
+//!   f32 and the blocks of 32, in `x86_panels`), AVX-512 VNNI two blocks at a time for the blocks
+//!   of 32 (`x86_pairs`, via `rows`), `kquants` (Q4_K and Q6_K: AVX-512 in `x86_kquants`),
+//!   candle's repacked kernel for Q8_0 (with VNNI) and Q4_K where candle repacks the shape,
+//!   portable code (`rows`) elsewhere, candle's row-by-row product for the other types.
 //! - `attention`: causal attention row by row over exactly the keys the row sees, in a fixed
 //!   order, read in place from the KV cache (AVX2 + FMA where the CPU has them).
 //! - `rows::on_pool`: every kernel splits its work on candle's CPU pool, the one candle's own
@@ -37,16 +40,10 @@ mod x86_pairs;
 mod x86_panels;
 
 #[cfg(target_arch = "x86_64")]
-use x86::Decode;
-#[cfg(target_arch = "x86_64")]
 use x86_kquants::DecodeK;
 #[cfg(target_arch = "x86_64")]
 use x86_pairs::DecodePair;
 /// Nothing to decode where there is no SIMD path.
-#[cfg(not(target_arch = "x86_64"))]
-trait Decode {}
-#[cfg(not(target_arch = "x86_64"))]
-impl<T> Decode for T {}
 #[cfg(not(target_arch = "x86_64"))]
 trait DecodeK {}
 #[cfg(not(target_arch = "x86_64"))]

@@ -15,29 +15,40 @@
 
 use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::Arc;
 
-use super::rows::{Path, on_pool};
+use candle_core::quantized::{GgmlDType, QTensor};
 
-/// Outputs per panel: one AVX-512 register of f32, two of AVX2.
+use super::matmul::cast;
+use super::rows::{Block, Path, Q8, QK, layout, on_pool};
+
+/// Outputs per panel of a dense weight: one AVX-512 register of f32, two of AVX2.
 pub(crate) const LANES: usize = 16;
+
+/// Outputs per panel of a weight in blocks of 32: one AVX2 register of 32-bit sums.
+pub(crate) const QLANES: usize = 8;
 
 /// Panels per parallel task, at least.
 const TASK_PANELS: usize = 4;
 
 thread_local! {
-    /// Results panel by panel (`[panel][row][LANES]`), reused across calls.
+    /// Results panel by panel (`[panel][row][lane]`), reused across calls.
     static OUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Activations quantized for the block kernels, reused across calls.
+    static XQ: RefCell<Vec<Q8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Gives back what the calling thread's scratch holds past what a verify block needs.
 pub(crate) fn trim_scratch() {
     OUT.with_borrow_mut(super::rows::trim);
+    XQ.with_borrow_mut(super::rows::trim);
 }
 
 /// Bytes of the calling thread's scratch (for tests).
 #[cfg(test)]
 pub(crate) fn scratch_bytes() -> usize {
     OUT.with_borrow(|out| out.capacity() * std::mem::size_of::<f32>())
+        + XQ.with_borrow(|x| x.capacity() * std::mem::size_of::<Q8>())
 }
 
 /// A dense (out, in) f32 weight, laid out for the kernel the path runs: row-major for the
@@ -82,13 +93,13 @@ impl Dense {
     pub(crate) fn matmul(&self, lhs: &[f32], rows: usize, dst: &mut [f32]) {
         let mkn = (rows, self.in_dim, self.out_dim);
         if self.path < Path::Avx2 {
-            return super::rows::matmul_dense(self.path, &self.data, mkn, lhs, dst);
+            return super::rows::matmul_dense(&self.data, mkn, lhs, dst);
         }
         #[cfg(target_arch = "x86_64")]
         {
             let k = self.in_dim;
             let parallel = self.data.len() >= super::attention::PARALLEL_WORK;
-            drive(self.out_dim, rows, parallel, dst, |panels, out| {
+            drive(LANES, self.out_dim, rows, parallel, dst, |panels, out| {
                 // SAFETY: the CPU runs Path::Avx2 at least (`supported` in `new`).
                 unsafe { super::x86_panels::dense(&self.data, k, panels, lhs, rows, out) }
             });
@@ -110,18 +121,19 @@ fn repack(w: &[f32], out_dim: usize, in_dim: usize) -> Vec<f32> {
     data
 }
 
-/// Runs `kernel(panels, out)` over the panels of an `out_dim`-wide product, split across
-/// candle's CPU pool: `out` gets the panels' results as `[panel][row][LANES]`. `dst` gets them
-/// row-major (rows × out_dim).
-pub(crate) fn drive(
+/// Runs `kernel(panels, out)` over the panels (of `lanes` outputs) of an `out_dim`-wide product,
+/// split across candle's CPU pool: `out` gets the panels' results as `[panel][row][lane]`. `dst`
+/// gets them row-major (rows × out_dim).
+fn drive(
+    lanes: usize,
     out_dim: usize,
     rows: usize,
     parallel: bool,
     dst: &mut [f32],
     kernel: impl Fn(Range<usize>, &mut [f32]) + Sync,
 ) {
-    let panels = out_dim.div_ceil(LANES);
-    let per_panel = LANES * rows;
+    let panels = out_dim.div_ceil(lanes);
+    let per_panel = lanes * rows;
     let run = |out: &mut [f32]| {
         if parallel {
             on_pool(out, TASK_PANELS * per_panel, |i, part| {
@@ -133,17 +145,174 @@ pub(crate) fn drive(
         }
     };
     // One row and whole panels: the panels' layout is the row's.
-    if rows == 1 && out_dim == panels * LANES {
+    if rows == 1 && out_dim == panels * lanes {
         return run(dst);
     }
     OUT.with_borrow_mut(|out| {
         out.resize(panels * per_panel, 0.0);
         run(out);
         for (p, panel) in out.chunks_exact(per_panel).enumerate() {
-            let n = LANES.min(out_dim - p * LANES);
-            for (r, lanes) in panel.chunks_exact(LANES).enumerate() {
-                dst[r * out_dim + p * LANES..][..n].copy_from_slice(&lanes[..n]);
+            let n = lanes.min(out_dim - p * lanes);
+            for (r, row) in panel.chunks_exact(lanes).enumerate() {
+                dst[r * out_dim + p * lanes..][..n].copy_from_slice(&row[..n]);
             }
         }
     });
+}
+
+/// Bytes of one block of [`QLANES`] outputs in a panel: their f16 scales, their f16 minimums
+/// (the `_1` types), then the quants as the kernel reads them ([`repack_blocks`]).
+pub(crate) const fn panel_bytes<B: Block>() -> usize {
+    let quants = match B::BITS {
+        4 => 128,
+        5 => 160,
+        _ => 256,
+    };
+    2 * QLANES * (1 + B::MIN as usize) + quants
+}
+
+/// Blocks of 32 (out rows of `nb` blocks) → panels of [`QLANES`] outputs, block-major within a
+/// panel. In a block of a panel, "group" g holds inputs 4g..4g + 4 of the 8 outputs (byte i:
+/// output i / 4, input 4g + i % 4), the layout of a register the kernel multiplies by four
+/// broadcast activations:
+/// - 8 bits: group g as 32 signed bytes, for g in 0..8;
+/// - 4 and 5 bits: 4 × 32 bytes, byte i of the j-th holding group 2j in its low nibble and group
+///   2j + 1 in its high nibble (unsigned quants, the offset left to the scale); for 5 bits then
+///   32 bytes, bit g of byte i the fifth bit of group g's byte i.
+///
+/// Outputs past `out_dim` (the last panel's padding) have zero scales.
+fn repack_blocks<B: Block>(w: &[B], out_dim: usize, nb: usize) -> Vec<u8> {
+    let size = panel_bytes::<B>();
+    let panels = out_dim.div_ceil(QLANES);
+    let mut data = vec![0u8; panels * nb * size];
+    for (pb, dst) in data.chunks_exact_mut(size).enumerate() {
+        let (p, b) = (pb / nb, pb % nb);
+        let blocks: [Option<&B>; QLANES] = std::array::from_fn(|i| {
+            let o = p * QLANES + i;
+            (o < out_dim).then(|| &w[o * nb + b])
+        });
+        let (head, quants) = dst.split_at_mut(2 * QLANES * (1 + B::MIN as usize));
+        for (i, blk) in blocks.iter().enumerate() {
+            let (d, m) = blk.map_or((0, 0), |blk| (blk.d(), blk.m()));
+            head[2 * i..][..2].copy_from_slice(&d.to_le_bytes());
+            if B::MIN {
+                head[2 * (QLANES + i)..][..2].copy_from_slice(&m.to_le_bytes());
+            }
+        }
+        // The stored quants: unsigned below 8 bits, signed for 8.
+        let raw: [[i16; QK]; QLANES] = blocks.map(|blk| {
+            blk.map_or([0; QK], |blk| {
+                blk.quants().map(|q| i16::from(q) + i16::from(B::OFFSET))
+            })
+        });
+        let at = |g: usize, i: usize| raw[i / 4][4 * g + i % 4];
+        if B::BITS == 8 {
+            for (g, group) in quants.chunks_exact_mut(32).enumerate() {
+                for (i, byte) in group.iter_mut().enumerate() {
+                    *byte = at(g, i) as i8 as u8;
+                }
+            }
+            continue;
+        }
+        let (nibbles, fifth) = quants.split_at_mut(128);
+        for (j, reg) in nibbles.chunks_exact_mut(32).enumerate() {
+            for (i, byte) in reg.iter_mut().enumerate() {
+                *byte = (at(2 * j, i) & 15) as u8 | (((at(2 * j + 1, i) & 15) as u8) << 4);
+            }
+        }
+        for (i, byte) in fifth.iter_mut().enumerate() {
+            *byte = (0..8).fold(0, |acc, g| acc | ((((at(g, i) >> 4) & 1) as u8) << g));
+        }
+    }
+    data
+}
+
+/// A GGUF weight in blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), laid out for the kernel the
+/// path runs: in panels for AVX2 (and AVX-512 where a row has an odd number of blocks), as the
+/// file holds it for AVX-512's two-blocks-at-a-time kernel and the portable one ([`super::rows`]).
+#[derive(Debug)]
+pub(crate) struct Blocks {
+    layout: BlocksLayout,
+    out_dim: usize,
+    in_dim: usize,
+}
+
+#[derive(Debug)]
+enum BlocksLayout {
+    Gguf(Path, Arc<QTensor>),
+    Panels(GgmlDType, Vec<u8>),
+}
+
+impl Blocks {
+    /// `t` (out × in, in a multiple of 32) for `path` (or the fastest path the CPU runs, if less).
+    pub(crate) fn new(path: Path, t: Arc<QTensor>) -> candle_core::Result<Self> {
+        let (out_dim, in_dim) = t.shape().dims2()?;
+        let path = path.supported();
+        let nb = in_dim / QK;
+        let layout = if path == Path::Avx2 || (path == Path::Avx512 && !nb.is_multiple_of(2)) {
+            let data = t.data()?;
+            let bytes = match t.dtype() {
+                GgmlDType::Q4_0 => repack_blocks(cast::<layout::Q4_0>(&data)?, out_dim, nb),
+                GgmlDType::Q4_1 => repack_blocks(cast::<layout::Q4_1>(&data)?, out_dim, nb),
+                GgmlDType::Q5_0 => repack_blocks(cast::<layout::Q5_0>(&data)?, out_dim, nb),
+                GgmlDType::Q5_1 => repack_blocks(cast::<layout::Q5_1>(&data)?, out_dim, nb),
+                GgmlDType::Q8_0 => repack_blocks(cast::<layout::Q8_0>(&data)?, out_dim, nb),
+                other => candle_core::bail!("no block-of-32 kernel for GGUF type {other:?}"),
+            };
+            BlocksLayout::Panels(t.dtype(), bytes)
+        } else {
+            BlocksLayout::Gguf(path, t)
+        };
+        Ok(Self {
+            layout,
+            out_dim,
+            in_dim,
+        })
+    }
+
+    /// (out, in).
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        (self.out_dim, self.in_dim)
+    }
+
+    /// `dst` (rows × out) = `lhs` (rows × in) · weightᵀ.
+    #[allow(unsafe_code, reason = "calls the AVX2 kernel the CPU was checked for")]
+    pub(crate) fn matmul(
+        &self,
+        lhs: &[f32],
+        rows: usize,
+        dst: &mut [f32],
+    ) -> candle_core::Result<()> {
+        let mkn = (rows, self.in_dim, self.out_dim);
+        let (dtype, data) = match &self.layout {
+            BlocksLayout::Gguf(path, t) => return super::matmul::blocks(t, *path, mkn, lhs, dst),
+            BlocksLayout::Panels(dtype, data) => (*dtype, data),
+        };
+        let nb = self.in_dim / QK;
+        XQ.with_borrow_mut(|x| {
+            x.resize(rows * nb, Q8::default());
+            for (xs, q) in lhs.chunks_exact(self.in_dim).zip(x.chunks_exact_mut(nb)) {
+                super::rows::quantize(xs, q);
+            }
+            let x: &[Q8] = x;
+            let parallel = data.len() * 2 >= super::attention::PARALLEL_WORK;
+            #[cfg(target_arch = "x86_64")]
+            drive(QLANES, self.out_dim, rows, parallel, dst, |panels, out| {
+                use super::x86_panels::blocks as run;
+                // SAFETY: the CPU runs Path::Avx2 at least (`supported` in `new`).
+                unsafe {
+                    match dtype {
+                        GgmlDType::Q4_0 => run::<layout::Q4_0>(data, nb, panels, x, rows, out),
+                        GgmlDType::Q4_1 => run::<layout::Q4_1>(data, nb, panels, x, rows, out),
+                        GgmlDType::Q5_0 => run::<layout::Q5_0>(data, nb, panels, x, rows, out),
+                        GgmlDType::Q5_1 => run::<layout::Q5_1>(data, nb, panels, x, rows, out),
+                        _ => run::<layout::Q8_0>(data, nb, panels, x, rows, out),
+                    }
+                }
+            });
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (dtype, data, parallel, dst);
+        });
+        Ok(())
+    }
 }

@@ -80,9 +80,14 @@ pub(crate) mod layout {
 }
 
 /// A weight block of 32: its quants as signed bytes (q − offset), its scale and minimum.
-pub(crate) trait Block: Copy + Sync + 'static + super::Decode + super::DecodePair {
+pub(crate) trait Block: Copy + Sync + 'static + super::DecodePair {
     /// Whether the block has a minimum (the `_1` types).
     const MIN: bool;
+    /// Bits per quant (4, 5 or 8).
+    const BITS: u32;
+    /// What [`Block::quants`] takes off the stored quant (the stored value is unsigned below 8
+    /// bits; Q8_0's is signed, 0).
+    const OFFSET: i8;
     /// The f16 bits of the scale, and of the minimum (0 without one).
     fn d(&self) -> u16;
     fn m(&self) -> u16 {
@@ -112,6 +117,8 @@ fn fifth_bits(mut q: [u8; QK], qh: [u8; 4]) -> [u8; QK] {
 
 impl Block for layout::Q4_0 {
     const MIN: bool = false;
+    const BITS: u32 = 4;
+    const OFFSET: i8 = 8;
     fn d(&self) -> u16 {
         self.d
     }
@@ -122,6 +129,8 @@ impl Block for layout::Q4_0 {
 
 impl Block for layout::Q4_1 {
     const MIN: bool = true;
+    const BITS: u32 = 4;
+    const OFFSET: i8 = 0;
     fn d(&self) -> u16 {
         self.d
     }
@@ -135,6 +144,8 @@ impl Block for layout::Q4_1 {
 
 impl Block for layout::Q5_0 {
     const MIN: bool = false;
+    const BITS: u32 = 5;
+    const OFFSET: i8 = 16;
     fn d(&self) -> u16 {
         self.d
     }
@@ -145,6 +156,8 @@ impl Block for layout::Q5_0 {
 
 impl Block for layout::Q5_1 {
     const MIN: bool = true;
+    const BITS: u32 = 5;
+    const OFFSET: i8 = 0;
     fn d(&self) -> u16 {
         self.d
     }
@@ -158,6 +171,8 @@ impl Block for layout::Q5_1 {
 
 impl Block for layout::Q8_0 {
     const MIN: bool = false;
+    const BITS: u32 = 8;
+    const OFFSET: i8 = 0;
     fn d(&self) -> u16 {
         self.d
     }
@@ -395,7 +410,9 @@ pub(crate) fn on_pool(out: &mut [f32], part_len: usize, f: impl Fn(usize, &mut [
     });
 }
 
-/// `dst` (rows × out) = `lhs` (rows × in) · `w`ᵀ, `w` holding `out` rows of `in / 32` blocks.
+/// `dst` (rows × out) = `lhs` (rows × in) · `w`ᵀ, `w` holding `out` rows of `in / 32` blocks:
+/// AVX-512's two-blocks-at-a-time kernel where `path` is AVX-512 and the count even, else the
+/// portable one (AVX2 multiplies panels: [`super::panels`]).
 #[allow(unsafe_code, reason = "calls the SIMD kernels the CPU was checked for")]
 pub(crate) fn matmul_blocks<B: Block>(
     path: Path,
@@ -427,50 +444,22 @@ pub(crate) fn matmul_blocks<B: Block>(
     for (xs, q) in lhs.chunks_exact(in_dim).zip(x.chunks_exact_mut(blocks)) {
         quantize(xs, q);
     }
-    drive(
-        w,
-        blocks,
-        out_dim,
-        rows,
-        parallel,
-        dst,
-        |w, out| match path {
-            Path::Portable => portable_blocks(w, &x, rows, out),
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU runs Path::Avx2 at least (`supported` above).
-            Path::Avx2 | Path::Avx512 => unsafe { super::x86::blocks(w, &x, rows, out) },
-            #[cfg(not(target_arch = "x86_64"))]
-            Path::Avx2 | Path::Avx512 => unreachable!("AVX2 is detected on x86-64 only"),
-        },
-    );
+    drive(w, blocks, out_dim, rows, parallel, dst, |w, out| {
+        portable_blocks(w, &x, rows, out);
+    });
     SCRATCH.with(|s| s.borrow_mut().0 = x);
 }
 
-/// `dst` (rows × out) = `lhs` (rows × in) · `w`ᵀ, `w` dense (out × in) f32.
-#[allow(unsafe_code, reason = "calls the SIMD kernels the CPU was checked for")]
+/// `dst` (rows × out) = `lhs` (rows × in) · `w`ᵀ, `w` dense (out × in) f32: the portable kernel
+/// (the SIMD paths multiply panels: [`super::panels`]).
 pub(crate) fn matmul_dense(
-    path: Path,
     w: &[f32],
     (rows, in_dim, out_dim): (usize, usize, usize),
     lhs: &[f32],
     dst: &mut [f32],
 ) {
-    let path = path.supported();
     let parallel = w.len() >= super::attention::PARALLEL_WORK;
-    drive(
-        w,
-        in_dim,
-        out_dim,
-        rows,
-        parallel,
-        dst,
-        |w, out| match path {
-            Path::Portable => portable_dense(w, lhs, rows, out),
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU runs Path::Avx2 at least (`supported` above).
-            Path::Avx2 | Path::Avx512 => unsafe { super::x86::dense(w, lhs, rows, out) },
-            #[cfg(not(target_arch = "x86_64"))]
-            Path::Avx2 | Path::Avx512 => unreachable!("AVX2 is detected on x86-64 only"),
-        },
-    );
+    drive(w, in_dim, out_dim, rows, parallel, dst, |w, out| {
+        portable_dense(w, lhs, rows, out);
+    });
 }

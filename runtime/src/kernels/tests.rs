@@ -1,13 +1,15 @@
 //! The kernels against the reference (dequantize, then an f64 dot product), on every path this
 //! CPU runs, and their batch invariance.
 
+use std::sync::Arc;
+
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
 use super::kquants;
 use super::matmul::cast;
-use super::panels::Dense;
-use super::rows::{self, Path, layout};
+use super::panels::{Blocks, Dense};
+use super::rows::Path;
 
 /// A (out, in) weight and (rows, in) activations of fixed pseudo-random values.
 fn data(out_dim: usize, in_dim: usize, rows: usize) -> (Vec<f32>, Vec<f32>) {
@@ -34,11 +36,6 @@ fn run(dtype: GgmlDType, path: Path, w: &[f32], x: &[f32], mkn: (usize, usize, u
     let t = Tensor::from_slice(w, (out_dim, in_dim), &Device::Cpu).expect("tensor");
     let q = QTensor::quantize(&t, dtype).expect("quantize");
     let bytes = q.data().expect("data");
-    macro_rules! go {
-        ($ty:ty) => {
-            rows::matmul_blocks(path, cast::<$ty>(&bytes).expect("blocks"), mkn, x, &mut dst)
-        };
-    }
     match dtype {
         GgmlDType::Q4K => kquants::matmul(
             path,
@@ -54,12 +51,10 @@ fn run(dtype: GgmlDType, path: Path, w: &[f32], x: &[f32], mkn: (usize, usize, u
             x,
             &mut dst,
         ),
-        GgmlDType::Q4_0 => go!(layout::Q4_0),
-        GgmlDType::Q4_1 => go!(layout::Q4_1),
-        GgmlDType::Q5_0 => go!(layout::Q5_0),
-        GgmlDType::Q5_1 => go!(layout::Q5_1),
-        GgmlDType::Q8_0 => go!(layout::Q8_0),
-        other => panic!("no kernel for {other:?}"),
+        _ => Blocks::new(path, Arc::new(q))
+            .expect("blocks")
+            .matmul(x, rows, &mut dst)
+            .expect("matmul"),
     }
     dst
 }

@@ -48,9 +48,8 @@ pub(crate) fn quantize(x: &[f32], out: &mut [Q8Pair]) {
     }
 }
 
-/// Two weight blocks decoded to 64 unsigned bytes q + offset, the offset as a float.
+/// Two weight blocks decoded to 64 unsigned bytes: the stored quants (Q8_0's plus 128).
 pub(crate) trait DecodePair {
-    const OFFSET: f32;
     /// # Safety
     /// The CPU must have AVX-512 F and BW.
     unsafe fn decode_pair(a: &Self, b: &Self) -> __m512i;
@@ -80,7 +79,6 @@ fn fifth_bits(q: __m256i, qh: [u8; 4]) -> __m256i {
 }
 
 impl DecodePair for layout::Q4_0 {
-    const OFFSET: f32 = 8.0;
     #[target_feature(enable = "avx512f,avx512bw")]
     unsafe fn decode_pair(a: &Self, b: &Self) -> __m512i {
         join(nibbles(&a.qs), nibbles(&b.qs))
@@ -88,7 +86,6 @@ impl DecodePair for layout::Q4_0 {
 }
 
 impl DecodePair for layout::Q4_1 {
-    const OFFSET: f32 = 0.0;
     #[target_feature(enable = "avx512f,avx512bw")]
     unsafe fn decode_pair(a: &Self, b: &Self) -> __m512i {
         join(nibbles(&a.qs), nibbles(&b.qs))
@@ -96,7 +93,6 @@ impl DecodePair for layout::Q4_1 {
 }
 
 impl DecodePair for layout::Q5_0 {
-    const OFFSET: f32 = 16.0;
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn decode_pair(a: &Self, b: &Self) -> __m512i {
         join(
@@ -107,7 +103,6 @@ impl DecodePair for layout::Q5_0 {
 }
 
 impl DecodePair for layout::Q5_1 {
-    const OFFSET: f32 = 0.0;
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn decode_pair(a: &Self, b: &Self) -> __m512i {
         join(
@@ -118,7 +113,6 @@ impl DecodePair for layout::Q5_1 {
 }
 
 impl DecodePair for layout::Q8_0 {
-    const OFFSET: f32 = 128.0;
     #[target_feature(enable = "avx512f,avx512bw")]
     unsafe fn decode_pair(a: &Self, b: &Self) -> __m512i {
         // SAFETY: 32 bytes are read from 32-byte arrays.
@@ -153,6 +147,12 @@ unsafe fn tile<B: Block, const T: usize>(wrow: &[B], x: &[Q8Pair], r0: usize, ou
     let np = wrow.len() / 2;
     let xs: [&[Q8Pair]; T] = std::array::from_fn(|i| &x[(r0 + i) * np..][..np]);
     let mut acc = [_mm512_setzero_ps(); T];
+    // What the decoded (unsigned) quants carry: the stored offset, or 128 for Q8_0's signs.
+    let offset = if B::BITS == 8 {
+        128.0
+    } else {
+        f32::from(B::OFFSET)
+    };
     for (p, w) in wrow.chunks_exact(2).enumerate() {
         let (a, b) = (&w[0], &w[1]);
         // SAFETY: the features are enabled here.
@@ -160,7 +160,7 @@ unsafe fn tile<B: Block, const T: usize>(wrow: &[B], x: &[Q8Pair], r0: usize, ou
         let (da, db) = (f16c(a.d()), f16c(b.d()));
         let scale = alternate(da, db);
         // The offset's share, and the minimum where there is one, per unit of activation sum.
-        let corr = alternate(f16c(a.m()) - B::OFFSET * da, f16c(b.m()) - B::OFFSET * db);
+        let corr = alternate(f16c(a.m()) - offset * da, f16c(b.m()) - offset * db);
         for i in 0..T {
             let xp = &xs[i][p];
             // SAFETY: 64 bytes are read from the 64-byte quants.

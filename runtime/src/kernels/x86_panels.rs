@@ -12,7 +12,8 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::panels::LANES;
+use super::panels::{LANES, QLANES, panel_bytes};
+use super::rows::{Block, Q8};
 
 /// Activation rows in a tile of one panel: two registers per row (16 lanes), `2 · MAX_ROWS`
 /// accumulators, the panel's weights and a broadcast fit in the 16 registers of AVX2.
@@ -148,5 +149,174 @@ pub(crate) unsafe fn dense(
             }
         }
         p += n;
+    }
+}
+
+/// Activation rows in a tile of a block kernel.
+const BLOCK_ROWS: usize = 4;
+
+/// Four activations (bytes `4g..4g + 4` of a block) in every 32-bit lane.
+#[target_feature(enable = "avx2")]
+fn group(x: &Q8, g: usize) -> __m256i {
+    let q = &x.qs[4 * g..][..4];
+    _mm256_set1_epi32(i32::from_le_bytes([
+        q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8,
+    ]))
+}
+
+/// 16 in each byte whose bit `g` of `qh` is set, else 0.
+#[target_feature(enable = "avx2")]
+fn fifth(qh: __m256i, g: usize) -> __m256i {
+    // Bit g to bit 4 (a 16-bit shift moves no other byte's bit to a bit 4: see the mask).
+    let moved = if g <= 4 {
+        _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - g as i32))
+    } else {
+        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(g as i32 - 4))
+    };
+    _mm256_and_si256(moved, _mm256_set1_epi8(0x10))
+}
+
+/// `P` panels (`w`: theirs `nb` blocks each, [`panel_bytes`] a block) × activation rows
+/// `r0..r0 + T` (`x`: `nb` quantized blocks per row): `out` (`[panel][row][QLANES]`, `rows`
+/// rows) gets the sums. Per block and row the integer dot products of the 8 outputs (u8 × i8
+/// pairs summed to 16 then 32 bits, which cannot saturate: |q| ≤ 31 below 8 bits, signs moved
+/// to the activations for 8), then one scale and the offset or minimum through the
+/// activations' block sum; a row's operations do not depend on `P`, `T` or `r0`.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `w` holds `P` panels, `x` rows `r0..r0 + T`, `out` `P` panels of `rows`
+/// rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn blocks_tile<B: Block, const P: usize, const T: usize>(
+    w: &[u8],
+    nb: usize,
+    x: &[Q8],
+    (rows, r0): (usize, usize),
+    out: &mut [f32],
+) {
+    let size = panel_bytes::<B>();
+    let head = 2 * QLANES * (1 + B::MIN as usize);
+    let xs: [&[Q8]; T] = std::array::from_fn(|t| &x[(r0 + t) * nb..][..nb]);
+    let (low, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
+    let off = _mm256_set1_ps(-f32::from(B::OFFSET));
+    let mut acc = [[_mm256_setzero_ps(); T]; P];
+    for b in 0..nb {
+        for (p, acc) in acc.iter_mut().enumerate() {
+            let blk = &w[(p * nb + b) * size..][..size];
+            // SAFETY (the loads here): within the block's `size` bytes.
+            let d = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(blk.as_ptr().cast()) });
+            // The offset's and the minimum's share per unit of activation sum: m − offset · d.
+            let corr = if B::MIN {
+                let m = blk[2 * QLANES..].as_ptr().cast();
+                _mm256_fmadd_ps(off, d, _mm256_cvtph_ps(unsafe { _mm_loadu_si128(m) }))
+            } else {
+                _mm256_mul_ps(off, d)
+            };
+            let q = &blk[head..];
+            let load = |i: usize| unsafe { _mm256_loadu_si256(q[32 * i..][..32].as_ptr().cast()) };
+            let mut sums = [_mm256_setzero_si256(); T];
+            if B::BITS == 8 {
+                for g in 0..8 {
+                    let wq = load(g);
+                    let aw = _mm256_abs_epi8(wq);
+                    for (sum, xs) in sums.iter_mut().zip(&xs) {
+                        let p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(group(&xs[b], g), wq));
+                        *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(p, ones));
+                    }
+                }
+            } else {
+                // 16-bit sums of up to 8 (4 bits) or 4 (5 bits) pair products, then 32 bits.
+                let mut s16 = [_mm256_setzero_si256(); T];
+                let qh = if B::BITS == 5 {
+                    load(4)
+                } else {
+                    _mm256_setzero_si256()
+                };
+                for j in 0..4 {
+                    let raw = load(j);
+                    let mut lo = _mm256_and_si256(raw, low);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low);
+                    if B::BITS == 5 {
+                        lo = _mm256_or_si256(lo, fifth(qh, 2 * j));
+                        hi = _mm256_or_si256(hi, fifth(qh, 2 * j + 1));
+                    }
+                    for (s, xs) in s16.iter_mut().zip(&xs) {
+                        let p = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, group(&xs[b], 2 * j)),
+                            _mm256_maddubs_epi16(hi, group(&xs[b], 2 * j + 1)),
+                        );
+                        *s = _mm256_add_epi16(*s, p);
+                    }
+                    if B::BITS == 5 && j == 1 {
+                        for (sum, s) in sums.iter_mut().zip(&mut s16) {
+                            *sum = _mm256_madd_epi16(*s, ones);
+                            *s = _mm256_setzero_si256();
+                        }
+                    }
+                }
+                for (sum, s) in sums.iter_mut().zip(&s16) {
+                    *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(*s, ones));
+                }
+            }
+            for ((a, sum), xs) in acc.iter_mut().zip(&sums).zip(&xs) {
+                let xb = &xs[b];
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(xb.d));
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*sum), scale, *a);
+                if B::MIN || B::OFFSET != 0 {
+                    *a = _mm256_fmadd_ps(corr, _mm256_set1_ps(xb.s), *a);
+                }
+            }
+        }
+    }
+    for (p, acc) in acc.iter().enumerate() {
+        for (t, a) in acc.iter().enumerate() {
+            let o = &mut out[(p * rows + r0 + t) * QLANES..][..QLANES];
+            // SAFETY: QLANES values are written to a slice of QLANES.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), *a) };
+        }
+    }
+}
+
+/// Panels `panels` of `w` (blocks of 32 in panels: [`super::panels`]) against `rows` activation
+/// rows `x` (`nb` quantized blocks each): `out` gets `[panel][row][QLANES]` for those panels.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C ([`super::rows::Path::Avx2`]).
+pub(crate) unsafe fn blocks<B: Block>(
+    w: &[u8],
+    nb: usize,
+    panels: Range<usize>,
+    x: &[Q8],
+    rows: usize,
+    out: &mut [f32],
+) {
+    let per_panel = nb * panel_bytes::<B>();
+    assert!(panels.end * per_panel <= w.len(), "panels past the weight");
+    assert!(x.len() >= rows * nb, "fewer activations than rows");
+    assert!(out.len() >= panels.len() * rows * QLANES, "a short output");
+    let w = &w[panels.start * per_panel..panels.end * per_panel];
+    let mut p = 0;
+    // SAFETY (each call): the caller checked AVX2, FMA and F16C; the panels, the rows and their
+    // outputs are in bounds (above).
+    while p < panels.len() {
+        let (wp, op) = (&w[p * per_panel..], &mut out[p * rows * QLANES..]);
+        // One row: two panels at a time, two streams of weights in flight.
+        if rows == 1 && panels.len() - p >= 2 {
+            unsafe { blocks_tile::<B, 2, 1>(wp, nb, x, (1, 0), op) };
+            p += 2;
+            continue;
+        }
+        let mut r0 = 0;
+        while rows - r0 >= BLOCK_ROWS {
+            unsafe { blocks_tile::<B, 1, BLOCK_ROWS>(wp, nb, x, (rows, r0), op) };
+            r0 += BLOCK_ROWS;
+        }
+        match rows - r0 {
+            3 => unsafe { blocks_tile::<B, 1, 3>(wp, nb, x, (rows, r0), op) },
+            2 => unsafe { blocks_tile::<B, 1, 2>(wp, nb, x, (rows, r0), op) },
+            1 => unsafe { blocks_tile::<B, 1, 1>(wp, nb, x, (rows, r0), op) },
+            _ => {}
+        }
+        p += 1;
     }
 }
