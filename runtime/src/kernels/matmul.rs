@@ -11,6 +11,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::{bf16, f16};
 
+use super::kpanels::KPanels;
 use super::kquants;
 use super::panels::{Blocks, Dense};
 use super::rows::{self, Path, layout};
@@ -56,6 +57,8 @@ pub(crate) enum Matmul {
     Blocks(Blocks),
     /// A Q4_K or Q6_K tensor on a CPU with AVX-512 ([`kquants`]' kernels).
     KQuant(Arc<QTensor>),
+    /// A Q4_K or Q6_K tensor on a CPU with AVX2 (but not AVX-512): panels.
+    KPanels(KPanels),
     /// A GGUF tensor on the CPU.
     Quantized(Arc<QTensor>),
     /// A GGUF tensor on the CPU of a [`REPACKED`] type.
@@ -79,6 +82,11 @@ impl Matmul {
             && t.shape().dims2()?.1 % kquants::QK_K == 0
         {
             Self::KQuant(t)
+        } else if Path::detect() == Path::Avx2
+            && matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q6K)
+            && t.shape().dims2()?.1 % kquants::QK_K == 0
+        {
+            Self::KPanels(KPanels::new(&t)?)
         } else if REPACKED.contains(&t.dtype()) && candle_repacks(&t)? {
             Self::Repacked(QMatMul::from_arc(t)?)
         } else if matches!(
@@ -114,6 +122,7 @@ impl Matmul {
             Self::Repacked(m) => return repacked(m, xs),
             Self::Quantized(t) | Self::KQuant(t) => t.shape().dims2()?,
             Self::Blocks(b) => b.dims(),
+            Self::KPanels(k) => k.dims(),
             Self::Dense(d) => d.dims(),
         };
         let mut dims = xs.dims().to_vec();
@@ -124,6 +133,7 @@ impl Matmul {
         match self {
             Self::Quantized(t) => quantized(t, mkn, &lhs, &mut dst)?,
             Self::Blocks(b) => b.matmul(&lhs, rows, &mut dst)?,
+            Self::KPanels(k) => k.matmul(&lhs, rows, &mut dst),
             Self::KQuant(t) => {
                 let data = t.data()?;
                 match t.dtype() {

@@ -13,7 +13,8 @@
 //!   AVX2: weights repacked into panels of outputs, an outer-product tile of panels × rows in
 //!   registers, so a verify block costs the decode step's memory traffic plus its arithmetic;
 //!   f32 and the blocks of 32, in `x86_panels`), AVX-512 VNNI two blocks at a time for the blocks
-//!   of 32 (`x86_pairs`, via `rows`), `kquants` (Q4_K and Q6_K: AVX-512 in `x86_kquants`),
+//!   of 32 (`x86_pairs`, via `rows`), Q4_K and Q6_K in panels on AVX2 (`kpanels`,
+//!   `x86_kpanels`) and `kquants` on AVX-512 (`x86_kquants`),
 //!   candle's repacked kernel for Q8_0 (with VNNI) and Q4_K where candle repacks the shape,
 //!   portable code (`rows`) elsewhere, candle's row-by-row product for the other types.
 //! - `attention`: causal attention row by row over exactly the keys the row sees, in a fixed
@@ -24,6 +25,7 @@
 //! Other devices (CUDA) keep candle's kernels.
 
 mod attention;
+mod kpanels;
 mod kquants;
 mod matmul;
 mod panels;
@@ -32,6 +34,8 @@ mod rows;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_kpanels;
 #[cfg(target_arch = "x86_64")]
 mod x86_kquants;
 #[cfg(target_arch = "x86_64")]
@@ -62,6 +66,7 @@ pub(crate) fn trim_scratch() {
     rows::trim_scratch();
     kquants::trim_scratch();
     panels::trim_scratch();
+    kpanels::trim_scratch();
 }
 
 /// Bytes of the calling thread's scratch (for tests).

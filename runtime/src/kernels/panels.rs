@@ -124,7 +124,7 @@ fn repack(w: &[f32], out_dim: usize, in_dim: usize) -> Vec<f32> {
 /// Runs `kernel(panels, out)` over the panels (of `lanes` outputs) of an `out_dim`-wide product,
 /// split across candle's CPU pool: `out` gets the panels' results as `[panel][row][lane]`. `dst`
 /// gets them row-major (rows × out_dim).
-fn drive(
+pub(super) fn drive(
     lanes: usize,
     out_dim: usize,
     rows: usize,
@@ -215,16 +215,23 @@ fn repack_blocks<B: Block>(w: &[B], out_dim: usize, nb: usize) -> Vec<u8> {
             continue;
         }
         let (nibbles, fifth) = quants.split_at_mut(128);
-        for (j, reg) in nibbles.chunks_exact_mut(32).enumerate() {
-            for (i, byte) in reg.iter_mut().enumerate() {
-                *byte = (at(2 * j, i) & 15) as u8 | (((at(2 * j + 1, i) & 15) as u8) << 4);
-            }
-        }
+        pack_nibbles(|g, i| at(g, i) as u8, nibbles);
         for (i, byte) in fifth.iter_mut().enumerate() {
             *byte = (0..8).fold(0, |acc, g| acc | ((((at(g, i) >> 4) & 1) as u8) << g));
         }
     }
     data
+}
+
+/// The low 4 bits of 32 inputs of [`QLANES`] outputs, `q(g, i)` the quant of group g's byte i
+/// (output i / 4, input 4g + i % 4), as 4 registers of 32 bytes: byte i of the j-th holds group
+/// 2j in its low nibble and group 2j + 1 in its high nibble.
+pub(super) fn pack_nibbles(q: impl Fn(usize, usize) -> u8, out: &mut [u8]) {
+    for (j, reg) in out[..128].chunks_exact_mut(32).enumerate() {
+        for (i, byte) in reg.iter_mut().enumerate() {
+            *byte = (q(2 * j, i) & 15) | ((q(2 * j + 1, i) & 15) << 4);
+        }
+    }
 }
 
 /// A GGUF weight in blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), laid out for the kernel the

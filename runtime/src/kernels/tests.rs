@@ -6,6 +6,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
+use super::kpanels::KPanels;
 use super::kquants;
 use super::matmul::cast;
 use super::panels::{Blocks, Dense};
@@ -37,6 +38,9 @@ fn run(dtype: GgmlDType, path: Path, w: &[f32], x: &[f32], mkn: (usize, usize, u
     let q = QTensor::quantize(&t, dtype).expect("quantize");
     let bytes = q.data().expect("data");
     match dtype {
+        GgmlDType::Q4K | GgmlDType::Q6K if path == Path::Avx2 => {
+            KPanels::new(&q).expect("panels").matmul(x, rows, &mut dst)
+        }
         GgmlDType::Q4K => kquants::matmul(
             path,
             cast::<kquants::layout::Q4K>(&bytes).expect("blocks"),
@@ -86,13 +90,13 @@ const TYPES: [GgmlDType; 8] = [
     GgmlDType::Q6K,
 ];
 
-/// The paths that run `dtype`: the K-quants have an AVX-512 kernel only.
+/// The paths that run `dtype`: the K-quants have AVX2 and AVX-512 kernels only.
 fn paths(dtype: GgmlDType) -> Vec<Path> {
     let all = Path::available();
     if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) {
-        let paths: Vec<Path> = all.into_iter().filter(|p| *p == Path::Avx512).collect();
+        let paths: Vec<Path> = all.into_iter().filter(|p| *p >= Path::Avx2).collect();
         if paths.is_empty() {
-            eprintln!("{dtype:?}: no AVX-512 on this CPU, its kernel is not tested here");
+            eprintln!("{dtype:?}: no AVX2 on this CPU, its kernels are not tested here");
         }
         paths
     } else {
