@@ -81,6 +81,19 @@ fn high2(qh: __m256i, f: usize) -> __m256i {
     _mm256_and_si256(moved, _mm256_set1_epi8(0x30))
 }
 
+/// Super-blocks ahead of the one a tile reads that its first rows ask the memory for.
+const AHEAD: usize = 2;
+
+/// Asks the memory for the super-block [`AHEAD`] past `blk` (`size` bytes).
+#[target_feature(enable = "avx2")]
+fn prefetch(blk: &[u8], size: usize) {
+    let ahead = blk.as_ptr().wrapping_add(AHEAD * size);
+    for line in (0..size).step_by(64) {
+        // A hint, never a fault, wherever it points.
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+    }
+}
+
 /// Low and high nibbles of a register of packed quants.
 #[target_feature(enable = "avx2")]
 fn nibbles(raw: __m256i) -> (__m256i, __m256i) {
@@ -101,6 +114,9 @@ unsafe fn q4k_tile<const T: usize>(w: &[u8], nsb: usize, x: &[Q8S], r0: usize, o
     let xs: [&[Q8S]; T] = std::array::from_fn(|t| &x[(r0 + t) * nsb..][..nsb]);
     let mut acc = [_mm256_setzero_ps(); T];
     for (s, blk) in w.chunks_exact(Q4K_BYTES).take(nsb).enumerate() {
+        if r0 == 0 {
+            prefetch(blk, Q4K_BYTES);
+        }
         let (d, dmin) = (halves(blk, 0), halves(blk, 16));
         let mut sums = [_mm256_setzero_si256(); T];
         for j in 0..8 {
@@ -152,6 +168,9 @@ unsafe fn q6k_tile<const T: usize>(w: &[u8], nsb: usize, x: &[Q8S], r0: usize, o
     let low = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_ps(); T];
     for (s, blk) in w.chunks_exact(Q6K_BYTES).take(nsb).enumerate() {
+        if r0 == 0 {
+            prefetch(blk, Q6K_BYTES);
+        }
         let d = halves(blk, 0);
         let mut sums = [_mm256_setzero_si256(); T];
         for j in 0..8 {

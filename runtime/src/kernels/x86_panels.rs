@@ -152,6 +152,9 @@ pub(crate) unsafe fn dense(
     }
 }
 
+/// Blocks ahead of the one a tile reads that its first rows ask the memory for.
+const BLOCKS_AHEAD: usize = 8;
+
 /// Activation rows in a tile of a block kernel.
 const BLOCK_ROWS: usize = 4;
 
@@ -200,9 +203,17 @@ unsafe fn blocks_tile<B: Block, const P: usize, const T: usize>(
     let (low, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
     let off = _mm256_set1_ps(-f32::from(B::OFFSET));
     let mut acc = [[_mm256_setzero_ps(); T]; P];
+    let prefetch = r0 == 0;
     for b in 0..nb {
         for (p, acc) in acc.iter_mut().enumerate() {
             let blk = &w[(p * nb + b) * size..][..size];
+            if prefetch {
+                let ahead = blk.as_ptr().wrapping_add(BLOCKS_AHEAD * size);
+                for line in (0..size).step_by(64) {
+                    // A hint, never a fault, wherever it points.
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+                }
+            }
             // SAFETY (the loads here): within the block's `size` bytes.
             let d = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(blk.as_ptr().cast()) });
             // The offset's and the minimum's share per unit of activation sum: m − offset · d.
