@@ -84,11 +84,12 @@ fn high2(qh: __m256i, f: usize) -> __m256i {
 /// Super-blocks ahead of the one a tile reads that its first rows ask the memory for.
 const AHEAD: usize = 2;
 
-/// Asks the memory for the super-block [`AHEAD`] past `blk` (`size` bytes).
+/// Asks the memory for part `j` of 8 of the super-block [`AHEAD`] past `blk` (`size` bytes):
+/// spread over the super-block's sub-blocks, the requests overlap its arithmetic.
 #[target_feature(enable = "avx2")]
-fn prefetch(blk: &[u8], size: usize) {
+fn prefetch(blk: &[u8], size: usize, j: usize) {
     let ahead = blk.as_ptr().wrapping_add(AHEAD * size);
-    for line in (0..size).step_by(64) {
+    for line in (j * size / 8..(j + 1) * size / 8).step_by(64) {
         // A hint, never a fault, wherever it points.
         _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
     }
@@ -114,12 +115,12 @@ unsafe fn q4k_tile<const T: usize>(w: &[u8], nsb: usize, x: &[Q8S], r0: usize, o
     let xs: [&[Q8S]; T] = std::array::from_fn(|t| &x[(r0 + t) * nsb..][..nsb]);
     let mut acc = [_mm256_setzero_ps(); T];
     for (s, blk) in w.chunks_exact(Q4K_BYTES).take(nsb).enumerate() {
-        if r0 == 0 {
-            prefetch(blk, Q4K_BYTES);
-        }
         let (d, dmin) = (halves(blk, 0), halves(blk, 16));
         let mut sums = [_mm256_setzero_si256(); T];
         for j in 0..8 {
+            if r0 == 0 {
+                prefetch(blk, Q4K_BYTES, j);
+            }
             let sc = dup(widen(blk, 32 + 16 * (j / 2), false), j % 2);
             // Pair products of 4-bit quants: 8 of them stay below 2^15.
             let mut s16 = [_mm256_setzero_si256(); T];
@@ -168,12 +169,12 @@ unsafe fn q6k_tile<const T: usize>(w: &[u8], nsb: usize, x: &[Q8S], r0: usize, o
     let low = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_ps(); T];
     for (s, blk) in w.chunks_exact(Q6K_BYTES).take(nsb).enumerate() {
-        if r0 == 0 {
-            prefetch(blk, Q6K_BYTES);
-        }
         let d = halves(blk, 0);
         let mut sums = [_mm256_setzero_si256(); T];
         for j in 0..8 {
+            if r0 == 0 {
+                prefetch(blk, Q6K_BYTES, j);
+            }
             let scales = widen(blk, 16 + 16 * j, true);
             for h in 0..2 {
                 let sc = dup(scales, h);
