@@ -12,7 +12,9 @@
 //! Environment: BENCH_REPS (default 1), BENCH_PAIRS (default `110m-q8_0`), BENCH_SESSIONS
 //! (default `1,4,8,16,64`), BENCH_VARIANTS (default `target-only,auto,4`: K = 0, K chosen
 //! each round, or a fixed K),
-//! BENCH_BATCH (default `64,1`: the target-nodes' --max-batch), BENCH_TOKENS (default 64).
+//! BENCH_BATCH (default `64,1`: the target-nodes' --max-batch), BENCH_TOKENS (default 64),
+//! BENCH_CPUS (unset: every process on every core; `T,D`: the target-nodes pinned to CPUs `T`,
+//! the draft-node and the coordinator to `D`, two machines emulated on one).
 
 use std::time::{Duration, Instant};
 
@@ -102,6 +104,13 @@ async fn main() -> anyhow::Result<()> {
     let batches = numbers("BENCH_BATCH", "64,1")?;
     let tokens = numbers("BENCH_TOKENS", "64")?[0];
     let variants = env_list("BENCH_VARIANTS", "target-only,auto,4");
+    let cpus: Vec<String> = std::env::var("BENCH_CPUS")
+        .map(|v| v.split(',').map(str::to_string).collect())
+        .unwrap_or_default();
+    anyhow::ensure!(
+        cpus.is_empty() || cpus.len() == 2,
+        "BENCH_CPUS: `T,D` (the target's CPUs, the draft's)"
+    );
     let scratch = tempfile::tempdir()?;
     let pairs = pairs(scratch.path(), &env_list("BENCH_PAIRS", "110m-q8_0"))?;
     println!(
@@ -114,20 +123,32 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .map(|p| tok.encode(p))
             .collect::<Result<_, _>>()?;
-        let node = |name: &str, model: &std::path::Path, extra: &[&str]| {
+        let node = |name: &str, model: &std::path::Path, extra: &[&str], cpus: Option<&str>| {
             let addr = free_addr();
             let (model, listen) = (model.display().to_string(), addr.to_string());
             let mut args = vec!["--model", &model, "--listen", &listen];
             args.extend_from_slice(extra);
-            Proc::start(name, &args, addr)
+            match cpus {
+                Some(cpus) => Proc::start_pinned(name, &args, addr, cpus),
+                None => Proc::start(name, &args, addr),
+            }
         };
-        let draft = node("draft-node", &pair.draft, &[]);
+        let (target_cpus, draft_cpus) = match cpus.as_slice() {
+            [t, d] => (Some(t.as_str()), Some(d.as_str())),
+            _ => (None, None),
+        };
+        let draft = node("draft-node", &pair.draft, &[], draft_cpus);
         let mut setups = Vec::new();
         for &max_batch in &batches {
             let batch = max_batch.to_string();
-            let target = node("target-node", &pair.target, &["--max-batch", &batch]);
+            let target = node(
+                "target-node",
+                &pair.target,
+                &["--max-batch", &batch],
+                target_cpus,
+            );
             let coordinator =
-                Proc::coordinator(&target.url(), &draft.url(), free_addr(), &[], None);
+                Proc::coordinator(&target.url(), &draft.url(), free_addr(), &[], draft_cpus);
             let client = CoordinatorClient::connect(coordinator.url()).await?;
             setups.push((max_batch, target, coordinator, client));
         }
