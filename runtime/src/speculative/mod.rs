@@ -195,8 +195,8 @@ impl Verifier {
         Self(SequenceState::new(model, params, TARGET_STREAM))
     }
 
-    /// Checks the drafted block ([`check_block`]: at most `max_drafts`, valid q) and scores
-    /// `[uncached tail of log, drafts…]` in one forward pass with the acceptance rule. A block
+    /// Checks the drafted block ([`crate::draft_check::check_block`]: at most `max_drafts`,
+    /// valid q) and scores `[uncached tail of log, drafts…]` in one forward pass with the acceptance rule. A block
     /// that fails the checks is not scored: the round is one plain target step and the refusal
     /// says why. Afterwards the cache holds the log plus the accepted drafts: everything
     /// committed except the returned next token.
