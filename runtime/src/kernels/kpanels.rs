@@ -10,7 +10,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 
 use super::kquants::{QK_K, layout};
 use super::matmul::cast;
-use super::panels::{QLANES, drive, pack_nibbles};
+use super::panels::{QLANES, drive, pack_nibbles, repack};
 
 /// 256 activations quantized to signed bytes (x ≈ d · q, scale max|x| / 127, as
 /// [`super::kquants::quantize`]), with the integer sums of q per 16 and per 32.
@@ -37,19 +37,13 @@ impl Default for Q8S {
 /// Quantizes a row (a multiple of 256 long).
 pub(crate) fn quantize(x: &[f32], out: &mut [Q8S]) {
     for (xs, b) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
-        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        for (q, v) in b.qs.iter_mut().zip(xs) {
-            *q = (v * id).round() as i8;
-        }
+        b.d = super::rows::quantize_bytes(xs, &mut b.qs);
         for (s, qs) in b.s16.iter_mut().zip(b.qs.chunks_exact(16)) {
             *s = qs.iter().map(|&q| i16::from(q)).sum();
         }
         for (j, s) in b.s32.iter_mut().enumerate() {
             *s = b.s16[2 * j] + b.s16[2 * j + 1];
         }
-        b.d = d;
     }
 }
 
@@ -114,28 +108,6 @@ fn pairs(v: &[[u8; 16]; QLANES], subs: usize, out: &mut [u8]) {
             out[16 * i + 2 * o + 1] = v[2 * i + 1];
         }
     }
-}
-
-/// Out rows of `nsb` super-blocks → panels of [`QLANES`] outputs (super-block-major within a
-/// panel), `part(block)` giving a super-block's f16 scales and quants, `write` laying one out.
-fn repack<B>(
-    w: &[B],
-    out_dim: usize,
-    nsb: usize,
-    size: usize,
-    write: impl Fn(&[Option<&B>; QLANES], &mut [u8]),
-) -> Vec<u8> {
-    let panels = out_dim.div_ceil(QLANES);
-    let mut data = vec![0u8; panels * nsb * size];
-    for (pb, dst) in data.chunks_exact_mut(size).enumerate() {
-        let (p, b) = (pb / nsb, pb % nsb);
-        let blocks: [Option<&B>; QLANES] = std::array::from_fn(|i| {
-            let o = p * QLANES + i;
-            (o < out_dim).then(|| &w[o * nsb + b])
-        });
-        write(&blocks, dst);
-    }
-    data
 }
 
 /// Writes a panel's Q4_K super-block ([`Q4K_BYTES`]); missing outputs have zero scales.

@@ -62,12 +62,7 @@ pub(crate) mod layout {
 /// nearest.
 pub(crate) fn quantize(x: &[f32], out: &mut [Q8K]) {
     for (xs, b) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
-        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        for (q, v) in b.qs.iter_mut().zip(xs) {
-            *q = (v * id).round() as i8;
-        }
+        let d = rows::quantize_bytes(xs, &mut b.qs);
         for (s, qs) in b.bs.iter_mut().zip(b.qs.chunks_exact(16)) {
             *s = d * qs.iter().map(|&q| i32::from(q)).sum::<i32>() as f32;
         }

@@ -71,7 +71,7 @@ impl Dense {
         );
         let path = path.supported();
         let data = if path >= Path::Avx2 {
-            repack(&weight, out_dim, in_dim)
+            repack_dense(&weight, out_dim, in_dim)
         } else {
             weight
         };
@@ -109,7 +109,7 @@ impl Dense {
 
 /// (out, in) row-major → panels of [`LANES`] outputs, input-major within a panel
 /// (`[panel][input][lane]`); the last panel is padded with zero outputs.
-fn repack(w: &[f32], out_dim: usize, in_dim: usize) -> Vec<f32> {
+fn repack_dense(w: &[f32], out_dim: usize, in_dim: usize) -> Vec<f32> {
     let panels = out_dim.div_ceil(LANES);
     let mut data = vec![0f32; panels * in_dim * LANES];
     for (o, row) in w.chunks_exact(in_dim).enumerate() {
@@ -182,7 +182,51 @@ pub(crate) const fn panel_bytes<B: Block>() -> usize {
 ///
 /// Outputs past `out_dim` (the last panel's padding) have zero scales.
 fn repack_blocks<B: Block>(w: &[B], out_dim: usize, nb: usize) -> Vec<u8> {
-    let size = panel_bytes::<B>();
+    repack(w, out_dim, nb, panel_bytes::<B>(), write_blocks::<B>)
+}
+
+/// Writes one block of a panel's outputs (`None`: padding) as [`repack_blocks`] lays it out.
+fn write_blocks<B: Block>(blocks: &[Option<&B>; QLANES], dst: &mut [u8]) {
+    let (head, quants) = dst.split_at_mut(2 * QLANES * (1 + B::MIN as usize));
+    for (i, blk) in blocks.iter().enumerate() {
+        let (d, m) = blk.map_or((0, 0), |blk| (blk.d(), blk.m()));
+        head[2 * i..][..2].copy_from_slice(&d.to_le_bytes());
+        if B::MIN {
+            head[2 * (QLANES + i)..][..2].copy_from_slice(&m.to_le_bytes());
+        }
+    }
+    // The stored quants: unsigned below 8 bits, signed for 8.
+    let raw: [[i16; QK]; QLANES] = blocks.map(|blk| {
+        blk.map_or([0; QK], |blk| {
+            blk.quants().map(|q| i16::from(q) + i16::from(B::OFFSET))
+        })
+    });
+    let at = |g: usize, i: usize| raw[i / 4][4 * g + i % 4];
+    if B::BITS == 8 {
+        for (g, group) in quants.chunks_exact_mut(32).enumerate() {
+            for (i, byte) in group.iter_mut().enumerate() {
+                *byte = at(g, i) as i8 as u8;
+            }
+        }
+        return;
+    }
+    let (nibbles, fifth) = quants.split_at_mut(128);
+    pack_nibbles(|g, i| at(g, i) as u8, nibbles);
+    for (i, byte) in fifth.iter_mut().enumerate() {
+        *byte = (0..8).fold(0, |acc, g| acc | ((((at(g, i) >> 4) & 1) as u8) << g));
+    }
+}
+
+/// Out rows of `nb` blocks (`w`, row-major) → panels of [`QLANES`] outputs, block-major within a
+/// panel, `size` bytes a block: `write(blocks, dst)` lays out block b of a panel's outputs
+/// (`None` past `out_dim`).
+pub(super) fn repack<B>(
+    w: &[B],
+    out_dim: usize,
+    nb: usize,
+    size: usize,
+    write: impl Fn(&[Option<&B>; QLANES], &mut [u8]),
+) -> Vec<u8> {
     let panels = out_dim.div_ceil(QLANES);
     let mut data = vec![0u8; panels * nb * size];
     for (pb, dst) in data.chunks_exact_mut(size).enumerate() {
@@ -191,34 +235,7 @@ fn repack_blocks<B: Block>(w: &[B], out_dim: usize, nb: usize) -> Vec<u8> {
             let o = p * QLANES + i;
             (o < out_dim).then(|| &w[o * nb + b])
         });
-        let (head, quants) = dst.split_at_mut(2 * QLANES * (1 + B::MIN as usize));
-        for (i, blk) in blocks.iter().enumerate() {
-            let (d, m) = blk.map_or((0, 0), |blk| (blk.d(), blk.m()));
-            head[2 * i..][..2].copy_from_slice(&d.to_le_bytes());
-            if B::MIN {
-                head[2 * (QLANES + i)..][..2].copy_from_slice(&m.to_le_bytes());
-            }
-        }
-        // The stored quants: unsigned below 8 bits, signed for 8.
-        let raw: [[i16; QK]; QLANES] = blocks.map(|blk| {
-            blk.map_or([0; QK], |blk| {
-                blk.quants().map(|q| i16::from(q) + i16::from(B::OFFSET))
-            })
-        });
-        let at = |g: usize, i: usize| raw[i / 4][4 * g + i % 4];
-        if B::BITS == 8 {
-            for (g, group) in quants.chunks_exact_mut(32).enumerate() {
-                for (i, byte) in group.iter_mut().enumerate() {
-                    *byte = at(g, i) as i8 as u8;
-                }
-            }
-            continue;
-        }
-        let (nibbles, fifth) = quants.split_at_mut(128);
-        pack_nibbles(|g, i| at(g, i) as u8, nibbles);
-        for (i, byte) in fifth.iter_mut().enumerate() {
-            *byte = (0..8).fold(0, |acc, g| acc | ((((at(g, i) >> 4) & 1) as u8) << g));
-        }
+        write(&blocks, dst);
     }
     data
 }

@@ -237,17 +237,20 @@ impl Path {
 /// scale max|x| / 127, round to nearest.
 pub(crate) fn quantize(x: &[f32], out: &mut [Q8]) {
     for (xs, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
-        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, v) in b.qs.iter_mut().zip(xs) {
-            *q = (v * id).round() as i8;
-            sum += i32::from(*q);
-        }
-        b.d = d;
-        b.s = d * sum as f32;
+        b.d = quantize_bytes(xs, &mut b.qs);
+        b.s = b.d * b.qs.iter().map(|&q| i32::from(q)).sum::<i32>() as f32;
     }
+}
+
+/// `xs` to signed bytes `qs` (as long): scale max|x| / 127, round to nearest; returns the scale.
+pub(crate) fn quantize_bytes(xs: &[f32], qs: &mut [i8]) -> f32 {
+    let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    for (q, v) in qs.iter_mut().zip(xs) {
+        *q = (v * id).round() as i8;
+    }
+    d
 }
 
 /// The portable kernel: for each weight row, for each tile of activation rows, the integer dot
