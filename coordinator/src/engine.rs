@@ -136,7 +136,8 @@ pub struct Engine {
     pub draft_shares_cores: bool,
     /// Adaptive K speculates only while at most this many generations run here: beyond, the
     /// target's batch of plain steps is already compute-bound and drafts cost it more than they
-    /// save (vLLM's disable-by-batch-size). `None`: no limit.
+    /// save (vLLM's disable-by-batch-size). `None`: no limit. Default: 1 for a CPU target whose
+    /// draft-node is on the same machine, else none.
     pub max_speculating: Option<usize>,
     /// What the last session learnt of the nodes' costs and the draft's acceptance.
     learnt: std::sync::Mutex<Option<KPolicy>>,
@@ -158,6 +159,9 @@ impl Engine {
             Some(url) => Some(NodeHandle::connect("draft-node", url).await?),
             None => None,
         };
+        let shares_machine = draft
+            .as_ref()
+            .is_none_or(|d| crate::same_machine(&target.endpoint, &d.endpoint));
         if let Some(d) = &draft {
             let (t, di) = (&target.info, &d.info);
             if t.vocab_size != di.vocab_size || t.vocab_hash != di.vocab_hash {
@@ -199,9 +203,10 @@ impl Engine {
             default_draft_tokens,
             metrics: CoordinatorMetrics::default(),
             draft_shares_cores: false,
-            // A CPU target gains nothing from speculation once it batches other sessions
-            // (docs/benchmarks.md, "Many sessions on one target").
-            max_speculating: cpu_target.then_some(1),
+            // A CPU target gains nothing from speculation once it batches other sessions when
+            // the draft runs on its cores; a draft on another machine keeps paying
+            // (docs/benchmarks.md, "Many sessions on one target", unpinned and pinned).
+            max_speculating: (cpu_target && shares_machine).then_some(1),
             learnt: std::sync::Mutex::new(None),
             active: AtomicUsize::new(0),
             next_id: AtomicUsize::new(0),

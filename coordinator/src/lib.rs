@@ -37,6 +37,25 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
+/// Whether two node URLs name the same machine: the same host, or loopback both (a draft-node
+/// there runs on the target-node's cores). URLs that do not parse name no machine.
+pub fn same_machine(a: &str, b: &str) -> bool {
+    fn host(url: &str) -> Option<String> {
+        let uri: tonic::codegen::http::Uri = url.parse().ok()?;
+        Some(uri.host()?.trim_matches(['[', ']']).to_ascii_lowercase())
+    }
+    fn loopback(host: &str) -> bool {
+        host == "localhost"
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    }
+    match (host(a), host(b)) {
+        (Some(a), Some(b)) => a == b || (loopback(&a) && loopback(&b)),
+        _ => false,
+    }
+}
+
 /// Serves the public gRPC API (and health) on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: tokio::net::TcpListener,
@@ -63,6 +82,27 @@ pub async fn serve(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn node_urls_on_one_machine_are_told_from_urls_on_two() {
+        use super::same_machine;
+        assert!(same_machine(
+            "http://127.0.0.1:50051",
+            "http://localhost:50052"
+        ));
+        assert!(same_machine("http://[::1]:1", "http://127.0.0.2:2"));
+        assert!(same_machine(
+            "http://Target.local:1",
+            "https://target.local:2"
+        ));
+        assert!(!same_machine("http://10.0.0.1:1", "http://10.0.0.2:1"));
+        assert!(!same_machine(
+            "http://target-node:50051",
+            "http://draft-node:50052"
+        ));
+        assert!(!same_machine("http://127.0.0.1:1", "http://edge.example:1"));
+        assert!(!same_machine("not a url", "not a url"));
+    }
+
     #[test]
     fn an_error_chain_names_every_cause_once() {
         let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused");
