@@ -1,5 +1,8 @@
 //! Matrix products of a few activation rows (a decode step: 1; a verify block: K + 1) with a
-//! weight stored in blocks of 32 (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or dense f32, on the CPU.
+//! weight stored in blocks of 32 (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or dense f32, on the CPU:
+//! the portable kernels and AVX-512's two-blocks-at-a-time one ([`super::x86_pairs`]), with
+//! what every kernel shares (the block layouts, the activation quantizer, [`Path`], the pool).
+//! AVX2 multiplies weights repacked in panels instead ([`super::panels`]).
 //!
 //! - **The weights are read once per call**, not once per row: each thread takes a range of
 //!   weight rows (output columns) and, for each weight row, decodes each block once and
@@ -11,9 +14,9 @@
 //!   step, a verify block and a replayed prefill (see the module above).
 //! - Activations are quantized once per row, as llama.cpp does ([`Q8`]: 32 signed bytes, an
 //!   f32 scale, and the block's sum for the types with a minimum).
-//! - The SIMD path (x86-64 with AVX2, FMA and F16C, detected at run time) and the portable
-//!   path compute the same integer dot products; their float sums differ in order, so each
-//!   machine uses one path for every call ([`Path::detect`]).
+//! - The SIMD paths (detected at run time) and the portable path compute the same integer dot
+//!   products; their float sums differ in order, so each machine uses one path for every call
+//!   ([`Path::detect`]).
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
