@@ -13,6 +13,7 @@ use std::ops::Range;
 
 use super::kpanels::{Q4K_BYTES, Q6K_BYTES, Q8S};
 use super::panels::QLANES;
+use super::x86::group;
 
 /// Activation rows in a tile.
 const ROWS: usize = 4;
@@ -48,15 +49,6 @@ fn halves(b: &[u8], at: usize) -> __m256 {
 fn pair(v: &[i16], at: usize) -> __m256i {
     let lo = v[at] as u16 as u32;
     _mm256_set1_epi32((lo | ((v[at + 1] as u16 as u32) << 16)) as i32)
-}
-
-/// Four activations (bytes `32j + 4g..` of a super-block) in every 32-bit lane.
-#[target_feature(enable = "avx2")]
-fn group(x: &Q8S, j: usize, g: usize) -> __m256i {
-    let q = &x.qs[32 * j + 4 * g..][..4];
-    _mm256_set1_epi32(i32::from_le_bytes([
-        q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8,
-    ]))
 }
 
 /// Pairs (a, b) of i16 per 32-bit lane → (a, a) (`h` = 0) or (b, b) (`h` = 1).
@@ -128,8 +120,8 @@ unsafe fn q4k_tile<const T: usize>(w: &[u8], nsb: usize, x: &[Q8S], r0: usize, o
                 let (lo, hi) = nibbles(load(blk, 160 + 128 * j + 32 * jj));
                 for (acc, xs) in s16.iter_mut().zip(&xs) {
                     let p = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, group(&xs[s], j, 2 * jj)),
-                        _mm256_maddubs_epi16(hi, group(&xs[s], j, 2 * jj + 1)),
+                        _mm256_maddubs_epi16(lo, group(&xs[s].qs, 32 * j + 8 * jj)),
+                        _mm256_maddubs_epi16(hi, group(&xs[s].qs, 32 * j + 8 * jj + 4)),
                     );
                     *acc = _mm256_add_epi16(*acc, p);
                 }
@@ -190,8 +182,8 @@ unsafe fn q6k_tile<const T: usize>(w: &[u8], nsb: usize, x: &[Q8S], r0: usize, o
                     // Pair products of 6-bit quants: two of them stay below 2^15.
                     for (sum, xs) in sums.iter_mut().zip(&xs) {
                         let p = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, group(&xs[s], j, g0)),
-                            _mm256_maddubs_epi16(hi, group(&xs[s], j, g1)),
+                            _mm256_maddubs_epi16(lo, group(&xs[s].qs, 32 * j + 4 * g0)),
+                            _mm256_maddubs_epi16(hi, group(&xs[s].qs, 32 * j + 4 * g1)),
                         );
                         *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(p, sc));
                     }

@@ -14,6 +14,7 @@ use std::ops::Range;
 
 use super::panels::{LANES, QLANES, panel_bytes};
 use super::rows::{Block, Q8};
+use super::x86::group;
 
 /// Activation rows in a tile of one panel: two registers per row (16 lanes), `2 · MAX_ROWS`
 /// accumulators, the panel's weights and a broadcast fit in the 16 registers of AVX2.
@@ -158,15 +159,6 @@ const BLOCKS_AHEAD: usize = 8;
 /// Activation rows in a tile of a block kernel.
 const BLOCK_ROWS: usize = 4;
 
-/// Four activations (bytes `4g..4g + 4` of a block) in every 32-bit lane.
-#[target_feature(enable = "avx2")]
-fn group(x: &Q8, g: usize) -> __m256i {
-    let q = &x.qs[4 * g..][..4];
-    _mm256_set1_epi32(i32::from_le_bytes([
-        q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8,
-    ]))
-}
-
 /// 16 in each byte whose bit `g` of `qh` is set, else 0.
 #[target_feature(enable = "avx2")]
 fn fifth(qh: __m256i, g: usize) -> __m256i {
@@ -231,7 +223,8 @@ unsafe fn blocks_tile<B: Block, const P: usize, const T: usize>(
                     let wq = load(g);
                     let aw = _mm256_abs_epi8(wq);
                     for (sum, xs) in sums.iter_mut().zip(&xs) {
-                        let p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(group(&xs[b], g), wq));
+                        let p =
+                            _mm256_maddubs_epi16(aw, _mm256_sign_epi8(group(&xs[b].qs, 4 * g), wq));
                         *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(p, ones));
                     }
                 }
@@ -253,8 +246,8 @@ unsafe fn blocks_tile<B: Block, const P: usize, const T: usize>(
                     }
                     for (s, xs) in s16.iter_mut().zip(&xs) {
                         let p = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, group(&xs[b], 2 * j)),
-                            _mm256_maddubs_epi16(hi, group(&xs[b], 2 * j + 1)),
+                            _mm256_maddubs_epi16(lo, group(&xs[b].qs, 8 * j)),
+                            _mm256_maddubs_epi16(hi, group(&xs[b].qs, 8 * j + 4)),
                         );
                         *s = _mm256_add_epi16(*s, p);
                     }
