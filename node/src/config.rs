@@ -65,6 +65,11 @@ pub struct LimitsArgs {
     /// ready when the model comes free runs as one batch); 1 runs sessions one at a time.
     #[arg(long, env = "TANDEM_MAX_BATCH", default_value_t = 64)]
     pub max_batch: usize,
+    /// Microseconds a batch waits, while fewer sessions are ready than the last batch held, for
+    /// the others to come back from their round trip through the coordinator (their work then
+    /// runs in this forward pass, not in the next); 0: a batch runs with what is ready.
+    #[arg(long, env = "TANDEM_BATCH_WAIT_US", default_value_t = 2000)]
+    pub batch_wait_us: u64,
 }
 
 impl Default for LimitsArgs {
@@ -77,6 +82,7 @@ impl Default for LimitsArgs {
             kv_cache_bytes: 0,
             prefill_chunk: 512,
             max_batch: 64,
+            batch_wait_us: 2000,
         }
     }
 }

@@ -106,6 +106,7 @@ impl NodeState {
             worker: crate::worker::ModelThread::spawn(
                 &format!("{}-model", role.as_str()),
                 limits.max_batch,
+                std::time::Duration::from_micros(limits.batch_wait_us),
             ),
             vocab_hash: tokenizer.vocab_hash(),
             stop_token_ids: default_stop_tokens(&model, &tokenizer),

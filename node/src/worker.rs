@@ -14,6 +14,7 @@
 use std::any::{Any, TypeId};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use tandem_proto::{Error, Result};
 use tokio::sync::oneshot;
@@ -45,14 +46,17 @@ pub struct ModelThread {
 }
 
 impl ModelThread {
-    /// Starts the thread; a batch holds at most `max_batch` items (at least 1).
-    pub fn spawn(name: &str, max_batch: usize) -> Self {
+    /// Starts the thread; a batch holds at most `max_batch` items (at least 1). While fewer
+    /// items are ready than the last batch held, it waits up to `max_wait` for the rest: the
+    /// sessions that batch answered come back within a round trip through the coordinator, and
+    /// run now with the first of them rather than a whole forward pass later.
+    pub fn spawn(name: &str, max_batch: usize, max_wait: Duration) -> Self {
         let (jobs, queue) = mpsc::channel::<Job>();
         let max_batch = max_batch.max(1);
         let spawned = std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
-                let mut ready = Vec::new();
+                let (mut ready, mut last) = (Vec::new(), 0);
                 loop {
                     if ready.is_empty() {
                         match queue.recv() {
@@ -61,7 +65,17 @@ impl ModelThread {
                         }
                     }
                     ready.extend(queue.try_iter());
-                    ready = run_ready(ready, max_batch);
+                    let deadline = Instant::now() + max_wait;
+                    while (1..last).contains(&batched(&ready)) {
+                        let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                            break;
+                        };
+                        match queue.recv_timeout(left) {
+                            Ok(job) => ready.push(job),
+                            Err(_) => break,
+                        }
+                    }
+                    (ready, last) = run_ready(ready, max_batch);
                 }
             });
         if let Err(e) = spawned {
@@ -116,12 +130,20 @@ fn failed(what: &str) -> Error {
     }
 }
 
+/// Items of batches among `jobs`.
+fn batched(jobs: &[Job]) -> usize {
+    jobs.iter()
+        .filter(|job| matches!(job, Job::Batched { .. }))
+        .count()
+}
+
 /// Runs the jobs that were ready together: each one-off job in its turn, and at the turn of the
 /// first item of a kind of batch, every ready item of that kind (up to `max_batch`) in one call.
-/// Returns the items left over past a full batch, in order, for the next turn.
-fn run_ready(ready: Vec<Job>, max_batch: usize) -> Vec<Job> {
+/// Returns the items left over past a full batch, in order, for the next turn, and the size of
+/// the largest batch run (0: none).
+fn run_ready(ready: Vec<Job>, max_batch: usize) -> (Vec<Job>, usize) {
     let mut pending: Vec<Option<Job>> = ready.into_iter().map(Some).collect();
-    let mut left = Vec::new();
+    let (mut left, mut largest) = (Vec::new(), 0);
     for i in 0..pending.len() {
         match pending[i].take() {
             None => {}
@@ -137,11 +159,12 @@ fn run_ready(ready: Vec<Job>, max_batch: usize) -> Vec<Job> {
                         }
                     }
                 }
+                largest = largest.max(items.len());
                 run(items);
             }
         }
     }
-    left
+    (left, largest)
 }
 
 /// [`Batch::run`] over type-erased items; a panic drops the senders, failing every item.
@@ -167,7 +190,7 @@ mod tests {
 
     #[tokio::test]
     async fn runs_tasks_in_order_on_one_thread_and_survives_a_panic() {
-        let worker = ModelThread::spawn("test-model", 8);
+        let worker = ModelThread::spawn("test-model", 8, Duration::ZERO);
         let a = worker
             .run(|| std::thread::current().id())
             .await
@@ -197,13 +220,22 @@ mod tests {
     /// Items sent while the thread is busy run together when it comes free, at most
     /// `max_batch` at a time, each answered with its own output.
     async fn batch_sizes(max_batch: usize, items: u32) -> Vec<(u32, usize)> {
-        let worker = std::sync::Arc::new(ModelThread::spawn("test-batch", max_batch));
+        let worker =
+            std::sync::Arc::new(ModelThread::spawn("test-batch", max_batch, Duration::ZERO));
+        queued_batch(&worker, 0..items).await
+    }
+
+    /// Items `items` sent while the thread is busy, answered.
+    async fn queued_batch(
+        worker: &std::sync::Arc<ModelThread>,
+        items: std::ops::Range<u32>,
+    ) -> Vec<(u32, usize)> {
         let (release, wait) = std::sync::mpsc::channel::<()>();
         let busy = {
             let worker = std::sync::Arc::clone(&worker);
             tokio::spawn(async move { worker.run(move || wait.recv()).await })
         };
-        let calls: Vec<_> = (0..items)
+        let calls: Vec<_> = items
             .map(|i| {
                 let worker = std::sync::Arc::clone(&worker);
                 tokio::spawn(async move { worker.batch::<Sizes>(i).await })
@@ -235,5 +267,31 @@ mod tests {
         let mut sizes: Vec<usize> = capped.iter().map(|&(_, n)| n).collect();
         sizes.sort_unstable();
         assert_eq!(sizes, [1, 2, 2, 2, 2], "two batches of two, then one");
+    }
+
+    #[tokio::test]
+    async fn a_batch_waits_briefly_for_the_sessions_the_last_one_held() {
+        // After a batch of 3, an item that arrives alone waits (up to 2 s here) for two more
+        // that come 50 ms later, and the three run together; with no wait it would run alone.
+        for (wait, expected) in [(Duration::from_secs(2), 3), (Duration::ZERO, 1)] {
+            let worker = std::sync::Arc::new(ModelThread::spawn("test-wait", 8, wait));
+            assert_eq!(queued_batch(&worker, 0..3).await.len(), 3);
+            let first = {
+                let worker = std::sync::Arc::clone(&worker);
+                tokio::spawn(async move { worker.batch::<Sizes>(10).await })
+            };
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let later: Vec<_> = (11..13)
+                .map(|i| {
+                    let worker = std::sync::Arc::clone(&worker);
+                    tokio::spawn(async move { worker.batch::<Sizes>(i).await })
+                })
+                .collect();
+            let (_, size) = first.await.expect("join").expect("batched");
+            assert_eq!(size, expected, "waiting {wait:?}");
+            for call in later {
+                call.await.expect("join").expect("batched");
+            }
+        }
     }
 }

@@ -12,7 +12,8 @@
 //! Environment: BENCH_REPS (default 1), BENCH_PAIRS (default `110m-q8_0`), BENCH_SESSIONS
 //! (default `1,4,8,16,64`), BENCH_VARIANTS (default `target-only,auto,4`: K = 0, K chosen
 //! each round, or a fixed K),
-//! BENCH_BATCH (default `64,1`: the target-nodes' --max-batch), BENCH_TOKENS (default 64),
+//! BENCH_BATCH (default `64,1`: the target-nodes' --max-batch; `N:W` adds --batch-wait-us W),
+//! BENCH_TOKENS (default 64),
 //! BENCH_CPUS (unset: every process on every core; `T,D`: the target-nodes pinned to CPUs `T`,
 //! the draft-node and the coordinator to `D`, two machines emulated on one).
 
@@ -101,7 +102,7 @@ async fn wave(
 async fn main() -> anyhow::Result<()> {
     let reps: usize = numbers("BENCH_REPS", "1")?[0];
     let sessions = numbers("BENCH_SESSIONS", "1,4,8,16,64")?;
-    let batches = numbers("BENCH_BATCH", "64,1")?;
+    let batches = env_list("BENCH_BATCH", "64,1");
     let tokens = numbers("BENCH_TOKENS", "64")?[0];
     let variants = env_list("BENCH_VARIANTS", "target-only,auto,4");
     let cpus: Vec<String> = std::env::var("BENCH_CPUS")
@@ -139,14 +140,13 @@ async fn main() -> anyhow::Result<()> {
         };
         let draft = node("draft-node", &pair.draft, &[], draft_cpus);
         let mut setups = Vec::new();
-        for &max_batch in &batches {
-            let batch = max_batch.to_string();
-            let target = node(
-                "target-node",
-                &pair.target,
-                &["--max-batch", &batch],
-                target_cpus,
-            );
+        for max_batch in &batches {
+            let mut args = vec!["--max-batch"];
+            match max_batch.split_once(':') {
+                Some((batch, wait)) => args.extend([batch, "--batch-wait-us", wait]),
+                None => args.push(max_batch),
+            }
+            let target = node("target-node", &pair.target, &args, target_cpus);
             let coordinator =
                 Proc::coordinator(&target.url(), &draft.url(), free_addr(), &[], draft_cpus);
             let client = CoordinatorClient::connect(coordinator.url()).await?;
