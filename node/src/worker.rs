@@ -232,12 +232,12 @@ mod tests {
     ) -> Vec<(u32, usize)> {
         let (release, wait) = std::sync::mpsc::channel::<()>();
         let busy = {
-            let worker = std::sync::Arc::clone(&worker);
+            let worker = std::sync::Arc::clone(worker);
             tokio::spawn(async move { worker.run(move || wait.recv()).await })
         };
         let calls: Vec<_> = items
             .map(|i| {
-                let worker = std::sync::Arc::clone(&worker);
+                let worker = std::sync::Arc::clone(worker);
                 tokio::spawn(async move { worker.batch::<Sizes>(i).await })
             })
             .collect();
