@@ -7,8 +7,9 @@
 //! It is also the node's scheduler (continuous batching, DESIGN.md "Batching"): work of a kind
 //! that runs many at a time ([`Batch`]: verify blocks, draft steps) is not run as it arrives but
 //! gathered, with whatever else is queued when the thread comes free, into one call over up to
-//! `max_batch` items; a session joins the next batch as soon as its request arrives and has its
-//! answer when its batch ends. Other jobs (opening a session, a prefill chunk) run one at a time,
+//! `max_batch` items (waiting up to `max_wait` while fewer are ready than the last batch held);
+//! a session joins the next batch as soon as its request arrives and has its answer when its
+//! batch ends. Other jobs (opening a session, a prefill chunk) run one at a time,
 //! in arrival order, between batches.
 
 use std::any::{Any, TypeId};
