@@ -21,8 +21,9 @@ use crate::Result;
 /// one row and for up to [`REPACKED_ROWS`] rows, and faster than the row-by-row product: kept on
 /// candle, in calls of at most that many rows (from 32 rows candle switches Q4_K to an AMX kernel
 /// where the CPU has one). Q6_K is not among them (candle repacks it only for several rows), nor
-/// is any type on other architectures (aarch64 tiles rows in fours). The every-type test checks
-/// the claim on the machine that runs the tests.
+/// is any type on other architectures (aarch64 tiles rows in fours). Q4_K reaches it only on an
+/// x86-64 CPU without AVX2 (the panels and the AVX-512 kernel take it everywhere else). The
+/// every-type test checks the claim on the machine that runs the tests.
 #[cfg(target_arch = "x86_64")]
 const REPACKED: &[GgmlDType] = &[GgmlDType::Q8_0, GgmlDType::Q4K];
 #[cfg(not(target_arch = "x86_64"))]

@@ -15,7 +15,8 @@
 //!   f32 and the blocks of 32, in `x86_panels`), AVX-512 VNNI two blocks at a time for the blocks
 //!   of 32 (`x86_pairs`, via `rows`), Q4_K and Q6_K in panels on AVX2 (`kpanels`,
 //!   `x86_kpanels`) and `kquants` on AVX-512 (`x86_kquants`),
-//!   candle's repacked kernel for Q8_0 (with VNNI) and Q4_K where candle repacks the shape,
+//!   candle's repacked kernel for Q8_0 (with VNNI) and Q4_K (without AVX2) where candle
+//!   repacks the shape,
 //!   portable code (`rows`) elsewhere, candle's row-by-row product for the other types.
 //! - `attention`: causal attention row by row over exactly the keys the row sees, in a fixed
 //!   order, read in place from the KV cache (AVX2 + FMA where the CPU has them).

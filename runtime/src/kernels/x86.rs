@@ -21,3 +21,12 @@ pub(crate) fn group(qs: &[i8], at: usize) -> __m256i {
         q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8,
     ]))
 }
+
+/// Asks the memory for the cache lines of bytes `span` past `at`: a hint, never a fault, wherever
+/// it points.
+pub(crate) fn prefetch(at: *const u8, span: std::ops::Range<usize>) {
+    for line in span.step_by(64) {
+        // SAFETY: a prefetch reads nothing and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line).cast()) };
+    }
+}

@@ -81,10 +81,7 @@ const AHEAD: usize = 2;
 #[target_feature(enable = "avx2")]
 fn prefetch(blk: &[u8], size: usize, j: usize) {
     let ahead = blk.as_ptr().wrapping_add(AHEAD * size);
-    for line in (j * size / 8..(j + 1) * size / 8).step_by(64) {
-        // A hint, never a fault, wherever it points.
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-    }
+    super::x86::prefetch(ahead, j * size / 8..(j + 1) * size / 8);
 }
 
 /// Low and high nibbles of a register of packed quants.

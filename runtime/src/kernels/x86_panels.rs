@@ -200,11 +200,7 @@ unsafe fn blocks_tile<B: Block, const P: usize, const T: usize>(
         for (p, acc) in acc.iter_mut().enumerate() {
             let blk = &w[(p * nb + b) * size..][..size];
             if prefetch {
-                let ahead = blk.as_ptr().wrapping_add(BLOCKS_AHEAD * size);
-                for line in (0..size).step_by(64) {
-                    // A hint, never a fault, wherever it points.
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-                }
+                super::x86::prefetch(blk.as_ptr().wrapping_add(BLOCKS_AHEAD * size), 0..size);
             }
             // SAFETY (the loads here): within the block's `size` bytes.
             let d = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(blk.as_ptr().cast()) });
