@@ -29,8 +29,10 @@ const AHEAD_WINDOW: f64 = 2.0;
 const CARRIED_TRIALS: u32 = 4;
 /// Target-only rounds a session starts with.
 const TARGET_ONLY_FIRST: u32 = 2;
-/// How much faster (as a fraction) drafting must look than target-only to be chosen.
-const MARGIN: f64 = 0.02;
+/// How much faster (as a fraction) drafting must look than target-only to be chosen: the
+/// estimates are noisy (acceptance from a few rounds, times on a shared machine), a near tie is
+/// as likely a loss as a gain, and K = 0 is safe.
+const MARGIN: f64 = 0.05;
 /// The prior counts as this many trials.
 const PRIOR_WEIGHT: u32 = 2;
 /// Every this many drafted rounds, one position past the best K is tried, so that the estimate
@@ -340,16 +342,30 @@ impl KPolicy {
     /// The expected wall time of a round drafting `k` with `drafter`, as the parts add up
     /// (before calibration).
     fn round_seconds(&self, drafter: Drafter, k: usize, verify: f64) -> f64 {
-        let costs = self.costs(drafter);
-        if drafter == Drafter::Model && self.ahead_k(k) >= k {
-            // The round waits for the longer of the verify and the step drafting ahead (the
-            // guess of the bonus token and the block past it); the next round drafts only if
-            // that block is not used.
-            let hit = costs.all_accepted(k) * self.guess;
-            let round = verify.max(costs.draft_seconds(self.ahead_len(k) + 1));
-            return round + (1.0 - hit) * costs.draft_seconds(k);
+        let serial = self.costs(drafter).draft_seconds(k) + verify;
+        match drafter {
+            Drafter::Model => self.ahead_plan(k, verify).map_or(serial, |(_, t)| t),
+            Drafter::Ngram => serial,
         }
-        costs.draft_seconds(k) + verify
+    }
+
+    /// Drafting ahead during the verify of a block of `k` drafts, where it pays: the block's
+    /// length past the guess of the bonus token ([`Self::ahead_k`], one more than `k` where it
+    /// fits), and the expected round time. The round waits for the longer of the verify and the
+    /// step drafting ahead; the next round drafts only if that block is not used. `None` where
+    /// drafting then verifying is expected to be as fast: a step ahead that outlasts the verify
+    /// delays every round, and saves a draft only on a hit, so a poor draft is not drafted ahead
+    /// of (a miss must cost no more than a round without the pipeline).
+    fn ahead_plan(&self, k: usize, verify: f64) -> Option<(usize, f64)> {
+        let len = self.ahead_k(k).min(k + 1);
+        if k == 0 || len < k {
+            return None;
+        }
+        let costs = &self.model;
+        let hit = costs.all_accepted(k) * self.guess;
+        let draft = costs.draft_seconds(k);
+        let pipelined = verify.max(costs.draft_seconds(len + 1)) + (1.0 - hit) * draft;
+        (pipelined < verify + draft).then_some((len, pipelined))
     }
 
     /// What the model predicts for a round that went as `round` did.
@@ -385,9 +401,11 @@ impl KPolicy {
 
     /// How many tokens an adaptive session drafts past a block of `k` during its verify (the
     /// guess of the bonus token not counted): one more than `k` where it fits, so that a policy
-    /// that grows K (or explores a longer block) is not held to this K by its own pipeline.
+    /// that grows K (or explores a longer block) is not held to this K by its own pipeline; 0
+    /// where drafting ahead is not expected to pay ([`Self::ahead_plan`]).
     pub fn ahead_len(&self, k: usize) -> usize {
-        self.ahead_k(k).min(k + 1)
+        self.ahead_plan(k, self.verify_seconds(k + 1))
+            .map_or(0, |(len, _)| len)
     }
 
     /// Whether the draft-node's cost has been measured.
@@ -517,8 +535,9 @@ impl KPolicy {
         if !self.model.timed() {
             return self.first_probe_cost;
         }
-        let round =
-            (self.model.draft_seconds(k) + self.verify_seconds(k + 1)) * self.model.calibration;
+        // Priced as the round is planned (drafted ahead of where that pays), calibrated.
+        let round = self.round_seconds(Drafter::Model, k, self.verify_seconds(k + 1))
+            * self.model.calibration;
         (round - self.model.expected_tokens(k) * self.verify_seconds(1)).max(0.0)
     }
 

@@ -336,3 +336,32 @@ fn a_nearly_perfect_draft_reaches_the_best_long_block() {
     let pipelined = simulate(pair(0.98, 0.001, 0.0, 0.012, 0.3), 100);
     assert!(settled_k(&pipelined) >= 6, "{:?}", &pipelined[60..]);
 }
+
+#[test]
+fn a_block_is_drafted_ahead_only_where_that_pays() {
+    // Verify 10 ms flat; a draft of 8 ms a token. Drafting 2 ahead (the guess and one more)
+    // during the verify of K = 1 takes 16 ms: every round would wait 6 ms past the verify, and
+    // save its 8 ms draft only on a hit.
+    let mut policy = KPolicy::new(8);
+    for n in [1, 1, 2, 3] {
+        policy.verify.observe(n, 0.010);
+    }
+    policy.model.overhead.add(0.0);
+    policy.model.compute.observe(1, 0.008);
+    policy.model.compute.observe(2, 0.016);
+    assert_eq!(policy.ahead_k(1), 1);
+    // A poor draft (half its drafts accepted, its guess of the bonus at the prior 0.6): a hit
+    // in 0.3 of the rounds saves 2.4 ms of the 6 lost; drafted then verified, 18 ms a round.
+    policy.model.accept = [0.5; ADAPTIVE_MAX_K];
+    policy.model.tried = [100; ADAPTIVE_MAX_K];
+    assert_eq!(policy.ahead_len(1), 0);
+    assert!((policy.round_seconds(Drafter::Model, 1, 0.010) - 0.018).abs() < 1e-12);
+    // A draft always right, its guess too: every round's drafts are ready, and a round takes
+    // the 16 ms of the step ahead against 18 drafted then verified.
+    policy.model.accept = [1.0; ADAPTIVE_MAX_K];
+    for _ in 0..200 {
+        policy.observe_guess(true);
+    }
+    assert_eq!(policy.ahead_len(1), 1);
+    assert!(policy.round_seconds(Drafter::Model, 1, 0.010) < 0.0165);
+}
