@@ -407,10 +407,11 @@ impl ModelDrafter {
     }
 }
 
-/// N-gram drafts with one-hot q: exact under the acceptance rule, whatever the sampling.
-pub fn ngram_proposal(log: &TokenLog, k: usize) -> Proposal {
+/// N-gram drafts with one-hot q: exact under the acceptance rule, whatever the sampling; and the
+/// length of the match they continue.
+pub fn ngram_proposal(log: &TokenLog, k: usize) -> (Proposal, usize) {
     let start = Instant::now();
-    let tokens = crate::ngram::propose(log.tokens(), k);
+    let crate::ngram::Lookup { tokens, matched } = crate::ngram::propose(log.tokens(), k);
     let q = tokens
         .iter()
         .map(|&t| v1::Distribution {
@@ -418,12 +419,13 @@ pub fn ngram_proposal(log: &TokenLog, k: usize) -> Proposal {
         })
         .collect();
     let secs = start.elapsed().as_secs_f64();
-    Proposal {
+    let proposal = Proposal {
         tokens,
         q,
         compute_secs: secs,
         wall_secs: secs,
-    }
+    };
+    (proposal, matched)
 }
 
 /// Which drafter a fixed-K round uses.

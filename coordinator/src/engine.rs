@@ -26,7 +26,7 @@ use tracing::Instrument;
 use crate::drafters::{DrafterChoice, ModelDrafter, Proposal, fixed_drafter, ngram_proposal};
 use crate::links::{Draft, NodeSession, SessionSpec, Target};
 use crate::metrics::CoordinatorMetrics;
-use crate::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, Plan, RoundCosts};
+use crate::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
 use crate::shadow::{Shadow, shadow_len};
 pub use crate::stats::Stats;
 
@@ -122,6 +122,9 @@ pub struct Outcome {
 /// Default generation length when a request names none.
 pub const DEFAULT_MAX_TOKENS: usize = 256;
 
+/// One adaptive generation in this many opens a draft that could not pay, to time it again.
+const RETIME_EVERY: usize = 8;
+
 /// The coordinator's view of one target and an optional draft.
 #[derive(Debug)]
 pub struct Engine {
@@ -141,6 +144,8 @@ pub struct Engine {
     pub max_speculating: Option<usize>,
     /// What the last session learnt of the nodes' costs and the draft's acceptance.
     learnt: std::sync::Mutex<Option<KPolicy>>,
+    /// Adaptive generations that started with a draft that could not pay.
+    hopeless: AtomicUsize,
     active: AtomicUsize,
     next_id: AtomicUsize,
 }
@@ -208,6 +213,7 @@ impl Engine {
             // (docs/benchmarks.md, "Many sessions on one target", unpinned and pinned).
             max_speculating: (cpu_target && shares_machine).then_some(1),
             learnt: std::sync::Mutex::new(None),
+            hopeless: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
             next_id: AtomicUsize::new(0),
         })
@@ -323,10 +329,29 @@ impl Engine {
             ..Stats::default()
         };
         let prefill_start = Instant::now();
-        let use_draft = self
-            .draft
-            .as_ref()
-            .filter(|_| job.draft_tokens > 0 && job.max_new_tokens > 1 && job.drafter.uses_model());
+        // The last session's costs and acceptance, or (the first time) priors; a first probe of
+        // the draft is then expected to cost about what opening its session did.
+        let mut policy = self.learnt.lock().map_or_else(
+            |_| KPolicy::new(job.draft_tokens),
+            |learnt| {
+                learnt.as_ref().map_or_else(
+                    || KPolicy::new(job.draft_tokens),
+                    |p| p.continued(job.draft_tokens),
+                )
+            },
+        );
+        policy.set_pipelining(job.pipeline);
+        // A draft that could not pay at the last session's costs even if always right is left
+        // out of adaptive generations but one in [`RETIME_EVERY`], which opens it and times it
+        // again (a link that got faster): its session, its background steps and their gRPC
+        // work on the coordinator's core cost a fast target a few per cent for nothing.
+        let retime = job.adaptive && !policy.model_could_pay();
+        let use_draft = self.draft.as_ref().filter(|_| {
+            job.draft_tokens > 0
+                && job.max_new_tokens > 1
+                && job.drafter.uses_model()
+                && (!retime || self.hopeless.fetch_add(1, Ordering::Relaxed) % RETIME_EVERY == 0)
+        });
         let (target, draft) = tokio::join!(
             NodeSession::<Target>::open(self.target.channel.clone(), spec.clone(), &log),
             async {
@@ -342,18 +367,6 @@ impl Engine {
         );
         let mut target = target?;
         let mut model = use_draft.map(|d| ModelDrafter::new(d.channel.clone(), spec.clone(), None));
-        // The last session's costs and acceptance, or (the first time) priors; a first probe of
-        // the draft is then expected to cost about what opening its session did.
-        let mut policy = self.learnt.lock().map_or_else(
-            |_| KPolicy::new(job.draft_tokens),
-            |learnt| {
-                learnt.as_ref().map_or_else(
-                    || KPolicy::new(job.draft_tokens),
-                    |p| p.continued(job.draft_tokens),
-                )
-            },
-        );
-        policy.set_pipelining(job.pipeline);
         // Drafts the draft-node accepts per step (0 without one).
         let max_draft = use_draft.map_or(0, |d| d.limits().max_draft_tokens as usize);
         let shadow_k = |remaining| shadow_len(job.draft_tokens.min(max_draft), remaining);
@@ -361,9 +374,10 @@ impl Engine {
             (Some((Ok(session), open_secs)), Some(m)) => {
                 m.session = Some(session);
                 policy.set_first_probe_cost(open_secs);
-                // A draft-node never timed is timed beside the first rounds, which do not wait.
+                // A draft-node never timed (or timed again) is timed beside the first rounds,
+                // which do not wait.
                 let k = shadow_k(job.max_new_tokens);
-                if job.adaptive && !policy.draft_timed() && k > 0 && !self.crowded() {
+                if job.adaptive && (retime || !policy.draft_timed()) && k > 0 && !self.crowded() {
                     m.time_in_background(&log, k);
                 }
             }
@@ -586,7 +600,7 @@ impl Engine {
                 && !(job.adaptive && self.crowded())
                 && let Some(m) = model.as_mut()
             {
-                if shadow.due() {
+                if shadow.due(policy.model_could_pay()) {
                     let k = shadow_k(transcript.remaining());
                     if k > 0 {
                         m.time_in_background(&log, k);
@@ -645,7 +659,7 @@ impl Engine {
                 },
             };
             let ngram = match plan.drafter {
-                Some(Drafter::Ngram) => ngram_proposal(log, cap),
+                Some(Drafter::Ngram) => ngram_proposal(log, cap).0,
                 _ => Proposal::default(),
             };
             return (plan, ngram);
@@ -653,14 +667,17 @@ impl Engine {
         if self.crowded() {
             return (Plan::TARGET_ONLY, Proposal::default());
         }
-        let ngram = if job.drafter.uses_ngram() {
+        let (ngram, matched) = if job.drafter.uses_ngram() {
             ngram_proposal(log, cap)
         } else {
-            Proposal::default()
+            (Proposal::default(), 0)
         };
         let plan = policy.choose(
             attached && job.drafter.uses_model(),
-            ngram.tokens.len(),
+            NgramOffer {
+                len: ngram.tokens.len(),
+                matched,
+            },
             remaining,
         );
         (plan, ngram)

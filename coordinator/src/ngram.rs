@@ -5,67 +5,124 @@
 //! acceptance rule handles exactly.
 
 /// Longest and shortest suffix looked up; a longer match is tried first.
-const MAX_MATCH: usize = 4;
+const MAX_MATCH: usize = 8;
 const MIN_MATCH: usize = 2;
+
+/// A proposal, and the length of the match it continues: the longer the match, the likelier the
+/// text is being copied (the policy keeps acceptance per class of length, [`class`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Lookup {
+    pub tokens: Vec<u32>,
+    pub matched: usize,
+}
+
+/// Classes of match length, each with its own acceptance in the policy.
+pub const CLASSES: usize = 3;
+
+/// A match's class: 2 tokens (often a common pair of words), 3–4, 5 or more (copied text).
+pub fn class(matched: usize) -> usize {
+    match matched {
+        0..=2 => 0,
+        3..=4 => 1,
+        _ => 2,
+    }
+}
 
 /// Up to `k` tokens continuing the latest earlier occurrence of the longest suffix of `tokens`
 /// (between [`MIN_MATCH`] and [`MAX_MATCH`] tokens long); empty when none recurs. A match `d`
 /// tokens back says the text repeats with period `d`: the proposal follows that period past
 /// the end of the log, so a loop of any length is proposed `k` tokens at a time.
-pub fn propose(tokens: &[u32], k: usize) -> Vec<u32> {
+pub fn propose(tokens: &[u32], k: usize) -> Lookup {
     let len = tokens.len();
-    for n in (MIN_MATCH..=MAX_MATCH.min(len.saturating_sub(1))).rev() {
-        let suffix = &tokens[len - n..];
-        // Latest start first: the occurrence may overlap the suffix (a short loop).
-        if let Some(start) = (0..len - n).rev().find(|&s| &tokens[s..s + n] == suffix) {
-            let period = len - n - start;
-            let mut proposal: Vec<u32> = Vec::with_capacity(k);
-            for i in 0..k {
-                let next = if i < period {
-                    tokens[len - period + i]
-                } else {
-                    proposal[i - period]
-                };
-                proposal.push(next);
+    // One pass from the latest occurrence back: the length of the match ending at each earlier
+    // position (most fail at the first token); the longest wins, the latest among equals.
+    let (mut matched, mut end) = (0, 0);
+    for e in (0..len.saturating_sub(1)).rev() {
+        let n = (0..MAX_MATCH.min(e + 1))
+            .take_while(|&m| tokens[e - m] == tokens[len - 1 - m])
+            .count();
+        if n > matched {
+            (matched, end) = (n, e);
+            if n == MAX_MATCH {
+                break;
             }
-            return proposal;
         }
     }
-    Vec::new()
+    if matched < MIN_MATCH {
+        return Lookup::default();
+    }
+    // The occurrence ends `period` tokens before the log does.
+    let period = len - 1 - end;
+    let mut proposal: Vec<u32> = Vec::with_capacity(k);
+    for i in 0..k {
+        let next = if i < period {
+            tokens[len - period + i]
+        } else {
+            proposal[i - period]
+        };
+        proposal.push(next);
+    }
+    Lookup {
+        tokens: proposal,
+        matched,
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::propose;
+    use super::{class, propose};
+
+    fn propose_tokens(tokens: &[u32], k: usize) -> Vec<u32> {
+        propose(tokens, k).tokens
+    }
 
     #[test]
     fn the_longest_latest_match_is_continued() {
         // "a b c d" then later "x b c" : the suffix "b c" matched at its latest occurrence.
         let tokens = [1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3];
-        assert_eq!(propose(&tokens, 2), vec![5, 7]);
+        assert_eq!(propose_tokens(&tokens, 2), vec![5, 7]);
         // A longer suffix wins over a later shorter one: "1 2 3" occurs once, earlier.
         let tokens = [1, 2, 3, 4, 5, 8, 2, 3, 6, 1, 2, 3];
-        assert_eq!(propose(&tokens, 3), vec![4, 5, 8]);
+        assert_eq!(propose_tokens(&tokens, 3), vec![4, 5, 8]);
     }
 
     #[test]
     fn a_loop_is_continued_past_the_end_of_the_log_for_k_tokens() {
         let tokens = [7, 8, 9, 7, 8];
-        assert_eq!(propose(&tokens, 8), vec![9, 7, 8, 9, 7, 8, 9, 7]);
-        assert_eq!(propose(&tokens, 1), vec![9]);
+        assert_eq!(propose_tokens(&tokens, 8), vec![9, 7, 8, 9, 7, 8, 9, 7]);
+        assert_eq!(propose_tokens(&tokens, 1), vec![9]);
         // A token repeated: period 1.
-        assert_eq!(propose(&[4, 5, 5, 5], 3), vec![5, 5, 5]);
+        assert_eq!(propose_tokens(&[4, 5, 5, 5], 3), vec![5, 5, 5]);
         // A match far back continues what followed it, then repeats with its period.
         let tokens = [1, 2, 3, 4, 1, 2];
-        assert_eq!(propose(&tokens, 4), vec![3, 4, 1, 2]);
+        assert_eq!(propose_tokens(&tokens, 4), vec![3, 4, 1, 2]);
     }
 
     #[test]
     fn no_recurrence_no_proposal() {
-        assert!(propose(&[1, 2, 3, 4, 5], 4).is_empty());
-        assert!(propose(&[1], 4).is_empty());
-        assert!(propose(&[], 4).is_empty());
+        assert!(propose_tokens(&[1, 2, 3, 4, 5], 4).is_empty());
+        assert!(propose_tokens(&[1], 4).is_empty());
+        assert!(propose_tokens(&[], 4).is_empty());
         // A single recurring token is below the shortest match.
-        assert!(propose(&[5, 6, 5], 4).is_empty());
+        assert!(propose_tokens(&[5, 6, 5], 4).is_empty());
+    }
+
+    #[test]
+    fn the_match_length_is_reported_and_classed() {
+        // "def f ( x )" quoted, then "def f (" generated: a 3-token match continued.
+        let tokens = [10, 11, 12, 13, 14, 99, 10, 11, 12];
+        let lookup = propose(&tokens, 2);
+        assert_eq!((lookup.tokens, lookup.matched), (vec![13, 14], 3));
+        assert_eq!(class(lookup.matched), 1);
+        // Copied text: the longest suffix looked up wins.
+        let quoted: Vec<u32> = (1..=12).collect();
+        let mut tokens = quoted.clone();
+        tokens.push(50);
+        tokens.extend(1..=9);
+        let lookup = propose(&tokens, 3);
+        assert_eq!((lookup.tokens, lookup.matched), (vec![10, 11, 12], 8));
+        assert_eq!(class(lookup.matched), 2);
+        assert_eq!(class(2), 0);
+        assert_eq!(propose(&[1, 2, 3], 2).matched, 0);
     }
 }

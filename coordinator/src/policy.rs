@@ -15,6 +15,8 @@
 //! loss under [`PROBE_BUDGET`] of the time spent without the draft; a draft never timed is tried
 //! the same way, its first probe's cost taken from how long its session took to open.
 
+use crate::ngram;
+
 /// Largest K the adaptive policy tries.
 pub const ADAPTIVE_MAX_K: usize = 8;
 /// Weight of a new observation in the moving averages of times, and of acceptance (which a
@@ -55,6 +57,13 @@ pub enum Drafter {
     Ngram,
 }
 
+/// What n-gram lookup can propose this round: how many tokens, continuing a match of how many.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NgramOffer {
+    pub len: usize,
+    pub matched: usize,
+}
+
 /// What a round does: `k == 0` is a plain target step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Plan {
@@ -91,6 +100,19 @@ struct SizeCost {
     by_size: Vec<Ewma>,
     seen: Vec<u32>,
     prior_slope: f64,
+    /// What the estimates follow from, refitted by each observation: the policy asks for some
+    /// hundred estimates a round, which on a 0.2 ms target cost a few per cent of its speed
+    /// when each was fitted afresh.
+    fit: Option<Fit>,
+    /// For each size, the largest cost seen at that size or below (the floor of an estimate).
+    floor: Vec<f64>,
+}
+
+/// The sizes seen: one (scaled by the prior slope), or a least-squares line.
+#[derive(Debug, Clone, Copy)]
+enum Fit {
+    One { size: f64, seconds: f64 },
+    Line { mx: f64, my: f64, slope: f64 },
 }
 
 impl SizeCost {
@@ -99,47 +121,62 @@ impl SizeCost {
             by_size: vec![Ewma::default(); max_size],
             seen: vec![0; max_size],
             prior_slope,
+            fit: None,
+            floor: vec![0.0; max_size],
         }
     }
 
     fn observe(&mut self, size: usize, seconds: f64) {
-        if let Some(i) = size.checked_sub(1).filter(|&i| i < self.by_size.len()) {
-            self.by_size[i].add(seconds);
-            self.seen[i] += 1;
+        let Some(i) = size.checked_sub(1).filter(|&i| i < self.by_size.len()) else {
+            return;
+        };
+        self.by_size[i].add(seconds);
+        self.seen[i] += 1;
+        let seen = || {
+            self.by_size
+                .iter()
+                .enumerate()
+                .filter_map(|(i, e)| e.0.map(|v| ((i + 1) as f64, v)))
+        };
+        let count = seen().count() as f64;
+        self.fit = if count == 1.0 {
+            seen()
+                .next()
+                .map(|(size, seconds)| Fit::One { size, seconds })
+        } else {
+            let mx = seen().map(|p| p.0).sum::<f64>() / count;
+            let my = seen().map(|p| p.1).sum::<f64>() / count;
+            let sxx: f64 = seen().map(|p| (p.0 - mx).powi(2)).sum();
+            let sxy: f64 = seen().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+            let slope = (sxy / sxx).max(0.0);
+            Some(Fit::Line { mx, my, slope })
+        };
+        let mut floor = 0.0;
+        for (f, e) in self.floor.iter_mut().zip(&self.by_size) {
+            floor = e.0.map_or(floor, |v| f64::max(floor, v));
+            *f = floor;
         }
     }
 
-    /// The estimate for `size`, `None` before any size was seen.
+    /// The estimate for `size`: the moving average where it was seen, else from the fit; never
+    /// less than a smaller size seen. `None` before any size was seen.
     fn seconds(&self, size: usize) -> Option<f64> {
-        let seen: Vec<(f64, f64)> = self
-            .by_size
-            .iter()
-            .enumerate()
-            .filter_map(|(i, e)| e.0.map(|v| ((i + 1) as f64, v)))
-            .collect();
         let n = size as f64;
-        let scale = |x: f64| 1.0 + self.prior_slope * (x - 1.0);
-        let raw = match seen.as_slice() {
-            [] => return None,
-            [(x, v)] => v * scale(n) / scale(*x),
-            _ => match seen.iter().find(|(x, _)| *x == n) {
-                Some((_, v)) => *v,
-                None => {
-                    let count = seen.len() as f64;
-                    let mx = seen.iter().map(|p| p.0).sum::<f64>() / count;
-                    let my = seen.iter().map(|p| p.1).sum::<f64>() / count;
-                    let sxx: f64 = seen.iter().map(|p| (p.0 - mx).powi(2)).sum();
-                    let sxy: f64 = seen.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-                    let slope = (sxy / sxx).max(0.0);
-                    (my + slope * (n - mx)).max(1e-6)
-                }
+        let raw = match self.fit? {
+            Fit::One { size, seconds } => {
+                let scale = |x: f64| 1.0 + self.prior_slope * (x - 1.0);
+                seconds * scale(n) / scale(size)
+            }
+            Fit::Line { mx, my, slope } => match size.checked_sub(1).map(|i| self.by_size.get(i)) {
+                Some(Some(Ewma(Some(v)))) => *v,
+                _ => (my + slope * (n - mx)).max(1e-6),
             },
         };
-        let floor = seen
-            .iter()
-            .filter(|(x, _)| *x <= n)
-            .map(|p| p.1)
-            .fold(0.0, f64::max);
+        let floor = size
+            .checked_sub(1)
+            .and_then(|i| self.floor.get(i.min(self.floor.len() - 1)))
+            .copied()
+            .unwrap_or(0.0);
         Some(raw.max(floor))
     }
 }
@@ -245,7 +282,11 @@ impl DrafterCosts {
 pub struct KPolicy {
     max_k: usize,
     model: DrafterCosts,
-    ngram: DrafterCosts,
+    /// N-gram lookup, per class of match length ([`crate::ngram::class`]): a long match is
+    /// copied text, accepted far more often than a match of two tokens.
+    ngram: [DrafterCosts; ngram::CLASSES],
+    /// The class of this round's n-gram match.
+    ngram_class: usize,
     /// Verify wall time by block size.
     verify: SizeCost,
     /// How often the draft's guess of the bonus token is the target's, when every draft was
@@ -270,7 +311,8 @@ impl KPolicy {
         Self {
             max_k,
             model: DrafterCosts::default(),
-            ngram: DrafterCosts::default(),
+            ngram: Default::default(),
+            ngram_class: 0,
             // Sized for every K, so that sessions with other bounds share what they learn.
             verify: SizeCost::new(ADAPTIVE_MAX_K + 1, PRIOR_VERIFY_SLOPE),
             guess: PRIOR_ACCEPT,
@@ -297,10 +339,9 @@ impl KPolicy {
         next.verify = self.verify.clone();
         next.guess = self.guess;
         next.guesses = self.guesses.min(CARRIED_TRIALS);
-        for (to, from) in [
-            (&mut next.model, &self.model),
-            (&mut next.ngram, &self.ngram),
-        ] {
+        for (to, from) in std::iter::once((&mut next.model, &self.model))
+            .chain(next.ngram.iter_mut().zip(&self.ngram))
+        {
             *to = from.clone();
             for tried in &mut to.tried {
                 *tried = (*tried).min(CARRIED_TRIALS);
@@ -314,7 +355,7 @@ impl KPolicy {
     fn costs(&self, drafter: Drafter) -> &DrafterCosts {
         match drafter {
             Drafter::Model => &self.model,
-            Drafter::Ngram => &self.ngram,
+            Drafter::Ngram => &self.ngram[self.ngram_class],
         }
     }
 
@@ -463,9 +504,11 @@ impl KPolicy {
             .map(|_| self.model.draft_seconds(k))
     }
 
-    /// The best plan: `model` says whether the draft-node is attached, `ngram` how many tokens
-    /// the n-gram lookup can propose, `remaining` how many tokens the generation may still take.
-    pub fn choose(&mut self, model: bool, ngram: usize, remaining: usize) -> Plan {
+    /// The best plan: `model` says whether the draft-node is attached, `ngram` what the n-gram
+    /// lookup can propose, `remaining` how many tokens the generation may still take.
+    pub fn choose(&mut self, model: bool, ngram: NgramOffer, remaining: usize) -> Plan {
+        self.ngram_class = ngram::class(ngram.matched);
+        let ngram = ngram.len;
         // The first rounds measure target-only decoding, the cost every choice is weighed
         // against (extrapolating it from larger blocks overstates it where a forward's fixed
         // cost dominates).
@@ -519,7 +562,10 @@ impl KPolicy {
         // seen at two sizes), once the time without it pays for the probe's expected loss.
         let k = best_model.map_or(1, |(_, k)| k);
         let k = (k + (self.probes % 2) as usize).min(cap);
-        if self.idle_seconds > 0.0 && self.idle_seconds * PROBE_BUDGET >= self.probe_cost(k) {
+        if self.idle_seconds > 0.0
+            && self.idle_seconds * PROBE_BUDGET >= self.probe_cost(k)
+            && self.model_could_pay()
+        {
             self.probes += 1;
             return Plan {
                 drafter: Some(Drafter::Model),
@@ -527,6 +573,27 @@ impl KPolicy {
             };
         }
         plan
+    }
+
+    /// Whether the draft-node's model could pay at all: at its measured costs (calibrated), its
+    /// best K beats target-only by the margin were every draft accepted and every guess of the
+    /// bonus token right. Where it could not, what it would accept cannot change the choice: it
+    /// is not probed, and its background steps are spaced out ([`crate::shadow`]). True before
+    /// it has been timed.
+    pub fn model_could_pay(&self) -> bool {
+        if !self.model.timed() {
+            return true;
+        }
+        let target_only = (1.0 + MARGIN) / self.verify_seconds(1);
+        (1..=self.max_k).any(|k| {
+            let verify = self.verify_seconds(k + 1);
+            let round = if self.ahead_k(k) >= k {
+                verify.max(self.model.draft_seconds(k + 1))
+            } else {
+                verify + self.model.draft_seconds(k)
+            };
+            (k + 1) as f64 / (round * self.model.calibration) > target_only
+        })
     }
 
     /// The time a probe drafting `k` is expected to lose against target-only decoding of the
@@ -573,7 +640,9 @@ impl KPolicy {
 
     /// Whether a probe of the idle draft is near (its budget mostly earned).
     pub fn probe_soon(&self) -> bool {
-        self.idle_seconds * PROBE_BUDGET >= 0.7 * self.probe_cost(1)
+        // Not where no probe will come: a draft-node kept caught up round after round costs the
+        // coordinator's core a step per round trip.
+        self.idle_seconds * PROBE_BUDGET >= 0.7 * self.probe_cost(1) && self.model_could_pay()
     }
 
     /// Learns from a finished round: `drafted` tokens by `plan.drafter` (fewer than `plan.k` when
@@ -592,7 +661,7 @@ impl KPolicy {
             let predicted = self.seconds_of(drafter, round);
             let costs = match drafter {
                 Drafter::Model => &mut self.model,
-                Drafter::Ngram => &mut self.ngram,
+                Drafter::Ngram => &mut self.ngram[self.ngram_class],
             };
             if costs.timed() && round.round_wall > 0.0 && predicted > 0.0 {
                 costs.calibrate(round.round_wall / predicted);

@@ -23,13 +23,16 @@ pub struct Pair {
 /// The prompt of the story pairs.
 pub const PROMPT: &str = "Once upon a time";
 
-/// The real Qwen pair's prose and code prompts: the code one asks for a rewrite of code it
-/// quotes, where a draft (and an n-gram drafter) has the most to copy.
-pub const QWEN_PROMPTS: [(&str, &str, &str); 2] = [
+/// The real Qwen pair's prompts, and how many tokens each generates: prose; a rename in a short
+/// function, where a draft (and an n-gram drafter) has the most to copy but the answer's
+/// explanation is a third of it; a rename in a longer function, the shape of a code edit as an
+/// editor asks for it (the answer mostly the code again).
+pub const QWEN_PROMPTS: [(&str, &str, &str, usize); 3] = [
     (
         "qwen-prose",
         "Qwen2.5-Coder 1.5B Q4_K_M / 0.5B (prose)",
         "The capital of France is",
+        64,
     ),
     (
         "qwen-code",
@@ -37,6 +40,21 @@ pub const QWEN_PROMPTS: [(&str, &str, &str); 2] = [
         "<|im_start|>user\nRename `total` to `sum` in this function and return it:\n```python\n\
          def add_all(values):\n    total = 0\n    for v in values:\n        total += v\n    \
          return total\n```<|im_end|>\n<|im_start|>assistant\n",
+        64,
+    ),
+    (
+        "qwen-edit",
+        "Qwen2.5-Coder 1.5B Q4_K_M / 0.5B (code edit, 160 tokens)",
+        "<|im_start|>user\nRename `report` to `rows` in this function and return it:\n```python\n\
+         def summarize(orders):\n    totals = {}\n    counts = {}\n    for order in orders:\n        \
+         customer = order[\"customer\"]\n        amount = order[\"amount\"]\n        \
+         if customer not in totals:\n            totals[customer] = 0\n            \
+         counts[customer] = 0\n        totals[customer] += amount\n        \
+         counts[customer] += 1\n    report = []\n    for customer in sorted(totals):\n        \
+         average = totals[customer] / counts[customer]\n        \
+         report.append((customer, totals[customer], average))\n    return report\n```\
+         <|im_end|>\n<|im_start|>assistant\n",
+        160,
     ),
 ];
 
@@ -126,7 +144,7 @@ pub fn pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
             });
         }
     }
-    for (key, name, prompt) in QWEN_PROMPTS {
+    for (key, name, prompt, max_new_tokens) in QWEN_PROMPTS {
         if wanted.iter().any(|w| w == key) {
             let (target, draft) = crate::qwen_pair(key)
                 .ok_or_else(|| anyhow::anyhow!("{key}: the Qwen pair is not fetched"))?;
@@ -134,7 +152,7 @@ pub fn pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
                 name,
                 target,
                 draft,
-                max_new_tokens: 64,
+                max_new_tokens,
                 prompt,
             });
         }

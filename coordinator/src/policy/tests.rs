@@ -61,7 +61,7 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
     // The length of the block drafted ahead and ready for the next round.
     let mut ready = 0;
     for round_index in 0..rounds {
-        let plan = policy.choose(true, 0, 1000);
+        let plan = policy.choose(true, NgramOffer::default(), 1000);
         let drafted_ahead = plan.k > 0 && ready > 0;
         let k = if drafted_ahead {
             plan.k.min(ready)
@@ -219,26 +219,37 @@ fn the_choice_maximises_the_cost_model() {
     policy.model.overhead.add(0.0);
     policy.model.compute.observe(1, 0.001);
     assert_eq!(
-        policy.choose(true, 0, 100),
+        policy.choose(true, NgramOffer::default(), 100),
         Plan {
             drafter: Some(Drafter::Model),
             k: 8
         }
     );
     // Only 3 tokens left: K = 2 at most (the last token is the bonus).
-    assert_eq!(policy.choose(true, 0, 3).k, 2);
-    // A perfect, free n-gram match beats a model that costs time.
-    policy.ngram.accept = [1.0; ADAPTIVE_MAX_K];
-    policy.ngram.tried = [100; ADAPTIVE_MAX_K];
+    assert_eq!(policy.choose(true, NgramOffer::default(), 3).k, 2);
+    // A perfect, free n-gram match beats a model that costs time: acceptance is kept per class
+    // of match length, so a long match does not vouch for a short one.
+    let offer = |matched| NgramOffer { len: 8, matched };
+    policy.ngram[2].accept = [1.0; ADAPTIVE_MAX_K];
+    policy.ngram[2].tried = [100; ADAPTIVE_MAX_K];
+    policy.ngram[0].accept = [0.1; ADAPTIVE_MAX_K];
+    policy.ngram[0].tried = [100; ADAPTIVE_MAX_K];
     assert_eq!(
-        policy.choose(true, 8, 100),
+        policy.choose(true, offer(6), 100),
         Plan {
             drafter: Some(Drafter::Ngram),
             k: 8
         }
     );
+    assert_eq!(
+        policy.choose(true, offer(2), 100).drafter,
+        Some(Drafter::Model)
+    );
     // Without a model or a match: target only.
-    assert_eq!(policy.choose(false, 0, 100), Plan::TARGET_ONLY);
+    assert_eq!(
+        policy.choose(false, NgramOffer::default(), 100),
+        Plan::TARGET_ONLY
+    );
     // Its 8 drafts fit in the verify's 10 ms: drafted ahead (9 ms with the guess), they cost
     // time only when the guess of the bonus token (0.6, the prior) misses.
     assert_eq!(policy.ahead_k(8), 8);
@@ -277,7 +288,7 @@ fn a_new_session_starts_from_what_the_last_one_learnt() {
     let mut next = first.continued(8);
     // No target-only warm-up and no probe needed: the model drafts from the first round.
     assert_eq!(
-        next.choose(true, 0, 100),
+        next.choose(true, NgramOffer::default(), 100),
         Plan {
             drafter: Some(Drafter::Model),
             k: 8
@@ -300,7 +311,7 @@ fn a_new_session_starts_from_what_the_last_one_learnt() {
     assert!(next.model.accept[0] < 0.61, "{:?}", next.model.accept);
     // A session with a lower bound on K (a request that fixes K = 4) learns from it too.
     assert_eq!(
-        first.continued(4).choose(true, 0, 100),
+        first.continued(4).choose(true, NgramOffer::default(), 100),
         Plan {
             drafter: Some(Drafter::Model),
             k: 4
@@ -364,4 +375,33 @@ fn a_block_is_drafted_ahead_only_where_that_pays() {
     }
     assert_eq!(policy.ahead_len(1), 1);
     assert!(policy.round_seconds(Drafter::Model, 1, 0.010) < 0.0165);
+}
+
+#[test]
+fn a_draft_that_could_not_pay_even_if_always_right_is_not_probed() {
+    // A target of 0.25 ms a token behind a link whose round trip (3 ms) outweighs any block:
+    // nine tokens in at least 3.9 ms against 0.25 ms each. Then a draft-node next to it.
+    let mut policy = KPolicy::new(8);
+    for n in [1, 1, 9] {
+        policy
+            .verify
+            .observe(n, 0.00025 * (1.0 + 0.1 * (n - 1) as f64));
+    }
+    policy.model.overhead.add(0.003);
+    policy.model.compute.observe(1, 0.0001);
+    policy.model.compute.observe(8, 0.0008);
+    assert!(!policy.model_could_pay());
+    policy.idle_seconds = 100.0;
+    assert!(!policy.probe_soon());
+    assert_eq!(
+        policy.choose(true, NgramOffer::default(), 100),
+        Plan::TARGET_ONLY
+    );
+    policy.model.overhead = Ewma::default();
+    policy.model.overhead.add(0.0);
+    assert!(policy.model_could_pay());
+    assert_eq!(
+        policy.choose(true, NgramOffer::default(), 100).drafter,
+        Some(Drafter::Model)
+    );
 }
