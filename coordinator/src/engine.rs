@@ -350,7 +350,11 @@ impl Engine {
             job.draft_tokens > 0
                 && job.max_new_tokens > 1
                 && job.drafter.uses_model()
-                && (!retime || self.hopeless.fetch_add(1, Ordering::Relaxed) % RETIME_EVERY == 0)
+                && (!retime
+                    || self
+                        .hopeless
+                        .fetch_add(1, Ordering::Relaxed)
+                        .is_multiple_of(RETIME_EVERY))
         });
         let (target, draft) = tokio::join!(
             NodeSession::<Target>::open(self.target.channel.clone(), spec.clone(), &log),
