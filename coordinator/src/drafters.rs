@@ -241,8 +241,9 @@ impl ModelDrafter {
     /// Lends the idle session to a background task that feeds it what was committed since it
     /// last drafted, when that is at least [`CATCH_UP_LAG`] tokens: the next draft step then
     /// drafts at once instead of first prefilling the gap. The round never waits for it. Called
-    /// shortly before a probe only: where the draft shares the target's cores (the all-in-one
-    /// mode), catching up every few tokens would double the work.
+    /// when the policy expects the model soon ([`crate::policy::KPolicy::catch_up_soon`]): where
+    /// the draft shares the target's cores (the all-in-one mode) only before a probe, as
+    /// catching up every few tokens would double the work.
     pub fn catch_up_in_background(&mut self, log: &TokenLog) {
         let lagging = self
             .session

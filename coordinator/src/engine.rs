@@ -609,7 +609,7 @@ impl Engine {
                     if k > 0 {
                         m.time_in_background(&log, k);
                     }
-                } else if policy.probe_soon() {
+                } else if policy.catch_up_soon(!self.draft_shares_cores) {
                     m.catch_up_in_background(&log);
                 }
             }

@@ -42,6 +42,8 @@ const PRIOR_WEIGHT: u32 = 2;
 const EXPLORE_EVERY: u32 = 16;
 /// Verify cost per extra position, relative to one position, assumed until two sizes are seen.
 const PRIOR_VERIFY_SLOPE: f64 = 0.25;
+/// Rounds after the model's last that it is kept caught up with the log.
+const RECENT_ROUNDS: u32 = 8;
 /// Share of the time spent without the draft that its probes may lose.
 const PROBE_BUDGET: f64 = 0.02;
 /// Bounds on one round's measured-over-predicted time, as it enters the calibration (one round
@@ -293,8 +295,9 @@ pub struct KPolicy {
     /// accepted (what makes a block drafted ahead usable), and how often it was seen.
     guess: f64,
     guesses: u32,
-    /// Seconds since the draft-node's model last drafted a round.
+    /// Seconds since the draft-node's model last drafted a round, and rounds.
     idle_seconds: f64,
+    idle_rounds: u32,
     /// What a first probe is expected to cost, before the draft has been timed.
     first_probe_cost: f64,
     probes: u32,
@@ -318,6 +321,7 @@ impl KPolicy {
             guess: PRIOR_ACCEPT,
             guesses: 0,
             idle_seconds: 0.0,
+            idle_rounds: 0,
             first_probe_cost: 0.0,
             probes: 0,
             drafted_rounds: 0,
@@ -559,10 +563,15 @@ impl KPolicy {
             return plan;
         }
         // A probe: the model's best K (every other probe one longer, so that the draft's cost is
-        // seen at two sizes), once the time without it pays for the probe's expected loss.
+        // seen at two sizes), once the time without it pays for the probe's expected loss. Not
+        // where background steps measure the draft ([`crate::shadow`]): they learn its
+        // acceptance and its cost for free, and a probe's real cost (the round trip, the gap it
+        // feeds, the steps around it) was found well above its price (the real pair's code edit
+        // at 20 ms: 1.17× with probes, n-gram lookup alone 1.69×).
         let k = best_model.map_or(1, |(_, k)| k);
         let k = (k + (self.probes % 2) as usize).min(cap);
         if self.idle_seconds > 0.0
+            && self.shadow[1] == 0
             && self.idle_seconds * PROBE_BUDGET >= self.probe_cost(k)
             && self.model_could_pay()
         {
@@ -638,8 +647,19 @@ impl KPolicy {
         self.first_probe_cost = seconds;
     }
 
+    /// Whether the idle draft-node should be fed what was committed since it last drafted, in
+    /// the background: a probe is near, or (where it has cores of its own) the model drafted one
+    /// of the last [`RECENT_ROUNDS`] rounds and may well draft the next. Alternating with n-gram
+    /// lookup, a draft left behind first prefilled what the lookup's rounds had committed, a
+    /// cost its estimates did not show (on the real pair's code edit, the default with both
+    /// drafters read 1.35× target-only where n-gram lookup alone read 1.68×).
+    pub fn catch_up_soon(&self, own_cores: bool) -> bool {
+        self.probe_soon()
+            || (own_cores && self.idle_rounds < RECENT_ROUNDS && self.model_could_pay())
+    }
+
     /// Whether a probe of the idle draft is near (its budget mostly earned).
-    pub fn probe_soon(&self) -> bool {
+    fn probe_soon(&self) -> bool {
         // Not where no probe will come: a draft-node kept caught up round after round costs the
         // coordinator's core a step per round trip.
         self.idle_seconds * PROBE_BUDGET >= 0.7 * self.probe_cost(1) && self.model_could_pay()
@@ -650,9 +670,10 @@ impl KPolicy {
     /// the verify's wall seconds.
     pub fn observe(&mut self, plan: Plan, round: &RoundCosts) {
         if plan.drafter == Some(Drafter::Model) {
-            self.idle_seconds = 0.0;
+            (self.idle_seconds, self.idle_rounds) = (0.0, 0);
         } else {
             self.idle_seconds += round.draft_wall + round.verify_wall;
+            self.idle_rounds = self.idle_rounds.saturating_add(1);
         }
         if let Some(drafter) = plan.drafter {
             // How long the round took against what the model, as it stood, predicts for a round

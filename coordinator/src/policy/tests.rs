@@ -392,7 +392,7 @@ fn a_draft_that_could_not_pay_even_if_always_right_is_not_probed() {
     policy.model.compute.observe(8, 0.0008);
     assert!(!policy.model_could_pay());
     policy.idle_seconds = 100.0;
-    assert!(!policy.probe_soon());
+    assert!(!policy.catch_up_soon(true));
     assert_eq!(
         policy.choose(true, NgramOffer::default(), 100),
         Plan::TARGET_ONLY
