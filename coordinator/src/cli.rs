@@ -141,6 +141,11 @@ pub struct ServeArgs {
     /// target's cores), no limit otherwise. Requests that fix K are not affected.
     #[arg(long, env = "TANDEM_MAX_SPECULATING_SESSIONS")]
     pub max_speculating_sessions: Option<usize>,
+    /// How long a generation whose target-node was lost (stopped, restarted, unreachable, not
+    /// answering) waits for it to come back, its session rebuilt from the log, before failing
+    /// with UNAVAILABLE.
+    #[arg(long, env = "TANDEM_TARGET_RETRY_SECS", default_value_t = 30)]
+    pub target_retry_secs: u64,
 }
 
 #[derive(Debug, Args)]

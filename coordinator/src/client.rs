@@ -68,6 +68,8 @@ pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
     let channel = tonic::transport::Endpoint::from_shared(url.to_string())
         .with_context(|| format!("invalid --endpoint `{url}`"))?
         .tcp_nodelay(true)
+        .http2_keep_alive_interval(tandem_proto::KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(tandem_proto::KEEPALIVE_TIMEOUT)
         .connect()
         .await
         .with_context(|| format!("cannot connect to the coordinator at {url}"))?;

@@ -50,7 +50,9 @@ impl NodeHandle {
             .map_err(|e| unavailable(format!("invalid URL: {e}")))?
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_secs(10))
-            .http2_keep_alive_interval(Duration::from_secs(30))
+            .http2_keep_alive_interval(tandem_proto::KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(tandem_proto::KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
             .connect()
             .await
             .map_err(|e| unavailable(crate::error_chain(&e)))?;
@@ -68,6 +70,28 @@ impl NodeHandle {
 
     fn limits(&self) -> v1::NodeLimits {
         self.info.limits.unwrap_or_default()
+    }
+
+    /// After the node was lost: reads its info again and refuses a node that now serves
+    /// another model or vocabulary (a replay into it would not continue this generation).
+    async fn check_same(&self, node: &'static str) -> Result<()> {
+        let info = v1::node_service_client::NodeServiceClient::new(self.channel.clone())
+            .info(v1::InfoRequest {})
+            .await
+            .map_err(|status| Error::Remote { node, status })?
+            .into_inner();
+        let (was, now) = (&self.info, &info);
+        if was.model_name != now.model_name || was.vocab_hash != now.vocab_hash {
+            return Err(Error::Protocol {
+                node,
+                what: format!(
+                    "came back serving `{}` (vocabulary hash {:016x}) instead of `{}` ({:016x}): \
+                     its sessions cannot be rebuilt there",
+                    now.model_name, now.vocab_hash, was.model_name, was.vocab_hash
+                ),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -142,6 +166,8 @@ pub struct Engine {
     /// save (vLLM's disable-by-batch-size). `None`: no limit. Default: 1 for a CPU target whose
     /// draft-node is on the same machine, else none.
     pub max_speculating: Option<usize>,
+    /// How long a lost target is waited for (its session replayed) before a generation fails.
+    pub target_retry: Duration,
     /// What the last session learnt of the nodes' costs and the draft's acceptance.
     learnt: std::sync::Mutex<Option<KPolicy>>,
     /// Adaptive generations that started with a draft that could not pay.
@@ -212,6 +238,7 @@ impl Engine {
             // the draft runs on its cores; a draft on another machine keeps paying
             // (docs/benchmarks.md, "Many sessions on one target", unpinned and pinned).
             max_speculating: (cpu_target && shares_machine).then_some(1),
+            target_retry: Duration::from_secs(30),
             learnt: std::sync::Mutex::new(None),
             hopeless: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
@@ -471,11 +498,12 @@ impl Engine {
                 (drafts, q) = (Vec::new(), Vec::new());
             }
             stats.base.draft_seconds += draft_secs;
+            let expected_verify = policy.expected_verify_seconds(drafts.len() + 1);
             let verify_start = Instant::now();
             // The verify's own time, whatever the draft-node does meanwhile.
             let verify = async {
                 let verdict = self
-                    .verify(&mut target, &log, &drafts, &q)
+                    .verify(&mut target, &log, &drafts, &q, expected_verify)
                     .instrument(
                         tracing::info_span!(parent: &round, "verify", drafts = drafts.len()),
                     )
@@ -716,12 +744,19 @@ impl Engine {
     }
 
     /// One verify on the target; a session the node lost is rebuilt once from the log.
+    /// Verifies `drafts` on the target, within a deadline derived from what the policy expects
+    /// of it ([`call_deadline`]). A lost target session (the node stopped, restarted, did not
+    /// answer in time, or dropped the stream: [`session_lost`]) is rebuilt by replaying the log
+    /// and the same verify asked again, with backoff and jitter, until [`Self::target_retry`]
+    /// has passed; only then does the generation fail, UNAVAILABLE. The log is canonical and
+    /// the verify deterministic, so a generation that survives is the one it would have been.
     async fn verify(
         &self,
         target: &mut NodeSession<Target>,
         log: &TokenLog,
         drafts: &[u32],
         q: &[v1::Distribution],
+        expected: Option<f64>,
     ) -> Result<v1::VerdictReply> {
         let make = |committed, new_tokens| v1::TargetRequest {
             kind: Some(v1::target_request::Kind::Verify(v1::VerifyBlock {
@@ -731,29 +766,91 @@ impl Engine {
                 q: q.to_vec(),
             })),
         };
-        match target.call(log, make).await {
-            Err(e) if session_lost(&e) => {
-                tracing::warn!(error = %e, "target session lost: replaying the log");
-                target.repairs += 1;
-                target.replay(log).await?;
+        let give_up = Instant::now() + self.target_retry;
+        let mut backoff = TARGET_BACKOFF;
+        for attempt in 0u32.. {
+            // A replay prefills the whole log: it may take what is left of the retry time.
+            let deadline = if attempt == 0 {
+                call_deadline(expected)
+            } else {
+                give_up
+                    .saturating_duration_since(Instant::now())
+                    .max(CALL_FLOOR)
+            };
+            let call = async {
+                if attempt > 0 {
+                    self.target.check_same("target-node").await?;
+                    target.replay(log).await?;
+                }
                 target.call(log, make).await
+            };
+            let error = match tokio::time::timeout(deadline, call).await {
+                Ok(Ok(verdict)) => return Ok(verdict),
+                Ok(Err(e)) if !session_lost(&e) => return Err(e),
+                Ok(Err(e)) => e,
+                Err(_) => Error::TimedOut {
+                    node: "target-node",
+                    secs: deadline.as_secs_f64(),
+                },
+            };
+            // The last attempt falls at the deadline: a node back just before it is not missed.
+            let left = give_up.saturating_duration_since(Instant::now());
+            let wait = jittered(backoff, target.session_id(), attempt).min(left);
+            if left.is_zero() {
+                return Err(Error::Unavailable {
+                    node: "target-node",
+                    endpoint: self.target.endpoint.clone(),
+                    reason: format!(
+                        "the session was lost and the node did not come back within {} s \
+                         (--target-retry-secs): {}",
+                        self.target_retry.as_secs(),
+                        crate::error_chain(&error)
+                    ),
+                });
             }
-            r => r,
+            tracing::warn!(error = %crate::error_chain(&error), attempt, retry_in = ?wait,
+                "target session lost: replaying the log");
+            target.repairs += 1;
+            tokio::time::sleep(wait).await;
+            backoff = (backoff * 2).min(TARGET_BACKOFF_MAX);
         }
+        unreachable!("the attempts are unbounded")
     }
 }
 
-/// Errors after which a node may serve the session again if it is replayed.
+/// The first wait before asking a lost target again; it doubles up to [`TARGET_BACKOFF_MAX`].
+const TARGET_BACKOFF: Duration = Duration::from_millis(50);
+const TARGET_BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// A node call's deadline: this floor, plus [`DEADLINE_FACTOR`] times the call's expected time.
+const CALL_FLOOR: Duration = Duration::from_secs(10);
+const DEADLINE_FACTOR: f64 = 8.0;
+
+/// How long a call expected to take `expected` seconds (`None`: not yet measured) may take
+/// before its node is treated as lost.
+fn call_deadline(expected: Option<f64>) -> Duration {
+    CALL_FLOOR + Duration::from_secs_f64(DEADLINE_FACTOR * expected.unwrap_or(0.0).max(0.0))
+}
+
+/// `backoff` scaled into [0.5, 1.5) by a hash of the session and the attempt: sessions that lost
+/// the same node do not all come back at the same instant.
+fn jittered(backoff: Duration, session: &str, attempt: u32) -> Duration {
+    use std::hash::BuildHasher;
+    let h = std::collections::hash_map::RandomState::new().hash_one((session, attempt));
+    backoff.mul_f64(0.5 + (h % 1000) as f64 / 1000.0)
+}
+
+/// Errors after which a node may serve the session again if it is replayed: the node stopped,
+/// restarted, was unreachable, did not answer in time, or no longer knows the session.
 fn session_lost(e: &Error) -> bool {
-    matches!(e, Error::Protocol { .. })
-        || matches!(
-            e.code(),
-            Code::Unavailable
-                | Code::NotFound
-                | Code::DeadlineExceeded
-                | Code::Aborted
-                | Code::Unknown
-        )
+    matches!(
+        e.code(),
+        Code::Unavailable
+            | Code::NotFound
+            | Code::DeadlineExceeded
+            | Code::Aborted
+            | Code::Unknown
+            | Code::Cancelled
+    )
 }
 
 struct ActiveGuard<'a>(&'a AtomicUsize);

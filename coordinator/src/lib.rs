@@ -8,6 +8,7 @@ pub mod cluster;
 pub mod drafters;
 pub mod engine;
 pub mod http;
+pub mod late;
 pub mod links;
 pub mod local;
 pub mod metrics;
@@ -20,7 +21,7 @@ pub mod stats;
 pub use cluster::LocalCluster;
 pub use engine::{CommitSink, Discard, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats};
 
-use std::sync::Arc;
+use late::LateEngine;
 
 /// An error and its causes, joined by ": " (a tonic transport error alone says only "transport
 /// error"; its source says "Connection refused").
@@ -56,21 +57,33 @@ pub fn same_machine(a: &str, b: &str) -> bool {
     }
 }
 
-/// Serves the public gRPC API (and health) on `listener` until `shutdown` resolves.
+/// Serves the public gRPC API (and health) on `listener` until `shutdown` resolves. Health
+/// says NOT_SERVING, and requests are refused UNAVAILABLE, until `engine` has reached its nodes.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    engine: Arc<Engine>,
+    engine: LateEngine,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter
-        .set_service_status(
-            "tandem.v1.Coordinator",
-            tonic_health::ServingStatus::Serving,
-        )
-        .await;
+    let service = "tandem.v1.Coordinator";
+    for name in ["", service] {
+        reporter
+            .set_service_status(name, tonic_health::ServingStatus::NotServing)
+            .await;
+    }
+    let ready = engine.clone();
+    tokio::spawn(async move {
+        ready.wait().await;
+        for name in ["", service] {
+            reporter
+                .set_service_status(name, tonic_health::ServingStatus::Serving)
+                .await;
+        }
+    });
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(tandem_proto::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(tandem_proto::KEEPALIVE_TIMEOUT))
         .add_service(health)
         .add_service(service::CoordinatorService(engine).into_server())
         .serve_with_incoming_shutdown(

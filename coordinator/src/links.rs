@@ -45,10 +45,7 @@ struct SessionLink<Req, Resp> {
 impl<Req: Message, Resp: Message + Default> SessionLink<Req, Resp> {
     async fn call(&mut self, request: Req) -> Result<Resp> {
         self.traffic.sent += request.encoded_len() as u64 + FRAME_HEADER;
-        let closed = |node| Error::Protocol {
-            node,
-            what: "the session stream closed".into(),
-        };
+        let closed = |node| Error::StreamClosed { node };
         self.tx.send(request).await.map_err(|_| closed(self.node))?;
         match self.rx.message().await {
             Ok(Some(reply)) => {
@@ -347,6 +344,11 @@ impl<W: Wire> NodeSession<W> {
             node: W::NODE,
             what: format!("the committed prefix still mismatched after {MAX_ATTEMPTS} repairs"),
         })
+    }
+
+    /// The session's id (as the nodes log it).
+    pub fn session_id(&self) -> &str {
+        &self.spec.session_id
     }
 
     /// Length of the committed prefix the node holds.

@@ -54,7 +54,7 @@ pub async fn start_local(
     let url = format!("http://{}", listener.local_addr()?);
     tokio::spawn(crate::serve(
         listener,
-        Arc::new(engine),
+        crate::late::LateEngine::ready(Arc::new(engine)),
         std::future::pending(),
     ));
     Ok((cluster, url))

@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Parser;
 use tandem_coordinator::cli::{Cli, Command, ServeArgs};
 use tandem_coordinator::http::{self, HttpState};
+use tandem_coordinator::late::{LateEngine, connect_until_ready};
 use tandem_coordinator::{Engine, client, local};
 
 fn main() -> anyhow::Result<()> {
@@ -42,39 +43,52 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
-    let mut engine = Engine::connect(&args.target, args.draft.as_deref(), args.draft_tokens.0)
-        .await
-        .context("connecting to the nodes")?;
-    if let Some(n) = args.max_speculating_sessions {
-        engine.max_speculating = (n > 0).then_some(n);
-    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let http = tandem_node::bind_http(args.http_listen).await?;
+    // The APIs answer at once; requests are refused (not ready) until a target-node answers.
+    let engine = LateEngine::waiting(format!("connecting to the target-node at {}", args.target));
+    let connecting = engine.clone();
+    let (target, draft, k) = (args.target.clone(), args.draft.clone(), args.draft_tokens.0);
+    let max_speculating = args.max_speculating_sessions;
+    let target_retry = std::time::Duration::from_secs(args.target_retry_secs);
+    tokio::spawn(async move {
+        connect_until_ready(&connecting, || async {
+            let mut engine = Engine::connect(&target, draft.as_deref(), k).await?;
+            if let Some(n) = max_speculating {
+                engine.max_speculating = (n > 0).then_some(n);
+            }
+            engine.target_retry = target_retry;
+            tracing::info!(
+                target_node = %target,
+                target_model = %engine.target.info.model_name,
+                draft_node = ?draft,
+                draft_model = ?engine.draft.as_ref().map(|d| d.info.model_name.clone()),
+                draft_tokens = ?k,
+                "coordinator ready"
+            );
+            Ok(engine)
+        })
+        .await;
+    });
     tracing::info!(
-        target_node = %args.target,
-        target_model = %engine.target.info.model_name,
-        draft_node = ?args.draft,
-        draft_model = ?engine.draft.as_ref().map(|d| d.info.model_name.clone()),
-        draft_tokens = %args.draft_tokens,
         listen = %listener.local_addr()?,
         http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),
-        "coordinator ready"
+        "coordinator listening"
     );
-    let engine = Arc::new(engine);
-    let state = HttpState::new(Arc::clone(&engine));
+    let state = HttpState::new(engine.clone());
     tandem_node::serve_until_signal(
         || {
             tracing::info!(
-                in_flight = engine.active(),
+                in_flight = engine.get().map_or(0, |e| e.active()),
                 "shutting down: draining in-flight generations"
             );
             state
                 .ready
                 .store(false, std::sync::atomic::Ordering::Relaxed);
         },
-        |stop| tandem_coordinator::serve(listener, Arc::clone(&engine), stop),
+        |stop| tandem_coordinator::serve(listener, engine.clone(), stop),
         |stop| async {
             match http {
                 Some(l) => http::serve(l, Arc::clone(&state), stop).await,

@@ -500,6 +500,11 @@ impl KPolicy {
         self.guess += weight * (f64::from(u8::from(right)) - self.guess);
     }
 
+    /// Expected wall seconds of a verify of `n` positions, once a verify has been timed.
+    pub fn expected_verify_seconds(&self, n: usize) -> Option<f64> {
+        self.verify.seconds(n)
+    }
+
     /// Expected wall seconds of a draft-node step of `k` tokens, once one has been timed.
     pub fn expected_draft_seconds(&self, k: usize) -> Option<f64> {
         self.model
@@ -512,6 +517,7 @@ impl KPolicy {
     /// lookup can propose, `remaining` how many tokens the generation may still take.
     pub fn choose(&mut self, model: bool, ngram: NgramOffer, remaining: usize) -> Plan {
         self.ngram_class = ngram::class(ngram.matched);
+        self.seed_ngram_class();
         let ngram = ngram.len;
         // The first rounds measure target-only decoding, the cost every choice is weighed
         // against (extrapolating it from larger blocks overstates it where a forward's fixed
@@ -603,6 +609,27 @@ impl KPolicy {
             };
             (k + 1) as f64 / (round * self.model.calibration) > target_only
         })
+    }
+
+    /// A class of n-gram match never tried starts from the nearest class tried (its acceptance
+    /// as a prior worth [`PRIOR_WEIGHT`] rounds), not from the fixed prior: on a text that loops,
+    /// every class is accepted, and a class first met at the prior lost its rounds to the draft
+    /// model.
+    fn seed_ngram_class(&mut self) {
+        let c = self.ngram_class;
+        if self.ngram[c].tried[0] > 0 {
+            return;
+        }
+        let donor = (1..ngram::CLASSES)
+            .flat_map(|d| [c.checked_add(d), c.checked_sub(d)])
+            .flatten()
+            .find(|&i| i < ngram::CLASSES && self.ngram[i].tried[0] > 0);
+        if let Some(d) = donor {
+            let (accept, tried) = (self.ngram[d].accept, self.ngram[d].tried);
+            let seeded = &mut self.ngram[c];
+            seeded.accept = accept;
+            seeded.tried = tried.map(|t| t.min(PRIOR_WEIGHT));
+        }
     }
 
     /// The time a probe drafting `k` is expected to lose against target-only decoding of the

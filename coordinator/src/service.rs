@@ -1,8 +1,6 @@
 //! The public gRPC API (`tandem.v1.Coordinator`) and the conversions of the engine's results to
 //! wire messages.
 
-use std::sync::Arc;
-
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_server::{Coordinator, CoordinatorServer};
 use tokio::sync::mpsc;
@@ -11,7 +9,8 @@ use tonic::{Request, Response, Status};
 
 use tandem_runtime::Commit;
 
-use crate::engine::{CommitSink, Engine, Outcome};
+use crate::engine::{CommitSink, Outcome};
+use crate::late::LateEngine;
 
 /// Deltas buffered for a slow client before the generation waits for it.
 const STREAM_BUFFER: usize = 4;
@@ -81,7 +80,7 @@ impl CommitSink for DeltaSink {
 
 /// `tandem.v1.Coordinator` over an engine.
 #[derive(Debug, Clone)]
-pub struct CoordinatorService(pub Arc<Engine>);
+pub struct CoordinatorService(pub LateEngine);
 
 impl CoordinatorService {
     pub fn into_server(self) -> CoordinatorServer<Self> {
@@ -99,9 +98,9 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let span = tracing::info_span!("grpc_generate");
         tandem_proto::trace::continue_trace(request.metadata(), &span);
-        let job = self.0.prepare(request.get_ref())?;
+        let engine = self.0.get()?;
+        let job = engine.prepare(request.get_ref())?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        let engine = Arc::clone(&self.0);
         tokio::spawn(tracing::Instrument::instrument(
             async move {
                 let outcome = engine.generate(&job, &mut DeltaSink(tx.clone())).await;
@@ -123,7 +122,7 @@ impl Coordinator for CoordinatorService {
         &self,
         _: Request<v1::InfoRequest>,
     ) -> Result<Response<v1::CoordinatorInfo>, Status> {
-        let e = &self.0;
+        let e = self.0.get()?;
         Ok(Response::new(v1::CoordinatorInfo {
             target: Some(e.target.info.clone()),
             draft: e.draft.as_ref().map(|d| d.info.clone()),

@@ -56,6 +56,8 @@ pub async fn serve(
         .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
     let router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(tandem_proto::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(tandem_proto::KEEPALIVE_TIMEOUT))
         .add_service(health)
         .add_service(node);
     // Draining: health says NOT_SERVING (for the overall server and the role's service) while

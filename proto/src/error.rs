@@ -34,10 +34,16 @@ pub enum Error {
     },
     #[error("{node} answered out of protocol: {what}")]
     Protocol { node: &'static str, what: String },
+    #[error("{node} closed the session stream (the node stopped or restarted)")]
+    StreamClosed { node: &'static str },
+    #[error("{node} did not answer within {secs:.1} s")]
+    TimedOut { node: &'static str, secs: f64 },
     #[error("{node}: {status}", status = .status.message())]
     Remote { node: &'static str, status: Status },
     #[error("the server is shutting down")]
     ShuttingDown,
+    #[error("not ready: {0}")]
+    NotReady(String),
     #[error("the client cancelled the request")]
     Cancelled,
 }
@@ -64,7 +70,11 @@ impl Error {
             Self::SessionAlreadyOpen => Code::FailedPrecondition,
             Self::TooManySessions { .. } | Self::KvCacheFull { .. } => Code::ResourceExhausted,
             Self::IdleTimeout { .. } => Code::DeadlineExceeded,
-            Self::Unavailable { .. } | Self::ShuttingDown => Code::Unavailable,
+            Self::Unavailable { .. }
+            | Self::ShuttingDown
+            | Self::StreamClosed { .. }
+            | Self::NotReady(_) => Code::Unavailable,
+            Self::TimedOut { .. } => Code::DeadlineExceeded,
             Self::Protocol { .. } => Code::Internal,
             Self::Cancelled => Code::Cancelled,
             Self::Remote { status, .. } => status.code(),

@@ -19,3 +19,9 @@ pub use error::{Error, Result};
 
 /// Largest gRPC message either side accepts: a tokenizer.json, or K dense distributions.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// HTTP/2 keepalive on every channel and server: a ping this often, and a peer that does not
+/// answer one within [`KEEPALIVE_TIMEOUT`] is gone (its calls fail, its sessions are lost and
+/// rebuilt) — a silent peer is found within seconds, not at the TCP timeout's minutes.
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);

@@ -212,7 +212,9 @@ pub async fn serve_http(engine: std::sync::Arc<Engine>) -> std::net::SocketAddr 
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(tandem_coordinator::http::serve(
         listener,
-        tandem_coordinator::http::HttpState::new(engine),
+        tandem_coordinator::http::HttpState::new(tandem_coordinator::late::LateEngine::ready(
+            engine,
+        )),
         std::future::pending(),
     ));
     addr

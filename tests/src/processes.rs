@@ -115,8 +115,59 @@ impl Proc {
     }
 
     /// `coordinator serve` in front of the target-node and draft-node at these URLs, listening
-    /// on `addr`, with `extra` arguments; pinned to `cpus` when given.
+    /// on `addr`, with `extra` arguments; pinned to `cpus` when given. Returns once it is ready
+    /// (it has reached its nodes).
     pub fn coordinator(
+        target_url: &str,
+        draft_url: &str,
+        addr: SocketAddr,
+        extra: &[&str],
+        cpus: Option<&str>,
+    ) -> Self {
+        let coordinator = Self::coordinator_starting(target_url, draft_url, addr, extra, cpus);
+        coordinator.wait_ready();
+        coordinator
+    }
+
+    /// Waits until the coordinator here answers `Info` (it does once it has reached its nodes).
+    fn wait_ready(&self) {
+        let url = self.url();
+        // A runtime of its own, on a thread of its own: callers may be async tests.
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                loop {
+                    let info = async {
+                        tandem_proto::v1::coordinator_client::CoordinatorClient::connect(
+                            url.clone(),
+                        )
+                        .await
+                        .ok()?
+                        .info(tandem_proto::v1::InfoRequest {})
+                        .await
+                        .ok()
+                    };
+                    if info.await.is_some() {
+                        return;
+                    }
+                    assert!(
+                        Instant::now() < deadline,
+                        "the coordinator at {url} never got ready"
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            });
+        })
+        .join()
+        .expect("waiting for the coordinator");
+    }
+
+    /// [`Self::coordinator`], returning as soon as it listens (before it has reached its nodes).
+    pub fn coordinator_starting(
         target_url: &str,
         draft_url: &str,
         addr: SocketAddr,

@@ -28,7 +28,7 @@ async fn serve(target: &std::path::Path) -> Served {
     let grpc_url = format!("http://{}", grpc.local_addr().expect("addr"));
     tokio::spawn(tandem_coordinator::serve(
         grpc,
-        Arc::clone(&engine),
+        tandem_coordinator::late::LateEngine::ready(Arc::clone(&engine)),
         std::future::pending(),
     ));
     Served {

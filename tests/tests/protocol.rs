@@ -395,7 +395,7 @@ async fn cancelling_a_generation_frees_the_sessions_on_both_nodes() {
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     tokio::spawn(tandem_coordinator::serve(
         listener,
-        Arc::clone(&engine),
+        tandem_coordinator::late::LateEngine::ready(Arc::clone(&engine)),
         std::future::pending(),
     ));
     let mut client = v1::coordinator_client::CoordinatorClient::connect(url)

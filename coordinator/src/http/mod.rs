@@ -26,38 +26,37 @@ use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
 use crate::engine::{CommitSink, Discard, Engine};
+use crate::late::LateEngine;
 use error::ApiError;
 use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
 
 /// What the handlers share.
 #[derive(Debug)]
 pub struct HttpState {
-    pub engine: Arc<Engine>,
-    /// The id clients name in `model`: the target's model name.
-    pub model: String,
+    pub engine: LateEngine,
     /// False while shutting down: `/ready` fails so load balancers stop sending.
     pub ready: AtomicBool,
     next_id: AtomicU64,
 }
 
 impl HttpState {
-    pub fn new(engine: Arc<Engine>) -> Arc<Self> {
+    pub fn new(engine: LateEngine) -> Arc<Self> {
         Arc::new(Self {
-            model: engine.target.info.model_name.clone(),
             engine,
             ready: AtomicBool::new(true),
             next_id: AtomicU64::new(0),
         })
     }
 
-    fn head(&self, kind: Kind, requested: Option<&str>) -> Result<Head, ApiError> {
-        if let Some(m) = requested.filter(|m| *m != self.model) {
+    /// The engine, and the head of a response naming the model clients name in `model` (the
+    /// target's model name).
+    fn head(&self, kind: Kind, requested: Option<&str>) -> Result<(Arc<Engine>, Head), ApiError> {
+        let engine = self.engine.get()?;
+        let model = &engine.target.info.model_name;
+        if let Some(m) = requested.filter(|m| m != model) {
             return Err(ApiError {
                 status: StatusCode::NOT_FOUND,
-                message: format!(
-                    "the model `{m}` does not exist: this server serves `{}`",
-                    self.model
-                ),
+                message: format!("the model `{m}` does not exist: this server serves `{model}`"),
                 param: Some("model".into()),
                 code: Some("model_not_found"),
             });
@@ -68,12 +67,13 @@ impl HttpState {
         } else {
             "cmpl"
         };
-        Ok(Head {
+        let head = Head {
             id: format!("{prefix}-{n}"),
             created: now(),
-            model: self.model.clone(),
+            model: model.clone(),
             kind,
-        })
+        };
+        Ok((engine, head))
     }
 }
 
@@ -109,7 +109,7 @@ async fn completions(
     tandem_proto::trace::continue_http_trace(&headers, &span);
     let run = async {
         let req: CompletionRequest = parse(&body)?;
-        let head = state.head(Kind::Completion, req.common.model.as_deref())?;
+        let (engine, head) = state.head(Kind::Completion, req.common.model.as_deref())?;
         let prompt = match req.prompt {
             openai::OneOrMany::One(p) => p,
             openai::OneOrMany::Many(mut v) if v.len() == 1 => v.remove(0),
@@ -125,7 +125,7 @@ async fn completions(
             ..Default::default()
         };
         answer(
-            &state,
+            engine,
             head,
             &req.common,
             request,
@@ -147,8 +147,8 @@ async fn chat_completions(
     tandem_proto::trace::continue_http_trace(&headers, &span);
     let run = async {
         let req: ChatRequest = parse(&body)?;
-        let head = state.head(Kind::Chat, req.common.model.as_deref())?;
-        let tok = &state.engine.tokenizer;
+        let (engine, head) = state.head(Kind::Chat, req.common.model.as_deref())?;
+        let tok = &engine.tokenizer;
         let special = |id: Option<u32>| id.and_then(|i| tok.token(i)).unwrap_or_default();
         let text = chat::render(
             tok.chat_template(),
@@ -160,7 +160,7 @@ async fn chat_completions(
             prompt_tokens: tok.encode_raw(&text).map_err(tandem_proto::Error::from)?,
             ..Default::default()
         };
-        answer(&state, head, &req.common, request, openai::CHAT_MAX_TOKENS).await
+        answer(engine, head, &req.common, request, openai::CHAT_MAX_TOKENS).await
     };
     run.instrument(span)
         .await
@@ -169,20 +169,19 @@ async fn chat_completions(
 
 /// Runs a request, whole or streamed.
 async fn answer(
-    state: &Arc<HttpState>,
+    engine: Arc<Engine>,
     head: Head,
     common: &Common,
     prompt: v1::GenerateRequest,
     default_max_tokens: i64,
 ) -> Result<Response, ApiError> {
     let request = common.to_request(prompt, default_max_tokens)?;
-    let job = state.engine.prepare(&request)?;
+    let job = engine.prepare(&request)?;
     if !common.stream {
-        let outcome = state.engine.generate(&job, &mut Discard).await?;
+        let outcome = engine.generate(&job, &mut Discard).await?;
         return Ok(Json(head.response(&job, &outcome)).into_response());
     }
     let (tx, rx) = mpsc::channel(4);
-    let engine = Arc::clone(&state.engine);
     let include_usage = common.include_usage();
     tokio::spawn(async move {
         let mut sink = SseSink {
@@ -235,15 +234,19 @@ impl CommitSink for SseSink {
     }
 }
 
-async fn models(State(state): State<Arc<HttpState>>) -> Json<serde_json::Value> {
-    Json(json!({
+async fn models(State(state): State<Arc<HttpState>>) -> Result<Json<serde_json::Value>, ApiError> {
+    let model = state.engine.get()?.target.info.model_name.clone();
+    Ok(Json(json!({
         "object": "list",
-        "data": [{"id": state.model, "object": "model", "created": now(), "owned_by": "tandem"}],
-    }))
+        "data": [{"id": model, "object": "model", "created": now(), "owned_by": "tandem"}],
+    })))
 }
 
 async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
-    let e = &state.engine;
+    let e = match state.engine.get() {
+        Ok(e) => e,
+        Err(not_ready) => return ApiError::from(not_ready).into_response(),
+    };
     let text = e.metrics.exposition(e.active());
     (
         [(
@@ -256,7 +259,13 @@ async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
 }
 
 async fn ready(State(state): State<Arc<HttpState>>) -> Response {
-    if state.ready.load(Ordering::Relaxed) {
+    if state.engine.get().is_err() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "waiting for the nodes", "reason": state.engine.why()})),
+        )
+            .into_response()
+    } else if state.ready.load(Ordering::Relaxed) {
         Json(json!({"status": "ready"})).into_response()
     } else {
         (

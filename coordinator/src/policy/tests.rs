@@ -405,3 +405,18 @@ fn a_draft_that_could_not_pay_even_if_always_right_is_not_probed() {
         Some(Drafter::Model)
     );
 }
+
+#[test]
+fn an_ngram_class_never_tried_starts_from_the_nearest_class_tried() {
+    let mut policy = KPolicy::new(8);
+    policy.ngram[2].accept = [0.95; ADAPTIVE_MAX_K];
+    policy.ngram[2].tried = [50; ADAPTIVE_MAX_K];
+    policy.choose(false, NgramOffer { len: 4, matched: 3 }, 100);
+    assert_eq!(policy.ngram[1].accept, [0.95; ADAPTIVE_MAX_K]);
+    assert_eq!(policy.ngram[1].tried, [PRIOR_WEIGHT; ADAPTIVE_MAX_K]);
+    // A class already tried keeps its own.
+    policy.ngram[0].accept = [0.2; ADAPTIVE_MAX_K];
+    policy.ngram[0].tried = [9; ADAPTIVE_MAX_K];
+    policy.choose(false, NgramOffer { len: 4, matched: 2 }, 100);
+    assert_eq!(policy.ngram[0].accept, [0.2; ADAPTIVE_MAX_K]);
+}

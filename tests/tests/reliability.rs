@@ -1,0 +1,181 @@
+//! Hard to break (issue 13): the three binaries as processes on loopback, the target-node lost
+//! in the middle of a generation. Killed and restarted, it costs time, not tokens: the
+//! coordinator rebuilds the session from its log and the streamed output is target-only's. Gone
+//! for good, the client gets a clear UNAVAILABLE once `--target-retry-secs` has passed.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tandem_proto::v1;
+use tandem_runtime::SamplingParams;
+use tandem_tests::processes::{Proc, free_addr};
+use tandem_tests::*;
+
+/// Node `name` serving `model` on `addr`.
+fn start_node(name: &str, model: &Path, addr: SocketAddr) -> Proc {
+    let (model, listen) = (model.display().to_string(), addr.to_string());
+    Proc::start(name, &["--model", &model, "--listen", &listen], addr)
+}
+
+fn start_target(model: &Path, addr: SocketAddr) -> Proc {
+    start_node("target-node", model, addr)
+}
+
+/// Streams `req` from the coordinator at `url`, calling `after_first` once the first delta has
+/// arrived. Returns the streamed ids and how the stream ended.
+async fn stream(
+    url: String,
+    req: v1::GenerateRequest,
+    after_first: impl FnOnce(),
+) -> (Vec<u32>, Result<v1::GenerateDone, tonic::Status>) {
+    let mut client = v1::coordinator_client::CoordinatorClient::connect(url)
+        .await
+        .expect("connect");
+    let mut stream = match client.generate(req).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => return (Vec::new(), Err(status)),
+    };
+    let mut ids = Vec::new();
+    let mut after_first = Some(after_first);
+    loop {
+        match stream.message().await {
+            Ok(Some(message)) => match message.kind {
+                Some(v1::generate_response::Kind::Delta(d)) => {
+                    ids.extend(d.token_ids);
+                    if let Some(f) = after_first.take() {
+                        f();
+                    }
+                }
+                Some(v1::generate_response::Kind::Done(done)) => return (ids, Ok(done)),
+                None => {}
+            },
+            Ok(None) => panic!("the stream ended without its last message"),
+            Err(status) => return (ids, Err(status)),
+        }
+    }
+}
+
+fn story(n: u32, k: u32) -> v1::GenerateRequest {
+    let prompt = tokenizer(&stories())
+        .encode("Once upon a time")
+        .expect("encode");
+    request(&prompt, n, k, &SamplingParams::greedy())
+}
+
+#[tokio::test]
+async fn a_target_node_killed_and_restarted_mid_generation_loses_no_token() {
+    let target_addr = free_addr();
+    let target = std::sync::Mutex::new(Some(start_target(&stories(), target_addr)));
+    let draft = start_node("draft-node", &stories_q8(), free_addr());
+    let coordinator = Proc::coordinator(
+        &format!("http://{target_addr}"),
+        &draft.url(),
+        free_addr(),
+        &[],
+        None,
+    );
+    let restarted = std::sync::Mutex::new(None);
+    for k in [4, 0] {
+        let (ids, done) = stream(coordinator.url(), story(400, k), || {
+            // SIGKILL: no goodbye on the stream; back on the same port half a second later.
+            drop(target.lock().expect("lock").take());
+            *restarted.lock().expect("lock") = Some(std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(500));
+                start_target(&stories(), target_addr)
+            }));
+        })
+        .await;
+        let done = done.unwrap_or_else(|s| panic!("K = {k}: the generation failed: {s:?}"));
+        let stats = done.stats.expect("stats");
+        assert!(
+            stats.repairs >= 1,
+            "K = {k}: the target's session was rebuilt"
+        );
+        assert_eq!(ids.len(), 400, "K = {k}: no token lost");
+        assert_eq!(done.token_ids, ids, "K = {k}: none repeated");
+        assert_eq!(
+            ids,
+            in_process(&stories(), None, &story(400, 0)).token_ids,
+            "K = {k}: the output of an uninterrupted run"
+        );
+        let handle = restarted.lock().expect("lock").take().expect("restarted");
+        *target.lock().expect("lock") = Some(handle.join().expect("restart"));
+    }
+}
+
+#[tokio::test]
+async fn a_target_node_that_does_not_come_back_fails_the_generation_with_unavailable() {
+    let target_addr = free_addr();
+    let target = std::sync::Mutex::new(Some(start_target(&stories(), target_addr)));
+    let draft = start_node("draft-node", &stories_q8(), free_addr());
+    let coordinator = Proc::coordinator(
+        &format!("http://{target_addr}"),
+        &draft.url(),
+        free_addr(),
+        &["--target-retry-secs", "2"],
+        None,
+    );
+    let start = Instant::now();
+    let (_, done) = stream(coordinator.url(), story(400, 4), || {
+        drop(target.lock().expect("lock").take());
+    })
+    .await;
+    let status = done.expect_err("no target: the generation fails");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(
+        status.message().contains("target-node") && status.message().contains("2 s"),
+        "the error says which node and how long it was waited for: {}",
+        status.message()
+    );
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_secs(2) && waited < Duration::from_secs(20),
+        "the retry deadline bounds the wait: {waited:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_coordinator_started_before_its_nodes_is_not_ready_until_they_answer() {
+    let (target_addr, draft_addr, http) = (free_addr(), free_addr(), free_addr());
+    let http_listen = http.to_string();
+    let coordinator = Proc::coordinator_starting(
+        &format!("http://{target_addr}"),
+        &format!("http://{draft_addr}"),
+        free_addr(),
+        &["--http-listen", &http_listen],
+        None,
+    );
+    // Up, not ready: /health answers, /ready and requests say what is awaited, and why.
+    while std::net::TcpStream::connect(http).is_err() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(http_request(http, "GET", "/health", "").await.0, 200);
+    let (status, body) = http_request(http, "GET", "/ready", "").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains(&target_addr.to_string()), "{body}");
+    let (status, body) = http_request(
+        http,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "Once upon a time", "max_tokens": 4}"#,
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("not ready"), "{body}");
+    let (_, done) = stream(coordinator.url(), story(8, 4), || {}).await;
+    let status = done.expect_err("not ready");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    // The nodes come up: the coordinator finds them and serves.
+    let _target = start_target(&stories(), target_addr);
+    let draft = start_node("draft-node", &stories_q8(), draft_addr);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while http_request(http, "GET", "/ready", "").await.0 != 200 {
+        assert!(Instant::now() < deadline, "ready once the nodes answer");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (ids, done) = stream(coordinator.url(), story(40, 4), || {}).await;
+    done.expect("generated");
+    assert_eq!(ids, in_process(&stories(), None, &story(40, 0)).token_ids);
+    drop(draft);
+}
