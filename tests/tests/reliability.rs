@@ -63,8 +63,16 @@ fn story(n: u32, k: u32) -> v1::GenerateRequest {
     request(&prompt, n, k, &SamplingParams::greedy())
 }
 
-#[tokio::test]
-async fn a_target_node_killed_and_restarted_mid_generation_loses_no_token() {
+/// A target-node (which a test may kill: taken out of the mutex, it is killed on drop), a
+/// draft-node and a coordinator (with `extra` arguments) in front of them.
+struct Three {
+    target_addr: SocketAddr,
+    target: std::sync::Mutex<Option<Proc>>,
+    _draft: Proc,
+    coordinator: Proc,
+}
+
+fn start_three(extra: &[&str]) -> Three {
     let target_addr = free_addr();
     let target = std::sync::Mutex::new(Some(start_target(&stories(), target_addr)));
     let draft = start_node("draft-node", &stories_q8(), free_addr());
@@ -72,9 +80,25 @@ async fn a_target_node_killed_and_restarted_mid_generation_loses_no_token() {
         &format!("http://{target_addr}"),
         &draft.url(),
         free_addr(),
-        &[],
+        extra,
         None,
     );
+    Three {
+        target_addr,
+        target,
+        _draft: draft,
+        coordinator,
+    }
+}
+
+#[tokio::test]
+async fn a_target_node_killed_and_restarted_mid_generation_loses_no_token() {
+    let Three {
+        target_addr,
+        target,
+        coordinator,
+        ..
+    } = start_three(&[]);
     let restarted = std::sync::Mutex::new(None);
     for k in [4, 0] {
         let (ids, done) = stream(coordinator.url(), story(400, k), || {
@@ -106,16 +130,11 @@ async fn a_target_node_killed_and_restarted_mid_generation_loses_no_token() {
 
 #[tokio::test]
 async fn a_target_node_that_does_not_come_back_fails_the_generation_with_unavailable() {
-    let target_addr = free_addr();
-    let target = std::sync::Mutex::new(Some(start_target(&stories(), target_addr)));
-    let draft = start_node("draft-node", &stories_q8(), free_addr());
-    let coordinator = Proc::coordinator(
-        &format!("http://{target_addr}"),
-        &draft.url(),
-        free_addr(),
-        &["--target-retry-secs", "2"],
-        None,
-    );
+    let Three {
+        target,
+        coordinator,
+        ..
+    } = start_three(&["--target-retry-secs", "2"]);
     let start = Instant::now();
     let (_, done) = stream(coordinator.url(), story(400, 4), || {
         drop(target.lock().expect("lock").take());
