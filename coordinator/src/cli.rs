@@ -146,6 +146,16 @@ pub struct ServeArgs {
     /// with UNAVAILABLE.
     #[arg(long, env = "TANDEM_TARGET_RETRY_SECS", default_value_t = 30)]
     pub target_retry_secs: u64,
+    /// A key clients must present (`Authorization: Bearer KEY`; gRPC: `authorization`
+    /// metadata) on the public APIs; repeatable. Unset: the APIs are open. Health, readiness and
+    /// metrics stay open.
+    #[arg(
+        long = "api-key",
+        env = "TANDEM_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<crate::auth::Secret>,
 }
 
 #[derive(Debug, Args)]

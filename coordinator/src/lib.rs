@@ -2,6 +2,7 @@
 //! ([`engine`]), the node session streams ([`links`]), and the in-process cluster of the local
 //! all-in-one mode ([`cluster`]).
 
+pub mod auth;
 pub mod cli;
 pub mod client;
 pub mod cluster;
@@ -59,9 +60,11 @@ pub fn same_machine(a: &str, b: &str) -> bool {
 
 /// Serves the public gRPC API (and health) on `listener` until `shutdown` resolves. Health
 /// says NOT_SERVING, and requests are refused UNAVAILABLE, until `engine` has reached its nodes.
+/// With `keys`, a call must present one ([`auth`]); health stays open.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     engine: LateEngine,
+    keys: auth::ApiKeys,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -85,7 +88,10 @@ pub async fn serve(
         .http2_keepalive_interval(Some(tandem_proto::KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(tandem_proto::KEEPALIVE_TIMEOUT))
         .add_service(health)
-        .add_service(service::CoordinatorService(engine).into_server())
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            service::CoordinatorService(engine).into_server(),
+            move |request| keys.check(request),
+        ))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown,

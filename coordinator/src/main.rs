@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
+use tandem_coordinator::auth::ApiKeys;
 use tandem_coordinator::cli::{Cli, Command, ServeArgs};
 use tandem_coordinator::http::{self, HttpState};
 use tandem_coordinator::late::{LateEngine, connect_until_ready};
@@ -77,7 +78,8 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),
         "coordinator listening"
     );
-    let state = HttpState::new(engine.clone());
+    let keys = ApiKeys::new(args.api_keys.iter().map(|k| k.0.clone()));
+    let state = HttpState::new(engine.clone(), keys.clone());
     tandem_node::serve_until_signal(
         || {
             tracing::info!(
@@ -88,7 +90,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 .ready
                 .store(false, std::sync::atomic::Ordering::Relaxed);
         },
-        |stop| tandem_coordinator::serve(listener, engine.clone(), stop),
+        |stop| tandem_coordinator::serve(listener, engine.clone(), keys.clone(), stop),
         |stop| async {
             match http {
                 Some(l) => http::serve(l, Arc::clone(&state), stop).await,

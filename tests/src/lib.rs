@@ -212,9 +212,10 @@ pub async fn serve_http(engine: std::sync::Arc<Engine>) -> std::net::SocketAddr 
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(tandem_coordinator::http::serve(
         listener,
-        tandem_coordinator::http::HttpState::new(tandem_coordinator::late::LateEngine::ready(
-            engine,
-        )),
+        tandem_coordinator::http::HttpState::new(
+            tandem_coordinator::late::LateEngine::ready(engine),
+            tandem_coordinator::auth::ApiKeys::default(),
+        ),
         std::future::pending(),
     ));
     addr
@@ -271,11 +272,22 @@ pub async fn http_exchange(
     path: &str,
     body: &str,
 ) -> (u16, String, String) {
+    http_exchange_with(addr, method, path, "", body).await
+}
+
+/// [`http_exchange`] with extra header lines (each ending in `\r\n`).
+pub async fn http_exchange_with(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+) -> (u16, String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let request = format!(
         "{method} {path} HTTP/1.1\r\nHost: tandem\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+         {headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(request.as_bytes()).await.expect("write");

@@ -129,7 +129,8 @@ impl Proc {
         coordinator
     }
 
-    /// Waits until the coordinator here answers `Info` (it does once it has reached its nodes).
+    /// Waits until the coordinator here says it serves (gRPC health: once it has reached its
+    /// nodes; open to callers without an API key).
     fn wait_ready(&self) {
         let url = self.url();
         // A runtime of its own, on a thread of its own: callers may be async tests.
@@ -141,17 +142,24 @@ impl Proc {
             runtime.block_on(async {
                 let deadline = Instant::now() + Duration::from_secs(60);
                 loop {
-                    let info = async {
-                        tandem_proto::v1::coordinator_client::CoordinatorClient::connect(
-                            url.clone(),
-                        )
-                        .await
-                        .ok()?
-                        .info(tandem_proto::v1::InfoRequest {})
-                        .await
-                        .ok()
+                    let serving = async {
+                        use tonic_health::pb::health_check_response::ServingStatus;
+                        let channel = tonic::transport::Endpoint::from_shared(url.clone())
+                            .ok()?
+                            .connect()
+                            .await
+                            .ok()?;
+                        let status = tonic_health::pb::health_client::HealthClient::new(channel)
+                            .check(tonic_health::pb::HealthCheckRequest {
+                                service: "tandem.v1.Coordinator".into(),
+                            })
+                            .await
+                            .ok()?
+                            .into_inner()
+                            .status;
+                        (status == ServingStatus::Serving as i32).then_some(())
                     };
-                    if info.await.is_some() {
+                    if serving.await.is_some() {
                         return;
                     }
                     assert!(

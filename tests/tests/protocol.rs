@@ -396,6 +396,7 @@ async fn cancelling_a_generation_frees_the_sessions_on_both_nodes() {
     tokio::spawn(tandem_coordinator::serve(
         listener,
         tandem_coordinator::late::LateEngine::ready(Arc::clone(&engine)),
+        tandem_coordinator::auth::ApiKeys::default(),
         std::future::pending(),
     ));
     let mut client = v1::coordinator_client::CoordinatorClient::connect(url)

@@ -198,3 +198,63 @@ async fn a_coordinator_started_before_its_nodes_is_not_ready_until_they_answer()
     assert_eq!(ids, in_process(&stories(), None, &story(40, 0)).token_ids);
     drop(draft);
 }
+
+#[tokio::test]
+async fn with_api_keys_only_a_request_presenting_one_gets_in() {
+    let http = free_addr();
+    let http_listen = http.to_string();
+    let three = start_three(&[
+        "--api-key",
+        "s3cr3t-one",
+        "--api-key",
+        "s3cr3t-two",
+        "--http-listen",
+        &http_listen,
+    ]);
+    let body = r#"{"prompt": "Once upon a time", "max_tokens": 4}"#;
+    let post = async |authorization: &str| {
+        let header = if authorization.is_empty() {
+            String::new()
+        } else {
+            format!("Authorization: {authorization}\r\n")
+        };
+        http_exchange_with(http, "POST", "/v1/completions", &header, body).await
+    };
+    // HTTP: no key, a wrong key, a key without `Bearer`: 401 in OpenAI's shape, no key echoed.
+    for authorization in ["", "Bearer s3cr3t-three", "s3cr3t-one"] {
+        let (status, _, body) = post(authorization).await;
+        assert_eq!(status, 401, "{authorization:?}: {body}");
+        let error: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(error["error"]["code"], "invalid_api_key", "{body}");
+        assert!(!body.contains("s3cr3t"), "{body}");
+    }
+    for key in ["s3cr3t-one", "s3cr3t-two"] {
+        let (status, _, body) = post(&format!("Bearer {key}")).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    // Probes stay open.
+    assert_eq!(http_request(http, "GET", "/health", "").await.0, 200);
+    assert_eq!(http_request(http, "GET", "/ready", "").await.0, 200);
+    // gRPC: UNAUTHENTICATED without the key, served with it.
+    let (_, done) = stream(three.coordinator.url(), story(8, 4), || {}).await;
+    let status = done.expect_err("no key");
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    assert!(!status.message().contains("s3cr3t"));
+    let mut request = tonic::Request::new(story(8, 4));
+    request
+        .metadata_mut()
+        .insert("authorization", "Bearer s3cr3t-two".parse().expect("ascii"));
+    let mut client = v1::coordinator_client::CoordinatorClient::connect(three.coordinator.url())
+        .await
+        .expect("connect");
+    let mut replies = client
+        .generate(request)
+        .await
+        .expect("admitted")
+        .into_inner();
+    while let Some(reply) = replies.message().await.expect("streamed") {
+        if let Some(v1::generate_response::Kind::Done(done)) = reply.kind {
+            assert_eq!(done.token_ids.len(), 8);
+        }
+    }
+}

@@ -25,6 +25,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
+use crate::auth::ApiKeys;
 use crate::engine::{CommitSink, Discard, Engine};
 use crate::late::LateEngine;
 use error::ApiError;
@@ -34,15 +35,18 @@ use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
 #[derive(Debug)]
 pub struct HttpState {
     pub engine: LateEngine,
+    /// Keys a `/v1/*` request must present ([`crate::auth`]).
+    pub keys: ApiKeys,
     /// False while shutting down: `/ready` fails so load balancers stop sending.
     pub ready: AtomicBool,
     next_id: AtomicU64,
 }
 
 impl HttpState {
-    pub fn new(engine: LateEngine) -> Arc<Self> {
+    pub fn new(engine: LateEngine, keys: ApiKeys) -> Arc<Self> {
         Arc::new(Self {
             engine,
+            keys,
             ready: AtomicBool::new(true),
             next_id: AtomicU64::new(0),
         })
@@ -85,14 +89,42 @@ fn now() -> u64 {
 
 /// The HTTP routes over `state`.
 pub fn router(state: Arc<HttpState>) -> Router {
-    Router::new()
+    let api = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            require_key,
+        ));
+    Router::new()
+        .merge(api)
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .with_state(state)
+}
+
+/// 401 in OpenAI's shape unless the request presents one of the keys (when there are any).
+async fn require_key(
+    State(state): State<Arc<HttpState>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let presented = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if state.keys.admits(presented) {
+        return next.run(request).await;
+    }
+    ApiError {
+        status: StatusCode::UNAUTHORIZED,
+        message: crate::auth::REFUSAL.into(),
+        param: None,
+        code: Some("invalid_api_key"),
+    }
+    .into_response()
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {

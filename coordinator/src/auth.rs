@@ -1,0 +1,125 @@
+//! API keys on the coordinator's public APIs (`coordinator serve --api-key KEY`, repeatable, or
+//! `TANDEM_API_KEYS=k1,k2`): HTTP requests to `/v1/*` carry `Authorization: Bearer KEY` (else
+//! 401 in OpenAI's error shape), gRPC calls carry the same in their `authorization` metadata
+//! (else UNAUTHENTICATED). Health, readiness and metrics stay open to probes. Keys are compared
+//! in constant time and never printed: this type's `Debug` shows how many there are.
+
+use std::sync::Arc;
+
+use tonic::{Request, Status};
+
+/// The keys a request may present; none: the APIs are open.
+#[derive(Clone, Default)]
+pub struct ApiKeys(Arc<Vec<String>>);
+
+impl std::fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ApiKeys({} keys)", self.0.len())
+    }
+}
+
+impl ApiKeys {
+    /// The keys, blank ones dropped.
+    pub fn new(keys: impl IntoIterator<Item = String>) -> Self {
+        let keys = keys
+            .into_iter()
+            .map(|k| k.trim().to_string())
+            .filter(|k| !k.is_empty());
+        Self(Arc::new(keys.collect()))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether an `Authorization` value (`Bearer KEY`) names one of the keys; any request does
+    /// when there are none.
+    pub fn admits(&self, authorization: Option<&str>) -> bool {
+        if self.is_empty() {
+            return true;
+        }
+        let Some(presented) = authorization.and_then(|v| v.trim().strip_prefix("Bearer ")) else {
+            return false;
+        };
+        let presented = presented.trim().as_bytes();
+        // Every key compared, each in constant time: the answer's timing says nothing of them.
+        self.0
+            .iter()
+            .fold(false, |found, key| found | same(key.as_bytes(), presented))
+    }
+
+    /// The gRPC check: UNAUTHENTICATED unless the call's `authorization` metadata admits it.
+    #[allow(clippy::result_large_err)]
+    pub fn check<T>(&self, request: Request<T>) -> Result<Request<T>, Status> {
+        let presented = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        if self.admits(presented) {
+            Ok(request)
+        } else {
+            Err(Status::unauthenticated(REFUSAL))
+        }
+    }
+}
+
+/// A key as the command line gives it: never printed (`Debug` shows `***`).
+#[derive(Clone)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_string()))
+    }
+}
+
+/// What a request without a valid key is told.
+pub const REFUSAL: &str = "a valid API key is required: send `Authorization: Bearer KEY` \
+     (gRPC: `authorization` metadata) with a key given to `coordinator serve --api-key`";
+
+/// Equality in time that depends on the lengths only.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_is_admitted_by_one_of_the_keys_only() {
+        let keys = ApiKeys::new(["alpha-1".to_string(), " beta-2 ".into(), String::new()]);
+        assert!(keys.admits(Some("Bearer alpha-1")));
+        assert!(keys.admits(Some("Bearer beta-2")));
+        assert!(!keys.admits(Some("Bearer alpha-")));
+        assert!(!keys.admits(Some("Bearer alpha-12")));
+        assert!(!keys.admits(Some("alpha-1")));
+        assert!(!keys.admits(Some("Bearer ")));
+        assert!(!keys.admits(None));
+        assert!(ApiKeys::default().admits(None));
+        assert!(ApiKeys::new([String::new()]).is_empty());
+        // Never printed.
+        assert_eq!(format!("{keys:?}"), "ApiKeys(2 keys)");
+    }
+
+    #[test]
+    fn a_grpc_call_without_the_key_is_unauthenticated() {
+        let keys = ApiKeys::new(["s3cr3t-key".to_string()]);
+        let status = keys.check(Request::new(())).expect_err("no key");
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+        assert!(!status.message().contains("s3cr3t"), "{}", status.message());
+        let mut request = Request::new(());
+        request
+            .metadata_mut()
+            .insert("authorization", "Bearer s3cr3t-key".parse().expect("ascii"));
+        assert!(keys.check(request).is_ok());
+    }
+}
