@@ -258,3 +258,25 @@ async fn with_api_keys_only_a_request_presenting_one_gets_in() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_target_node_back_with_another_model_is_refused_not_used() {
+    let Three {
+        target_addr,
+        target,
+        coordinator,
+        ..
+    } = start_three(&[]);
+    let replaced = std::sync::Mutex::new(None);
+    let (_, done) = stream(coordinator.url(), story(400, 4), || {
+        drop(target.lock().expect("lock").take());
+        // Another model on the same port: the log cannot be continued there.
+        *replaced.lock().expect("lock") = Some(start_target(&stories_q8(), target_addr));
+    })
+    .await;
+    let status = done.expect_err("refused");
+    assert!(
+        status.message().contains("came back serving"),
+        "the error names both models: {status:?}"
+    );
+}
