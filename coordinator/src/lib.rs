@@ -14,6 +14,7 @@ pub mod links;
 pub mod local;
 pub mod metrics;
 pub mod ngram;
+pub mod nodes;
 pub mod policy;
 pub mod service;
 pub mod shadow;

@@ -1,0 +1,110 @@
+//! The nodes as the coordinator sees them: a [`NodeHandle`] (channel and info, with HTTP/2
+//! keepalive), and what a lost node session is: which errors mean the node may serve it again
+//! if it is replayed, how long a call may take, how long to wait before asking again.
+
+use std::time::Duration;
+
+use tandem_proto::v1;
+use tandem_proto::{Error, Result};
+use tonic::Code;
+use tonic::transport::{Channel, Endpoint};
+
+/// A node the coordinator talks to.
+#[derive(Debug, Clone)]
+pub struct NodeHandle {
+    pub endpoint: String,
+    pub channel: Channel,
+    pub info: v1::NodeInfo,
+}
+
+impl NodeHandle {
+    /// Connects and reads the node's info.
+    pub async fn connect(node: &'static str, endpoint: &str) -> Result<Self> {
+        let unavailable = |reason: String| Error::Unavailable {
+            node,
+            endpoint: endpoint.to_string(),
+            reason,
+        };
+        let channel = Endpoint::from_shared(endpoint.to_string())
+            .map_err(|e| unavailable(format!("invalid URL: {e}")))?
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(10))
+            .http2_keep_alive_interval(tandem_proto::KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(tandem_proto::KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
+            .connect()
+            .await
+            .map_err(|e| unavailable(crate::error_chain(&e)))?;
+        let info = v1::node_service_client::NodeServiceClient::new(channel.clone())
+            .info(v1::InfoRequest {})
+            .await
+            .map_err(|status| Error::Remote { node, status })?
+            .into_inner();
+        Ok(Self {
+            endpoint: endpoint.to_string(),
+            channel,
+            info,
+        })
+    }
+
+    pub fn limits(&self) -> v1::NodeLimits {
+        self.info.limits.unwrap_or_default()
+    }
+
+    /// After the node was lost: reads its info again and refuses a node that now serves
+    /// another model or vocabulary (a replay into it would not continue this generation).
+    pub async fn check_same(&self, node: &'static str) -> Result<()> {
+        let info = v1::node_service_client::NodeServiceClient::new(self.channel.clone())
+            .info(v1::InfoRequest {})
+            .await
+            .map_err(|status| Error::Remote { node, status })?
+            .into_inner();
+        let (was, now) = (&self.info, &info);
+        if was.model_name != now.model_name || was.vocab_hash != now.vocab_hash {
+            return Err(Error::Protocol {
+                node,
+                what: format!(
+                    "came back serving `{}` (vocabulary hash {:016x}) instead of `{}` ({:016x}): \
+                     its sessions cannot be rebuilt there",
+                    now.model_name, now.vocab_hash, was.model_name, was.vocab_hash
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The first wait before asking a lost target again; it doubles up to [`TARGET_BACKOFF_MAX`].
+pub const TARGET_BACKOFF: Duration = Duration::from_millis(50);
+pub const TARGET_BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// A node call's deadline: this floor, plus [`DEADLINE_FACTOR`] times the call's expected time.
+pub const CALL_FLOOR: Duration = Duration::from_secs(10);
+const DEADLINE_FACTOR: f64 = 8.0;
+
+/// How long a call expected to take `expected` seconds (`None`: not yet measured) may take
+/// before its node is treated as lost.
+pub fn call_deadline(expected: Option<f64>) -> Duration {
+    CALL_FLOOR + Duration::from_secs_f64(DEADLINE_FACTOR * expected.unwrap_or(0.0).max(0.0))
+}
+
+/// `backoff` scaled into [0.5, 1.5) by a hash of the session and the attempt: sessions that lost
+/// the same node do not all come back at the same instant.
+pub fn jittered(backoff: Duration, session: &str, attempt: u32) -> Duration {
+    use std::hash::BuildHasher;
+    let h = std::collections::hash_map::RandomState::new().hash_one((session, attempt));
+    backoff.mul_f64(0.5 + (h % 1000) as f64 / 1000.0)
+}
+
+/// Errors after which a node may serve the session again if it is replayed: the node stopped,
+/// restarted, was unreachable, did not answer in time, or no longer knows the session.
+pub fn session_lost(e: &Error) -> bool {
+    matches!(
+        e.code(),
+        Code::Unavailable
+            | Code::NotFound
+            | Code::DeadlineExceeded
+            | Code::Aborted
+            | Code::Unknown
+            | Code::Cancelled
+    )
+}
