@@ -140,26 +140,24 @@ impl Proc {
                 .build()
                 .expect("runtime");
             runtime.block_on(async {
+                use tonic_health::pb::health_check_response::ServingStatus;
+                // One connection for every check (it is up: the port listens): a connection
+                // per check would take an ephemeral port each time, the range `free_addr`
+                // hands out to processes not yet listening.
+                let channel = tonic::transport::Endpoint::from_shared(url.clone())
+                    .expect("URL")
+                    .connect_lazy();
+                let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
                 let deadline = Instant::now() + Duration::from_secs(60);
                 loop {
-                    let serving = async {
-                        use tonic_health::pb::health_check_response::ServingStatus;
-                        let channel = tonic::transport::Endpoint::from_shared(url.clone())
-                            .ok()?
-                            .connect()
-                            .await
-                            .ok()?;
-                        let status = tonic_health::pb::health_client::HealthClient::new(channel)
-                            .check(tonic_health::pb::HealthCheckRequest {
-                                service: "tandem.v1.Coordinator".into(),
-                            })
-                            .await
-                            .ok()?
-                            .into_inner()
-                            .status;
-                        (status == ServingStatus::Serving as i32).then_some(())
-                    };
-                    if serving.await.is_some() {
+                    let status = health
+                        .check(tonic_health::pb::HealthCheckRequest {
+                            service: "tandem.v1.Coordinator".into(),
+                        })
+                        .await
+                        .map(|r| r.into_inner().status)
+                        .ok();
+                    if status == Some(ServingStatus::Serving as i32) {
                         return;
                     }
                     assert!(
