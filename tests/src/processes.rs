@@ -131,7 +131,7 @@ impl Proc {
 
     /// Waits until the coordinator here says it serves (gRPC health: once it has reached its
     /// nodes; open to callers without an API key).
-    fn wait_ready(&self) {
+    pub fn wait_ready(&self) {
         let url = self.url();
         // A runtime of its own, on a thread of its own: callers may be async tests.
         std::thread::spawn(move || {

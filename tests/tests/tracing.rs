@@ -76,6 +76,7 @@ async fn one_request_is_one_trace_across_the_three_services() {
     let (listen, t, d) = (addr.to_string(), target.url(), draft.url());
     let args = ["serve", "--target", &t, "--draft", &d, "--listen", &listen];
     let coordinator = Proc::start_with_env("coordinator", &args, addr, &env);
+    coordinator.wait_ready();
 
     let mut client = v1::coordinator_client::CoordinatorClient::connect(coordinator.url())
         .await
