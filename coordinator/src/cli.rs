@@ -115,6 +115,9 @@ pub struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// TLS to `--endpoint` when it is an `https://` URL.
+    #[command(flatten)]
+    pub tls: tandem_proto::tls::ClientTlsArgs,
 }
 
 #[derive(Debug, Args)]
@@ -156,6 +159,14 @@ pub struct ServeArgs {
         hide_env_values = true
     )]
     pub api_keys: Vec<crate::auth::Secret>,
+    /// TLS of the public gRPC API; `--tls-cert`/`--tls-key` are also the certificate presented
+    /// to nodes that ask for one (mutual TLS).
+    #[command(flatten)]
+    pub tls: tandem_proto::tls::ServerTls,
+    /// CA (PEM) the nodes' certificates must chain to, for `https://` node URLs; unset: the Web
+    /// PKI roots.
+    #[arg(long, env = "TANDEM_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

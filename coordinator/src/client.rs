@@ -4,7 +4,6 @@
 
 use std::io::Write;
 
-use anyhow::Context;
 use serde_json::json;
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
@@ -65,14 +64,19 @@ fn emit(text: &str) {
 
 /// `coordinator generate` against the coordinator at `url`.
 pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
-        .with_context(|| format!("invalid --endpoint `{url}`"))?
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(tandem_proto::KEEPALIVE_INTERVAL)
-        .keep_alive_timeout(tandem_proto::KEEPALIVE_TIMEOUT)
+    let channel = args
+        .tls
+        .load()?
+        .endpoint(url, std::time::Duration::from_secs(10))
+        .map_err(|e| anyhow::anyhow!("--endpoint: {e}"))?
         .connect()
         .await
-        .with_context(|| format!("cannot connect to the coordinator at {url}"))?;
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot connect to the coordinator at {url}: {}",
+                crate::nodes::connect_error(&e, url)
+            )
+        })?;
     let mut client = CoordinatorClient::new(channel);
     let request = request_from_args(args);
     if !args.json {
@@ -83,7 +87,13 @@ pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
             emit(&delta.text);
         }
     })
-    .await?;
+    .await
+    .map_err(|status| {
+        anyhow::anyhow!(
+            "the coordinator at {url}: {}",
+            crate::nodes::connect_error(&status, url)
+        )
+    })?;
     let baseline = if args.no_baseline || args.draft_tokens.target_only() {
         None
     } else {

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tandem_node::{NodeState, stopped};
+use tandem_proto::tls::{ClientTls, ServerTlsSetup};
 use tandem_proto::{Error, Result};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -51,6 +52,7 @@ impl LocalCluster {
         tokio::spawn(tandem_target_node::serve(
             listener,
             Arc::clone(&target),
+            ServerTlsSetup::default(),
             stopped(&stop),
         ));
         let (draft_addr, draft) = match draft {
@@ -61,6 +63,7 @@ impl LocalCluster {
                 tokio::spawn(tandem_draft_node::serve(
                     listener,
                     Arc::clone(&d),
+                    ServerTlsSetup::default(),
                     stopped(&stop),
                 ));
                 (Some(a), Some(d))
@@ -84,6 +87,7 @@ impl LocalCluster {
             &format!("http://{}", self.target_addr),
             draft.as_deref(),
             default_draft_tokens.into(),
+            &ClientTls::default(),
         )
         .await?;
         engine.draft_shares_cores = true;

@@ -12,6 +12,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use tandem_proto::tls::ClientTls;
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::generator::MAX_DRAFT_TOKENS;
@@ -114,17 +115,18 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Connects to the nodes, fetches the target's tokenizer, and refuses a draft whose
+    /// Connects to the nodes (TLS for `https://` URLs), fetches the target's tokenizer, and refuses a draft whose
     /// vocabulary differs from the target's.
     pub async fn connect(
         target: &str,
         draft: Option<&str>,
         default_draft_tokens: Option<usize>,
+        tls: &ClientTls,
     ) -> Result<Self> {
-        let target = NodeHandle::connect("target-node", target).await?;
+        let target = NodeHandle::connect("target-node", target, tls).await?;
         let cpu_target = target.info.device.starts_with("cpu");
         let draft = match draft {
-            Some(url) => Some(NodeHandle::connect("draft-node", url).await?),
+            Some(url) => Some(NodeHandle::connect("draft-node", url, tls).await?),
             None => None,
         };
         let shares_machine = draft

@@ -25,20 +25,7 @@ pub use engine::{CommitSink, Discard, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, 
 
 use late::LateEngine;
 
-/// An error and its causes, joined by ": " (a tonic transport error alone says only "transport
-/// error"; its source says "Connection refused").
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let next = c.to_string();
-        if !text.ends_with(&next) {
-            text = format!("{text}: {next}");
-        }
-        cause = c.source();
-    }
-    text
-}
+pub use tandem_proto::error_chain;
 
 /// Whether two node URLs name the same machine: the same host, or loopback both (a draft-node
 /// there runs on the target-node's cores). URLs that do not parse name no machine.
@@ -61,11 +48,13 @@ pub fn same_machine(a: &str, b: &str) -> bool {
 
 /// Serves the public gRPC API (and health) on `listener` until `shutdown` resolves. Health
 /// says NOT_SERVING, and requests are refused UNAVAILABLE, until `engine` has reached its nodes.
-/// With `keys`, a call must present one ([`auth`]); health stays open.
+/// With `keys`, a call must present one ([`auth`]); health stays open. `tls` secures the
+/// connections (mutual TLS where it names a client CA).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     engine: LateEngine,
     keys: auth::ApiKeys,
+    tls: tandem_proto::tls::ServerTlsSetup,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -84,10 +73,7 @@ pub async fn serve(
                 .await;
         }
     });
-    tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .http2_keepalive_interval(Some(tandem_proto::KEEPALIVE_INTERVAL))
-        .http2_keepalive_timeout(Some(tandem_proto::KEEPALIVE_TIMEOUT))
+    tls.server()?
         .add_service(health)
         .add_service(tonic::service::interceptor::InterceptedService::new(
             service::CoordinatorService(engine).into_server(),

@@ -56,6 +56,7 @@ pub async fn start_local(
         listener,
         crate::late::LateEngine::ready(Arc::new(engine)),
         crate::auth::ApiKeys::default(),
+        Default::default(),
         std::future::pending(),
     ));
     Ok((cluster, url))

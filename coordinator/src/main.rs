@@ -48,6 +48,12 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let http = tandem_node::bind_http(args.http_listen).await?;
+    let tls = args.tls.load()?;
+    let node_tls = tandem_proto::tls::ClientTlsArgs {
+        identity: args.tls.identity.clone(),
+        tls_ca: args.tls_ca.clone(),
+    }
+    .load()?;
     // The APIs answer at once; requests are refused (not ready) until a target-node answers.
     let engine = LateEngine::waiting(format!("connecting to the target-node at {}", args.target));
     let connecting = engine.clone();
@@ -56,7 +62,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let target_retry = std::time::Duration::from_secs(args.target_retry_secs);
     tokio::spawn(async move {
         connect_until_ready(&connecting, || async {
-            let mut engine = Engine::connect(&target, draft.as_deref(), k).await?;
+            let mut engine = Engine::connect(&target, draft.as_deref(), k, &node_tls).await?;
             if let Some(n) = max_speculating {
                 engine.max_speculating = (n > 0).then_some(n);
             }
@@ -75,6 +81,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     });
     tracing::info!(
         listen = %listener.local_addr()?,
+        grpc = tls.mode(),
         http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),
         "coordinator listening"
     );
@@ -90,7 +97,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 .ready
                 .store(false, std::sync::atomic::Ordering::Relaxed);
         },
-        |stop| tandem_coordinator::serve(listener, engine.clone(), keys.clone(), stop),
+        |stop| tandem_coordinator::serve(listener, engine.clone(), keys.clone(), tls.clone(), stop),
         |stop| async {
             match http {
                 Some(l) => http::serve(l, Arc::clone(&state), stop).await,

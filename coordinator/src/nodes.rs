@@ -4,10 +4,11 @@
 
 use std::time::Duration;
 
+use tandem_proto::tls::ClientTls;
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tonic::Code;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// A node the coordinator talks to.
 #[derive(Debug, Clone)]
@@ -18,27 +19,28 @@ pub struct NodeHandle {
 }
 
 impl NodeHandle {
-    /// Connects and reads the node's info.
-    pub async fn connect(node: &'static str, endpoint: &str) -> Result<Self> {
+    /// Connects (with TLS for an `https://` URL) and reads the node's info.
+    pub async fn connect(node: &'static str, endpoint: &str, tls: &ClientTls) -> Result<Self> {
         let unavailable = |reason: String| Error::Unavailable {
             node,
             endpoint: endpoint.to_string(),
             reason,
         };
-        let channel = Endpoint::from_shared(endpoint.to_string())
-            .map_err(|e| unavailable(format!("invalid URL: {e}")))?
-            .tcp_nodelay(true)
-            .connect_timeout(Duration::from_secs(10))
-            .http2_keep_alive_interval(tandem_proto::KEEPALIVE_INTERVAL)
-            .keep_alive_timeout(tandem_proto::KEEPALIVE_TIMEOUT)
-            .keep_alive_while_idle(true)
+        let channel = tls
+            .endpoint(endpoint, Duration::from_secs(10))
+            .map_err(unavailable)?
             .connect()
             .await
-            .map_err(|e| unavailable(crate::error_chain(&e)))?;
+            .map_err(|e| unavailable(connect_error(&e, endpoint)))?;
         let info = v1::node_service_client::NodeServiceClient::new(channel.clone())
             .info(v1::InfoRequest {})
             .await
-            .map_err(|status| Error::Remote { node, status })?
+            .map_err(|status| {
+                match tandem_proto::tls::mismatch_hint(endpoint, &crate::error_chain(&status)) {
+                    "" => Error::Remote { node, status },
+                    _ => unavailable(connect_error(&status, endpoint)),
+                }
+            })?
             .into_inner();
         Ok(Self {
             endpoint: endpoint.to_string(),
@@ -72,6 +74,14 @@ impl NodeHandle {
         }
         Ok(())
     }
+}
+
+/// Why a connection to `endpoint` failed, or its first call: the error chain, and a word on
+/// TLS where it reads like a mismatch ([`tandem_proto::tls::mismatch_hint`]).
+pub fn connect_error(e: &(dyn std::error::Error + 'static), endpoint: &str) -> String {
+    let text = crate::error_chain(e);
+    let hint = tandem_proto::tls::mismatch_hint(endpoint, &text);
+    text + hint
 }
 
 /// The first wait before asking a lost target again; it doubles up to [`TARGET_BACKOFF_MAX`].

@@ -179,10 +179,11 @@ impl DraftService for DraftServer {
     }
 }
 
-/// Serves a loaded draft node on `listener` until `shutdown` resolves.
+/// Serves a loaded draft node on `listener` (with `tls`) until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<NodeState>,
+    tls: tandem_proto::tls::ServerTlsSetup,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> std::result::Result<(), tonic::transport::Error> {
     let service = DraftServiceServer::new(DraftServer(Arc::clone(&state)))
@@ -193,6 +194,7 @@ pub async fn serve(
         state,
         "tandem.v1.DraftService",
         |router| router.add_service(service),
+        &tls,
         shutdown,
     )
     .await

@@ -17,6 +17,8 @@ pub struct NodeArgs {
     pub http_listen: Option<SocketAddr>,
     #[command(flatten)]
     pub limits: LimitsArgs,
+    #[command(flatten)]
+    pub tls: tandem_proto::tls::ServerTls,
 }
 
 /// Which model a node serves, and where.

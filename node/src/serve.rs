@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use tandem_proto::tls::ServerTlsSetup;
 use tandem_proto::v1;
 use tandem_proto::v1::node_service_server::{NodeService, NodeServiceServer};
 use tokio::net::TcpListener;
@@ -39,12 +40,13 @@ impl NodeService for NodeInfoService {
 }
 
 /// Serves `role_service` (already added to a router by the caller's `add`) with NodeService
-/// and health on `listener` until `shutdown` resolves.
+/// and health on `listener`, with `tls`, until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<NodeState>,
     service_name: &'static str,
     add: impl FnOnce(Router) -> Router,
+    tls: &ServerTlsSetup,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -54,12 +56,7 @@ pub async fn serve(
     let node = NodeServiceServer::new(NodeInfoService(state))
         .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
-    let router = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .http2_keepalive_interval(Some(tandem_proto::KEEPALIVE_INTERVAL))
-        .http2_keepalive_timeout(Some(tandem_proto::KEEPALIVE_TIMEOUT))
-        .add_service(health)
-        .add_service(node);
+    let router = tls.server()?.add_service(health).add_service(node);
     // Draining: health says NOT_SERVING (for the overall server and the role's service) while
     // in-flight sessions finish.
     let draining = async move {
@@ -102,11 +99,13 @@ pub async fn shutdown_signal() {
 /// `serve_role`) and the HTTP side until SIGINT/SIGTERM, letting in-flight requests finish.
 pub async fn run<F, Fut>(role: Role, args: NodeArgs, serve_role: F) -> anyhow::Result<()>
 where
-    F: FnOnce(TcpListener, Arc<NodeState>, Shutdown) -> Fut,
+    F: FnOnce(TcpListener, Arc<NodeState>, ServerTlsSetup, Shutdown) -> Fut,
     Fut: std::future::Future<Output = Result<(), tonic::transport::Error>>,
 {
     use anyhow::Context;
     let source = &args.source;
+    // Certificates are checked before the model loads: a bad path fails in a second, not after.
+    let tls = args.tls.load()?;
     tracing::info!(role = role.as_str(), model = %source.model, device = %source.device, "loading model");
     let (listen, http_listen) = (args.listen, args.http_listen);
     let state =
@@ -126,6 +125,7 @@ where
         context = config.max_context,
         device = %state.device,
         listen = %listener.local_addr()?,
+        grpc = tls.mode(),
         http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),
         max_sessions = state.limits.max_sessions,
         max_session_tokens = state.limits.max_session_tokens,
@@ -140,7 +140,7 @@ where
                 .draining
                 .store(true, std::sync::atomic::Ordering::Relaxed);
         },
-        |stop| serve_role(listener, Arc::clone(&state), stop),
+        |stop| serve_role(listener, Arc::clone(&state), tls, stop),
         |stop| async {
             match http {
                 Some(l) => crate::http::serve_http(l, Arc::clone(&state), stop).await,

@@ -4,6 +4,7 @@
 
 mod convert;
 mod error;
+pub mod tls;
 pub mod trace;
 
 /// Generated messages, clients and servers of `tandem.v1`.
@@ -25,3 +26,22 @@ pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 /// rebuilt) — a silent peer is found within seconds, not at the TCP timeout's minutes.
 pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// An error and its causes, joined by ": " (a tonic transport error alone says only "transport
+/// error"; its source says "Connection refused").
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    // A Status prints its source's Debug form in its own text: its message, then the chain.
+    let mut text = match e.downcast_ref::<tonic::Status>() {
+        Some(status) => status.message().to_string(),
+        None => e.to_string(),
+    };
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let next = c.to_string();
+        if !text.ends_with(&next) {
+            text = format!("{text}: {next}");
+        }
+        cause = c.source();
+    }
+    text
+}

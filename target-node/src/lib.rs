@@ -285,10 +285,11 @@ impl TargetService for TargetServer {
     }
 }
 
-/// Serves a loaded target node on `listener` until `shutdown` resolves.
+/// Serves a loaded target node on `listener` (with `tls`) until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<NodeState>,
+    tls: tandem_proto::tls::ServerTlsSetup,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> std::result::Result<(), tonic::transport::Error> {
     let service = TargetServiceServer::new(TargetServer(Arc::clone(&state)))
@@ -299,6 +300,7 @@ pub async fn serve(
         state,
         "tandem.v1.TargetService",
         |router| router.add_service(service),
+        &tls,
         shutdown,
     )
     .await

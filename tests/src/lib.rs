@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod hub;
 pub mod link;
+pub mod pki;
 pub mod processes;
 pub mod proxy;
 pub mod python;
@@ -121,6 +122,7 @@ pub async fn engine_through(cluster: &LocalCluster, draft_url: &str, k: usize) -
         &format!("http://{}", cluster.target_addr),
         Some(draft_url),
         Some(k),
+        &Default::default(),
     )
     .await
     .expect("engine")

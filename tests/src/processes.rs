@@ -68,6 +68,23 @@ impl Proc {
         addr: SocketAddr,
         env: &[(&str, &str)],
     ) -> Self {
+        Self::spawn(name, Self::command(name, args, env), addr)
+    }
+
+    /// [`Self::start_with_env`], its standard error written to the file `log`.
+    pub fn start_logged(
+        name: &str,
+        args: &[&str],
+        addr: SocketAddr,
+        env: &[(&str, &str)],
+        log: &Path,
+    ) -> Self {
+        let mut command = Self::command(name, args, env);
+        command.stderr(std::fs::File::create(log).expect("log file"));
+        Self::spawn(name, command, addr)
+    }
+
+    fn command(name: &str, args: &[&str], env: &[(&str, &str)]) -> Command {
         let mut command = Command::new(binary(name));
         // Warnings only, unless the caller asks for more.
         let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
@@ -75,7 +92,7 @@ impl Proc {
             .env("RUST_LOG", log)
             .args(args)
             .envs(env.iter().copied());
-        Self::spawn(name, command, addr)
+        command
     }
 
     /// [`Self::start`] on the CPUs `cpus` names (`taskset -c`): one machine's cores for one
@@ -99,7 +116,6 @@ impl Proc {
     fn spawn(name: &str, mut command: Command, addr: SocketAddr) -> Self {
         let child = command
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
             .spawn()
             .unwrap_or_else(|e| panic!("start {name}: {e}"));
         let mut proc = Self { child, addr };
@@ -133,6 +149,12 @@ impl Proc {
     /// nodes; open to callers without an API key).
     pub fn wait_ready(&self) {
         let url = self.url();
+        self.wait_ready_at(tonic::transport::Endpoint::from_shared(url).expect("URL"));
+    }
+
+    /// [`Self::wait_ready`] over `endpoint` (e.g. with TLS).
+    pub fn wait_ready_at(&self, endpoint: tonic::transport::Endpoint) {
+        let url = endpoint.uri().to_string();
         // A runtime of its own, on a thread of its own: callers may be async tests.
         std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -144,9 +166,7 @@ impl Proc {
                 // One connection for every check (it is up: the port listens): a connection
                 // per check would take an ephemeral port each time, the range `free_addr`
                 // hands out to processes not yet listening.
-                let channel = tonic::transport::Endpoint::from_shared(url.clone())
-                    .expect("URL")
-                    .connect_lazy();
+                let channel = endpoint.connect_lazy();
                 let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
                 let deadline = Instant::now() + Duration::from_secs(60);
                 loop {

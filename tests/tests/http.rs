@@ -30,6 +30,7 @@ async fn serve(target: &std::path::Path) -> Served {
         grpc,
         tandem_coordinator::late::LateEngine::ready(Arc::clone(&engine)),
         tandem_coordinator::auth::ApiKeys::default(),
+        Default::default(),
         std::future::pending(),
     ));
     Served {

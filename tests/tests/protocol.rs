@@ -397,6 +397,7 @@ async fn cancelling_a_generation_frees_the_sessions_on_both_nodes() {
         listener,
         tandem_coordinator::late::LateEngine::ready(Arc::clone(&engine)),
         tandem_coordinator::auth::ApiKeys::default(),
+        Default::default(),
         std::future::pending(),
     ));
     let mut client = v1::coordinator_client::CoordinatorClient::connect(url)

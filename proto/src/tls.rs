@@ -1,0 +1,210 @@
+//! TLS on every gRPC connection (rustls, through tonic), and the transport settings every
+//! server and client shares (no Nagle delay, HTTP/2 keepalive).
+//!
+//! A server given `--tls-cert`/`--tls-key` serves TLS only; with `--tls-client-ca` a client must
+//! also present a certificate that CA signed (mutual TLS). A client uses TLS for `https://` URLs:
+//! it trusts `--tls-ca` (or, unset, the Web PKI roots) and presents `--tls-cert`/`--tls-key` when
+//! given. Certificates and keys are read from files; their content is never logged or put in an
+//! error (errors name the file).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Args;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
+
+/// This process's own certificate: the one it serves with, and presents as a client.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TlsIdentity {
+    /// PEM certificate (chain) this process presents: a server serves TLS only with it, a client
+    /// presents it to a server that asks for one (mutual TLS). Needs `--tls-key`.
+    #[arg(long, env = "TANDEM_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `--tls-cert`.
+    #[arg(long, env = "TANDEM_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+}
+
+/// A gRPC server's TLS: its certificate, and the CA its clients' certificates must chain to.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ServerTls {
+    #[command(flatten)]
+    pub identity: TlsIdentity,
+    /// Mutual TLS: refuse a client that does not present a certificate signed by this CA (PEM).
+    /// Needs `--tls-cert`.
+    #[arg(long, env = "TANDEM_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+}
+
+/// A gRPC client's TLS, for `https://` URLs.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ClientTlsArgs {
+    #[command(flatten)]
+    pub identity: TlsIdentity,
+    /// CA (PEM) that servers' certificates must chain to; unset: the Web PKI roots.
+    #[arg(long, env = "TANDEM_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+}
+
+/// A certificate or key that could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read the {what} {}: {source}", path.display())]
+    Read {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the {what} {} is not PEM (no `-----BEGIN` line)", path.display())]
+    NotPem { what: &'static str, path: PathBuf },
+    #[error("the TLS certificate and key cannot be used: {0}")]
+    Config(String),
+}
+
+fn read_pem(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
+    let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
+        what,
+        path: path.to_path_buf(),
+        source,
+    })?;
+    if !bytes.windows(10).any(|w| w == b"-----BEGIN") {
+        return Err(TlsError::NotPem {
+            what,
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(bytes)
+}
+
+impl TlsIdentity {
+    fn load(&self) -> Result<Option<Identity>, TlsError> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Ok(Some(Identity::from_pem(
+                read_pem("certificate (--tls-cert)", cert)?,
+                read_pem("private key (--tls-key)", key)?,
+            ))),
+            _ => Ok(None),
+        }
+    }
+}
+
+/// A server's TLS, loaded and checked.
+#[derive(Debug, Clone, Default)]
+pub struct ServerTlsSetup {
+    config: Option<ServerTlsConfig>,
+    mutual: bool,
+}
+
+impl ServerTls {
+    /// Reads the files and checks that rustls accepts them (at start, not at the first client).
+    pub fn load(&self) -> Result<ServerTlsSetup, TlsError> {
+        let Some(identity) = self.identity.load()? else {
+            return Ok(ServerTlsSetup::default());
+        };
+        let mut config = ServerTlsConfig::new().identity(identity);
+        if let Some(ca) = &self.tls_client_ca {
+            config = config.client_ca_root(Certificate::from_pem(read_pem(
+                "client CA (--tls-client-ca)",
+                ca,
+            )?));
+        }
+        Server::builder()
+            .tls_config(config.clone())
+            .map_err(|e| TlsError::Config(crate::error_chain(&e)))?;
+        Ok(ServerTlsSetup {
+            config: Some(config),
+            mutual: self.tls_client_ca.is_some(),
+        })
+    }
+}
+
+impl ServerTlsSetup {
+    /// How connections are secured, for the startup log: `plaintext`, `tls` or `mutual tls`.
+    pub fn mode(&self) -> &'static str {
+        match (&self.config, self.mutual) {
+            (None, _) => "plaintext",
+            (Some(_), false) => "tls",
+            (Some(_), true) => "mutual tls",
+        }
+    }
+
+    /// A server builder with Tandem's transport settings and this TLS.
+    pub fn server(&self) -> Result<Server, tonic::transport::Error> {
+        let builder = Server::builder()
+            .tcp_nodelay(true)
+            .http2_keepalive_interval(Some(crate::KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(crate::KEEPALIVE_TIMEOUT));
+        match &self.config {
+            Some(config) => builder.tls_config(config.clone()),
+            None => Ok(builder),
+        }
+    }
+}
+
+/// A client's TLS, loaded: applied to `https://` URLs.
+#[derive(Debug, Clone, Default)]
+pub struct ClientTls(ClientTlsConfig);
+
+impl ClientTlsArgs {
+    pub fn load(&self) -> Result<ClientTls, TlsError> {
+        let mut config = ClientTlsConfig::new();
+        config = match &self.tls_ca {
+            Some(ca) => config.ca_certificate(Certificate::from_pem(read_pem(
+                "CA certificate (--tls-ca)",
+                ca,
+            )?)),
+            None => config.with_webpki_roots(),
+        };
+        if let Some(identity) = self.identity.load()? {
+            config = config.identity(identity);
+        }
+        // Checks the files now: rustls parses them when the config is applied.
+        Endpoint::from_static("https://localhost")
+            .tls_config(config.clone())
+            .map_err(|e| TlsError::Config(crate::error_chain(&e)))?;
+        Ok(ClientTls(config))
+    }
+}
+
+impl ClientTls {
+    /// An endpoint for `url` with Tandem's transport settings (TLS where the URL is `https://`).
+    pub fn endpoint(&self, url: &str, connect_timeout: Duration) -> Result<Endpoint, String> {
+        let endpoint = Endpoint::from_shared(url.to_string())
+            .map_err(|e| format!("invalid URL `{url}`: {e}"))?
+            .tcp_nodelay(true)
+            .connect_timeout(connect_timeout)
+            .http2_keep_alive_interval(crate::KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(crate::KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true);
+        if !url.starts_with("https://") {
+            return Ok(endpoint);
+        }
+        endpoint
+            .tls_config(self.0.clone())
+            .map_err(|e| crate::error_chain(&e))
+    }
+}
+
+/// A word on TLS to add to `error` (a failed connection or first call to `url`) where it reads
+/// like a TLS mismatch: plaintext to a TLS port fails as an HTTP/2 frame error or a reset, TLS to
+/// a plaintext port as a garbled record; neither names TLS. Empty for other errors.
+pub fn mismatch_hint(url: &str, error: &str) -> &'static str {
+    const SIGNS: [&str; 8] = [
+        "frame with invalid size",
+        "broken pipe",
+        "http2 error",
+        "InvalidContentType",
+        "corrupt message",
+        "tls handshake eof",
+        "Connection reset",
+        "unexpected EOF",
+    ];
+    if !SIGNS.iter().any(|s| error.contains(s)) {
+        ""
+    } else if url.starts_with("https://") {
+        " (the URL is https://: does the server serve TLS, and does its certificate chain to \
+         --tls-ca and name this host?)"
+    } else {
+        " (the URL is http://: if the server serves TLS (--tls-cert), use https://)"
+    }
+}

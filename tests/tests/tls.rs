@@ -1,0 +1,280 @@
+//! Mutual TLS (issue 13): the three binaries as processes, every gRPC connection over TLS with
+//! client certificates from one CA. A peer without a certificate, or with one from another CA,
+//! is refused; plaintext to a TLS port fails with an error that says to use https://; and no
+//! certificate or key content reaches a log, even at debug level.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use tandem_proto::tls::{ClientTlsArgs, TlsIdentity};
+use tandem_proto::v1;
+use tandem_tests::pki::{Ca, Leaf, pem_body_lines};
+use tandem_tests::processes::{Proc, binary, free_addr};
+use tandem_tests::*;
+
+/// A channel to `addr` over TLS trusting `ca`, presenting `leaf` when given.
+fn tls_endpoint(addr: SocketAddr, ca: &Path, leaf: Option<&Leaf>) -> tonic::transport::Endpoint {
+    ClientTlsArgs {
+        identity: TlsIdentity {
+            tls_cert: leaf.map(|l| l.cert.clone()),
+            tls_key: leaf.map(|l| l.key.clone()),
+        },
+        tls_ca: Some(ca.to_path_buf()),
+    }
+    .load()
+    .expect("client TLS")
+    .endpoint(&format!("https://{addr}"), Duration::from_secs(5))
+    .expect("endpoint")
+}
+
+/// A node serving `model` over mutual TLS with `leaf`, clients signed by `ca`; its log in `log`.
+fn tls_node(name: &str, model: &Path, leaf: &Leaf, ca: &Ca, log: &Path) -> Proc {
+    let addr = free_addr();
+    let (model, listen, client_ca) = (
+        model.display().to_string(),
+        addr.to_string(),
+        ca.cert.display().to_string(),
+    );
+    let mut args = vec!["--model", &model, "--listen", &listen];
+    let identity = leaf.args();
+    args.extend(identity.iter().map(String::as_str));
+    args.extend(["--tls-client-ca", &client_ca]);
+    Proc::start_logged(name, &args, addr, &[("RUST_LOG", "debug")], log)
+}
+
+/// Whether gRPC health at `endpoint` answers (any status): the TLS handshake passed.
+async fn health_answers(endpoint: tonic::transport::Endpoint) -> Result<(), String> {
+    let channel = endpoint.connect().await.map_err(|e| error_chain(&e))?;
+    tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .map(|_| ())
+        .map_err(|s| format!("{s:?}"))
+}
+
+use tandem_proto::error_chain;
+
+#[tokio::test]
+async fn mutual_tls_everywhere_gives_target_only_text_and_logs_no_key() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = Ca::new(dir.path(), "tandem-ca");
+    let leaves = ["target", "draft", "coordinator", "client"].map(|n| ca.leaf(n));
+    let logs = ["target.log", "draft.log", "coordinator.log"].map(|n| dir.path().join(n));
+    let target = tls_node("target-node", &stories(), &leaves[0], &ca, &logs[0]);
+    let draft = tls_node("draft-node", &stories_q8(), &leaves[1], &ca, &logs[1]);
+    let addr = free_addr();
+    let (target_url, draft_url) = (
+        format!("https://{}", target.addr),
+        format!("https://{}", draft.addr),
+    );
+    let (listen, ca_path) = (addr.to_string(), ca.cert.display().to_string());
+    let mut args = vec![
+        "serve",
+        "--target",
+        &target_url,
+        "--draft",
+        &draft_url,
+        "--listen",
+        &listen,
+    ];
+    let identity = leaves[2].args();
+    args.extend(identity.iter().map(String::as_str));
+    args.extend(["--tls-client-ca", &ca_path, "--tls-ca", &ca_path]);
+    let coordinator = Proc::start_logged(
+        "coordinator",
+        &args,
+        addr,
+        &[("RUST_LOG", "debug")],
+        &logs[2],
+    );
+    let endpoint = tls_endpoint(addr, &ca.cert, Some(&leaves[3]));
+    coordinator.wait_ready_at(endpoint.clone());
+
+    let channel = endpoint.connect().await.expect("TLS connection");
+    let mut client = v1::coordinator_client::CoordinatorClient::new(channel);
+    let req = request(
+        &tokenizer(&stories())
+            .encode("Once upon a time")
+            .expect("encode"),
+        40,
+        4,
+        &tandem_runtime::SamplingParams::greedy(),
+    );
+    let mut stream = client.generate(req).await.expect("generate").into_inner();
+    let mut done = None;
+    while let Some(message) = stream.message().await.expect("stream") {
+        if let Some(v1::generate_response::Kind::Done(d)) = message.kind {
+            done = Some(d);
+        }
+    }
+    let done = done.expect("the last message");
+    assert!(done.stats.expect("stats").drafted > 0, "the draft was used");
+    let want = in_process(
+        &stories(),
+        None,
+        &request(
+            &tokenizer(&stories())
+                .encode("Once upon a time")
+                .expect("encode"),
+            40,
+            0,
+            &tandem_runtime::SamplingParams::greedy(),
+        ),
+    );
+    assert_eq!(done.token_ids, want.token_ids);
+
+    drop((coordinator, draft, target));
+    let secrets: Vec<String> = leaves
+        .iter()
+        .flat_map(|l| [pem_body_lines(&l.key), pem_body_lines(&l.cert)].concat())
+        .chain(pem_body_lines(&ca.cert))
+        .collect();
+    for log in &logs {
+        let text = std::fs::read_to_string(log).expect("log");
+        assert!(text.contains("mutual tls"), "{}: {text}", log.display());
+        for line in &secrets {
+            assert!(
+                !text.contains(line.as_str()),
+                "{} holds PEM content",
+                log.display()
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_peer_without_a_client_certificate_or_from_another_ca_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = Ca::new(dir.path(), "tandem-ca");
+    let stranger_ca = Ca::new(dir.path(), "stranger-ca");
+    let (node_leaf, client, stranger) = (
+        ca.leaf("target"),
+        ca.leaf("client"),
+        stranger_ca.leaf("stranger"),
+    );
+    let target = tls_node(
+        "target-node",
+        &stories(),
+        &node_leaf,
+        &ca,
+        &dir.path().join("target.log"),
+    );
+    // The control: a certificate from the node's client CA is let in.
+    health_answers(tls_endpoint(target.addr, &ca.cert, Some(&client)))
+        .await
+        .expect("a client with a certificate from the CA");
+    let refused = [
+        (
+            "no client certificate",
+            tls_endpoint(target.addr, &ca.cert, None),
+        ),
+        (
+            "a certificate from another CA",
+            tls_endpoint(target.addr, &ca.cert, Some(&stranger)),
+        ),
+    ];
+    for (what, endpoint) in refused {
+        let err = health_answers(endpoint).await.expect_err(what);
+        assert!(!err.is_empty(), "{what}");
+    }
+    // A client that does not trust the node's CA refuses the node.
+    let err = health_answers(tls_endpoint(
+        target.addr,
+        &stranger_ca.cert,
+        Some(&stranger),
+    ))
+    .await
+    .expect_err("a server certificate from an untrusted CA");
+    assert!(err.contains("certificate"), "{err}");
+
+    // The coordinator's public API, before it has reached any node, is as strict.
+    let addr = free_addr();
+    let (listen, ca_path) = (addr.to_string(), ca.cert.display().to_string());
+    let identity = node_leaf.args();
+    let mut args = vec![
+        "serve",
+        "--target",
+        "https://127.0.0.1:1",
+        "--listen",
+        &listen,
+        "--tls-client-ca",
+        &ca_path,
+    ];
+    args.extend(identity.iter().map(String::as_str));
+    let _coordinator = Proc::start("coordinator", &args, addr);
+    health_answers(tls_endpoint(addr, &ca.cert, Some(&client)))
+        .await
+        .expect("a client with a certificate from the CA");
+    health_answers(tls_endpoint(addr, &ca.cert, None))
+        .await
+        .expect_err("no client certificate");
+    health_answers(tls_endpoint(addr, &ca.cert, Some(&stranger)))
+        .await
+        .expect_err("a certificate from another CA");
+}
+
+#[tokio::test]
+async fn plaintext_to_a_tls_port_fails_with_an_error_that_says_so() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = Ca::new(dir.path(), "tandem-ca");
+    let leaf = ca.leaf("target");
+    let target = tls_node(
+        "target-node",
+        &stories(),
+        &leaf,
+        &ca,
+        &dir.path().join("target.log"),
+    );
+    let out = std::process::Command::new(binary("coordinator"))
+        .args(["generate", "--max-tokens", "4", "--endpoint"])
+        .arg(format!("http://{}", target.addr))
+        .output()
+        .expect("run coordinator generate");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("use https://"), "{stderr}");
+    // And TLS to a plaintext port.
+    let plain_addr = free_addr();
+    let (model, listen) = (stories().display().to_string(), plain_addr.to_string());
+    let _plain = Proc::start(
+        "target-node",
+        &["--model", &model, "--listen", &listen],
+        plain_addr,
+    );
+    let out = std::process::Command::new(binary("coordinator"))
+        .args(["generate", "--max-tokens", "4", "--tls-ca"])
+        .arg(&ca.cert)
+        .arg("--endpoint")
+        .arg(format!("https://{plain_addr}"))
+        .output()
+        .expect("run coordinator generate");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("does the server serve TLS"), "{stderr}");
+
+    // A coordinator given an http:// URL for a TLS node says why it is not ready.
+    let (addr, http) = (free_addr(), free_addr());
+    let (listen, http_listen) = (addr.to_string(), http.to_string());
+    let target_url = format!("http://{}", target.addr);
+    let _coordinator = Proc::start(
+        "coordinator",
+        &[
+            "serve",
+            "--target",
+            &target_url,
+            "--listen",
+            &listen,
+            "--http-listen",
+            &http_listen,
+        ],
+        addr,
+    );
+    let mut body = String::new();
+    let ok = eventually(async || {
+        body = http_request(http, "GET", "/ready", "").await.1;
+        body.contains("use https://")
+    })
+    .await;
+    assert!(ok, "/ready says to use https://: {body}");
+}
