@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use tonic::{Request, Status};
 
+use crate::limits::{Client, ClientLimits, ClientPermit};
+
 /// The keys a request may present; none: the APIs are open.
 #[derive(Clone, Default)]
 pub struct ApiKeys(Arc<Vec<String>>);
@@ -60,6 +62,27 @@ impl ApiKeys {
         } else {
             Err(Status::unauthenticated(REFUSAL))
         }
+    }
+}
+
+/// Who may use the public APIs, and how much of them: the keys, and the generations each
+/// client may have in flight ([`crate::limits`]).
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    pub keys: ApiKeys,
+    pub per_client: ClientLimits,
+}
+
+impl Access {
+    /// A permit for one generation of the client that sent `authorization` from `peer` (after
+    /// its key was checked), or RESOURCE_EXHAUSTED when it has its limit in flight.
+    pub fn admit(
+        &self,
+        authorization: Option<&str>,
+        peer: Option<std::net::IpAddr>,
+    ) -> Result<ClientPermit, tandem_proto::Error> {
+        let client = Client::of(!self.keys.is_empty(), authorization, peer);
+        self.per_client.acquire(client)
     }
 }
 

@@ -138,6 +138,10 @@ pub struct ServeArgs {
     /// `/v1/models`, `/health`, `/ready`); unset serves no HTTP.
     #[arg(long, env = "TANDEM_HTTP_LISTEN")]
     pub http_listen: Option<std::net::SocketAddr>,
+    /// Address of a listener for `/metrics` alone (e.g. open to Prometheus, not to API
+    /// clients); unset: `/metrics` is served with the HTTP API.
+    #[arg(long, env = "TANDEM_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Adaptive K speculates only while at most this many generations run here (beyond, a
     /// batch of plain target steps is cheaper); 0: no limit. Default: 1 for a CPU target whose
     /// draft-node is on the same machine (the same host, or loopback both: it takes the
@@ -159,6 +163,11 @@ pub struct ServeArgs {
         hide_env_values = true
     )]
     pub api_keys: Vec<crate::auth::Secret>,
+    /// Generations one client (its API key where keys are required, else its IP address) may
+    /// have in flight on the public APIs; one more gets RESOURCE_EXHAUSTED / HTTP 429 with
+    /// `Retry-After`. 0: no limit.
+    #[arg(long, env = "TANDEM_MAX_REQUESTS_PER_CLIENT", default_value_t = 0)]
+    pub max_requests_per_client: usize,
     /// TLS of the public gRPC API; `--tls-cert`/`--tls-key` are also the certificate presented
     /// to nodes that ask for one (mutual TLS).
     #[command(flatten)]

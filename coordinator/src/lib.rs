@@ -10,6 +10,7 @@ pub mod drafters;
 pub mod engine;
 pub mod http;
 pub mod late;
+pub mod limits;
 pub mod links;
 pub mod local;
 pub mod metrics;
@@ -48,12 +49,13 @@ pub fn same_machine(a: &str, b: &str) -> bool {
 
 /// Serves the public gRPC API (and health) on `listener` until `shutdown` resolves. Health
 /// says NOT_SERVING, and requests are refused UNAVAILABLE, until `engine` has reached its nodes.
-/// With `keys`, a call must present one ([`auth`]); health stays open. `tls` secures the
+/// With keys in `access`, a call must present one ([`auth`]), and a client has at most its
+/// limit of generations in flight; health stays open. `tls` secures the
 /// connections (mutual TLS where it names a client CA).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     engine: LateEngine,
-    keys: auth::ApiKeys,
+    access: auth::Access,
     tls: tandem_proto::tls::ServerTlsSetup,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
@@ -64,7 +66,7 @@ pub async fn serve(
             .set_service_status(name, tonic_health::ServingStatus::NotServing)
             .await;
     }
-    let ready = engine.clone();
+    let (ready, keys) = (engine.clone(), access.keys.clone());
     tokio::spawn(async move {
         ready.wait().await;
         for name in ["", service] {
@@ -76,7 +78,7 @@ pub async fn serve(
     tls.server()?
         .add_service(health)
         .add_service(tonic::service::interceptor::InterceptedService::new(
-            service::CoordinatorService(engine).into_server(),
+            service::CoordinatorService { engine, access }.into_server(),
             move |request| keys.check(request),
         ))
         .serve_with_incoming_shutdown(

@@ -55,7 +55,7 @@ pub async fn start_local(
     tokio::spawn(crate::serve(
         listener,
         crate::late::LateEngine::ready(Arc::new(engine)),
-        crate::auth::ApiKeys::default(),
+        Default::default(),
         Default::default(),
         std::future::pending(),
     ));

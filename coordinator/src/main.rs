@@ -7,10 +7,11 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
-use tandem_coordinator::auth::ApiKeys;
+use tandem_coordinator::auth::{Access, ApiKeys};
 use tandem_coordinator::cli::{Cli, Command, ServeArgs};
 use tandem_coordinator::http::{self, HttpState};
 use tandem_coordinator::late::{LateEngine, connect_until_ready};
+use tandem_coordinator::limits::ClientLimits;
 use tandem_coordinator::{Engine, client, local};
 
 fn main() -> anyhow::Result<()> {
@@ -48,6 +49,14 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let http = tandem_node::bind_http(args.http_listen).await?;
+    let metrics_listener = match args.metrics_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} (--metrics-listen)"))?,
+        ),
+        None => None,
+    };
     let tls = args.tls.load()?;
     let node_tls = tandem_proto::tls::ClientTlsArgs {
         identity: args.tls.identity.clone(),
@@ -85,8 +94,19 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),
         "coordinator listening"
     );
-    let keys = ApiKeys::new(args.api_keys.iter().map(|k| k.0.clone()));
-    let state = HttpState::new(engine.clone(), keys.clone());
+    let access = Access {
+        keys: ApiKeys::new(args.api_keys.iter().map(|k| k.0.clone())),
+        per_client: ClientLimits::new(args.max_requests_per_client),
+    };
+    let state = HttpState::new(engine.clone(), access.clone());
+    let metrics_on = match metrics_listener {
+        Some(l) => {
+            tracing::info!(metrics_listen = %l.local_addr()?, "metrics on their own listener");
+            tokio::spawn(http::serve_metrics(l, Arc::clone(&state)));
+            http::MetricsOn::Elsewhere
+        }
+        None => http::MetricsOn::Api,
+    };
     tandem_node::serve_until_signal(
         || {
             tracing::info!(
@@ -97,10 +117,12 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 .ready
                 .store(false, std::sync::atomic::Ordering::Relaxed);
         },
-        |stop| tandem_coordinator::serve(listener, engine.clone(), keys.clone(), tls.clone(), stop),
+        |stop| {
+            tandem_coordinator::serve(listener, engine.clone(), access.clone(), tls.clone(), stop)
+        },
         |stop| async {
             match http {
-                Some(l) => http::serve(l, Arc::clone(&state), stop).await,
+                Some(l) => http::serve(l, Arc::clone(&state), metrics_on, stop).await,
                 None => Ok(()),
             }
         },

@@ -9,8 +9,12 @@ use tonic::{Request, Response, Status};
 
 use tandem_runtime::Commit;
 
+use crate::auth::Access;
 use crate::engine::{CommitSink, Outcome};
 use crate::late::LateEngine;
+
+/// Largest public request: a prompt of a million tokens' text fits.
+pub const MAX_REQUEST_BYTES: usize = 4 << 20;
 
 /// Deltas buffered for a slow client before the generation waits for it.
 const STREAM_BUFFER: usize = 4;
@@ -80,11 +84,16 @@ impl CommitSink for DeltaSink {
 
 /// `tandem.v1.Coordinator` over an engine.
 #[derive(Debug, Clone)]
-pub struct CoordinatorService(pub LateEngine);
+pub struct CoordinatorService {
+    pub engine: LateEngine,
+    pub access: Access,
+}
 
 impl CoordinatorService {
+    /// The server, refusing requests over [`MAX_REQUEST_BYTES`] (RESOURCE_EXHAUSTED, before
+    /// they are decoded).
     pub fn into_server(self) -> CoordinatorServer<Self> {
-        CoordinatorServer::new(self)
+        CoordinatorServer::new(self).max_decoding_message_size(MAX_REQUEST_BYTES)
     }
 }
 
@@ -98,7 +107,13 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let span = tracing::info_span!("grpc_generate");
         tandem_proto::trace::continue_trace(request.metadata(), &span);
-        let engine = self.0.get()?;
+        let engine = self.engine.get()?;
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        let peer = request.remote_addr().map(|a| a.ip());
+        let permit = self.access.admit(authorization, peer)?;
         let job = engine.prepare(request.get_ref())?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(tracing::Instrument::instrument(
@@ -112,6 +127,7 @@ impl Coordinator for CoordinatorService {
                     }
                 };
                 let _ = tx.send(last).await;
+                drop(permit);
             },
             span,
         ));
@@ -122,7 +138,7 @@ impl Coordinator for CoordinatorService {
         &self,
         _: Request<v1::InfoRequest>,
     ) -> Result<Response<v1::CoordinatorInfo>, Status> {
-        let e = self.0.get()?;
+        let e = self.engine.get()?;
         Ok(Response::new(v1::CoordinatorInfo {
             target: Some(e.target.info.clone()),
             draft: e.draft.as_ref().map(|d| d.info.clone()),

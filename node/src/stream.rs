@@ -108,6 +108,7 @@ async fn run<S: Session>(
                 if session.is_some() {
                     return Err(Error::SessionAlreadyOpen);
                 }
+                tandem_proto::check_session_id(&open.session_id)?;
                 tracing::Span::current().record("session_id", open.session_id.as_str());
                 let slot = state.sessions.acquire(state.session_room(&open).1)?;
                 let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());

@@ -160,6 +160,25 @@ pub fn distribution_from_wire(
     }
 }
 
+/// Longest `session_id` a node accepts.
+pub const MAX_SESSION_ID_BYTES: usize = 128;
+
+/// A `session_id` is checked before it reaches a log or a span: at most
+/// [`MAX_SESSION_ID_BYTES`], of ASCII letters, digits and `-_.:/` only (no control characters,
+/// no log injection). The refusal quotes at most 32 characters of it, escaped.
+pub fn check_session_id(id: &str) -> Result<(), tandem_runtime::Error> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "-_.:/".contains(c);
+    if id.is_empty() || id.len() > MAX_SESSION_ID_BYTES || !id.chars().all(allowed) {
+        let shown: String = id.chars().take(32).collect();
+        return Err(tandem_runtime::Error::invalid(
+            "session_id",
+            format!("{shown:?} ({} bytes)", id.len()),
+            format!("1 to {MAX_SESSION_ID_BYTES} bytes of ASCII letters, digits and `-_.:/`"),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,5 +223,25 @@ mod tests {
             ..unseeded
         };
         assert_eq!(seeded.to_runtime().expect("valid").seed, 5);
+    }
+
+    #[test]
+    fn a_session_id_is_bounded_in_length_and_characters() {
+        use super::{MAX_SESSION_ID_BYTES, check_session_id};
+        check_session_id("gen-42").expect("the coordinator's ids");
+        check_session_id("tenant.a/req:7_x").expect("punctuation that logs safely");
+        for bad in [
+            String::new(),
+            "a".repeat(MAX_SESSION_ID_BYTES + 1),
+            "gen-1\n2026-01-01 INFO forged line".into(),
+            "gen\u{1b}[31m".into(),
+            "gén".into(),
+        ] {
+            let e = check_session_id(&bad).expect_err(&bad);
+            let text = e.to_string();
+            assert!(text.contains("session_id"), "{text}");
+            assert!(!text.contains('\n') && !text.contains('\u{1b}'), "{text}");
+            assert!(text.len() < 200, "quotes a bounded part: {text}");
+        }
     }
 }

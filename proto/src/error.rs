@@ -46,6 +46,11 @@ pub enum Error {
     NotReady(String),
     #[error("the client cancelled the request")]
     Cancelled,
+    #[error(
+        "too many generations in flight from this client: the limit \
+         (--max-requests-per-client) is {limit}; retry when one has ended"
+    )]
+    TooManyRequests { limit: usize },
 }
 
 /// Result alias of the services.
@@ -68,7 +73,9 @@ impl Error {
             Self::MissingField(_) => Code::InvalidArgument,
             Self::NoSession => Code::NotFound,
             Self::SessionAlreadyOpen => Code::FailedPrecondition,
-            Self::TooManySessions { .. } | Self::KvCacheFull { .. } => Code::ResourceExhausted,
+            Self::TooManySessions { .. }
+            | Self::KvCacheFull { .. }
+            | Self::TooManyRequests { .. } => Code::ResourceExhausted,
             Self::IdleTimeout { .. } => Code::DeadlineExceeded,
             Self::Unavailable { .. }
             | Self::ShuttingDown

@@ -216,8 +216,9 @@ pub async fn serve_http(engine: std::sync::Arc<Engine>) -> std::net::SocketAddr 
         listener,
         tandem_coordinator::http::HttpState::new(
             tandem_coordinator::late::LateEngine::ready(engine),
-            tandem_coordinator::auth::ApiKeys::default(),
+            Default::default(),
         ),
+        tandem_coordinator::http::MetricsOn::Api,
         std::future::pending(),
     ));
     addr

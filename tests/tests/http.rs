@@ -29,7 +29,7 @@ async fn serve(target: &std::path::Path) -> Served {
     tokio::spawn(tandem_coordinator::serve(
         grpc,
         tandem_coordinator::late::LateEngine::ready(Arc::clone(&engine)),
-        tandem_coordinator::auth::ApiKeys::default(),
+        Default::default(),
         Default::default(),
         std::future::pending(),
     ));

@@ -150,7 +150,15 @@ async fn unknown_session_and_values_over_the_limits_are_named() {
     );
 
     // Open refusals end the stream with a status naming the field and the limit.
-    let cases: [(v1::OpenSession, Code, &[&str]); 4] = [
+    let cases: [(v1::OpenSession, Code, &[&str]); 5] = [
+        (
+            v1::OpenSession {
+                session_id: "x\n2026-01-01 INFO forged".into(),
+                ..open(&[1], 8)
+            },
+            Code::InvalidArgument,
+            &["`session_id`", "ASCII letters"],
+        ),
         (open(&[], 8), Code::InvalidArgument, &["empty prompt"]),
         (
             open(&[1, 2], 100),
@@ -396,7 +404,7 @@ async fn cancelling_a_generation_frees_the_sessions_on_both_nodes() {
     tokio::spawn(tandem_coordinator::serve(
         listener,
         tandem_coordinator::late::LateEngine::ready(Arc::clone(&engine)),
-        tandem_coordinator::auth::ApiKeys::default(),
+        Default::default(),
         Default::default(),
         std::future::pending(),
     ));

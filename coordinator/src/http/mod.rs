@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
-use crate::auth::ApiKeys;
+use crate::auth::Access;
 use crate::engine::{CommitSink, Discard, Engine};
 use crate::late::LateEngine;
 use error::ApiError;
@@ -35,18 +35,19 @@ use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
 #[derive(Debug)]
 pub struct HttpState {
     pub engine: LateEngine,
-    /// Keys a `/v1/*` request must present ([`crate::auth`]).
-    pub keys: ApiKeys,
+    /// Keys a `/v1/*` request must present ([`crate::auth`]), generations a client may have in
+    /// flight ([`crate::limits`]).
+    pub access: Access,
     /// False while shutting down: `/ready` fails so load balancers stop sending.
     pub ready: AtomicBool,
     next_id: AtomicU64,
 }
 
 impl HttpState {
-    pub fn new(engine: LateEngine, keys: ApiKeys) -> Arc<Self> {
+    pub fn new(engine: LateEngine, access: Access) -> Arc<Self> {
         Arc::new(Self {
             engine,
-            keys,
+            access,
             ready: AtomicBool::new(true),
             next_id: AtomicU64::new(0),
         })
@@ -87,22 +88,48 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// Where `/metrics` is served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricsOn {
+    /// With the API.
+    Api,
+    /// On a listener of its own (`--metrics-listen`): not with the API.
+    Elsewhere,
+}
+
 /// The HTTP routes over `state`.
-pub fn router(state: Arc<HttpState>) -> Router {
-    let api = Router::new()
+pub fn router(state: Arc<HttpState>, metrics: MetricsOn) -> Router {
+    let generate = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
         .route_layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
-            require_key,
+            limit_client,
         ));
-    Router::new()
+    let api = generate.route("/v1/models", get(models)).route_layer(
+        axum::middleware::from_fn_with_state(Arc::clone(&state), require_key),
+    );
+    let probes = Router::new()
         .merge(api)
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
-        .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
-        .with_state(state)
+        .route("/ready", get(ready));
+    match metrics {
+        MetricsOn::Api => probes.route("/metrics", get(exposition)),
+        MetricsOn::Elsewhere => probes,
+    }
+    .with_state(state)
+}
+
+/// `/metrics` alone, for a listener of its own (`--metrics-listen`: e.g. reachable by
+/// Prometheus only, not by API clients).
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    state: Arc<HttpState>,
+) -> std::io::Result<()> {
+    let app = Router::new()
+        .route("/metrics", get(exposition))
+        .with_state(state);
+    axum::serve(listener, app).await
 }
 
 /// 401 in OpenAI's shape unless the request presents one of the keys (when there are any).
@@ -115,7 +142,7 @@ async fn require_key(
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    if state.keys.admits(presented) {
+    if state.access.keys.admits(presented) {
         return next.run(request).await;
     }
     ApiError {
@@ -125,6 +152,34 @@ async fn require_key(
         code: Some("invalid_api_key"),
     }
     .into_response()
+}
+
+/// 429 (with `Retry-After`) when the client has its limit of generations in flight; else the
+/// permit is held until the response's body (an SSE stream included) has been sent.
+async fn limit_client(
+    State(state): State<Arc<HttpState>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let authorization = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let peer = request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip());
+    let permit = match state.access.admit(authorization, peer) {
+        Ok(permit) => permit,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    next.run(request).await.map(|body| {
+        use tokio_stream::StreamExt;
+        axum::body::Body::from_stream(body.into_data_stream().map(move |chunk| {
+            let _held = &permit;
+            chunk
+        }))
+    })
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
@@ -274,7 +329,7 @@ async fn models(State(state): State<Arc<HttpState>>) -> Result<Json<serde_json::
     })))
 }
 
-async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
+async fn exposition(State(state): State<Arc<HttpState>>) -> Response {
     let e = match state.engine.get() {
         Ok(e) => e,
         Err(not_ready) => return ApiError::from(not_ready).into_response(),
@@ -308,14 +363,17 @@ async fn ready(State(state): State<Arc<HttpState>>) -> Response {
     }
 }
 
-/// Serves the HTTP API on `listener` until `shutdown` resolves, then lets in-flight requests
+/// Serves the HTTP API (with `/metrics` where `metrics` says) on `listener` until `shutdown`
+/// resolves, then lets in-flight requests
 /// finish.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<HttpState>,
+    metrics: MetricsOn,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
+    let app = router(state, metrics).into_make_service_with_connect_info::<std::net::SocketAddr>();
+    axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
 }
