@@ -157,6 +157,20 @@ async fn bad_http_input_gets_openai_shaped_errors() {
         ),
         (
             "/v1/completions",
+            json!({"prompt": "Once", "max_tokens": "ten"}).to_string(),
+            400,
+            Some("max_tokens"),
+            "invalid `max_tokens`: invalid type: string",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": 7}]}).to_string(),
+            400,
+            Some("messages[0].content"),
+            "invalid `messages[0].content`",
+        ),
+        (
+            "/v1/completions",
             json!({"prompt": "Once", "max_tokens": -5}).to_string(),
             400,
             Some("max_tokens"),

@@ -155,7 +155,7 @@ async fn require_key(
 }
 
 /// 429 (with `Retry-After`) when the client has its limit of generations in flight; else the
-/// permit is held until the response's body (an SSE stream included) has been sent.
+/// permit is held until the answer is whole (a stream's, until its last event is sent).
 async fn limit_client(
     State(state): State<Arc<HttpState>>,
     request: axum::extract::Request,
@@ -173,7 +173,16 @@ async fn limit_client(
         Ok(permit) => permit,
         Err(e) => return ApiError::from(e).into_response(),
     };
-    next.run(request).await.map(|body| {
+    let response = next.run(request).await;
+    let streamed = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if !streamed {
+        // A whole answer: the generation has ended.
+        return response;
+    }
+    response.map(|body| {
         use tokio_stream::StreamExt;
         axum::body::Body::from_stream(body.into_data_stream().map(move |chunk| {
             let _held = &permit;
@@ -182,9 +191,29 @@ async fn limit_client(
     })
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(None, format!("invalid JSON body: {e}")))
+/// The request in `body`: an endpoint's own fields and the [`Common`] ones (read in two passes
+/// rather than through `#[serde(flatten)]`, which loses the path of a wrong field). A refusal
+/// names the field that was wrong (`messages[0].content`).
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<(T, Common), ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(None, format!("invalid JSON body: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::invalid(
+            None,
+            "the body must be a JSON object with the request's fields",
+        ));
+    }
+    fn named<U: serde::de::DeserializeOwned>(value: &serde_json::Value) -> Result<U, ApiError> {
+        serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            match path.as_str() {
+                "." => ApiError::invalid(None, format!("invalid request: {inner}")),
+                _ => ApiError::invalid(path.clone(), format!("invalid `{path}`: {inner}")),
+            }
+        })
+    }
+    Ok((named(&value)?, named(&value)?))
 }
 
 async fn completions(
@@ -195,8 +224,8 @@ async fn completions(
     let span = tracing::info_span!("http_completions");
     tandem_proto::trace::continue_http_trace(&headers, &span);
     let run = async {
-        let req: CompletionRequest = parse(&body)?;
-        let (engine, head) = state.head(Kind::Completion, req.common.model.as_deref())?;
+        let (req, common): (CompletionRequest, Common) = parse(&body)?;
+        let (engine, head) = state.head(Kind::Completion, common.model.as_deref())?;
         let prompt = match req.prompt {
             openai::OneOrMany::One(p) => p,
             openai::OneOrMany::Many(mut v) if v.len() == 1 => v.remove(0),
@@ -214,7 +243,7 @@ async fn completions(
         answer(
             engine,
             head,
-            &req.common,
+            &common,
             request,
             openai::COMPLETION_MAX_TOKENS,
         )
@@ -233,8 +262,8 @@ async fn chat_completions(
     let span = tracing::info_span!("http_chat_completions");
     tandem_proto::trace::continue_http_trace(&headers, &span);
     let run = async {
-        let req: ChatRequest = parse(&body)?;
-        let (engine, head) = state.head(Kind::Chat, req.common.model.as_deref())?;
+        let (req, common): (ChatRequest, Common) = parse(&body)?;
+        let (engine, head) = state.head(Kind::Chat, common.model.as_deref())?;
         let tok = &engine.tokenizer;
         let special = |id: Option<u32>| id.and_then(|i| tok.token(i)).unwrap_or_default();
         let text = chat::render(
@@ -247,7 +276,7 @@ async fn chat_completions(
             prompt_tokens: tok.encode_raw(&text).map_err(tandem_proto::Error::from)?,
             ..Default::default()
         };
-        answer(engine, head, &req.common, request, openai::CHAT_MAX_TOKENS).await
+        answer(engine, head, &common, request, openai::CHAT_MAX_TOKENS).await
     };
     run.instrument(span)
         .await

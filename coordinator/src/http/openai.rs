@@ -57,18 +57,16 @@ pub struct Common {
     pub pipeline: Option<bool>,
 }
 
+/// A completion request's own fields; its [`Common`] ones are read from the same body.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: OneOrMany,
-    #[serde(flatten)]
-    pub common: Common,
 }
 
+/// A chat request's own fields; its [`Common`] ones are read from the same body.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<Message>,
-    #[serde(flatten)]
-    pub common: Common,
 }
 
 /// OpenAI's default length of a completion; chat completions default to [`CHAT_MAX_TOKENS`].
