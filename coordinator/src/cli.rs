@@ -163,6 +163,14 @@ pub struct ServeArgs {
         hide_env_values = true
     )]
     pub api_keys: Vec<crate::auth::Secret>,
+    /// A name clients give as `model` on the HTTP API, and answers carry (the first);
+    /// repeatable. Unset: the target's model name.
+    #[arg(
+        long = "served-model-name",
+        env = "TANDEM_SERVED_MODEL_NAMES",
+        value_delimiter = ','
+    )]
+    pub served_model_names: Vec<String>,
     /// Generations one client (its API key where keys are required, else its IP address) may
     /// have in flight on the public APIs; one more gets RESOURCE_EXHAUSTED / HTTP 429 with
     /// `Retry-After`. 0: no limit.

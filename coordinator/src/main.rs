@@ -98,7 +98,11 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         keys: ApiKeys::new(args.api_keys.iter().map(|k| k.0.clone())),
         per_client: ClientLimits::new(args.max_requests_per_client),
     };
-    let state = HttpState::new(engine.clone(), access.clone());
+    let state = HttpState::new(
+        engine.clone(),
+        access.clone(),
+        args.served_model_names.clone(),
+    );
     let metrics_on = match metrics_listener {
         Some(l) => {
             tracing::info!(metrics_listen = %l.local_addr()?, "metrics on their own listener");

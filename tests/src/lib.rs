@@ -217,6 +217,7 @@ pub async fn serve_http(engine: std::sync::Arc<Engine>) -> std::net::SocketAddr 
         tandem_coordinator::http::HttpState::new(
             tandem_coordinator::late::LateEngine::ready(engine),
             Default::default(),
+            Vec::new(),
         ),
         tandem_coordinator::http::MetricsOn::Api,
         std::future::pending(),

@@ -414,6 +414,7 @@ fn openai_requests_are_served_or_refused_with_a_4xx_naming_the_field() {
         let state = tandem_coordinator::http::HttpState::new(
             tandem_coordinator::late::LateEngine::ready(engine),
             Default::default(),
+            Vec::new(),
         );
         let router =
             tandem_coordinator::http::router(state, tandem_coordinator::http::MetricsOn::Api);

@@ -219,3 +219,147 @@ async fn bad_http_input_gets_openai_shaped_errors() {
         assert!(message.contains(words), "{message:?} lacks {words:?}");
     }
 }
+
+/// `router` answers for `request`: its status, headers and body as JSON (Null if not JSON).
+async fn call(
+    router: &axum::Router,
+    request: axum::http::Request<axum::body::Body>,
+) -> (u16, axum::http::HeaderMap, Value) {
+    use tower::ServiceExt;
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    let (status, headers) = (response.status().as_u16(), response.headers().clone());
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    (
+        status,
+        headers,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+fn post_json(path: &str, body: &Value) -> axum::http::Request<axum::body::Body> {
+    axum::http::Request::post(path)
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body.to_string()))
+        .expect("request")
+}
+
+async fn router_over(cluster: &LocalCluster, served_names: Vec<String>) -> axum::Router {
+    let engine = Arc::new(cluster.engine(4).await.expect("engine"));
+    let state = tandem_coordinator::http::HttpState::new(
+        tandem_coordinator::late::LateEngine::ready(engine),
+        Default::default(),
+        served_names,
+    );
+    tandem_coordinator::http::router(state, tandem_coordinator::http::MetricsOn::Api)
+}
+
+#[tokio::test]
+async fn the_openai_api_as_clients_use_it() {
+    let served = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
+    let router = router_over(&served, vec!["tandem-stories".into()]).await;
+
+    // Axum's own refusals in OpenAI's shape.
+    let get = |path: &str| {
+        axum::http::Request::get(path)
+            .body(axum::body::Body::empty())
+            .expect("request")
+    };
+    let (status, _, body) = call(&router, get("/v1/nope")).await;
+    assert_eq!(status, 404, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("/v1/completions")),
+        "{body}"
+    );
+    let (status, headers, body) = call(&router, get("/v1/completions")).await;
+    assert_eq!(status, 405, "{body}");
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    assert!(headers.contains_key("allow"));
+    let huge = json!({"prompt": "a".repeat(3 << 20)});
+    let (status, _, body) = call(&router, post_json("/v1/completions", &huge)).await;
+    assert_eq!(status, 413, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("limit")),
+        "{body}"
+    );
+
+    // --served-model-name: the names listed and answered; the target's own is not one.
+    let (_, _, models) = call(&router, get("/v1/models")).await;
+    assert_eq!(models["data"][0]["id"], "tandem-stories", "{models}");
+    let ask = |prompt: Value, model: &str| {
+        post_json(
+            "/v1/completions",
+            &json!({"prompt": prompt, "model": model, "max_tokens": 12, "temperature": 0}),
+        )
+    };
+    let (status, _, text) = call(&router, ask(json!("Once upon a time"), "tandem-stories")).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(text["model"], "tandem-stories");
+    let (status, _, _) = call(&router, ask(json!("Once upon a time"), "stories260K")).await;
+    assert_eq!(status, 404);
+
+    // A prompt as token ids reads as the same text; ids are unique.
+    let ids = tokenizer(&stories())
+        .encode("Once upon a time")
+        .expect("encode");
+    let (status, _, tokens) = call(&router, ask(json!(ids), "tandem-stories")).await;
+    assert_eq!(status, 200, "{tokens}");
+    assert_eq!(tokens["choices"][0]["text"], text["choices"][0]["text"]);
+    assert_ne!(tokens["id"], text["id"]);
+    assert!(
+        text["id"].as_str().is_some_and(|id| id.len() > 20),
+        "{text}"
+    );
+
+    // Content parts, sampling extensions; what is not supported is refused by name.
+    let chat_router = router_over(
+        &cluster(&stories_with_chat_template(), None, &LimitsArgs::default()).await,
+        Vec::new(),
+    )
+    .await;
+    let parts = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "Once"}]}],
+                       "max_tokens": 4, "min_p": 0.05, "top_k": 20, "repetition_penalty": 1.1});
+    let (status, _, body) = call(&chat_router, post_json("/v1/chat/completions", &parts)).await;
+    assert_eq!(status, 200, "{body}");
+    for (field, value) in [
+        ("presence_penalty", json!(0.5)),
+        ("frequency_penalty", json!(-1)),
+        ("logprobs", json!(true)),
+    ] {
+        let mut req = json!({"prompt": "Once", "max_tokens": 2});
+        req[field] = value;
+        let (status, _, body) = call(&router, post_json("/v1/completions", &req)).await;
+        assert_eq!(status, 400, "{field}: {body}");
+        let param = if field == "logprobs" {
+            "logprobs"
+        } else {
+            field
+        };
+        assert_eq!(body["error"]["param"], param, "{body}");
+    }
+}
+
+#[tokio::test]
+async fn a_stream_refused_before_its_first_token_gets_its_status_not_a_200() {
+    let full = LimitsArgs {
+        kv_cache_bytes: 1,
+        ..LimitsArgs::default()
+    };
+    let cluster = cluster(&stories(), None, &full).await;
+    let router = router_over(&cluster, Vec::new()).await;
+    let req = json!({"prompt": "Once upon a time", "max_tokens": 8, "stream": true});
+    let (status, headers, body) = call(&router, post_json("/v1/completions", &req)).await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(headers["retry-after"], "1");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("kv cache budget")),
+        "{body}"
+    );
+}

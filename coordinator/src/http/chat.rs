@@ -12,7 +12,39 @@ use super::error::ApiError;
 #[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct Message {
     pub role: String,
+    /// A string, or OpenAI's array of content parts (`[{"type": "text", "text": …}]`), whose
+    /// texts are joined; other parts (images, audio) are refused.
+    #[serde(deserialize_with = "content_text")]
     pub content: String,
+}
+
+fn content_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Content {
+        Text(String),
+        Parts(Vec<Part>),
+    }
+    #[derive(Deserialize)]
+    struct Part {
+        #[serde(rename = "type")]
+        kind: String,
+        text: Option<String>,
+    }
+    match Option::<Content>::deserialize(d)? {
+        None => Ok(String::new()),
+        Some(Content::Text(text)) => Ok(text),
+        Some(Content::Parts(parts)) => parts
+            .into_iter()
+            .map(|p| match (p.kind.as_str(), p.text) {
+                ("text", Some(text)) => Ok(text),
+                (kind, _) => Err(serde::de::Error::custom(format!(
+                    "content parts of type `{kind}` are not supported: only `text` parts \
+                     (with a `text` field)"
+                ))),
+            })
+            .collect(),
+    }
 }
 
 /// Renders `messages` with `template`, ending with the assistant's turn.
@@ -71,6 +103,26 @@ mod tests {
     use super::*;
 
     const ZEPHYR: &str = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}";
+
+    #[test]
+    fn content_is_a_string_or_text_parts() {
+        let m: Message = serde_json::from_str(
+            r#"{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}"#,
+        )
+        .expect("parts");
+        assert_eq!(m.content, "Hi there");
+        let e = serde_json::from_str::<Message>(
+            r#"{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}"#,
+        )
+        .expect_err("an image");
+        assert!(
+            e.to_string().contains("`image_url` are not supported"),
+            "{e}"
+        );
+        let m: Message =
+            serde_json::from_str(r#"{"role": "assistant", "content": null}"#).expect("null");
+        assert_eq!(m.content, "");
+    }
 
     #[test]
     fn renders_with_the_generation_prompt_and_refuses_a_missing_template() {

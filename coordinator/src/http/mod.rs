@@ -38,30 +38,50 @@ pub struct HttpState {
     /// Keys a `/v1/*` request must present ([`crate::auth`]), generations a client may have in
     /// flight ([`crate::limits`]).
     pub access: Access,
+    /// The names clients may give as `model` (`--served-model-name`); the first is the one
+    /// answers carry. None: the target's model name.
+    pub served_names: Vec<String>,
     /// False while shutting down: `/ready` fails so load balancers stop sending.
     pub ready: AtomicBool,
+    /// Response ids: this process's random prefix, then a count (unique across restarts and
+    /// replicas, as OpenAI's are).
+    id_prefix: u64,
     next_id: AtomicU64,
 }
 
 impl HttpState {
-    pub fn new(engine: LateEngine, access: Access) -> Arc<Self> {
+    pub fn new(engine: LateEngine, access: Access, served_names: Vec<String>) -> Arc<Self> {
         Arc::new(Self {
             engine,
             access,
+            served_names,
             ready: AtomicBool::new(true),
+            id_prefix: tandem_proto::random_seed(),
             next_id: AtomicU64::new(0),
         })
+    }
+
+    /// The model name answers carry, and every name a request may ask for.
+    fn model_names(&self, engine: &Engine) -> (String, Vec<String>) {
+        let target = engine.target.info.model_name.clone();
+        match self.served_names.first() {
+            Some(first) => (first.clone(), self.served_names.clone()),
+            None => (target.clone(), vec![target]),
+        }
     }
 
     /// The engine, and the head of a response naming the model clients name in `model` (the
     /// target's model name).
     fn head(&self, kind: Kind, requested: Option<&str>) -> Result<(Arc<Engine>, Head), ApiError> {
         let engine = self.engine.get()?;
-        let model = &engine.target.info.model_name;
-        if let Some(m) = requested.filter(|m| m != model) {
+        let (model, names) = self.model_names(&engine);
+        if let Some(m) = requested.filter(|m| !names.iter().any(|n| n == m)) {
             return Err(ApiError {
                 status: StatusCode::NOT_FOUND,
-                message: format!("the model `{m}` does not exist: this server serves `{model}`"),
+                message: format!(
+                    "the model `{m}` does not exist: this server serves `{}`",
+                    names.join("`, `")
+                ),
                 param: Some("model".into()),
                 code: Some("model_not_found"),
             });
@@ -73,9 +93,9 @@ impl HttpState {
             "cmpl"
         };
         let head = Head {
-            id: format!("{prefix}-{n}"),
+            id: format!("{prefix}-{:016x}{n:x}", self.id_prefix),
             created: now(),
-            model: model.clone(),
+            model,
             kind,
         };
         Ok((engine, head))
@@ -117,8 +137,55 @@ pub fn router(state: Arc<HttpState>, metrics: MetricsOn) -> Router {
         MetricsOn::Api => probes.route("/metrics", get(exposition)),
         MetricsOn::Elsewhere => probes,
     }
+    .layer(axum::middleware::from_fn(openai_errors))
     .with_state(state)
 }
+
+/// Axum's own refusals (no route: 404, wrong method: 405, body over the limit: 413, bodies it
+/// could not read) in OpenAI's error shape, as clients parse every error.
+async fn openai_errors(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    let response = next.run(request).await;
+    let status = response.status();
+    let json = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if json || !(status.is_client_error() || status.is_server_error()) {
+        return response;
+    }
+    let allow = response.headers().get(axum::http::header::ALLOW).cloned();
+    let text = axum::body::to_bytes(response.into_body(), 4096)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+        .unwrap_or_default();
+    let message = match status {
+        StatusCode::NOT_FOUND => format!(
+            "`{method} {path}` is not an endpoint of this server: it serves POST \
+             /v1/completions, POST /v1/chat/completions, GET /v1/models"
+        ),
+        StatusCode::METHOD_NOT_ALLOWED => format!("`{method}` is not allowed on `{path}`"),
+        StatusCode::PAYLOAD_TOO_LARGE => {
+            format!("the request body is over the limit of {MAX_BODY_BYTES} bytes")
+        }
+        _ if !text.is_empty() => text,
+        _ => status.canonical_reason().unwrap_or("error").to_string(),
+    };
+    let mut out = ApiError {
+        status,
+        message,
+        param: None,
+        code: None,
+    }
+    .into_response();
+    if let Some(allow) = allow {
+        out.headers_mut().insert(axum::http::header::ALLOW, allow);
+    }
+    out
+}
+
+/// Largest request body (axum's default limit).
+pub const MAX_BODY_BYTES: usize = 2 << 20;
 
 /// `/metrics` alone, for a listener of its own (`--metrics-listen`: e.g. reachable by
 /// Prometheus only, not by API clients).
@@ -226,20 +293,7 @@ async fn completions(
     let run = async {
         let (req, common): (CompletionRequest, Common) = parse(&body)?;
         let (engine, head) = state.head(Kind::Completion, common.model.as_deref())?;
-        let prompt = match req.prompt {
-            openai::OneOrMany::One(p) => p,
-            openai::OneOrMany::Many(mut v) if v.len() == 1 => v.remove(0),
-            openai::OneOrMany::Many(_) => {
-                return Err(ApiError::invalid(
-                    Some("prompt".to_string()),
-                    "`prompt` must be one string (batches are not supported)",
-                ));
-            }
-        };
-        let request = v1::GenerateRequest {
-            prompt,
-            ..Default::default()
-        };
+        let request = req.prompt.into_request()?;
         answer(
             engine,
             head,
@@ -299,13 +353,29 @@ async fn answer(
     }
     let (tx, rx) = mpsc::channel(4);
     let include_usage = common.include_usage();
+    // The response's status waits for the first text or the failure before it: a refusal (a
+    // full node, a lost target) gets its HTTP status, not a 200 with an error event.
+    let (started, first) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         let mut sink = SseSink {
             head: head.clone(),
             tx: tx.clone(),
             first: true,
+            started: Some(started),
         };
-        let last = match engine.generate(&job, &mut sink).await {
+        let generated = engine.generate(&job, &mut sink).await;
+        let generated = match (sink.started.take(), generated) {
+            (Some(started), Err(e)) => {
+                let _ = started.send(Err(ApiError::from(e)));
+                return;
+            }
+            (Some(started), generated) => {
+                let _ = started.send(Ok(()));
+                generated
+            }
+            (None, generated) => generated,
+        };
+        let last = match generated {
             Ok(outcome) => {
                 let mut events = vec![head.finish_chunk(&outcome)];
                 if include_usage {
@@ -326,7 +396,16 @@ async fn answer(
         let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
     }
     .in_current_span());
-    Ok(Sse::new(ReceiverStream::new(rx)).into_response())
+    match first.await {
+        Ok(Ok(())) => Ok(Sse::new(ReceiverStream::new(rx)).into_response()),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: "the generation ended before its first event".into(),
+            param: None,
+            code: None,
+        }),
+    }
 }
 
 /// Sends each commit's text as an SSE chunk.
@@ -334,10 +413,15 @@ struct SseSink {
     head: Head,
     tx: mpsc::Sender<Result<Event, Infallible>>,
     first: bool,
+    /// Told once the stream has its first event (the response then starts, status 200).
+    started: Option<tokio::sync::oneshot::Sender<Result<(), ApiError>>>,
 }
 
 impl CommitSink for SseSink {
     async fn send(&mut self, commit: &Commit) -> bool {
+        if let Some(started) = self.started.take() {
+            let _ = started.send(Ok(()));
+        }
         if commit.text.is_empty() && !self.first {
             return !self.tx.is_closed();
         }
@@ -351,11 +435,13 @@ impl CommitSink for SseSink {
 }
 
 async fn models(State(state): State<Arc<HttpState>>) -> Result<Json<serde_json::Value>, ApiError> {
-    let model = state.engine.get()?.target.info.model_name.clone();
-    Ok(Json(json!({
-        "object": "list",
-        "data": [{"id": model, "object": "model", "created": now(), "owned_by": "tandem"}],
-    })))
+    let engine = state.engine.get()?;
+    let (_, names) = state.model_names(&engine);
+    let data: Vec<_> = names
+        .iter()
+        .map(|id| json!({"id": id, "object": "model", "created": now(), "owned_by": "tandem"}))
+        .collect();
+    Ok(Json(json!({"object": "list", "data": data})))
 }
 
 async fn exposition(State(state): State<Arc<HttpState>>) -> Response {

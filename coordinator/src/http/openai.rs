@@ -46,8 +46,19 @@ pub struct Common {
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub n: Option<u32>,
-    /// Extension: keep the k most likely tokens.
+    /// Extension (vLLM's): keep the k most likely tokens.
     pub top_k: Option<u32>,
+    /// Extension (vLLM's): drop tokens below this fraction of the most likely one's probability.
+    pub min_p: Option<f32>,
+    /// Extension (vLLM's): divide the logits of tokens already seen by this (1: off).
+    pub repetition_penalty: Option<f32>,
+    /// Accepted at 0 only: the samplers have no presence penalty.
+    pub presence_penalty: Option<f32>,
+    /// Accepted at 0 only: the samplers have no frequency penalty.
+    pub frequency_penalty: Option<f32>,
+    /// Accepted when false only: log-probabilities are not returned.
+    pub logprobs: Option<Value>,
+    pub top_logprobs: Option<u32>,
     /// Extension: K, tokens drafted per round (0: target-only; unset: chosen each round).
     pub draft_tokens: Option<u32>,
     /// Extension: who drafts, `auto`, `model` or `ngram`.
@@ -57,10 +68,44 @@ pub struct Common {
     pub pipeline: Option<bool>,
 }
 
+/// A completion's prompt: text, or token ids; a list of one of either.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+impl Prompt {
+    /// The coordinator's request for this prompt; a batch of several is refused.
+    pub fn into_request(self) -> Result<v1::GenerateRequest, ApiError> {
+        let batch = || {
+            ApiError::invalid(
+                Some("prompt".to_string()),
+                "`prompt` must be one text or one list of token ids (batches are not supported)",
+            )
+        };
+        let (prompt, prompt_tokens) = match self {
+            Self::Text(text) => (text, Vec::new()),
+            Self::Tokens(ids) => (String::new(), ids),
+            Self::Texts(mut v) if v.len() == 1 => (v.remove(0), Vec::new()),
+            Self::TokenLists(mut v) if v.len() == 1 => (String::new(), v.remove(0)),
+            Self::Texts(_) | Self::TokenLists(_) => return Err(batch()),
+        };
+        Ok(v1::GenerateRequest {
+            prompt,
+            prompt_tokens,
+            ..Default::default()
+        })
+    }
+}
+
 /// A completion request's own fields; its [`Common`] ones are read from the same body.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
-    pub prompt: OneOrMany,
+    pub prompt: Prompt,
 }
 
 /// A chat request's own fields; its [`Common`] ones are read from the same body.
@@ -121,12 +166,15 @@ impl Common {
                 "`stop` takes up to 4 non-empty strings",
             ));
         }
+        self.refuse_unsupported()?;
         Ok(v1::GenerateRequest {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
             sampling: Some(v1::SamplingParams {
                 temperature,
                 top_p,
                 top_k: self.top_k.unwrap_or(0),
+                min_p: self.min_p.unwrap_or(0.0),
+                repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
                 seed: self.seed,
                 ..Default::default()
             }),
@@ -136,6 +184,34 @@ impl Common {
             stop,
             ..prompt
         })
+    }
+
+    /// Fields OpenAI has and this server does not: refused by name when they ask for
+    /// something, rather than silently ignored.
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        let unsupported = |field: &str, what: &str| {
+            Err(ApiError::invalid(
+                Some(field.to_string()),
+                format!("`{field}`: {what} is not supported by this server"),
+            ))
+        };
+        for (field, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if value.is_some_and(|v| v != 0.0) {
+                return unsupported(field, "a non-zero value (use `repetition_penalty`)");
+            }
+        }
+        let asks_logprobs = match &self.logprobs {
+            None | Some(Value::Null | Value::Bool(false)) => false,
+            Some(Value::Number(n)) => n.as_u64() != Some(0),
+            Some(_) => true,
+        };
+        if asks_logprobs || self.top_logprobs.is_some_and(|n| n > 0) {
+            return unsupported("logprobs", "returning log-probabilities");
+        }
+        Ok(())
     }
 
     pub fn include_usage(&self) -> bool {
