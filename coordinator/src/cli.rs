@@ -122,9 +122,15 @@ pub struct GenerateArgs {
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// The target-node's URL.
-    #[arg(long, env = "TANDEM_TARGET")]
-    pub target: String,
+    /// The target-node's URL; repeatable (or comma-separated) for replicas of the same model:
+    /// each generation runs on the least loaded and moves to another if its replica is lost.
+    #[arg(
+        long = "target",
+        env = "TANDEM_TARGET",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub targets: Vec<String>,
     /// The draft-node's URL; unset decodes with the target alone.
     #[arg(long, env = "TANDEM_DRAFT")]
     pub draft: Option<String>,

@@ -84,7 +84,7 @@ impl LocalCluster {
     pub async fn engine(&self, default_draft_tokens: impl Into<Option<usize>>) -> Result<Engine> {
         let draft = self.draft_addr.map(|a| format!("http://{a}"));
         let mut engine = Engine::connect(
-            &format!("http://{}", self.target_addr),
+            &[format!("http://{}", self.target_addr)],
             draft.as_deref(),
             default_draft_tokens.into(),
             &ClientTls::default(),

@@ -27,7 +27,7 @@ use crate::links::{Draft, NodeSession, SessionSpec, Target};
 use crate::metrics::CoordinatorMetrics;
 pub use crate::nodes::NodeHandle;
 use crate::nodes::{
-    CALL_FLOOR, TARGET_BACKOFF, TARGET_BACKOFF_MAX, call_deadline, jittered, session_lost,
+    CALL_FLOOR, TARGET_BACKOFF, TARGET_BACKOFF_MAX, Targets, call_deadline, jittered, session_lost,
 };
 use crate::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
 use crate::shadow::{Shadow, shadow_len};
@@ -90,7 +90,8 @@ const RETIME_EVERY: usize = 8;
 /// The coordinator's view of one target and an optional draft.
 #[derive(Debug)]
 pub struct Engine {
-    pub target: NodeHandle,
+    /// The target-node's replicas (one, unless `--target` was given several times).
+    pub targets: Targets,
     pub draft: Option<NodeHandle>,
     pub tokenizer: Tokenizer,
     /// K of a request that names none; `None`: chosen each round (adaptive).
@@ -118,12 +119,13 @@ impl Engine {
     /// Connects to the nodes (TLS for `https://` URLs), fetches the target's tokenizer, and refuses a draft whose
     /// vocabulary differs from the target's.
     pub async fn connect(
-        target: &str,
+        targets: &[String],
         draft: Option<&str>,
         default_draft_tokens: Option<usize>,
         tls: &ClientTls,
     ) -> Result<Self> {
-        let target = NodeHandle::connect("target-node", target, tls).await?;
+        let targets = Targets::connect(targets, tls).await?;
+        let target = targets.primary().clone();
         let cpu_target = target.info.device.starts_with("cpu");
         let draft = match draft {
             Some(url) => Some(NodeHandle::connect("draft-node", url, tls).await?),
@@ -167,7 +169,7 @@ impl Engine {
             &target.endpoint,
         )?;
         Ok(Self {
-            target,
+            targets,
             draft,
             tokenizer,
             default_draft_tokens,
@@ -183,6 +185,11 @@ impl Engine {
             active: AtomicUsize::new(0),
             next_id: AtomicUsize::new(0),
         })
+    }
+
+    /// The target replica whose info is the model's.
+    pub fn target(&self) -> &NodeHandle {
+        self.targets.primary()
     }
 
     /// Generations running now.
@@ -214,9 +221,9 @@ impl Engine {
             request.prompt_tokens.clone()
         };
         let mut limits = RequestLimits {
-            vocab_size: self.target.info.vocab_size as usize,
-            context: self.target.limits().max_session_tokens as usize,
-            max_draft_tokens: (self.target.limits().max_draft_tokens as usize)
+            vocab_size: self.target().info.vocab_size as usize,
+            context: self.target().limits().max_session_tokens as usize,
+            max_draft_tokens: (self.target().limits().max_draft_tokens as usize)
                 .min(MAX_DRAFT_TOKENS),
             draft_limit_source: " (the nodes' --max-draft-tokens)",
         };
@@ -245,7 +252,7 @@ impl Engine {
             stop_token_ids: if request.ignore_eos {
                 Vec::new()
             } else {
-                self.target.info.stop_token_ids.clone()
+                self.target().info.stop_token_ids.clone()
             },
             stop_strings: request.stop.clone(),
         };
@@ -322,19 +329,17 @@ impl Engine {
                         .fetch_add(1, Ordering::Relaxed)
                         .is_multiple_of(RETIME_EVERY))
         });
-        let (target, draft) = tokio::join!(
-            NodeSession::<Target>::open(self.target.channel.clone(), spec.clone(), &log),
-            async {
-                let start = Instant::now();
-                match use_draft {
-                    Some(d) => Some(
-                        NodeSession::<Draft>::open(d.channel.clone(), spec.clone(), &log).await,
-                    ),
-                    None => None,
+        let (replica, _lease) = self.targets.pick();
+        let (target, draft) = tokio::join!(self.open_target(replica, &spec, &log), async {
+            let start = Instant::now();
+            match use_draft {
+                Some(d) => {
+                    Some(NodeSession::<Draft>::open(d.channel.clone(), spec.clone(), &log).await)
                 }
-                .map(|opened| (opened, start.elapsed().as_secs_f64()))
+                None => None,
             }
-        );
+            .map(|opened| (opened, start.elapsed().as_secs_f64()))
+        });
         let mut target = target?;
         let mut model = use_draft.map(|d| ModelDrafter::new(d.channel.clone(), spec.clone(), None));
         // Drafts the draft-node accepts per step (0 without one).
@@ -457,7 +462,7 @@ impl Engine {
             // draft-node unverified: ids outside the vocabulary (a lying draft) would make it
             // refuse the step, so such a block is not drafted past.
             let k = drafts.len();
-            let vocab = self.target.info.vocab_size;
+            let vocab = self.target().info.vocab_size;
             let next = if job.adaptive {
                 policy.ahead_len(k)
             } else {
@@ -682,6 +687,37 @@ impl Engine {
         }
     }
 
+    /// Opens the generation's target session on `replica`, or (that one lost or unreachable)
+    /// on the next replica that answers.
+    async fn open_target(
+        &self,
+        replica: usize,
+        spec: &SessionSpec,
+        log: &TokenLog,
+    ) -> Result<NodeSession<Target>> {
+        let n = self.targets.len();
+        let mut last = None;
+        for i in (replica..replica + n).map(|i| i % n) {
+            let opened = match self.targets.get(i).await {
+                Ok(handle) => NodeSession::open(handle.channel.clone(), spec.clone(), log).await,
+                Err(e) => Err(e),
+            };
+            match opened {
+                Ok(mut session) => {
+                    session.replica = i;
+                    return Ok(session);
+                }
+                Err(e) if n > 1 && session_lost(&e) => {
+                    tracing::warn!(error = %crate::error_chain(&e), replica = i,
+                        "target replica unavailable: trying the next");
+                    last = Some(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or(Error::NotReady("no target replica".into())))
+    }
+
     /// One verify on the target; a session the node lost is rebuilt once from the log.
     /// Verifies `drafts` on the target, within a deadline derived from what the policy expects
     /// of it ([`call_deadline`]). A lost target session (the node stopped, restarted, did not
@@ -706,6 +742,7 @@ impl Engine {
             })),
         };
         let give_up = Instant::now() + self.target_retry;
+        let home = target.replica;
         let mut backoff = TARGET_BACKOFF;
         for attempt in 0u32.. {
             // A replay prefills the whole log: it may take what is left of the retry time.
@@ -718,7 +755,10 @@ impl Engine {
             };
             let call = async {
                 if attempt > 0 {
-                    self.target.check_same("target-node").await?;
+                    // The same replica first (it may be back), then the next, and so on.
+                    let replica = (home + attempt as usize - 1) % self.targets.len();
+                    let channel = self.targets.recheck(replica).await?.channel.clone();
+                    target.rebind(replica, channel);
                     target.replay(log).await?;
                 }
                 target.call(log, make).await
@@ -738,7 +778,7 @@ impl Engine {
             if left.is_zero() {
                 return Err(Error::Unavailable {
                     node: "target-node",
-                    endpoint: self.target.endpoint.clone(),
+                    endpoint: self.targets.endpoints(),
                     reason: format!(
                         "the session was lost and the node did not come back within {} s \
                          (--target-retry-secs): {}",

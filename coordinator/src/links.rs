@@ -257,6 +257,8 @@ pub struct NodeSession<W: Wire> {
     past: Traffic,
     /// Mismatches repaired by rollback or replay.
     pub repairs: u32,
+    /// Which of its node's replicas holds it ([`crate::nodes::Targets`]; 0 for a draft).
+    pub replica: usize,
 }
 
 impl<W: Wire> NodeSession<W> {
@@ -270,7 +272,14 @@ impl<W: Wire> NodeSession<W> {
             held,
             past: Traffic::default(),
             repairs: 0,
+            replica: 0,
         })
+    }
+
+    /// Moves the session to `replica` over `channel`: the next [`Self::replay`] opens it there.
+    pub fn rebind(&mut self, replica: usize, channel: Channel) {
+        self.replica = replica;
+        self.channel = channel;
     }
 
     async fn start(

@@ -64,21 +64,28 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     }
     .load()?;
     // The APIs answer at once; requests are refused (not ready) until a target-node answers.
-    let engine = LateEngine::waiting(format!("connecting to the target-node at {}", args.target));
+    let engine = LateEngine::waiting(format!(
+        "connecting to the target-node at {}",
+        args.targets.join(", ")
+    ));
     let connecting = engine.clone();
-    let (target, draft, k) = (args.target.clone(), args.draft.clone(), args.draft_tokens.0);
+    let (targets, draft, k) = (
+        args.targets.clone(),
+        args.draft.clone(),
+        args.draft_tokens.0,
+    );
     let max_speculating = args.max_speculating_sessions;
     let target_retry = std::time::Duration::from_secs(args.target_retry_secs);
     tokio::spawn(async move {
         connect_until_ready(&connecting, || async {
-            let mut engine = Engine::connect(&target, draft.as_deref(), k, &node_tls).await?;
+            let mut engine = Engine::connect(&targets, draft.as_deref(), k, &node_tls).await?;
             if let Some(n) = max_speculating {
                 engine.max_speculating = (n > 0).then_some(n);
             }
             engine.target_retry = target_retry;
             tracing::info!(
-                target_node = %target,
-                target_model = %engine.target.info.model_name,
+                target_nodes = %targets.join(", "),
+                target_model = %engine.target().info.model_name,
                 draft_node = ?draft,
                 draft_model = ?engine.draft.as_ref().map(|d| d.info.model_name.clone()),
                 draft_tokens = ?k,

@@ -119,7 +119,7 @@ pub async fn cluster(target: &Path, draft: Option<&Path>, limits: &LimitsArgs) -
 /// cluster's own, say), K fixed at `k` for requests that name none.
 pub async fn engine_through(cluster: &LocalCluster, draft_url: &str, k: usize) -> Engine {
     Engine::connect(
-        &format!("http://{}", cluster.target_addr),
+        &[format!("http://{}", cluster.target_addr)],
         Some(draft_url),
         Some(k),
         &Default::default(),

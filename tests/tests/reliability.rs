@@ -1,7 +1,8 @@
 //! Hard to break (issue 13): the three binaries as processes on loopback, the target-node lost
 //! in the middle of a generation. Killed and restarted, it costs time, not tokens: the
 //! coordinator rebuilds the session from its log and the streamed output is target-only's. Gone
-//! for good, the client gets a clear UNAVAILABLE once `--target-retry-secs` has passed.
+//! for good, the client gets a clear UNAVAILABLE once `--target-retry-secs` has passed; with
+//! replicas, the generation moves to another at once.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -279,4 +280,43 @@ async fn a_target_node_back_with_another_model_is_refused_not_used() {
         status.message().contains("came back serving"),
         "the error names both models: {status:?}"
     );
+}
+
+#[tokio::test]
+async fn a_generation_whose_replica_is_lost_continues_on_another() {
+    let (a_addr, b_addr) = (free_addr(), free_addr());
+    let a = std::sync::Mutex::new(Some(start_target(&stories(), a_addr)));
+    let _b = start_target(&stories(), b_addr);
+    let draft = start_node("draft-node", &stories_q8(), free_addr());
+    let (a_url, b_url) = (format!("http://{a_addr}"), format!("http://{b_addr}"));
+    // Replicas, the first listed (the least loaded's tie-break) to be lost; a long retry time:
+    // the move must not wait for it.
+    let coordinator = Proc::coordinator(
+        &a_url,
+        &draft.url(),
+        free_addr(),
+        &["--target", &b_url, "--target-retry-secs", "60"],
+        None,
+    );
+    let start = Instant::now();
+    let (ids, done) = stream(coordinator.url(), story(400, 4), || {
+        drop(a.lock().expect("lock").take());
+    })
+    .await;
+    let done = done.expect("the generation moved to the other replica");
+    assert!(done.stats.expect("stats").repairs >= 1, "rebuilt once");
+    assert_eq!(ids.len(), 400, "no token lost");
+    assert_eq!(done.token_ids, ids, "none repeated");
+    assert_eq!(ids, in_process(&stories(), None, &story(400, 0)).token_ids);
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+    // With the first replica gone, new generations open on the other at once.
+    for k in [4, 0] {
+        let (ids, done) = stream(coordinator.url(), story(40, k), || {}).await;
+        done.expect("served by the replica that is left");
+        assert_eq!(ids, in_process(&stories(), None, &story(40, 0)).token_ids);
+    }
 }

@@ -63,7 +63,7 @@ impl HttpState {
 
     /// The model name answers carry, and every name a request may ask for.
     fn model_names(&self, engine: &Engine) -> (String, Vec<String>) {
-        let target = engine.target.info.model_name.clone();
+        let target = engine.target().info.model_name.clone();
         match self.served_names.first() {
             Some(first) => (first.clone(), self.served_names.clone()),
             None => (target.clone(), vec![target]),
