@@ -27,7 +27,8 @@ use crate::links::{Draft, NodeSession, SessionSpec, Target};
 use crate::metrics::CoordinatorMetrics;
 pub use crate::nodes::NodeHandle;
 use crate::nodes::{
-    CALL_FLOOR, TARGET_BACKOFF, TARGET_BACKOFF_MAX, Targets, call_deadline, jittered, session_lost,
+    CALL_FLOOR, LateDraft, TARGET_BACKOFF, TARGET_BACKOFF_MAX, Targets, call_deadline, jittered,
+    session_lost,
 };
 use crate::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
 use crate::shadow::{Shadow, shadow_len};
@@ -92,7 +93,8 @@ const RETIME_EVERY: usize = 8;
 pub struct Engine {
     /// The target-node's replicas (one, unless `--target` was given several times).
     pub targets: Targets,
-    pub draft: Option<NodeHandle>,
+    /// The draft-node, once it has answered ([`LateDraft`]).
+    pub draft: LateDraft,
     pub tokenizer: Tokenizer,
     /// K of a request that names none; `None`: chosen each round (adaptive).
     pub default_draft_tokens: Option<usize>,
@@ -127,31 +129,11 @@ impl Engine {
         let targets = Targets::connect(targets, tls).await?;
         let target = targets.primary().clone();
         let cpu_target = target.info.device.starts_with("cpu");
+        let shares_machine = draft.is_none_or(|d| crate::same_machine(&target.endpoint, d));
         let draft = match draft {
-            Some(url) => Some(NodeHandle::connect("draft-node", url, tls).await?),
-            None => None,
+            Some(url) => LateDraft::connect(url, &target, tls).await?,
+            None => LateDraft::default(),
         };
-        let shares_machine = draft
-            .as_ref()
-            .is_none_or(|d| crate::same_machine(&target.endpoint, &d.endpoint));
-        if let Some(d) = &draft {
-            let (t, di) = (&target.info, &d.info);
-            if t.vocab_size != di.vocab_size || t.vocab_hash != di.vocab_hash {
-                return Err(tandem_runtime::Error::VocabularyMismatch(format!(
-                    "draft-node {} serves {} ({} tokens, vocabulary hash {:016x}), target-node {} \
-                     serves {} ({} tokens, vocabulary hash {:016x})",
-                    d.endpoint,
-                    di.model_name,
-                    di.vocab_size,
-                    di.vocab_hash,
-                    target.endpoint,
-                    t.model_name,
-                    t.vocab_size,
-                    t.vocab_hash
-                ))
-                .into());
-            }
-        }
         let reply = v1::node_service_client::NodeServiceClient::new(target.channel.clone())
             .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
             .tokenizer(v1::TokenizerRequest {})
@@ -227,7 +209,7 @@ impl Engine {
                 .min(MAX_DRAFT_TOKENS),
             draft_limit_source: " (the nodes' --max-draft-tokens)",
         };
-        if let Some(d) = &self.draft {
+        if let Some(d) = self.draft.get() {
             limits.context = limits.context.min(d.limits().max_session_tokens as usize);
             limits.max_draft_tokens = limits
                 .max_draft_tokens
@@ -319,7 +301,7 @@ impl Engine {
         // again (a link that got faster): its session, its background steps and their gRPC
         // work on the coordinator's core cost a fast target a few per cent for nothing.
         let retime = job.adaptive && !policy.model_could_pay();
-        let use_draft = self.draft.as_ref().filter(|_| {
+        let use_draft = self.draft.get().filter(|_| {
             job.draft_tokens > 0
                 && job.max_new_tokens > 1
                 && job.drafter.uses_model()

@@ -87,7 +87,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 target_nodes = %targets.join(", "),
                 target_model = %engine.target().info.model_name,
                 draft_node = ?draft,
-                draft_model = ?engine.draft.as_ref().map(|d| d.info.model_name.clone()),
+                draft_model = ?engine.draft.get().map(|d| d.info.model_name.clone()),
                 draft_tokens = ?k,
                 "coordinator ready"
             );

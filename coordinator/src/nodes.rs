@@ -3,6 +3,7 @@
 //! if it is replayed, how long a call may take, how long to wait before asking again.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tandem_proto::tls::ClientTls;
@@ -211,6 +212,81 @@ impl Targets {
         replica.checked.store(true, Ordering::Relaxed);
         Ok(&replica.handle)
     }
+}
+
+/// The draft-node. Reached at start, it must share the target's vocabulary (else the
+/// coordinator refuses to start, naming both). Unreachable then, the coordinator serves with the
+/// target alone and attaches it in the background once it answers (backoff 250 ms to 10 s,
+/// vocabulary checked; a mismatch then is logged and the draft left out).
+#[derive(Debug, Clone, Default)]
+pub struct LateDraft(Arc<OnceLock<NodeHandle>>);
+
+impl LateDraft {
+    pub async fn connect(url: &str, target: &NodeHandle, tls: &ClientTls) -> Result<Self> {
+        let late = Self::default();
+        match NodeHandle::connect("draft-node", url, tls).await {
+            Ok(draft) => {
+                same_vocabulary(target, &draft)?;
+                let _ = late.0.set(draft);
+            }
+            Err(e) => {
+                tracing::warn!(error = %crate::error_chain(&e),
+                    "draft-node not reachable: serving with the target alone until it answers");
+                let (cell, url, target, tls) = (
+                    Arc::clone(&late.0),
+                    url.to_string(),
+                    target.clone(),
+                    tls.clone(),
+                );
+                tokio::spawn(async move {
+                    let mut wait = Duration::from_millis(250);
+                    loop {
+                        tokio::time::sleep(wait).await;
+                        let Ok(draft) = NodeHandle::connect("draft-node", &url, &tls).await else {
+                            wait = (wait * 2).min(Duration::from_secs(10));
+                            continue;
+                        };
+                        match same_vocabulary(&target, &draft) {
+                            Ok(()) => {
+                                tracing::info!(draft_node = %url, model = %draft.info.model_name,
+                                    "draft-node attached");
+                                let _ = cell.set(draft);
+                            }
+                            Err(e) => tracing::error!(error = %e, "draft-node left out"),
+                        }
+                        return;
+                    }
+                });
+            }
+        }
+        Ok(late)
+    }
+
+    /// The draft-node, if it has answered.
+    pub fn get(&self) -> Option<&NodeHandle> {
+        self.0.get()
+    }
+}
+
+/// Refuses a draft whose vocabulary differs from the target's, naming both.
+fn same_vocabulary(target: &NodeHandle, draft: &NodeHandle) -> Result<()> {
+    let (t, d) = (&target.info, &draft.info);
+    if t.vocab_size == d.vocab_size && t.vocab_hash == d.vocab_hash {
+        return Ok(());
+    }
+    Err(tandem_runtime::Error::VocabularyMismatch(format!(
+        "draft-node {} serves {} ({} tokens, vocabulary hash {:016x}), target-node {} serves {} \
+         ({} tokens, vocabulary hash {:016x})",
+        draft.endpoint,
+        d.model_name,
+        d.vocab_size,
+        d.vocab_hash,
+        target.endpoint,
+        t.model_name,
+        t.vocab_size,
+        t.vocab_hash
+    ))
+    .into())
 }
 
 /// Why a connection to `endpoint` failed, or its first call: the error chain, and a word on

@@ -320,3 +320,46 @@ async fn a_generation_whose_replica_is_lost_continues_on_another() {
         assert_eq!(ids, in_process(&stories(), None, &story(40, 0)).token_ids);
     }
 }
+
+#[tokio::test]
+async fn a_draft_node_that_comes_late_is_attached_once_it_answers() {
+    let target = start_target(&stories(), free_addr());
+    let draft_addr = free_addr();
+    // Ready with the target alone: the draft-node is not up yet.
+    let coordinator = Proc::coordinator(
+        &target.url(),
+        &format!("http://{draft_addr}"),
+        free_addr(),
+        &[],
+        None,
+    );
+    let (ids, done) = stream(coordinator.url(), story(40, 4), || {}).await;
+    let stats = done
+        .expect("served by the target alone")
+        .stats
+        .expect("stats");
+    assert_eq!(stats.drafted, 0);
+    let want = in_process(&stories(), None, &story(40, 0)).token_ids;
+    assert_eq!(ids, want);
+    let _draft = start_node("draft-node", &stories_q8(), draft_addr);
+    let mut client = v1::coordinator_client::CoordinatorClient::connect(coordinator.url())
+        .await
+        .expect("connect");
+    // Asked again with backoff (250 ms doubling to 10 s).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !client
+        .info(v1::InfoRequest {})
+        .await
+        .is_ok_and(|i| i.into_inner().draft.is_some())
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the draft-node is attached once it answers"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (ids, done) = stream(coordinator.url(), story(40, 4), || {}).await;
+    let stats = done.expect("generated").stats.expect("stats");
+    assert!(stats.drafted > 0, "the draft is used: {stats:?}");
+    assert_eq!(ids, want);
+}
