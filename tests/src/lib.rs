@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod hub;
 pub mod link;
+pub mod netns;
 pub mod pki;
 pub mod processes;
 pub mod proxy;

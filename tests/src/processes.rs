@@ -84,6 +84,23 @@ impl Proc {
         Self::spawn(name, command, addr)
     }
 
+    /// [`Self::start`] on `host` (its network namespace).
+    pub fn start_on(
+        host: &crate::netns::Host,
+        name: &str,
+        args: &[&str],
+        addr: SocketAddr,
+    ) -> Self {
+        let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
+        let mut command = Command::new("ip");
+        command
+            .env("RUST_LOG", log)
+            .args(host.exec_prefix())
+            .arg(binary(name))
+            .args(args);
+        Self::spawn(name, command, addr)
+    }
+
     fn command(name: &str, args: &[&str], env: &[(&str, &str)]) -> Command {
         let mut command = Command::new(binary(name));
         // Warnings only, unless the caller asks for more.
