@@ -349,9 +349,9 @@ impl<W: Wire> NodeSession<W> {
                 _ => return Err(unexpected(W::NODE, "an answer")),
             }
         }
-        Err(Error::Protocol {
+        Err(Error::Desynchronised {
             node: W::NODE,
-            what: format!("the committed prefix still mismatched after {MAX_ATTEMPTS} repairs"),
+            attempts: MAX_ATTEMPTS,
         })
     }
 

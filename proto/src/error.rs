@@ -36,6 +36,11 @@ pub enum Error {
     Protocol { node: &'static str, what: String },
     #[error("{node} closed the session stream (the node stopped or restarted)")]
     StreamClosed { node: &'static str },
+    #[error(
+        "{node} still held another committed prefix after {attempts} repairs in a row (a node or \
+         link that corrupts messages): its session is rebuilt"
+    )]
+    Desynchronised { node: &'static str, attempts: usize },
     #[error("{node} did not answer within {secs:.1} s")]
     TimedOut { node: &'static str, secs: f64 },
     #[error("{node}: {status}", status = .status.message())]
@@ -83,6 +88,8 @@ impl Error {
             | Self::NotReady(_) => Code::Unavailable,
             Self::TimedOut { .. } => Code::DeadlineExceeded,
             Self::Protocol { .. } => Code::Internal,
+            // A session out of step past repair: the caller replays it (as for a lost one).
+            Self::Desynchronised { .. } => Code::Aborted,
             Self::Cancelled => Code::Cancelled,
             Self::Remote { status, .. } => status.code(),
         }

@@ -1,0 +1,255 @@
+//! A seeded fault layer between the coordinator and a node: a gRPC proxy in front of a real
+//! target-node or draft-node that, for each message of a session by a draw keyed by the seed,
+//! the session and the message's index, passes it on, holds it (delay), sends it twice (the
+//! node's second answer swallowed: a retransmitted request), corrupts the committed prefix it
+//! carries, or resets the stream (UNAVAILABLE to the coordinator; the node sees its stream end).
+//! A message lost on a reliable stream surfaces as a stall or a reset: both are here.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tandem_proto::v1::draft_service_client::DraftServiceClient;
+use tandem_proto::v1::draft_service_server::{DraftService, DraftServiceServer};
+use tandem_proto::v1::node_service_client::NodeServiceClient;
+use tandem_proto::v1::node_service_server::{NodeService, NodeServiceServer};
+use tandem_proto::v1::target_service_client::TargetServiceClient;
+use tandem_proto::v1::target_service_server::{TargetService, TargetServiceServer};
+use tandem_proto::v1::{self, draft_request, target_request};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+/// What happens to one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    Pass,
+    Delay(Duration),
+    Duplicate,
+    CorruptPrefix,
+    Reset,
+}
+
+/// Faults injected so far, by kind.
+#[derive(Debug, Default)]
+pub struct Injected {
+    pub messages: AtomicUsize,
+    pub delayed: AtomicUsize,
+    pub duplicated: AtomicUsize,
+    pub corrupted: AtomicUsize,
+    pub reset: AtomicUsize,
+}
+
+/// The proxy: the node behind it, the seed, and each fault's chance per message (per mille).
+#[derive(Debug, Clone)]
+pub struct FaultProxy {
+    upstream: String,
+    seed: u64,
+    /// Delay, duplicate, corrupt, reset.
+    per_mille: [u64; 4],
+    sessions: Arc<AtomicU64>,
+    pub injected: Arc<Injected>,
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+impl FaultProxy {
+    /// A proxy to the node at `upstream`: per message, a delay, a duplicate, a corrupted
+    /// prefix or a reset with these chances per mille.
+    pub fn new(upstream: std::net::SocketAddr, seed: u64, per_mille: [u64; 4]) -> Self {
+        Self {
+            upstream: format!("http://{upstream}"),
+            seed,
+            per_mille,
+            sessions: Arc::default(),
+            injected: Arc::default(),
+        }
+    }
+
+    /// The fault for message `n` of session `session` (work messages only may be duplicated
+    /// or corrupted: an open sent twice is a protocol error, not a retransmission).
+    pub fn draw(&self, session: u64, n: u64, work: bool) -> Fault {
+        let r = splitmix(self.seed ^ splitmix(session ^ splitmix(n))) % 1000;
+        let [delay, dup, corrupt, reset] = self.per_mille;
+        if r < reset {
+            Fault::Reset
+        } else if r < reset + corrupt && work {
+            Fault::CorruptPrefix
+        } else if r < reset + corrupt + dup && work {
+            Fault::Duplicate
+        } else if r < reset + corrupt + dup + delay {
+            Fault::Delay(Duration::from_millis(1 + r % 20))
+        } else {
+            Fault::Pass
+        }
+    }
+
+    /// Serves the proxy on 127.0.0.1:0; returns its URL.
+    pub async fn serve(self) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TargetServiceServer::new(self.clone()))
+                .add_service(DraftServiceServer::new(self.clone()))
+                .add_service(NodeServiceServer::new(self))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        url
+    }
+
+    /// Relays one session between `inbound` and the node, injecting faults.
+    async fn relay<Req, Resp>(
+        &self,
+        mut inbound: Streaming<Req>,
+        up_tx: mpsc::Sender<Req>,
+        mut upstream: Streaming<Resp>,
+        tx: mpsc::Sender<Result<Resp, Status>>,
+        prefix: fn(&mut Req) -> Option<&mut v1::Prefix>,
+    ) where
+        Req: Clone,
+    {
+        let session = self.sessions.fetch_add(1, Ordering::Relaxed);
+        let counts = &self.injected;
+        for n in 0u64.. {
+            let Ok(Some(mut message)) = inbound.message().await else {
+                return;
+            };
+            counts.messages.fetch_add(1, Ordering::Relaxed);
+            let fault = self.draw(session, n, prefix(&mut message).is_some());
+            match fault {
+                Fault::Reset => {
+                    counts.reset.fetch_add(1, Ordering::Relaxed);
+                    let _ = tx
+                        .send(Err(Status::unavailable("fault: stream reset")))
+                        .await;
+                    return;
+                }
+                Fault::CorruptPrefix => {
+                    counts.corrupted.fetch_add(1, Ordering::Relaxed);
+                    if let Some(p) = prefix(&mut message) {
+                        p.hash ^= 1;
+                    }
+                }
+                Fault::Duplicate => {
+                    counts.duplicated.fetch_add(1, Ordering::Relaxed);
+                    if up_tx.send(message.clone()).await.is_err()
+                        || !matches!(upstream.message().await, Ok(Some(_)))
+                    {
+                        return;
+                    }
+                }
+                Fault::Delay(d) => {
+                    counts.delayed.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(d).await;
+                }
+                Fault::Pass => {}
+            }
+            if up_tx.send(message).await.is_err() {
+                return;
+            }
+            let reply = match upstream.message().await {
+                Ok(Some(reply)) => Ok(reply),
+                Ok(None) => return,
+                Err(status) => Err(status),
+            };
+            let ended = reply.is_err();
+            if tx.send(reply).await.is_err() || ended {
+                return;
+            }
+        }
+    }
+
+    async fn node(&self) -> Result<NodeServiceClient<tonic::transport::Channel>, Status> {
+        NodeServiceClient::connect(self.upstream.clone())
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))
+    }
+}
+
+fn unavailable(e: impl std::fmt::Display) -> Status {
+    Status::unavailable(e.to_string())
+}
+
+#[tonic::async_trait]
+impl TargetService for FaultProxy {
+    type SessionStream = ReceiverStream<Result<v1::TargetResponse, Status>>;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<v1::TargetRequest>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let (up_tx, up_rx) = mpsc::channel(4);
+        let upstream = TargetServiceClient::connect(self.upstream.clone())
+            .await
+            .map_err(unavailable)?
+            .session(ReceiverStream::new(up_rx))
+            .await?
+            .into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        let (proxy, inbound) = (self.clone(), request.into_inner());
+        tokio::spawn(async move {
+            proxy
+                .relay(inbound, up_tx, upstream, tx, |m| match m.kind.as_mut() {
+                    Some(target_request::Kind::Verify(b)) => b.committed.as_mut(),
+                    _ => None,
+                })
+                .await;
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+#[tonic::async_trait]
+impl DraftService for FaultProxy {
+    type SessionStream = ReceiverStream<Result<v1::DraftResponse, Status>>;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<v1::DraftRequest>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let (up_tx, up_rx) = mpsc::channel(4);
+        let upstream = DraftServiceClient::connect(self.upstream.clone())
+            .await
+            .map_err(unavailable)?
+            .session(ReceiverStream::new(up_rx))
+            .await?
+            .into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        let (proxy, inbound) = (self.clone(), request.into_inner());
+        tokio::spawn(async move {
+            proxy
+                .relay(inbound, up_tx, upstream, tx, |m| match m.kind.as_mut() {
+                    Some(draft_request::Kind::Step(s)) => s.committed.as_mut(),
+                    _ => None,
+                })
+                .await;
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+#[tonic::async_trait]
+impl NodeService for FaultProxy {
+    async fn info(&self, r: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
+        self.node().await?.info(r.into_inner()).await
+    }
+
+    async fn tokenizer(
+        &self,
+        r: Request<v1::TokenizerRequest>,
+    ) -> Result<Response<v1::TokenizerReply>, Status> {
+        self.node()
+            .await?
+            .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
+            .tokenizer(r.into_inner())
+            .await
+    }
+}
