@@ -73,6 +73,12 @@ pub struct SamplingArgs {
     pub min_p: f32,
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
+    /// Subtracted from the logit of each of the last 64 tokens (OpenAI's), in [-2, 2].
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    pub presence_penalty: f32,
+    /// Subtracted once per occurrence among the last 64 tokens (OpenAI's), in [-2, 2].
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    pub frequency_penalty: f32,
     /// Keys every random draw (same seed, same text); unset, a random one is chosen and
     /// reported.
     #[arg(long, env = "TANDEM_SEED")]

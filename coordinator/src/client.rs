@@ -26,6 +26,8 @@ pub fn request_from_args(args: &GenerateArgs) -> v1::GenerateRequest {
             repetition_penalty: s.repetition_penalty,
             repeat_last_n: 0,
             seed: s.seed,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
         }),
         draft_tokens: args.draft_tokens.0.map(|k| k as u32),
         drafter: args.drafter.clone(),

@@ -31,6 +31,8 @@ impl From<&SamplingParams> for v1::SamplingParams {
             repetition_penalty: s.repetition_penalty,
             repeat_last_n: s.repeat_last_n as u32,
             seed: Some(s.seed),
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
         }
     }
 }
@@ -53,6 +55,8 @@ impl v1::SamplingParams {
                 self.repeat_last_n as usize
             },
             seed: self.seed.unwrap_or_else(random_seed),
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
         };
         s.validate()?;
         Ok(s)

@@ -1,6 +1,7 @@
 //! Logits → the probability distribution that sampling uses. One function,
 //! [`distribution`], serves the draft (q) and the target (p), so both see the same transform:
-//! repetition penalty, temperature, top-k, top-p, min-p, normalisation.
+//! repetition, presence and frequency penalties, temperature, top-k, top-p, min-p,
+//! normalisation.
 
 use crate::{Error, Result};
 
@@ -16,9 +17,13 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Divide positive (multiply negative) logits of recently seen tokens; 1 disables.
     pub repetition_penalty: f32,
-    /// How many of the most recent tokens the penalty looks at.
+    /// How many of the most recent tokens the penalties look at.
     pub repeat_last_n: usize,
     pub seed: u64,
+    /// Subtracted from the logit of each recently seen token (OpenAI's); 0 disables.
+    pub presence_penalty: f32,
+    /// Subtracted from a recently seen token's logit once per occurrence (OpenAI's); 0 disables.
+    pub frequency_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -31,6 +36,8 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             repeat_last_n: 64,
             seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
         }
     }
 }
@@ -73,6 +80,18 @@ impl SamplingParams {
                 self.repetition_penalty,
                 "must be a positive finite number (1 disables)",
             ));
+        }
+        for (field, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&value) {
+                return Err(Error::invalid(
+                    field,
+                    value,
+                    "must be in [-2, 2] (0 disables)",
+                ));
+            }
         }
         Ok(())
     }
@@ -155,18 +174,23 @@ pub fn distribution(
 ) -> Result<Distribution> {
     check_logits(logits, history.len())?;
     let mut logits = logits.to_vec();
-    if params.repetition_penalty != 1.0 {
+    let (presence, frequency) = (params.presence_penalty, params.frequency_penalty);
+    if params.repetition_penalty != 1.0 || presence != 0.0 || frequency != 0.0 {
         let start = history.len().saturating_sub(params.repeat_last_n);
-        let mut seen = std::collections::HashSet::new();
+        let mut seen = std::collections::HashMap::<u32, u32>::new();
         for &t in &history[start..] {
-            if let Some(l) = logits.get_mut(t as usize)
-                && seen.insert(t)
-            {
-                *l = if *l > 0.0 {
-                    *l / params.repetition_penalty
-                } else {
-                    *l * params.repetition_penalty
-                };
+            *seen.entry(t).or_default() += 1;
+        }
+        for (&t, &count) in &seen {
+            if let Some(l) = logits.get_mut(t as usize) {
+                if params.repetition_penalty != 1.0 {
+                    *l = if *l > 0.0 {
+                        *l / params.repetition_penalty
+                    } else {
+                        *l * params.repetition_penalty
+                    };
+                }
+                *l -= presence + frequency * count as f32;
             }
         }
     }
@@ -434,6 +458,44 @@ mod tests {
         )
         .expect("ok");
         assert!(dense(&min_p)[2] > 0.0 && dense(&min_p)[3] == 0.0);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_subtract_from_seen_tokens() {
+        let params = SamplingParams {
+            temperature: 1.0,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..Default::default()
+        };
+        // Token 0 seen twice: 1.0 - 0.5 - 2 × 0.25 = 0; token 1 once: 0.5 - 0.75 = -0.25.
+        let got = distribution(&[1.0, 0.5, 0.0], &params, &[0, 1, 0]).expect("ok");
+        let got = dense(&got);
+        let want = {
+            let e = [0.0f32.exp(), (-0.25f32).exp(), 0.0f32.exp()];
+            let sum: f32 = e.iter().sum();
+            e.map(|x| x / sum)
+        };
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() < 1e-6, "{got:?} vs {want:?}");
+        }
+        // Outside the last `repeat_last_n` tokens, a token is not penalised.
+        let window = SamplingParams {
+            repeat_last_n: 1,
+            ..params.clone()
+        };
+        let far = distribution(&[1.0, 0.5, 0.0], &window, &[0, 2]).expect("ok");
+        let far = dense(&far);
+        assert!(far[0] > far[1], "{far:?}");
+        for bad in [2.5, -3.0, f32::NAN] {
+            let e = SamplingParams {
+                frequency_penalty: bad,
+                ..params.clone()
+            }
+            .validate()
+            .expect_err("out of range");
+            assert!(e.to_string().contains("frequency_penalty"), "{e}");
+        }
     }
 
     #[test]

@@ -93,6 +93,20 @@ async fn seeded_sampling_equals_the_in_process_generator() {
         distinct.len() > 1,
         "different seeds should sample different stories"
     );
+    // Presence and frequency penalties shape p and q alike, distributed as in process.
+    let penalised = SamplingParams {
+        presence_penalty: 0.8,
+        frequency_penalty: 0.4,
+        ..sampled(5)
+    };
+    let req = request(&p, 60, 4, &penalised);
+    let distributed = generate(&engine, &req).await;
+    assert_eq!(
+        distributed.token_ids,
+        in_process(&target, Some(&draft), &req).token_ids
+    );
+    let plain = generate(&engine, &request(&p, 60, 4, &sampled(5))).await;
+    assert_ne!(distributed.token_ids, plain.token_ids, "the penalties act");
 }
 
 #[tokio::test]

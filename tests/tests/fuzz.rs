@@ -83,18 +83,24 @@ fn open() -> impl Strategy<Value = v1::OpenSession> {
         floats(),
         floats(),
         floats(),
-        any::<u32>(),
+        prop_oneof![0u32..128, any::<u32>()],
         any::<Option<u64>>(),
+        floats(),
+        floats(),
     )
         .prop_map(
-            |(temperature, top_k, top_p, min_p, rp, last_n, seed)| v1::SamplingParams {
-                temperature,
-                top_k,
-                top_p,
-                min_p,
-                repetition_penalty: rp,
-                repeat_last_n: last_n,
-                seed,
+            |(temperature, top_k, top_p, min_p, rp, last_n, seed, presence, frequency)| {
+                v1::SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    repetition_penalty: rp,
+                    repeat_last_n: last_n,
+                    seed,
+                    presence_penalty: presence,
+                    frequency_penalty: frequency,
+                }
             },
         );
     let session_id = prop_oneof![

@@ -326,21 +326,20 @@ async fn the_openai_api_as_clients_use_it() {
                        "max_tokens": 4, "min_p": 0.05, "top_k": 20, "repetition_penalty": 1.1});
     let (status, _, body) = call(&chat_router, post_json("/v1/chat/completions", &parts)).await;
     assert_eq!(status, 200, "{body}");
+    let penalised = json!({"prompt": "Once", "max_tokens": 4, "presence_penalty": 0.5,
+                           "frequency_penalty": -1, "temperature": 0.8, "seed": 1});
+    let (status, _, body) = call(&router, post_json("/v1/completions", &penalised)).await;
+    assert_eq!(status, 200, "{body}");
     for (field, value) in [
-        ("presence_penalty", json!(0.5)),
-        ("frequency_penalty", json!(-1)),
+        ("presence_penalty", json!(2.5)),
+        ("frequency_penalty", json!(-3)),
         ("logprobs", json!(true)),
     ] {
         let mut req = json!({"prompt": "Once", "max_tokens": 2});
         req[field] = value;
         let (status, _, body) = call(&router, post_json("/v1/completions", &req)).await;
         assert_eq!(status, 400, "{field}: {body}");
-        let param = if field == "logprobs" {
-            "logprobs"
-        } else {
-            field
-        };
-        assert_eq!(body["error"]["param"], param, "{body}");
+        assert_eq!(body["error"]["param"], field, "{body}");
     }
 }
 

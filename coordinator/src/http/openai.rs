@@ -52,9 +52,9 @@ pub struct Common {
     pub min_p: Option<f32>,
     /// Extension (vLLM's): divide the logits of tokens already seen by this (1: off).
     pub repetition_penalty: Option<f32>,
-    /// Accepted at 0 only: the samplers have no presence penalty.
+    /// Subtracted from the logit of each of the last 64 tokens, prompt included.
     pub presence_penalty: Option<f32>,
-    /// Accepted at 0 only: the samplers have no frequency penalty.
+    /// Subtracted once per occurrence among the last 64 tokens.
     pub frequency_penalty: Option<f32>,
     /// Accepted when false only: log-probabilities are not returned.
     pub logprobs: Option<Value>,
@@ -175,6 +175,8 @@ impl Common {
                 top_k: self.top_k.unwrap_or(0),
                 min_p: self.min_p.unwrap_or(0.0),
                 repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+                presence_penalty: self.presence_penalty.unwrap_or(0.0),
+                frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
                 seed: self.seed,
                 ..Default::default()
             }),
@@ -186,30 +188,19 @@ impl Common {
         })
     }
 
-    /// Fields OpenAI has and this server does not: refused by name when they ask for
-    /// something, rather than silently ignored.
+    /// `logprobs`, which this server does not return: refused by name when asked for, rather
+    /// than silently ignored.
     fn refuse_unsupported(&self) -> Result<(), ApiError> {
-        let unsupported = |field: &str, what: &str| {
-            Err(ApiError::invalid(
-                Some(field.to_string()),
-                format!("`{field}`: {what} is not supported by this server"),
-            ))
-        };
-        for (field, value) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if value.is_some_and(|v| v != 0.0) {
-                return unsupported(field, "a non-zero value (use `repetition_penalty`)");
-            }
-        }
-        let asks_logprobs = match &self.logprobs {
+        let asks = match &self.logprobs {
             None | Some(Value::Null | Value::Bool(false)) => false,
             Some(Value::Number(n)) => n.as_u64() != Some(0),
             Some(_) => true,
         };
-        if asks_logprobs || self.top_logprobs.is_some_and(|n| n > 0) {
-            return unsupported("logprobs", "returning log-probabilities");
+        if asks || self.top_logprobs.is_some_and(|n| n > 0) {
+            return Err(ApiError::invalid(
+                Some("logprobs".to_string()),
+                "`logprobs`: returning log-probabilities is not supported by this server",
+            ));
         }
         Ok(())
     }
