@@ -27,10 +27,11 @@ use crate::links::{Draft, NodeSession, SessionSpec, Target};
 use crate::metrics::CoordinatorMetrics;
 pub use crate::nodes::NodeHandle;
 use crate::nodes::{
-    CALL_FLOOR, LateDraft, TARGET_BACKOFF, TARGET_BACKOFF_MAX, Targets, call_deadline, jittered,
+    CALL_FLOOR, LateDraft, TARGET_BACKOFF, TARGET_BACKOFF_MAX, call_deadline, jittered,
     session_lost,
 };
 use crate::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
+use crate::replicas::Targets;
 use crate::shadow::{Shadow, shadow_len};
 pub use crate::stats::Stats;
 

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod ngram;
 pub mod nodes;
 pub mod policy;
+pub mod replicas;
 pub mod service;
 pub mod shadow;
 pub mod stats;

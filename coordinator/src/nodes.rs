@@ -1,8 +1,7 @@
 //! The nodes as the coordinator sees them: a [`NodeHandle`] (channel and info, with HTTP/2
-//! keepalive), the target's replicas ([`Targets`]), and what a lost node session is: which errors mean the node may serve it again
+//! keepalive), a draft-node that may come late ([`LateDraft`]), and what a lost node session is: which errors mean the node may serve it again
 //! if it is replayed, how long a call may take, how long to wait before asking again.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -23,13 +22,23 @@ pub struct NodeHandle {
 impl NodeHandle {
     /// Connects (with TLS for an `https://` URL) and reads the node's info.
     pub async fn connect(node: &'static str, endpoint: &str, tls: &ClientTls) -> Result<Self> {
+        Self::connect_named(node, endpoint, None, tls).await
+    }
+
+    /// [`Self::connect`] to one address of the name `domain` (TLS checks that name).
+    pub async fn connect_named(
+        node: &'static str,
+        endpoint: &str,
+        domain: Option<&str>,
+        tls: &ClientTls,
+    ) -> Result<Self> {
         let unavailable = |reason: String| Error::Unavailable {
             node,
             endpoint: endpoint.to_string(),
             reason,
         };
         let channel = tls
-            .endpoint(endpoint, Duration::from_secs(10))
+            .endpoint_named(endpoint, domain, Duration::from_secs(10))
             .map_err(unavailable)?
             .connect()
             .await
@@ -75,142 +84,6 @@ impl NodeHandle {
             });
         }
         Ok(())
-    }
-}
-
-/// The target-node's replicas (`--target` given several times): the same model on each. A
-/// generation opens its session on the least loaded (ties: the first listed) and stays there
-/// for its life; a session lost with its replica is rebuilt on the next one. The first replica
-/// that answers at start gives the model's info; the others are reached lazily, and their info
-/// is checked against it before their first session.
-#[derive(Debug)]
-pub struct Targets {
-    replicas: Vec<Replica>,
-}
-
-#[derive(Debug)]
-struct Replica {
-    handle: NodeHandle,
-    /// Generations whose session opened here.
-    load: AtomicUsize,
-    /// Whether its info was read and matches the first replica's.
-    checked: AtomicBool,
-}
-
-/// A generation's count on its replica, given back on drop.
-#[derive(Debug)]
-pub struct Lease<'a>(&'a AtomicUsize);
-
-impl Drop for Lease<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-impl Targets {
-    /// Connects to the first of `urls` that answers (its info is the model's) and reaches the
-    /// others lazily.
-    pub async fn connect(urls: &[String], tls: &ClientTls) -> Result<Self> {
-        let mut first_error = None;
-        let mut primary = None;
-        for (i, url) in urls.iter().enumerate() {
-            match NodeHandle::connect("target-node", url, tls).await {
-                Ok(handle) => {
-                    primary = Some((i, handle));
-                    break;
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        let Some((at, primary)) = primary else {
-            return Err(first_error.unwrap_or_else(|| Error::Unavailable {
-                node: "target-node",
-                endpoint: String::new(),
-                reason: "no --target was given".into(),
-            }));
-        };
-        let mut replicas = Vec::with_capacity(urls.len());
-        for (i, url) in urls.iter().enumerate() {
-            let handle = if i == at {
-                primary.clone()
-            } else {
-                let channel = tls
-                    .endpoint(url, Duration::from_secs(10))
-                    .map_err(|reason| Error::Unavailable {
-                        node: "target-node",
-                        endpoint: url.clone(),
-                        reason,
-                    })?
-                    .connect_lazy();
-                NodeHandle {
-                    endpoint: url.clone(),
-                    channel,
-                    info: primary.info.clone(),
-                }
-            };
-            replicas.push(Replica {
-                handle,
-                load: AtomicUsize::new(0),
-                checked: AtomicBool::new(i == at),
-            });
-        }
-        Ok(Self { replicas })
-    }
-
-    /// The replica whose info is the model's.
-    pub fn primary(&self) -> &NodeHandle {
-        self.replicas
-            .iter()
-            .find(|r| r.checked.load(Ordering::Relaxed))
-            .map_or(&self.replicas[0].handle, |r| &r.handle)
-    }
-
-    pub fn len(&self) -> usize {
-        self.replicas.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.replicas.is_empty()
-    }
-
-    /// The least loaded replica (ties: the first), counted until the lease drops.
-    pub fn pick(&self) -> (usize, Lease<'_>) {
-        let i = (0..self.replicas.len())
-            .min_by_key(|&i| self.replicas[i].load.load(Ordering::Relaxed))
-            .unwrap_or(0);
-        let load = &self.replicas[i].load;
-        load.fetch_add(1, Ordering::Relaxed);
-        (i, Lease(load))
-    }
-
-    /// Every replica's URL, for errors.
-    pub fn endpoints(&self) -> String {
-        let urls: Vec<&str> = self
-            .replicas
-            .iter()
-            .map(|r| r.handle.endpoint.as_str())
-            .collect();
-        urls.join(", ")
-    }
-
-    /// Replica `i` (modulo their number), its info checked against the model's the first time.
-    pub async fn get(&self, i: usize) -> Result<&NodeHandle> {
-        let replica = &self.replicas[i % self.replicas.len()];
-        if !replica.checked.load(Ordering::Relaxed) {
-            self.recheck(i).await?;
-        }
-        Ok(&replica.handle)
-    }
-
-    /// Replica `i`, its info read again (after a lost session: the node may have come back
-    /// serving another model, which is refused).
-    pub async fn recheck(&self, i: usize) -> Result<&NodeHandle> {
-        let replica = &self.replicas[i % self.replicas.len()];
-        replica.handle.check_same("target-node").await?;
-        replica.checked.store(true, Ordering::Relaxed);
-        Ok(&replica.handle)
     }
 }
 
@@ -330,44 +203,4 @@ pub fn session_lost(e: &Error) -> bool {
             | Code::Unknown
             | Code::Cancelled
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn replicas(n: usize) -> Targets {
-        let replica = |i: usize| Replica {
-            handle: NodeHandle {
-                endpoint: format!("http://127.0.0.1:{}", 1 + i),
-                channel: tonic::transport::Endpoint::from_static("http://127.0.0.1:1")
-                    .connect_lazy(),
-                info: v1::NodeInfo::default(),
-            },
-            load: AtomicUsize::new(0),
-            checked: AtomicBool::new(i == 0),
-        };
-        Targets {
-            replicas: (0..n).map(replica).collect(),
-        }
-    }
-
-    #[tokio::test]
-    async fn generations_go_to_the_least_loaded_replica_and_leave_it_when_they_end() {
-        let targets = replicas(3);
-        let (a, lease_a) = targets.pick();
-        let (b, _lease_b) = targets.pick();
-        let (c, _lease_c) = targets.pick();
-        assert_eq!((a, b, c), (0, 1, 2), "one each, ties to the first listed");
-        let (d, _lease_d) = targets.pick();
-        assert_eq!(d, 0);
-        drop(lease_a);
-        let (e, _lease_e) = targets.pick();
-        assert_eq!(e, 0, "replica 0 holds one again, as few as any");
-        assert_eq!(
-            targets.endpoints(),
-            "http://127.0.0.1:1, http://127.0.0.1:2, http://127.0.0.1:3"
-        );
-        assert_eq!(targets.primary().endpoint, "http://127.0.0.1:1");
-    }
 }

@@ -169,6 +169,17 @@ impl ClientTlsArgs {
 impl ClientTls {
     /// An endpoint for `url` with Tandem's transport settings (TLS where the URL is `https://`).
     pub fn endpoint(&self, url: &str, connect_timeout: Duration) -> Result<Endpoint, String> {
+        self.endpoint_named(url, None, connect_timeout)
+    }
+
+    /// [`Self::endpoint`] for a URL whose host is one address of the name `domain`: TLS checks
+    /// the server's certificate against `domain`, not the address.
+    pub fn endpoint_named(
+        &self,
+        url: &str,
+        domain: Option<&str>,
+        connect_timeout: Duration,
+    ) -> Result<Endpoint, String> {
         let endpoint = Endpoint::from_shared(url.to_string())
             .map_err(|e| format!("invalid URL `{url}`: {e}"))?
             .tcp_nodelay(true)
@@ -179,8 +190,12 @@ impl ClientTls {
         if !url.starts_with("https://") {
             return Ok(endpoint);
         }
+        let config = match domain {
+            Some(domain) => self.0.clone().domain_name(domain),
+            None => self.0.clone(),
+        };
         endpoint
-            .tls_config(self.0.clone())
+            .tls_config(config)
             .map_err(|e| crate::error_chain(&e))
     }
 }

@@ -12,6 +12,8 @@ pub struct Host {
     pub ns: String,
     /// The link's end on this side.
     link: String,
+    /// Its end on the host.
+    peer: String,
     /// The host's address.
     pub ip: Ipv4Addr,
 }
@@ -83,6 +85,7 @@ impl Host {
         Self {
             ns,
             link,
+            peer,
             ip: Ipv4Addr::new(net[0], net[1], net[2], 2),
         }
     }
@@ -121,6 +124,36 @@ impl Host {
         );
     }
 
+    /// Gives the host a second address (`.3` of its subnet); returns it.
+    pub fn add_address(&self) -> Ipv4Addr {
+        let o = self.ip.octets();
+        let second = Ipv4Addr::new(o[0], o[1], o[2], 3);
+        ip(&[
+            "netns",
+            "exec",
+            &self.ns,
+            "ip",
+            "addr",
+            "add",
+            &format!("{second}/24"),
+            "dev",
+            &self.peer,
+        ]);
+        second
+    }
+
+    /// The `/etc/hosts` that programs started on this host see (`ip netns exec` mounts
+    /// `/etc/netns/NS/hosts` over it): `localhost`, and `name` for each of `addresses`.
+    pub fn set_hosts(&self, name: &str, addresses: &[Ipv4Addr]) {
+        let dir = std::path::Path::new("/etc/netns").join(&self.ns);
+        std::fs::create_dir_all(&dir).expect("/etc/netns/NS");
+        let mut text = String::from("127.0.0.1 localhost\n");
+        for a in addresses {
+            text += &format!("{a} {name}\n");
+        }
+        std::fs::write(dir.join("hosts"), text).expect("hosts");
+    }
+
     /// `ip netns exec` prefix that runs a program on this host.
     pub fn exec_prefix(&self) -> [&str; 3] {
         ["netns", "exec", &self.ns]
@@ -133,5 +166,6 @@ impl Drop for Host {
             .args(["link", "del", &self.link])
             .output();
         let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
+        let _ = std::fs::remove_dir_all(std::path::Path::new("/etc/netns").join(&self.ns));
     }
 }

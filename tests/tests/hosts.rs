@@ -4,6 +4,7 @@
 //! with tc `tbf`: every generation ends with target-only's output. Needs root (CI has it);
 //! `TANDEM_SKIP_NETNS=1` skips it elsewhere, saying so.
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1;
@@ -46,19 +47,30 @@ async fn stream(
 }
 
 fn node_on(host: &Host, name: &str, model: &std::path::Path) -> Proc {
-    let addr = host.addr(50051);
+    node_at(host, name, model, host.addr(50051))
+}
+
+fn node_at(host: &Host, name: &str, model: &std::path::Path, addr: SocketAddr) -> Proc {
     let (model, listen) = (model.display().to_string(), addr.to_string());
     Proc::start_on(host, name, &["--model", &model, "--listen", &listen], addr)
 }
 
-#[tokio::test]
-async fn cut_and_healed_links_between_hosts_keep_the_output_exact() {
+/// Whether the test runs: namespaces are available, or TANDEM_SKIP_NETNS says to skip (said).
+fn hosts_available() -> bool {
     if std::env::var_os("TANDEM_SKIP_NETNS").is_some() {
         eprintln!("skipped: TANDEM_SKIP_NETNS is set");
-        return;
+        return false;
     }
     if let Err(why) = netns::available() {
         panic!("this test needs network namespaces ({why}); TANDEM_SKIP_NETNS=1 skips it");
+    }
+    true
+}
+
+#[tokio::test]
+async fn cut_and_healed_links_between_hosts_keep_the_output_exact() {
+    if !hosts_available() {
+        return;
     }
     let (target_host, draft_host) = (Host::new(1), Host::new(2));
     let _target = node_on(&target_host, "target-node", &stories());
@@ -115,4 +127,41 @@ async fn cut_and_healed_links_between_hosts_keep_the_output_exact() {
     if let Some(h) = healed.lock().expect("lock").take() {
         h.join().expect("healed");
     }
+}
+
+#[tokio::test]
+async fn a_host_name_with_two_addresses_is_two_replicas() {
+    if !hosts_available() {
+        return;
+    }
+    // A headless Service's name: `targets` is both addresses of the host.
+    let host = Host::new(3);
+    let second = host.add_address();
+    host.set_hosts("targets", &[host.ip, second]);
+    let (a_addr, b_addr) = (host.addr(50051), SocketAddr::from((second, 50051)));
+    let a = std::sync::Mutex::new(Some(node_at(&host, "target-node", &stories(), a_addr)));
+    let _b = node_at(&host, "target-node", &stories(), b_addr);
+    let listen = host.addr(50050);
+    let coordinator = Proc::start_on(
+        &host,
+        "coordinator",
+        &[
+            "serve",
+            "--target",
+            "http://targets:50051",
+            "--listen",
+            &listen.to_string(),
+        ],
+        listen,
+    );
+    coordinator.wait_ready();
+    let want = in_process(&stories(), None, &story(400, 0)).token_ids;
+    // The first address is the first replica: killed mid-generation, the other goes on.
+    let (ids, done) = stream(coordinator.url(), story(400, 0), || {
+        drop(a.lock().expect("lock").take());
+    })
+    .await;
+    assert_eq!(ids, want);
+    let stats = done.stats.expect("stats");
+    assert!(stats.repairs >= 1, "moved to the other address: {stats:?}");
 }

@@ -1,0 +1,383 @@
+//! The target-node's replicas: every `--target` URL, and every address of a URL's host name (a
+//! Kubernetes headless Service names one address per ready pod). The names are resolved again
+//! every [`REFRESH`]: a replica that appears is added, one whose address is gone is no longer
+//! offered (sessions on it finish or move). A generation opens its session on the least loaded
+//! replica (ties: the first) and stays there; a session lost with its replica is rebuilt from the
+//! log on the next one. The first replica that answers at start gives the model's info; the
+//! others are reached lazily and their info is checked against it before their first session.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock, Weak};
+use std::time::Duration;
+
+use tandem_proto::tls::ClientTls;
+use tandem_proto::{Error, Result};
+
+use crate::nodes::NodeHandle;
+
+/// How often host names are resolved again.
+pub const REFRESH: Duration = Duration::from_secs(10);
+
+/// Where to reach one replica: a URL, and the host name its address came from (TLS checks the
+/// certificate against it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Address {
+    url: String,
+    name: Option<String>,
+}
+
+#[derive(Debug)]
+struct Replica {
+    handle: NodeHandle,
+    address: Address,
+    /// Generations whose session opened here.
+    load: AtomicUsize,
+    /// Whether its info was read and matches the model's.
+    checked: AtomicBool,
+}
+
+/// A generation's count on its replica, given back on drop.
+#[derive(Debug)]
+pub struct Lease(Arc<Replica>);
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.0.load.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The replicas of the target-node.
+#[derive(Debug)]
+pub struct Targets {
+    /// The first replica that answered: the model's info.
+    model: NodeHandle,
+    replicas: Arc<RwLock<Vec<Arc<Replica>>>>,
+}
+
+impl Targets {
+    /// Resolves `urls`, connects to the first replica that answers and reaches the others
+    /// lazily; host names are resolved again every [`REFRESH`] while this lives.
+    pub async fn connect(urls: &[String], tls: &ClientTls) -> Result<Self> {
+        let addresses = resolve_all(urls).await;
+        let mut first_error = None;
+        let mut model = None;
+        for a in &addresses {
+            match NodeHandle::connect_named("target-node", &a.url, a.name.as_deref(), tls).await {
+                Ok(handle) => {
+                    model = Some(handle);
+                    break;
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        let Some(model) = model else {
+            return Err(first_error.unwrap_or_else(|| Error::Unavailable {
+                node: "target-node",
+                endpoint: urls.join(", "),
+                reason: "no address to reach".into(),
+            }));
+        };
+        let replicas = addresses
+            .into_iter()
+            .map(|a| replica(&model, a, tls))
+            .collect::<Result<Vec<_>>>()?;
+        let replicas = Arc::new(RwLock::new(replicas));
+        if urls.iter().any(|u| host_name(u).is_some()) {
+            let (weak, urls, tls) = (Arc::downgrade(&replicas), urls.to_vec(), tls.clone());
+            tokio::spawn(refresh(weak, model.clone(), urls, tls));
+        }
+        Ok(Self { model, replicas })
+    }
+
+    fn snapshot(&self) -> Vec<Arc<Replica>> {
+        self.replicas
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The replica whose info is the model's.
+    pub fn primary(&self) -> &NodeHandle {
+        &self.model
+    }
+
+    pub fn len(&self) -> usize {
+        self.snapshot().len().max(1)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Every replica's URL, for errors.
+    pub fn endpoints(&self) -> String {
+        let urls: Vec<String> = self
+            .snapshot()
+            .iter()
+            .map(|r| r.address.url.clone())
+            .collect();
+        urls.join(", ")
+    }
+
+    /// The least loaded replica (ties: the first), counted until the lease drops.
+    pub fn pick(&self) -> (usize, Option<Lease>) {
+        let replicas = self.snapshot();
+        let Some((i, r)) = replicas
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, r)| r.load.load(Ordering::Relaxed))
+        else {
+            return (0, None);
+        };
+        r.load.fetch_add(1, Ordering::Relaxed);
+        (i, Some(Lease(Arc::clone(r))))
+    }
+
+    fn at(&self, i: usize) -> Arc<Replica> {
+        let replicas = self.snapshot();
+        replicas
+            .get(i % replicas.len().max(1))
+            .cloned()
+            .unwrap_or_else(|| {
+                Arc::new(Replica {
+                    handle: self.model.clone(),
+                    address: Address {
+                        url: self.model.endpoint.clone(),
+                        name: None,
+                    },
+                    load: AtomicUsize::new(0),
+                    checked: AtomicBool::new(true),
+                })
+            })
+    }
+
+    /// Replica `i` (modulo their number), its info checked against the model's the first time.
+    pub async fn get(&self, i: usize) -> Result<NodeHandle> {
+        let replica = self.at(i);
+        if !replica.checked.load(Ordering::Relaxed) {
+            return self.recheck(i).await;
+        }
+        Ok(replica.handle.clone())
+    }
+
+    /// Replica `i`, its info read again (after a lost session: the node may have come back
+    /// serving another model, which is refused).
+    pub async fn recheck(&self, i: usize) -> Result<NodeHandle> {
+        let replica = self.at(i);
+        replica.handle.check_same("target-node").await?;
+        replica.checked.store(true, Ordering::Relaxed);
+        Ok(replica.handle.clone())
+    }
+}
+
+/// A lazily connected replica at `address`, expected to serve `model`'s model.
+fn replica(model: &NodeHandle, address: Address, tls: &ClientTls) -> Result<Arc<Replica>> {
+    let checked = address.url == model.endpoint;
+    let handle = if checked {
+        model.clone()
+    } else {
+        let channel = tls
+            .endpoint_named(
+                &address.url,
+                address.name.as_deref(),
+                Duration::from_secs(10),
+            )
+            .map_err(|reason| Error::Unavailable {
+                node: "target-node",
+                endpoint: address.url.clone(),
+                reason,
+            })?
+            .connect_lazy();
+        NodeHandle {
+            endpoint: address.url.clone(),
+            channel,
+            info: model.info.clone(),
+        }
+    };
+    Ok(Arc::new(Replica {
+        handle,
+        address,
+        load: AtomicUsize::new(0),
+        checked: AtomicBool::new(checked),
+    }))
+}
+
+/// Resolves the host names of `urls` again every [`REFRESH`] until the replicas are dropped:
+/// new addresses become replicas, vanished ones are no longer offered.
+async fn refresh(
+    replicas: Weak<RwLock<Vec<Arc<Replica>>>>,
+    model: NodeHandle,
+    urls: Vec<String>,
+    tls: ClientTls,
+) {
+    loop {
+        tokio::time::sleep(REFRESH).await;
+        let addresses = resolve_all(&urls).await;
+        let Some(replicas) = replicas.upgrade() else {
+            return;
+        };
+        let current = replicas.read().unwrap_or_else(|e| e.into_inner()).clone();
+        if addresses.is_empty() {
+            continue;
+        }
+        let next: Vec<Arc<Replica>> = addresses
+            .into_iter()
+            .filter_map(|a| match current.iter().find(|r| r.address == a) {
+                Some(r) => Some(Arc::clone(r)),
+                None => {
+                    tracing::info!(replica = %a.url, "target replica found");
+                    replica(&model, a, &tls).ok()
+                }
+            })
+            .collect();
+        for gone in current
+            .iter()
+            .filter(|r| !next.iter().any(|n| n.address == r.address))
+        {
+            tracing::info!(replica = %gone.address.url, "target replica gone");
+        }
+        *replicas.write().unwrap_or_else(|e| e.into_inner()) = next;
+    }
+}
+
+/// The host of `url` when it is a name, not an address.
+fn host_name(url: &str) -> Option<(String, String, u16)> {
+    let uri: tonic::codegen::http::Uri = url.parse().ok()?;
+    let host = uri.host()?.trim_matches(['[', ']']).to_string();
+    if host.parse::<IpAddr>().is_ok() {
+        return None;
+    }
+    let scheme = uri.scheme_str().unwrap_or("http").to_string();
+    let port = uri
+        .port_u16()
+        .unwrap_or(if scheme == "https" { 443 } else { 80 });
+    Some((scheme, host, port))
+}
+
+/// Every address of every URL, in order, without repeats: a URL with an address is itself; a
+/// host name is each of its addresses (sorted), or, if it does not resolve now, the URL as
+/// given (connecting will say why).
+async fn resolve_all(urls: &[String]) -> Vec<Address> {
+    let mut out: Vec<Address> = Vec::new();
+    for url in urls {
+        let resolved = match host_name(url) {
+            None => vec![Address {
+                url: url.clone(),
+                name: None,
+            }],
+            Some((scheme, host, port)) => {
+                match tokio::net::lookup_host((host.as_str(), port)).await {
+                    Ok(addrs) => {
+                        let mut ips: Vec<SocketAddr> = addrs.collect();
+                        ips.sort();
+                        ips.dedup();
+                        ips.into_iter()
+                            .map(|a| Address {
+                                url: format!("{scheme}://{a}"),
+                                name: Some(host.clone()),
+                            })
+                            .collect()
+                    }
+                    Err(_) => vec![Address {
+                        url: url.clone(),
+                        name: None,
+                    }],
+                }
+            }
+        };
+        for a in resolved {
+            if !out.contains(&a) {
+                out.push(a);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn targets(n: usize) -> Targets {
+        let handle = |i: usize| NodeHandle {
+            endpoint: format!("http://127.0.0.1:{}", 1 + i),
+            channel: tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect_lazy(),
+            info: tandem_proto::v1::NodeInfo::default(),
+        };
+        let replicas = (0..n)
+            .map(|i| {
+                Arc::new(Replica {
+                    handle: handle(i),
+                    address: Address {
+                        url: handle(i).endpoint,
+                        name: None,
+                    },
+                    load: AtomicUsize::new(0),
+                    checked: AtomicBool::new(i == 0),
+                })
+            })
+            .collect();
+        Targets {
+            model: handle(0),
+            replicas: Arc::new(RwLock::new(replicas)),
+        }
+    }
+
+    #[tokio::test]
+    async fn generations_go_to_the_least_loaded_replica_and_leave_it_when_they_end() {
+        let targets = targets(3);
+        let (a, lease_a) = targets.pick();
+        let (b, _lease_b) = targets.pick();
+        let (c, _lease_c) = targets.pick();
+        assert_eq!((a, b, c), (0, 1, 2), "one each, ties to the first listed");
+        let (d, _lease_d) = targets.pick();
+        assert_eq!(d, 0);
+        drop(lease_a);
+        let (e, _lease_e) = targets.pick();
+        assert_eq!(e, 0, "replica 0 holds one again, as few as any");
+        assert_eq!(
+            targets.endpoints(),
+            "http://127.0.0.1:1, http://127.0.0.1:2, http://127.0.0.1:3"
+        );
+        assert_eq!(targets.primary().endpoint, "http://127.0.0.1:1");
+    }
+
+    #[tokio::test]
+    async fn a_host_name_is_each_of_its_addresses_and_an_address_itself() {
+        let urls = [
+            "http://localhost:7".to_string(),
+            "https://10.0.0.9:8".to_string(),
+            "http://localhost:7".to_string(),
+            "http://no-such-host.invalid:9".to_string(),
+        ];
+        let got = resolve_all(&urls).await;
+        assert!(
+            got.iter()
+                .any(|a| a.url == "http://127.0.0.1:7" && a.name.as_deref() == Some("localhost")),
+            "{got:?}"
+        );
+        assert_eq!(
+            got.iter()
+                .filter(|a| a.name.as_deref() == Some("localhost"))
+                .count(),
+            got.len() - 2,
+            "localhost's addresses once each: {got:?}"
+        );
+        assert!(got.contains(&Address {
+            url: "https://10.0.0.9:8".into(),
+            name: None
+        }));
+        assert!(got.contains(&Address {
+            url: "http://no-such-host.invalid:9".into(),
+            name: None
+        }));
+        assert_eq!(
+            host_name("https://target-node:50051").map(|h| h.2),
+            Some(50051)
+        );
+        assert_eq!(host_name("http://[::1]:1"), None);
+    }
+}
