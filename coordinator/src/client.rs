@@ -33,6 +33,7 @@ pub fn request_from_args(args: &GenerateArgs) -> v1::GenerateRequest {
         drafter: args.drafter.clone(),
         pipeline: args.no_pipeline.then_some(false),
         stop: args.stop.clone(),
+        stop_token_ids: Vec::new(),
         ignore_eos: args.ignore_eos,
     }
 }

@@ -233,9 +233,10 @@ impl Engine {
             )?,
             draft_tokens: fixed_k.unwrap_or_else(|| ADAPTIVE_MAX_K.min(limits.max_draft_tokens)),
             stop_token_ids: if request.ignore_eos {
-                Vec::new()
+                request.stop_token_ids.clone()
             } else {
-                self.target().info.stop_token_ids.clone()
+                let model = &self.target().info.stop_token_ids;
+                [model.as_slice(), &request.stop_token_ids].concat()
             },
             stop_strings: request.stop.clone(),
         };

@@ -326,6 +326,23 @@ async fn the_openai_api_as_clients_use_it() {
                        "max_tokens": 4, "min_p": 0.05, "top_k": 20, "repetition_penalty": 1.1});
     let (status, _, body) = call(&chat_router, post_json("/v1/chat/completions", &parts)).await;
     assert_eq!(status, 200, "{body}");
+    // A stop token id ends the text where that token comes: the third of the greedy text's.
+    let greedy = tokenizer(&stories())
+        .encode(&format!(
+            "Once upon a time{}",
+            text["choices"][0]["text"].as_str().expect("text")
+        ))
+        .expect("encode");
+    let third = greedy[ids.len() + 2];
+    let stop = json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
+                      "stop_token_ids": [third]});
+    let (status, _, stopped) = call(&router, post_json("/v1/completions", &stop)).await;
+    assert_eq!(status, 200, "{stopped}");
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop", "{stopped}");
+    assert!(
+        stopped["usage"]["completion_tokens"].as_u64() <= Some(3),
+        "{stopped}"
+    );
     let penalised = json!({"prompt": "Once", "max_tokens": 4, "presence_penalty": 0.5,
                            "frequency_penalty": -1, "temperature": 0.8, "seed": 1});
     let (status, _, body) = call(&router, post_json("/v1/completions", &penalised)).await;

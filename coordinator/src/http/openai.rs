@@ -48,6 +48,9 @@ pub struct Common {
     pub n: Option<u32>,
     /// Extension (vLLM's): keep the k most likely tokens.
     pub top_k: Option<u32>,
+    /// Extension (vLLM's): token ids that end the generation, besides the model's EOS.
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
     /// Extension (vLLM's): drop tokens below this fraction of the most likely one's probability.
     pub min_p: Option<f32>,
     /// Extension (vLLM's): divide the logits of tokens already seen by this (1: off).
@@ -166,6 +169,12 @@ impl Common {
                 "`stop` takes up to 4 non-empty strings",
             ));
         }
+        if self.stop_token_ids.len() > 64 {
+            return Err(ApiError::invalid(
+                Some("stop_token_ids".to_string()),
+                "`stop_token_ids` takes up to 64 token ids",
+            ));
+        }
         self.refuse_unsupported()?;
         Ok(v1::GenerateRequest {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
@@ -184,6 +193,7 @@ impl Common {
             drafter: self.drafter.clone(),
             pipeline: self.pipeline,
             stop,
+            stop_token_ids: self.stop_token_ids.clone(),
             ..prompt
         })
     }
