@@ -137,9 +137,10 @@ pub struct ServeArgs {
         required = true
     )]
     pub targets: Vec<String>,
-    /// The draft-node's URL; unset decodes with the target alone.
-    #[arg(long, env = "TANDEM_DRAFT")]
-    pub draft: Option<String>,
+    /// The draft-node's URL; repeatable (or comma-separated) for replicas, and a host name is
+    /// each of its addresses, as for `--target`. Unset decodes with the target alone.
+    #[arg(long = "draft", env = "TANDEM_DRAFT", value_delimiter = ',')]
+    pub drafts: Vec<String>,
     /// Address of the public gRPC API.
     #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:50050")]
     pub listen: std::net::SocketAddr,

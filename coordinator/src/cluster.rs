@@ -85,7 +85,7 @@ impl LocalCluster {
         let draft = self.draft_addr.map(|a| format!("http://{a}"));
         let mut engine = Engine::connect(
             &[format!("http://{}", self.target_addr)],
-            draft.as_deref(),
+            draft.as_slice(),
             default_draft_tokens.into(),
             &ClientTls::default(),
         )

@@ -31,7 +31,7 @@ use crate::nodes::{
     session_lost,
 };
 use crate::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
-use crate::replicas::Targets;
+use crate::replicas::Replicas;
 use crate::shadow::{Shadow, shadow_len};
 pub use crate::stats::Stats;
 
@@ -93,7 +93,7 @@ const RETIME_EVERY: usize = 8;
 #[derive(Debug)]
 pub struct Engine {
     /// The target-node's replicas (one, unless `--target` was given several times).
-    pub targets: Targets,
+    pub targets: Replicas,
     /// The draft-node, once it has answered ([`LateDraft`]).
     pub draft: LateDraft,
     pub tokenizer: Tokenizer,
@@ -123,17 +123,19 @@ impl Engine {
     /// vocabulary differs from the target's.
     pub async fn connect(
         targets: &[String],
-        draft: Option<&str>,
+        drafts: &[String],
         default_draft_tokens: Option<usize>,
         tls: &ClientTls,
     ) -> Result<Self> {
-        let targets = Targets::connect(targets, tls).await?;
+        let targets = Replicas::connect("target-node", targets, tls).await?;
         let target = targets.primary().clone();
         let cpu_target = target.info.device.starts_with("cpu");
-        let shares_machine = draft.is_none_or(|d| crate::same_machine(&target.endpoint, d));
-        let draft = match draft {
-            Some(url) => LateDraft::connect(url, &target, tls).await?,
-            None => LateDraft::default(),
+        let shares_machine = drafts
+            .first()
+            .is_none_or(|d| crate::same_machine(&target.endpoint, d));
+        let draft = match drafts {
+            [] => LateDraft::default(),
+            urls => LateDraft::connect(urls, &target, tls).await?,
         };
         let reply = v1::node_service_client::NodeServiceClient::new(target.channel.clone())
             .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
@@ -210,7 +212,7 @@ impl Engine {
                 .min(MAX_DRAFT_TOKENS),
             draft_limit_source: " (the nodes' --max-draft-tokens)",
         };
-        if let Some(d) = self.draft.get() {
+        if let Some(d) = self.draft.get().map(Replicas::primary) {
             limits.context = limits.context.min(d.limits().max_session_tokens as usize);
             limits.max_draft_tokens = limits
                 .max_draft_tokens
@@ -313,21 +315,32 @@ impl Engine {
                         .fetch_add(1, Ordering::Relaxed)
                         .is_multiple_of(RETIME_EVERY))
         });
+        // Each session on the least loaded replica of its node, counted until the end.
         let (replica, _lease) = self.targets.pick();
-        let (target, draft) = tokio::join!(self.open_target(replica, &spec, &log), async {
-            let start = Instant::now();
-            match use_draft {
-                Some(d) => {
-                    Some(NodeSession::<Draft>::open(d.channel.clone(), spec.clone(), &log).await)
+        let draft_pick = use_draft.map(Replicas::pick);
+        let (target, draft) =
+            tokio::join!(self.targets.open::<Target>(replica, &spec, &log), async {
+                let start = Instant::now();
+                match (use_draft, &draft_pick) {
+                    (Some(d), Some((i, _))) => Some(d.open::<Draft>(*i, &spec, &log).await),
+                    _ => None,
                 }
-                None => None,
-            }
-            .map(|opened| (opened, start.elapsed().as_secs_f64()))
-        });
-        let mut target = target?;
-        let mut model = use_draft.map(|d| ModelDrafter::new(d.channel.clone(), spec.clone(), None));
+                .map(|opened| (opened, start.elapsed().as_secs_f64()))
+            });
+        let mut target = target.session?;
+        let (mut model, draft) = match draft {
+            Some((opened, secs)) => (
+                Some(ModelDrafter::new(
+                    opened.handle.channel.clone(),
+                    spec.clone(),
+                    None,
+                )),
+                Some((opened.session, secs)),
+            ),
+            None => (None, None),
+        };
         // Drafts the draft-node accepts per step (0 without one).
-        let max_draft = use_draft.map_or(0, |d| d.limits().max_draft_tokens as usize);
+        let max_draft = use_draft.map_or(0, |d| d.primary().limits().max_draft_tokens as usize);
         let shadow_k = |remaining| shadow_len(job.draft_tokens.min(max_draft), remaining);
         match (draft, model.as_mut()) {
             (Some((Ok(session), open_secs)), Some(m)) => {
@@ -669,37 +682,6 @@ impl Engine {
             }
             stats.lose_draft(why);
         }
-    }
-
-    /// Opens the generation's target session on `replica`, or (that one lost or unreachable)
-    /// on the next replica that answers.
-    async fn open_target(
-        &self,
-        replica: usize,
-        spec: &SessionSpec,
-        log: &TokenLog,
-    ) -> Result<NodeSession<Target>> {
-        let n = self.targets.len();
-        let mut last = None;
-        for i in (replica..replica + n).map(|i| i % n) {
-            let opened = match self.targets.get(i).await {
-                Ok(handle) => NodeSession::open(handle.channel.clone(), spec.clone(), log).await,
-                Err(e) => Err(e),
-            };
-            match opened {
-                Ok(mut session) => {
-                    session.replica = i;
-                    return Ok(session);
-                }
-                Err(e) if n > 1 && session_lost(&e) => {
-                    tracing::warn!(error = %crate::error_chain(&e), replica = i,
-                        "target replica unavailable: trying the next");
-                    last = Some(e);
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Err(last.unwrap_or(Error::NotReady("no target replica".into())))
     }
 
     /// One verify on the target; a session the node lost is rebuilt once from the log.

@@ -69,16 +69,16 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         args.targets.join(", ")
     ));
     let connecting = engine.clone();
-    let (targets, draft, k) = (
+    let (targets, drafts, k) = (
         args.targets.clone(),
-        args.draft.clone(),
+        args.drafts.clone(),
         args.draft_tokens.0,
     );
     let max_speculating = args.max_speculating_sessions;
     let target_retry = std::time::Duration::from_secs(args.target_retry_secs);
     tokio::spawn(async move {
         connect_until_ready(&connecting, || async {
-            let mut engine = Engine::connect(&targets, draft.as_deref(), k, &node_tls).await?;
+            let mut engine = Engine::connect(&targets, &drafts, k, &node_tls).await?;
             if let Some(n) = max_speculating {
                 engine.max_speculating = (n > 0).then_some(n);
             }
@@ -86,8 +86,8 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             tracing::info!(
                 target_nodes = %targets.join(", "),
                 target_model = %engine.target().info.model_name,
-                draft_node = ?draft,
-                draft_model = ?engine.draft.get().map(|d| d.info.model_name.clone()),
+                draft_nodes = %drafts.join(", "),
+                draft_model = ?engine.draft.get().map(|d| d.primary().info.model_name.clone()),
                 draft_tokens = ?k,
                 "coordinator ready"
             );

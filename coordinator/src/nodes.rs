@@ -6,6 +6,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tandem_proto::tls::ClientTls;
+
+use crate::replicas::Replicas;
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tonic::Code;
@@ -87,27 +89,27 @@ impl NodeHandle {
     }
 }
 
-/// The draft-node. Reached at start, it must share the target's vocabulary (else the
-/// coordinator refuses to start, naming both). Unreachable then, the coordinator serves with the
-/// target alone and attaches it in the background once it answers (backoff 250 ms to 10 s,
-/// vocabulary checked; a mismatch then is logged and the draft left out).
+/// The draft-node's replicas. Reached at start, they must share the target's vocabulary (else
+/// the coordinator refuses to start, naming both). Unreachable then, the coordinator serves with
+/// the target alone and attaches them in the background once one answers (backoff 250 ms to
+/// 10 s, vocabulary checked; a mismatch then is logged and the draft left out).
 #[derive(Debug, Clone, Default)]
-pub struct LateDraft(Arc<OnceLock<NodeHandle>>);
+pub struct LateDraft(Arc<OnceLock<Replicas>>);
 
 impl LateDraft {
-    pub async fn connect(url: &str, target: &NodeHandle, tls: &ClientTls) -> Result<Self> {
+    pub async fn connect(urls: &[String], target: &NodeHandle, tls: &ClientTls) -> Result<Self> {
         let late = Self::default();
-        match NodeHandle::connect("draft-node", url, tls).await {
-            Ok(draft) => {
-                same_vocabulary(target, &draft)?;
-                let _ = late.0.set(draft);
+        match Replicas::connect("draft-node", urls, tls).await {
+            Ok(drafts) => {
+                same_vocabulary(target, drafts.primary())?;
+                let _ = late.0.set(drafts);
             }
             Err(e) => {
                 tracing::warn!(error = %crate::error_chain(&e),
                     "draft-node not reachable: serving with the target alone until it answers");
-                let (cell, url, target, tls) = (
+                let (cell, urls, target, tls) = (
                     Arc::clone(&late.0),
-                    url.to_string(),
+                    urls.to_vec(),
                     target.clone(),
                     tls.clone(),
                 );
@@ -115,15 +117,15 @@ impl LateDraft {
                     let mut wait = Duration::from_millis(250);
                     loop {
                         tokio::time::sleep(wait).await;
-                        let Ok(draft) = NodeHandle::connect("draft-node", &url, &tls).await else {
+                        let Ok(drafts) = Replicas::connect("draft-node", &urls, &tls).await else {
                             wait = (wait * 2).min(Duration::from_secs(10));
                             continue;
                         };
-                        match same_vocabulary(&target, &draft) {
+                        match same_vocabulary(&target, drafts.primary()) {
                             Ok(()) => {
-                                tracing::info!(draft_node = %url, model = %draft.info.model_name,
-                                    "draft-node attached");
-                                let _ = cell.set(draft);
+                                tracing::info!(model = %drafts.primary().info.model_name,
+                                    replicas = %drafts.endpoints(), "draft-node attached");
+                                let _ = cell.set(drafts);
                             }
                             Err(e) => tracing::error!(error = %e, "draft-node left out"),
                         }
@@ -135,8 +137,8 @@ impl LateDraft {
         Ok(late)
     }
 
-    /// The draft-node, if it has answered.
-    pub fn get(&self) -> Option<&NodeHandle> {
+    /// The draft-node's replicas, once one has answered.
+    pub fn get(&self) -> Option<&Replicas> {
         self.0.get()
     }
 }

@@ -1,5 +1,6 @@
-//! The target-node's replicas: every `--target` URL, and every address of a URL's host name (a
-//! Kubernetes headless Service names one address per ready pod). The names are resolved again
+//! A node's replicas (the target-node's, the draft-node's): every URL given (`--target`,
+//! `--draft`), and every address of a URL's host name (a Kubernetes headless Service names one
+//! address per ready pod). The names are resolved again
 //! every [`REFRESH`]: a replica that appears is added, one whose address is gone is no longer
 //! offered (sessions on it finish or move). A generation opens its session on the least loaded
 //! replica (ties: the first) and stays there; a session lost with its replica is rebuilt from the
@@ -14,7 +15,9 @@ use std::time::Duration;
 use tandem_proto::tls::ClientTls;
 use tandem_proto::{Error, Result};
 
-use crate::nodes::NodeHandle;
+use crate::links::{NodeSession, SessionSpec, Wire};
+use crate::nodes::{NodeHandle, session_lost};
+use tandem_runtime::TokenLog;
 
 /// How often host names are resolved again.
 pub const REFRESH: Duration = Duration::from_secs(10);
@@ -47,23 +50,39 @@ impl Drop for Lease {
     }
 }
 
-/// The replicas of the target-node.
+/// The replicas of one node (the target-node, or the draft-node).
 #[derive(Debug)]
-pub struct Targets {
+pub struct Replicas {
+    node: &'static str,
     /// The first replica that answered: the model's info.
     model: NodeHandle,
     replicas: Arc<RwLock<Vec<Arc<Replica>>>>,
 }
 
-impl Targets {
-    /// Resolves `urls`, connects to the first replica that answers and reaches the others
-    /// lazily; host names are resolved again every [`REFRESH`] while this lives.
-    pub async fn connect(urls: &[String], tls: &ClientTls) -> Result<Self> {
+/// A session opened on one of the replicas (or why not), and the replica's handle.
+pub struct Opened<W: Wire> {
+    pub handle: NodeHandle,
+    pub session: Result<NodeSession<W>>,
+}
+
+impl<W: Wire> std::fmt::Debug for Opened<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opened")
+            .field("replica", &self.handle.endpoint)
+            .field("opened", &self.session.is_ok())
+            .finish()
+    }
+}
+
+impl Replicas {
+    /// Resolves `urls`, connects to the first replica of `node` that answers and reaches the
+    /// others lazily; host names are resolved again every [`REFRESH`] while this lives.
+    pub async fn connect(node: &'static str, urls: &[String], tls: &ClientTls) -> Result<Self> {
         let addresses = resolve_all(urls).await;
         let mut first_error = None;
         let mut model = None;
         for a in &addresses {
-            match NodeHandle::connect_named("target-node", &a.url, a.name.as_deref(), tls).await {
+            match NodeHandle::connect_named(node, &a.url, a.name.as_deref(), tls).await {
                 Ok(handle) => {
                     model = Some(handle);
                     break;
@@ -75,21 +94,25 @@ impl Targets {
         }
         let Some(model) = model else {
             return Err(first_error.unwrap_or_else(|| Error::Unavailable {
-                node: "target-node",
+                node,
                 endpoint: urls.join(", "),
                 reason: "no address to reach".into(),
             }));
         };
         let replicas = addresses
             .into_iter()
-            .map(|a| replica(&model, a, tls))
+            .map(|a| replica(node, &model, a, tls))
             .collect::<Result<Vec<_>>>()?;
         let replicas = Arc::new(RwLock::new(replicas));
         if urls.iter().any(|u| host_name(u).is_some()) {
             let (weak, urls, tls) = (Arc::downgrade(&replicas), urls.to_vec(), tls.clone());
-            tokio::spawn(refresh(weak, model.clone(), urls, tls));
+            tokio::spawn(refresh(node, weak, model.clone(), urls, tls));
         }
-        Ok(Self { model, replicas })
+        Ok(Self {
+            node,
+            model,
+            replicas,
+        })
     }
 
     fn snapshot(&self) -> Vec<Arc<Replica>> {
@@ -167,14 +190,63 @@ impl Targets {
     /// serving another model, which is refused).
     pub async fn recheck(&self, i: usize) -> Result<NodeHandle> {
         let replica = self.at(i);
-        replica.handle.check_same("target-node").await?;
+        replica.handle.check_same(self.node).await?;
         replica.checked.store(true, Ordering::Relaxed);
         Ok(replica.handle.clone())
+    }
+
+    /// Opens a session holding `log` on replica `i`, or (that one lost, unreachable or serving
+    /// another model) on the next that answers; the session knows its replica.
+    pub async fn open<W: Wire>(&self, i: usize, spec: &SessionSpec, log: &TokenLog) -> Opened<W> {
+        let n = self.len();
+        let mut last = None;
+        for i in (i..i + n).map(|i| i % n) {
+            let handle = match self.get(i).await {
+                Ok(handle) => handle,
+                Err(e) => {
+                    last = Some((self.at(i).handle.clone(), e));
+                    continue;
+                }
+            };
+            match NodeSession::<W>::open(handle.channel.clone(), spec.clone(), log).await {
+                Ok(mut session) => {
+                    session.replica = i;
+                    return Opened {
+                        handle,
+                        session: Ok(session),
+                    };
+                }
+                Err(e) if n > 1 && session_lost(&e) => {
+                    tracing::warn!(node = self.node, replica = %handle.endpoint,
+                        error = %crate::error_chain(&e), "replica unavailable: trying the next");
+                    last = Some((handle, e));
+                }
+                Err(e) => {
+                    return Opened {
+                        handle,
+                        session: Err(e),
+                    };
+                }
+            }
+        }
+        let (handle, e) = last.unwrap_or_else(|| {
+            let why = Error::NotReady(format!("no {} replica", self.node));
+            (self.model.clone(), why)
+        });
+        Opened {
+            handle,
+            session: Err(e),
+        }
     }
 }
 
 /// A lazily connected replica at `address`, expected to serve `model`'s model.
-fn replica(model: &NodeHandle, address: Address, tls: &ClientTls) -> Result<Arc<Replica>> {
+fn replica(
+    node: &'static str,
+    model: &NodeHandle,
+    address: Address,
+    tls: &ClientTls,
+) -> Result<Arc<Replica>> {
     let checked = address.url == model.endpoint;
     let handle = if checked {
         model.clone()
@@ -186,7 +258,7 @@ fn replica(model: &NodeHandle, address: Address, tls: &ClientTls) -> Result<Arc<
                 Duration::from_secs(10),
             )
             .map_err(|reason| Error::Unavailable {
-                node: "target-node",
+                node,
                 endpoint: address.url.clone(),
                 reason,
             })?
@@ -208,6 +280,7 @@ fn replica(model: &NodeHandle, address: Address, tls: &ClientTls) -> Result<Arc<
 /// Resolves the host names of `urls` again every [`REFRESH`] until the replicas are dropped:
 /// new addresses become replicas, vanished ones are no longer offered.
 async fn refresh(
+    node: &'static str,
     replicas: Weak<RwLock<Vec<Arc<Replica>>>>,
     model: NodeHandle,
     urls: Vec<String>,
@@ -228,8 +301,8 @@ async fn refresh(
             .filter_map(|a| match current.iter().find(|r| r.address == a) {
                 Some(r) => Some(Arc::clone(r)),
                 None => {
-                    tracing::info!(replica = %a.url, "target replica found");
-                    replica(&model, a, &tls).ok()
+                    tracing::info!(node, replica = %a.url, "replica found");
+                    replica(node, &model, a, &tls).ok()
                 }
             })
             .collect();
@@ -237,7 +310,7 @@ async fn refresh(
             .iter()
             .filter(|r| !next.iter().any(|n| n.address == r.address))
         {
-            tracing::info!(replica = %gone.address.url, "target replica gone");
+            tracing::info!(node, replica = %gone.address.url, "replica gone");
         }
         *replicas.write().unwrap_or_else(|e| e.into_inner()) = next;
     }
@@ -301,7 +374,7 @@ async fn resolve_all(urls: &[String]) -> Vec<Address> {
 mod tests {
     use super::*;
 
-    fn targets(n: usize) -> Targets {
+    fn targets(n: usize) -> Replicas {
         let handle = |i: usize| NodeHandle {
             endpoint: format!("http://127.0.0.1:{}", 1 + i),
             channel: tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect_lazy(),
@@ -320,7 +393,8 @@ mod tests {
                 })
             })
             .collect();
-        Targets {
+        Replicas {
+            node: "target-node",
             model: handle(0),
             replicas: Arc::new(RwLock::new(replicas)),
         }

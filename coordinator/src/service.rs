@@ -141,7 +141,7 @@ impl Coordinator for CoordinatorService {
         let e = self.engine.get()?;
         Ok(Response::new(v1::CoordinatorInfo {
             target: Some(e.target().info.clone()),
-            draft: e.draft.get().map(|d| d.info.clone()),
+            draft: e.draft.get().map(|d| d.primary().info.clone()),
             default_draft_tokens: e.default_draft_tokens.map(|k| k as u32),
             active_generations: e.active() as u32,
         }))

@@ -122,7 +122,7 @@ pub async fn cluster(target: &Path, draft: Option<&Path>, limits: &LimitsArgs) -
 pub async fn engine_through(cluster: &LocalCluster, draft_url: &str, k: usize) -> Engine {
     Engine::connect(
         &[format!("http://{}", cluster.target_addr)],
-        Some(draft_url),
+        &[draft_url.to_string()],
         Some(k),
         &Default::default(),
     )

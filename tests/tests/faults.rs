@@ -34,7 +34,7 @@ async fn a_thousand_rounds_of_faults_end_exact_or_cleanly_and_leak_no_session() 
     let draft = FaultProxy::new(cluster.draft_addr.expect("draft"), 11, FAULTS);
     let (target_faults, draft_faults) = (target.injected.clone(), draft.injected.clone());
     let (target_url, draft_url) = (target.serve().await, draft.serve().await);
-    let mut engine = Engine::connect(&[target_url], Some(&draft_url), None, &Default::default())
+    let mut engine = Engine::connect(&[target_url], &[draft_url], None, &Default::default())
         .await
         .expect("engine");
     engine.target_retry = Duration::from_secs(20);

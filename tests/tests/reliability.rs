@@ -363,3 +363,28 @@ async fn a_draft_node_that_comes_late_is_attached_once_it_answers() {
     assert!(stats.drafted > 0, "the draft is used: {stats:?}");
     assert_eq!(ids, want);
 }
+
+#[tokio::test]
+async fn a_lost_draft_replica_is_skipped_for_another() {
+    let target = start_target(&stories(), free_addr());
+    let draft_a = std::sync::Mutex::new(Some(start_node("draft-node", &stories_q8(), free_addr())));
+    let draft_b = start_node("draft-node", &stories_q8(), free_addr());
+    let a_url = draft_a.lock().expect("lock").as_ref().expect("a").url();
+    let coordinator = Proc::coordinator(
+        &target.url(),
+        &a_url,
+        free_addr(),
+        &["--draft", &draft_b.url()],
+        None,
+    );
+    let want = in_process(&stories(), None, &story(40, 0)).token_ids;
+    // The first draft replica gone: generations open their draft session on the other.
+    drop(draft_a.lock().expect("lock").take());
+    for _ in 0..3 {
+        let (ids, done) = stream(coordinator.url(), story(40, 4), || {}).await;
+        let stats = done.expect("generated").stats.expect("stats");
+        assert!(stats.drafted > 0, "drafted on the replica left: {stats:?}");
+        assert!(!stats.draft_lost, "{stats:?}");
+        assert_eq!(ids, want);
+    }
+}
