@@ -11,8 +11,6 @@ use std::time::Duration;
 
 use tandem_proto::v1::draft_service_client::DraftServiceClient;
 use tandem_proto::v1::draft_service_server::{DraftService, DraftServiceServer};
-use tandem_proto::v1::node_service_client::NodeServiceClient;
-use tandem_proto::v1::node_service_server::{NodeService, NodeServiceServer};
 use tandem_proto::v1::target_service_client::TargetServiceClient;
 use tandem_proto::v1::target_service_server::{TargetService, TargetServiceServer};
 use tandem_proto::v1::{self, draft_request, target_request};
@@ -97,9 +95,9 @@ impl FaultProxy {
         let url = format!("http://{}", listener.local_addr().expect("addr"));
         tokio::spawn(
             tonic::transport::Server::builder()
+                .add_service(crate::proxy::NodeForward(self.upstream.clone()).into_server())
                 .add_service(TargetServiceServer::new(self.clone()))
-                .add_service(DraftServiceServer::new(self.clone()))
-                .add_service(NodeServiceServer::new(self))
+                .add_service(DraftServiceServer::new(self))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
         url
@@ -167,10 +165,38 @@ impl FaultProxy {
         }
     }
 
-    async fn node(&self) -> Result<NodeServiceClient<tonic::transport::Channel>, Status> {
-        NodeServiceClient::connect(self.upstream.clone())
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))
+    /// Relays a session on its own task; the stream the coordinator reads.
+    fn spawn_relay<Req, Resp>(
+        &self,
+        inbound: Streaming<Req>,
+        up_tx: mpsc::Sender<Req>,
+        upstream: Streaming<Resp>,
+        prefix: fn(&mut Req) -> Option<&mut v1::Prefix>,
+    ) -> ReceiverStream<Result<Resp, Status>>
+    where
+        Req: Clone + Send + 'static,
+        Resp: Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel(4);
+        let proxy = self.clone();
+        tokio::spawn(async move { proxy.relay(inbound, up_tx, upstream, tx, prefix).await });
+        ReceiverStream::new(rx)
+    }
+}
+
+/// The committed prefix a verify carries (the other target requests carry none).
+fn verify_prefix(m: &mut v1::TargetRequest) -> Option<&mut v1::Prefix> {
+    match m.kind.as_mut() {
+        Some(target_request::Kind::Verify(b)) => b.committed.as_mut(),
+        _ => None,
+    }
+}
+
+/// The committed prefix a draft step carries.
+fn step_prefix(m: &mut v1::DraftRequest) -> Option<&mut v1::Prefix> {
+    match m.kind.as_mut() {
+        Some(draft_request::Kind::Step(s)) => s.committed.as_mut(),
+        _ => None,
     }
 }
 
@@ -187,23 +213,13 @@ impl TargetService for FaultProxy {
         request: Request<Streaming<v1::TargetRequest>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         let (up_tx, up_rx) = mpsc::channel(4);
-        let upstream = TargetServiceClient::connect(self.upstream.clone())
+        let mut client = TargetServiceClient::connect(self.upstream.clone())
             .await
-            .map_err(unavailable)?
-            .session(ReceiverStream::new(up_rx))
-            .await?
-            .into_inner();
-        let (tx, rx) = mpsc::channel(4);
-        let (proxy, inbound) = (self.clone(), request.into_inner());
-        tokio::spawn(async move {
-            proxy
-                .relay(inbound, up_tx, upstream, tx, |m| match m.kind.as_mut() {
-                    Some(target_request::Kind::Verify(b)) => b.committed.as_mut(),
-                    _ => None,
-                })
-                .await;
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+            .map_err(unavailable)?;
+        let upstream = client.session(ReceiverStream::new(up_rx)).await?;
+        let inbound = request.into_inner();
+        let relayed = self.spawn_relay(inbound, up_tx, upstream.into_inner(), verify_prefix);
+        Ok(Response::new(relayed))
     }
 }
 
@@ -216,40 +232,12 @@ impl DraftService for FaultProxy {
         request: Request<Streaming<v1::DraftRequest>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         let (up_tx, up_rx) = mpsc::channel(4);
-        let upstream = DraftServiceClient::connect(self.upstream.clone())
+        let mut client = DraftServiceClient::connect(self.upstream.clone())
             .await
-            .map_err(unavailable)?
-            .session(ReceiverStream::new(up_rx))
-            .await?
-            .into_inner();
-        let (tx, rx) = mpsc::channel(4);
-        let (proxy, inbound) = (self.clone(), request.into_inner());
-        tokio::spawn(async move {
-            proxy
-                .relay(inbound, up_tx, upstream, tx, |m| match m.kind.as_mut() {
-                    Some(draft_request::Kind::Step(s)) => s.committed.as_mut(),
-                    _ => None,
-                })
-                .await;
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
-    }
-}
-
-#[tonic::async_trait]
-impl NodeService for FaultProxy {
-    async fn info(&self, r: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
-        self.node().await?.info(r.into_inner()).await
-    }
-
-    async fn tokenizer(
-        &self,
-        r: Request<v1::TokenizerRequest>,
-    ) -> Result<Response<v1::TokenizerReply>, Status> {
-        self.node()
-            .await?
-            .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
-            .tokenizer(r.into_inner())
-            .await
+            .map_err(unavailable)?;
+        let upstream = client.session(ReceiverStream::new(up_rx)).await?;
+        let inbound = request.into_inner();
+        let relayed = self.spawn_relay(inbound, up_tx, upstream.into_inner(), step_prefix);
+        Ok(Response::new(relayed))
     }
 }

@@ -81,17 +81,11 @@ impl DraftProxy {
         let url = format!("http://{}", listener.local_addr().expect("addr"));
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(DraftServiceServer::new(self.clone()))
-                .add_service(NodeServiceServer::new(self))
+                .add_service(NodeForward(self.upstream.clone()).into_server())
+                .add_service(DraftServiceServer::new(self))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
         url
-    }
-
-    async fn node(&self) -> Result<NodeServiceClient<tonic::transport::Channel>, Status> {
-        NodeServiceClient::connect(self.upstream.clone())
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))
     }
 }
 
@@ -143,8 +137,25 @@ impl DraftService for DraftProxy {
     }
 }
 
+/// NodeService (info, tokenizer) answered by the node at `upstream`, unchanged: what a proxy in
+/// front of a node serves beside the role's service.
+#[derive(Debug, Clone)]
+pub struct NodeForward(pub String);
+
+impl NodeForward {
+    async fn node(&self) -> Result<NodeServiceClient<tonic::transport::Channel>, Status> {
+        NodeServiceClient::connect(self.0.clone())
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))
+    }
+
+    pub fn into_server(self) -> NodeServiceServer<Self> {
+        NodeServiceServer::new(self)
+    }
+}
+
 #[tonic::async_trait]
-impl NodeService for DraftProxy {
+impl NodeService for NodeForward {
     async fn info(&self, r: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
         self.node().await?.info(r.into_inner()).await
     }
@@ -153,7 +164,11 @@ impl NodeService for DraftProxy {
         &self,
         r: Request<v1::TokenizerRequest>,
     ) -> Result<Response<v1::TokenizerReply>, Status> {
-        self.node().await?.tokenizer(r.into_inner()).await
+        self.node()
+            .await?
+            .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
+            .tokenizer(r.into_inner())
+            .await
     }
 }
 
