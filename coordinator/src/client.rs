@@ -34,6 +34,7 @@ pub fn request_from_args(args: &GenerateArgs) -> v1::GenerateRequest {
         pipeline: args.no_pipeline.then_some(false),
         stop: args.stop.clone(),
         stop_token_ids: Vec::new(),
+        top_logprobs: None,
         ignore_eos: args.ignore_eos,
     }
 }

@@ -37,8 +37,13 @@ pub use crate::stats::Stats;
 
 /// Where a generation's commits go as they happen.
 pub trait CommitSink: Send {
-    /// Delivers one round's commit; false when the receiver has gone.
-    fn send(&mut self, commit: &Commit) -> impl Future<Output = bool> + Send;
+    /// Delivers one round's commit (with its tokens' log-probabilities when the request asked
+    /// for them); false when the receiver has gone.
+    fn send(
+        &mut self,
+        commit: &Commit,
+        logprobs: &[v1::TokenLogprobs],
+    ) -> impl Future<Output = bool> + Send;
 }
 
 /// Keeps nothing: for callers that only want the outcome.
@@ -46,7 +51,7 @@ pub trait CommitSink: Send {
 pub struct Discard;
 
 impl CommitSink for Discard {
-    async fn send(&mut self, _: &Commit) -> bool {
+    async fn send(&mut self, _: &Commit, _: &[v1::TokenLogprobs]) -> bool {
         true
     }
 }
@@ -61,6 +66,8 @@ pub struct Job {
     pub drafter: DrafterChoice,
     /// The draft-node drafts the next block while the target verifies (DESIGN.md "Pipelined").
     pub pipeline: bool,
+    /// Log-probabilities of each token and this many alternatives, from the target.
+    pub top_logprobs: Option<u32>,
 }
 
 impl std::ops::Deref for Job {
@@ -81,6 +88,8 @@ pub struct Outcome {
     pub token_ids: Vec<u32>,
     pub finish_reason: FinishReason,
     pub stats: Stats,
+    /// Each token's log-probabilities, when the request asked for them.
+    pub logprobs: Vec<v1::TokenLogprobs>,
 }
 
 /// Default generation length when a request names none.
@@ -248,6 +257,7 @@ impl Engine {
             adaptive,
             drafter: DrafterChoice::parse(&request.drafter)?,
             pipeline: request.pipeline.unwrap_or(true),
+            top_logprobs: request.top_logprobs,
         })
     }
 
@@ -281,8 +291,10 @@ impl Engine {
             session_id: format!("gen-{id}"),
             sampling: job.sampling.clone(),
             max_len: job.prompt.len() + job.max_new_tokens,
+            top_logprobs: job.top_logprobs,
         };
         let mut log = TokenLog::new(&job.prompt);
+        let mut logprobs = Vec::new();
         let mut stats = Stats {
             seed: job.sampling.seed,
             ..Stats::default()
@@ -582,7 +594,9 @@ impl Engine {
                     m.catch_up_in_background(&log);
                 }
             }
-            if !sink.send(&commit).await {
+            let n = commit.tokens.len().min(verdict.logprobs.len());
+            logprobs.extend_from_slice(&verdict.logprobs[..n]);
+            if !sink.send(&commit, &verdict.logprobs[..n]).await {
                 break Err(Error::Cancelled);
             }
         };
@@ -608,6 +622,7 @@ impl Engine {
             token_ids,
             finish_reason,
             stats,
+            logprobs,
         })
     }
 

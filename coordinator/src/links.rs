@@ -73,6 +73,8 @@ pub struct SessionSpec {
     pub sampling: SamplingParams,
     /// Largest committed length the session will reach.
     pub max_len: usize,
+    /// Target sessions: log-probabilities reported with this many alternatives.
+    pub top_logprobs: Option<u32>,
 }
 
 impl SessionSpec {
@@ -82,6 +84,7 @@ impl SessionSpec {
             prompt: log.tokens().to_vec(),
             sampling: Some((&self.sampling).into()),
             max_new_tokens: (self.max_len.saturating_sub(log.len())) as u32,
+            top_logprobs: self.top_logprobs,
         }
     }
 }

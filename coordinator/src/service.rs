@@ -70,10 +70,11 @@ fn message(kind: v1::generate_response::Kind) -> Result<v1::GenerateResponse, St
 struct DeltaSink(mpsc::Sender<Result<v1::GenerateResponse, Status>>);
 
 impl CommitSink for DeltaSink {
-    async fn send(&mut self, commit: &Commit) -> bool {
+    async fn send(&mut self, commit: &Commit, logprobs: &[v1::TokenLogprobs]) -> bool {
         let delta = v1::TokenDelta {
             text: commit.text.clone(),
             token_ids: commit.tokens.clone(),
+            logprobs: logprobs.to_vec(),
         };
         self.0
             .send(message(v1::generate_response::Kind::Delta(delta)))

@@ -3,6 +3,7 @@
 
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
+use tandem_runtime::sampling::MAX_TOP_LOGPROBS;
 use tandem_runtime::{
     LoadOptions, Model, SamplingParams, Tokenizer, default_stop_tokens, model::hub,
     model::parse_device,
@@ -156,6 +157,14 @@ impl NodeState {
                 max_new,
                 limit,
             }
+            .into());
+        }
+        if let Some(n) = open.top_logprobs.filter(|&n| n as usize > MAX_TOP_LOGPROBS) {
+            return Err(tandem_runtime::Error::invalid(
+                "top_logprobs",
+                n,
+                format!("at most {MAX_TOP_LOGPROBS}"),
+            )
             .into());
         }
         open.sampling

@@ -164,6 +164,16 @@ pub fn distribution_from_wire(
     }
 }
 
+/// A token's log-probabilities on the wire.
+pub fn logprobs_to_wire(l: &tandem_runtime::sampling::TokenLogprobs) -> v1::TokenLogprobs {
+    v1::TokenLogprobs {
+        token: l.token,
+        logprob: l.logprob,
+        top_ids: l.top.iter().map(|t| t.0).collect(),
+        top_logprobs: l.top.iter().map(|t| t.1).collect(),
+    }
+}
+
 /// Longest `session_id` a node accepts.
 pub const MAX_SESSION_ID_BYTES: usize = 128;
 

@@ -219,6 +219,44 @@ pub fn distribution(
     Ok(Distribution::Dense(probs))
 }
 
+/// Most alternatives [`logprobs`] reports per token (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A committed token's log-probability under the model (the raw log-softmax of its logits,
+/// before temperature and penalties, as vLLM reports them) and the `top` most likely tokens'.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// The most likely tokens, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// [`TokenLogprobs`] of `token` at the position whose logits are `logits`.
+pub fn logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let norm = max + sum.ln() as f32;
+    let at = |id: u32| {
+        logits
+            .get(id as usize)
+            .map_or(f32::NEG_INFINITY, |l| l - norm)
+    };
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let top = top.min(MAX_TOP_LOGPROBS).min(ids.len());
+    if top > 0 {
+        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
+        ids.select_nth_unstable_by(top - 1, by_logit);
+        ids.truncate(top);
+        ids.sort_by(by_logit);
+    }
+    TokenLogprobs {
+        token,
+        logprob: at(token),
+        top: ids[..top].iter().map(|&id| (id, at(id))).collect(),
+    }
+}
+
 /// Tokens sorted first when top-p cuts the distribution: most cuts fall within them.
 const FIRST_SELECTION: usize = 64;
 
@@ -458,6 +496,20 @@ mod tests {
         )
         .expect("ok");
         assert!(dense(&min_p)[2] > 0.0 && dense(&min_p)[3] == 0.0);
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_the_most_likely_tokens() {
+        let got = logprobs(&[1.0, 3.0, 2.0, 0.0], 2, 2);
+        let norm = (1f32.exp() + 3f32.exp() + 2f32.exp() + 1.0).ln();
+        assert!((got.logprob - (2.0 - norm)).abs() < 1e-5, "{got:?}");
+        assert_eq!(got.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2]);
+        assert!((got.top[0].1 - (3.0 - norm)).abs() < 1e-5);
+        assert!(
+            logprobs(&[0.0; 3], 1, 50).top.len() == 3,
+            "capped at the vocabulary"
+        );
+        assert!(logprobs(&[0.0; 3], 1, 0).top.is_empty());
     }
 
     #[test]

@@ -67,6 +67,7 @@ impl Session for TargetSession {
     fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self> {
         let sampling = state.check_open(&open)?;
         let mut verifier = Verifier::new(&state.model, sampling);
+        verifier.report_logprobs(open.top_logprobs.map(|n| n as usize));
         // Never past what admission reserved for it.
         verifier.limit_cache(state.session_room(&open).0);
         Ok(Self {
@@ -210,7 +211,11 @@ impl TargetSession {
         verified: tandem_runtime::Result<Verified>,
         compute_micros: u64,
     ) -> Result<v1::TargetResponse> {
-        let Verified { verdict, refused } = match verified {
+        let Verified {
+            verdict,
+            refused,
+            logprobs,
+        } = match verified {
             Ok(v) => v,
             Err(e) => {
                 self.log.rollback_to(committed)?;
@@ -237,6 +242,10 @@ impl TargetSession {
                 reason: r.reason.as_str().into(),
                 message: r.to_string(),
             }),
+            logprobs: logprobs
+                .iter()
+                .map(tandem_proto::logprobs_to_wire)
+                .collect(),
         }));
         self.last = Some(Answered {
             block,

@@ -113,13 +113,15 @@ fn open() -> impl Strategy<Value = v1::OpenSession> {
         tokens(12),
         prop::option::weighted(0.9, sampling),
         prop_oneof![8 => 1u32..64, 1 => any::<u32>()],
+        prop::option::weighted(0.3, prop_oneof![0u32..24, any::<u32>()]),
     )
         .prop_map(
-            |(session_id, prompt, sampling, max_new_tokens)| v1::OpenSession {
+            |(session_id, prompt, sampling, max_new_tokens, top_logprobs)| v1::OpenSession {
                 session_id,
                 prompt,
                 sampling,
                 max_new_tokens,
+                top_logprobs,
             },
         )
 }

@@ -129,6 +129,17 @@ async fn the_openai_client_gets_the_grpc_text() {
         got["unknown_model"],
         json!({"type": "NotFoundError", "status": 404})
     );
+    // Content parts read as the string; log-probabilities parse in the client's own types.
+    assert_eq!(got["chat_parts"], chat.text.as_str());
+    let logprobs = got["chat_logprobs"].as_array().expect("chat logprobs");
+    assert_eq!(logprobs.len(), chat.token_ids.len(), "{logprobs:?}");
+    assert!(
+        logprobs
+            .iter()
+            .all(|l| l["logprob"].as_f64().is_some_and(|p| p <= 0.0) && l["top"] == 2),
+        "{logprobs:?}"
+    );
+    assert_eq!(got["token_prompt_logprobs"].as_array().map(Vec::len), Some(4));
 }
 
 async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, Value) {
@@ -350,7 +361,8 @@ async fn the_openai_api_as_clients_use_it() {
     for (field, value) in [
         ("presence_penalty", json!(2.5)),
         ("frequency_penalty", json!(-3)),
-        ("logprobs", json!(true)),
+        ("logprobs", json!("yes")),
+        ("top_logprobs", json!(3)),
     ] {
         let mut req = json!({"prompt": "Once", "max_tokens": 2});
         req[field] = value;
@@ -378,4 +390,100 @@ async fn a_stream_refused_before_its_first_token_gets_its_status_not_a_200() {
             .is_some_and(|m| m.contains("kv cache budget")),
         "{body}"
     );
+}
+
+#[tokio::test]
+async fn logprobs_come_from_the_target_whatever_the_draft() {
+    let served = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
+    let router = router_over(&served, Vec::new()).await;
+    let ask = |k: u32, stream: bool| {
+        post_json(
+            "/v1/completions",
+            &json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+                    "logprobs": 3, "draft_tokens": k, "stream": stream}),
+        )
+    };
+    let (status, _, alone) = call(&router, ask(0, false)).await;
+    assert_eq!(status, 200, "{alone}");
+    let (status, _, drafted) = call(&router, ask(4, false)).await;
+    assert_eq!(status, 200, "{drafted}");
+    assert!(
+        drafted["tandem"]["accepted"].as_u64() > Some(0),
+        "{drafted}"
+    );
+    let (a, d) = (
+        &alone["choices"][0]["logprobs"],
+        &drafted["choices"][0]["logprobs"],
+    );
+    let n = alone["usage"]["completion_tokens"]
+        .as_u64()
+        .expect("tokens") as usize;
+    assert_eq!(a["tokens"].as_array().map(Vec::len), Some(n), "{a}");
+    assert_eq!(a["tokens"], d["tokens"]);
+    for i in 0..n {
+        let (la, ld) = (&a["token_logprobs"][i], &d["token_logprobs"][i]);
+        let (la, ld) = (la.as_f64().expect("lp"), ld.as_f64().expect("lp"));
+        assert!(
+            (la - ld).abs() < 1e-4,
+            "token {i}: {la} alone, {ld} verified in a block"
+        );
+        assert!(la <= 0.0);
+        // Greedy: the token is the most likely, so its log-probability is the top one's.
+        let top = a["top_logprobs"][i].as_object().expect("top");
+        assert_eq!(top.len(), 3, "{top:?}");
+        let best = top
+            .values()
+            .filter_map(Value::as_f64)
+            .fold(f64::MIN, f64::max);
+        assert!(
+            (best - la).abs() < 1e-6,
+            "token {i}: {la} vs the top {best}"
+        );
+    }
+    // Streamed: every token's log-probability, chunk by chunk.
+    let request = ask(4, true);
+    use tower::ServiceExt;
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    let streamed: Vec<f64> = String::from_utf8_lossy(&body)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|c| {
+            c["choices"][0]["logprobs"]["token_logprobs"]
+                .as_array()
+                .cloned()
+        })
+        .flatten()
+        .filter_map(|v| v.as_f64())
+        .collect();
+    assert_eq!(streamed.len(), n);
+    // Chat: `logprobs: true` with `top_logprobs`, in chat's shape.
+    let chat_router = router_over(
+        &cluster(&stories_with_chat_template(), None, &LimitsArgs::default()).await,
+        Vec::new(),
+    )
+    .await;
+    let chat = json!({"messages": [{"role": "user", "content": "Once"}], "max_tokens": 5,
+                      "logprobs": true, "top_logprobs": 2});
+    let (status, _, body) = call(&chat_router, post_json("/v1/chat/completions", &chat)).await;
+    assert_eq!(status, 200, "{body}");
+    let content = body["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("content");
+    assert_eq!(content.len(), 5, "{body}");
+    for entry in content {
+        assert!(
+            entry["token"].is_string() && entry["logprob"].is_number(),
+            "{entry}"
+        );
+        assert!(entry["bytes"].is_array(), "{entry}");
+        assert_eq!(
+            entry["top_logprobs"].as_array().map(Vec::len),
+            Some(2),
+            "{entry}"
+        );
+    }
 }

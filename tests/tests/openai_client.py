@@ -35,6 +35,19 @@ for chunk in stream:
             chunks.append(choice.delta.content)
         finish = choice.finish_reason or finish
 
+# Log-probabilities, token prompts and content parts, as the client sends them.
+with_logprobs = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+    max_tokens=max_tokens,
+    temperature=0,
+    logprobs=True,
+    top_logprobs=2,
+)
+token_prompt = client.completions.create(
+    model=model, prompt=[1, 403, 407], max_tokens=4, temperature=0, logprobs=1
+)
+
 try:
     client.completions.create(model="no-such-model", prompt=prompt, max_tokens=4)
     unknown_model = None
@@ -53,6 +66,12 @@ print(
             "chat_stream_finish": finish,
             "chat_stream_usage": usage,
             "unknown_model": unknown_model,
+            "chat_parts": with_logprobs.choices[0].message.content,
+            "chat_logprobs": [
+                {"token": c.token, "logprob": c.logprob, "top": len(c.top_logprobs)}
+                for c in with_logprobs.choices[0].logprobs.content
+            ],
+            "token_prompt_logprobs": token_prompt.choices[0].logprobs.token_logprobs,
         }
     )
 )

@@ -21,6 +21,7 @@ fn open(prompt: &[u32], max_new_tokens: u32) -> v1::OpenSession {
         prompt: prompt.to_vec(),
         sampling: Some((&SamplingParams::greedy()).into()),
         max_new_tokens,
+        top_logprobs: None,
     }
 }
 

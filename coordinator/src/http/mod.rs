@@ -349,7 +349,8 @@ async fn answer(
     let job = engine.prepare(&request)?;
     if !common.stream {
         let outcome = engine.generate(&job, &mut Discard).await?;
-        return Ok(Json(head.response(&job, &outcome)).into_response());
+        let logprobs = openai::logprobs_json(head.kind, &engine.tokenizer, &outcome.logprobs);
+        return Ok(Json(head.response(&job, &outcome, logprobs)).into_response());
     }
     let (tx, rx) = mpsc::channel(4);
     let include_usage = common.include_usage();
@@ -358,6 +359,7 @@ async fn answer(
     let (started, first) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         let mut sink = SseSink {
+            engine: Arc::clone(&engine),
             head: head.clone(),
             tx: tx.clone(),
             first: true,
@@ -410,6 +412,7 @@ async fn answer(
 
 /// Sends each commit's text as an SSE chunk.
 struct SseSink {
+    engine: Arc<Engine>,
     head: Head,
     tx: mpsc::Sender<Result<Event, Infallible>>,
     first: bool,
@@ -418,14 +421,15 @@ struct SseSink {
 }
 
 impl CommitSink for SseSink {
-    async fn send(&mut self, commit: &Commit) -> bool {
+    async fn send(&mut self, commit: &Commit, logprobs: &[v1::TokenLogprobs]) -> bool {
         if let Some(started) = self.started.take() {
             let _ = started.send(Ok(()));
         }
         if commit.text.is_empty() && !self.first {
             return !self.tx.is_closed();
         }
-        let chunk = self.head.chunk(&commit.text, self.first);
+        let logprobs = openai::logprobs_json(self.head.kind, &self.engine.tokenizer, logprobs);
+        let chunk = self.head.chunk(&commit.text, self.first, logprobs);
         self.first = false;
         self.tx
             .send(Ok(Event::default().data(chunk.to_string())))

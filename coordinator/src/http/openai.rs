@@ -8,6 +8,7 @@ use tandem_proto::v1;
 use super::chat::Message;
 use super::error::ApiError;
 use crate::engine::{Job, Outcome};
+use tandem_runtime::Tokenizer;
 
 /// A string or a list of strings (`prompt`, `stop`).
 #[derive(Debug, Clone, Deserialize)]
@@ -175,7 +176,7 @@ impl Common {
                 "`stop_token_ids` takes up to 64 token ids",
             ));
         }
-        self.refuse_unsupported()?;
+        let top_logprobs = self.top_logprobs()?;
         Ok(v1::GenerateRequest {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
             sampling: Some(v1::SamplingParams {
@@ -194,25 +195,38 @@ impl Common {
             pipeline: self.pipeline,
             stop,
             stop_token_ids: self.stop_token_ids.clone(),
+            top_logprobs,
             ..prompt
         })
     }
 
-    /// `logprobs`, which this server does not return: refused by name when asked for, rather
-    /// than silently ignored.
-    fn refuse_unsupported(&self) -> Result<(), ApiError> {
-        let asks = match &self.logprobs {
-            None | Some(Value::Null | Value::Bool(false)) => false,
-            Some(Value::Number(n)) => n.as_u64() != Some(0),
-            Some(_) => true,
+    /// How many alternatives to report with each token's log-probability, if any: chat asks
+    /// with `logprobs: true` and `top_logprobs: N`, completions with `logprobs: N`.
+    fn top_logprobs(&self) -> Result<Option<u32>, ApiError> {
+        let invalid = |field: &str, why: &str| {
+            Err(ApiError::invalid(
+                Some(field.to_string()),
+                format!("`{field}` {why}"),
+            ))
         };
-        if asks || self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(ApiError::invalid(
-                Some("logprobs".to_string()),
-                "`logprobs`: returning log-probabilities is not supported by this server",
-            ));
+        let top = match &self.logprobs {
+            None | Some(Value::Null | Value::Bool(false)) => {
+                if self.top_logprobs.is_some() {
+                    return invalid("top_logprobs", "needs `logprobs: true`");
+                }
+                return Ok(None);
+            }
+            Some(Value::Bool(true)) => self.top_logprobs.unwrap_or(0),
+            Some(Value::Number(n)) => match n.as_u64().and_then(|n| u32::try_from(n).ok()) {
+                Some(n) => n,
+                None => return invalid("logprobs", "must be true, or a number of alternatives"),
+            },
+            Some(_) => return invalid("logprobs", "must be true, or a number of alternatives"),
+        };
+        if top as usize > tandem_runtime::sampling::MAX_TOP_LOGPROBS {
+            return invalid("top_logprobs", "is at most 20");
         }
-        Ok(())
+        Ok(Some(top))
     }
 
     pub fn include_usage(&self) -> bool {
@@ -249,14 +263,26 @@ impl Head {
 
     /// A choice carrying `text`, whole (`chunk` false) or as a streamed delta.
     fn choice(&self, text: &str, finish: Option<&str>, chunk: bool, first: bool) -> Value {
+        self.choice_with(text, finish, chunk, first, Value::Null)
+    }
+
+    /// [`Self::choice`] with its tokens' `logprobs` ([`logprobs_json`]).
+    fn choice_with(
+        &self,
+        text: &str,
+        finish: Option<&str>,
+        chunk: bool,
+        first: bool,
+        logprobs: Value,
+    ) -> Value {
         match (self.kind, chunk) {
             (Kind::Completion, _) => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
             (Kind::Chat, false) => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
             (Kind::Chat, true) => {
@@ -267,7 +293,7 @@ impl Head {
                 } else {
                     json!({"content": text})
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         }
     }
@@ -282,9 +308,12 @@ impl Head {
         })
     }
 
-    /// A streamed chunk of text.
-    pub fn chunk(&self, text: &str, first: bool) -> Value {
-        self.envelope(true, json!([self.choice(text, None, true, first)]))
+    /// A streamed chunk of text, with its tokens' `logprobs` (or null).
+    pub fn chunk(&self, text: &str, first: bool, logprobs: Value) -> Value {
+        self.envelope(
+            true,
+            json!([self.choice_with(text, None, true, first, logprobs)]),
+        )
     }
 
     /// The chunk that ends the choice.
@@ -303,21 +332,76 @@ impl Head {
         v
     }
 
-    /// The whole response of a request without streaming.
-    pub fn response(&self, job: &Job, outcome: &Outcome) -> Value {
+    /// The whole response of a request without streaming, with its tokens' `logprobs`.
+    pub fn response(&self, job: &Job, outcome: &Outcome, logprobs: Value) -> Value {
         let mut v = self.envelope(
             false,
-            json!([self.choice(
+            json!([self.choice_with(
                 &outcome.text,
                 Some(outcome.finish_reason.as_str()),
                 false,
-                false
+                false,
+                logprobs
             )]),
         );
         v["usage"] = usage(job, outcome);
         v["tandem"] = speculation(outcome);
         v
     }
+}
+
+/// Tokens' log-probabilities in the shape of `kind`'s responses (null when there are none):
+/// completions `{tokens, token_logprobs, top_logprobs, text_offset}`, chat
+/// `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
+pub fn logprobs_json(kind: Kind, tok: &Tokenizer, logprobs: &[v1::TokenLogprobs]) -> Value {
+    if logprobs.is_empty() {
+        return Value::Null;
+    }
+    let text = |id: u32| tok.decode(&[id]).unwrap_or_default();
+    match kind {
+        Kind::Completion => {
+            let tokens: Vec<String> = logprobs.iter().map(|l| text(l.token)).collect();
+            let offsets: Vec<usize> = tokens
+                .iter()
+                .scan(0, |at, t| {
+                    let here = *at;
+                    *at += t.len();
+                    Some(here)
+                })
+                .collect();
+            json!({
+                "tokens": tokens,
+                "token_logprobs": logprobs.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                "top_logprobs": logprobs.iter().map(|l| {
+                    top(l).map(|(id, lp)| (text(id), json!(lp))).collect::<serde_json::Map<_, _>>()
+                }).collect::<Vec<_>>(),
+                "text_offset": offsets,
+            })
+        }
+        Kind::Chat => {
+            let entry = |id: u32, lp: f32| {
+                let t = text(id);
+                json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+            };
+            let content: Vec<Value> = logprobs
+                .iter()
+                .map(|l| {
+                    let mut e = entry(l.token, l.logprob);
+                    e["top_logprobs"] = top(l).map(|(id, lp)| entry(id, lp)).collect();
+                    e
+                })
+                .collect();
+            json!({ "content": content })
+        }
+    }
+}
+
+/// A token's alternatives: (id, log-probability), most likely first.
+fn top(l: &v1::TokenLogprobs) -> impl Iterator<Item = (u32, f32)> + '_ {
+    l.top_ids
+        .iter()
+        .copied()
+        .zip(l.top_logprobs.iter().copied())
 }
 
 fn usage(job: &Job, outcome: &Outcome) -> Value {

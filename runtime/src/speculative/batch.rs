@@ -8,7 +8,7 @@ use crate::acceptance;
 use crate::draft_check::{BlockRules, DraftRefusal, check_block};
 use crate::model::{Logits, Model};
 use crate::rng::SAMPLE_DRAW;
-use crate::sampling::{Distribution, distribution, draft_support};
+use crate::sampling::{Distribution, distribution, draft_support, logprobs};
 use crate::{Error, Result};
 
 /// One block of a batch of verifies ([`Verifier::verify_batch`]).
@@ -169,7 +169,20 @@ impl VerifyJob<'_> {
         }
         let verdict = acceptance::verify(drafts, q, &p, &st.draws, self.log.len());
         st.seq.truncate(self.log.len() + verdict.accepted)?;
-        Ok(Verified { verdict, refused })
+        let logprobs = match st.logprobs {
+            Some(top) => (0..=verdict.accepted)
+                .map(|i| {
+                    let token = drafts.get(i).copied().filter(|_| i < verdict.accepted);
+                    logprobs(&rows[i], token.unwrap_or(verdict.next), top)
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        Ok(Verified {
+            verdict,
+            refused,
+            logprobs,
+        })
     }
 }
 

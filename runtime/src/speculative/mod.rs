@@ -11,7 +11,7 @@ use crate::draft_check::DraftRefusal;
 use crate::kv_cache::KvCache;
 use crate::model::{Logits, Model};
 use crate::rng::Draws;
-use crate::sampling::{Distribution, SamplingParams};
+use crate::sampling::{Distribution, SamplingParams, TokenLogprobs};
 use crate::{Error, Result};
 
 mod batch;
@@ -67,6 +67,8 @@ pub struct SequenceState {
     seq: CachedSequence,
     params: SamplingParams,
     draws: Draws,
+    /// A verifier's: report each committed token's log-probability and this many alternatives.
+    logprobs: Option<usize>,
 }
 
 impl SequenceState {
@@ -79,6 +81,7 @@ impl SequenceState {
             },
             draws: Draws::new(params.seed, stream),
             params,
+            logprobs: None,
         }
     }
 
@@ -184,6 +187,9 @@ impl Drafter {
 pub struct Verified {
     pub verdict: Verdict,
     pub refused: Option<DraftRefusal>,
+    /// With [`Verifier::report_logprobs`]: one per committed token (the accepted drafts, then
+    /// the next token), from the target's logits.
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 /// The target side of one sequence.
@@ -193,6 +199,12 @@ pub struct Verifier(SequenceState);
 impl Verifier {
     pub fn new(model: &Model, params: SamplingParams) -> Self {
         Self(SequenceState::new(model, params, TARGET_STREAM))
+    }
+
+    /// Reports each committed token's log-probability and its `top` alternatives
+    /// ([`crate::sampling::logprobs`]); `None` (the default) reports none.
+    pub fn report_logprobs(&mut self, top: Option<usize>) {
+        self.0.logprobs = top;
     }
 
     /// Checks the drafted block ([`crate::draft_check::check_block`]: at most `max_drafts`,
