@@ -104,7 +104,10 @@ const FIRST_DEADLINE: Duration = Duration::from_secs(10);
 /// holding it while it catches up, or opening a new one after a loss, when not.
 #[derive(Debug)]
 pub struct ModelDrafter {
-    channel: Channel,
+    /// The draft replica the session opened on, then the others (checked) to re-attach to when
+    /// it does not answer.
+    channels: Vec<Channel>,
+    attempts: usize,
     spec: SessionSpec,
     pub session: Option<NodeSession<Draft>>,
     pending: Option<(Background, oneshot::Receiver<Result<Lent>>)>,
@@ -165,9 +168,15 @@ fn background_deadline(tokens: usize) -> Duration {
 }
 
 impl ModelDrafter {
-    pub fn new(channel: Channel, spec: SessionSpec, session: Option<NodeSession<Draft>>) -> Self {
+    /// The draft side over `channels` (its replica first; at least one).
+    pub fn new(
+        channels: Vec<Channel>,
+        spec: SessionSpec,
+        session: Option<NodeSession<Draft>>,
+    ) -> Self {
         Self {
-            channel,
+            channels,
+            attempts: 0,
             spec,
             session,
             pending: None,
@@ -187,6 +196,8 @@ impl ModelDrafter {
                 if kind == Background::Reattach {
                     tracing::info!("draft-node attached again");
                     self.reattached += 1;
+                    // The replica that answered is the one to try first next time.
+                    self.attempts = self.attempts.saturating_sub(1);
                 }
                 self.pending = None;
                 self.session = Some(session);
@@ -217,7 +228,10 @@ impl ModelDrafter {
         let wait = self.backoff;
         self.backoff = (self.backoff * 2).min(REATTACH_MAX);
         let (tx, rx) = oneshot::channel();
-        let (channel, spec, log) = (self.channel.clone(), self.spec.clone(), log.clone());
+        // Its own replica first, then the others in turn.
+        let channel = self.channels[self.attempts % self.channels.len().max(1)].clone();
+        self.attempts += 1;
+        let (spec, log) = (self.spec.clone(), log.clone());
         tokio::spawn(async move {
             tokio::time::sleep(wait).await;
             // The generation ended, or another attempt replaced this one: open nothing.

@@ -340,16 +340,16 @@ impl Engine {
                 .map(|opened| (opened, start.elapsed().as_secs_f64()))
             });
         let mut target = target.session?;
-        let (mut model, draft) = match draft {
-            Some((opened, secs)) => (
+        let (mut model, draft) = match (draft, use_draft) {
+            (Some((opened, secs)), Some(d)) => (
                 Some(ModelDrafter::new(
-                    opened.handle.channel.clone(),
+                    d.fallbacks(&opened.handle),
                     spec.clone(),
                     None,
                 )),
                 Some((opened.session, secs)),
             ),
-            None => (None, None),
+            _ => (None, None),
         };
         // Drafts the draft-node accepts per step (0 without one).
         let max_draft = use_draft.map_or(0, |d| d.primary().limits().max_draft_tokens as usize);

@@ -195,6 +195,19 @@ impl Replicas {
         Ok(replica.handle.clone())
     }
 
+    /// The channel of `chosen`, then the other replicas': where a draft session that lost
+    /// `chosen` is opened again. (Their info is not read first: a draft can change the speed of
+    /// a generation, never its output.)
+    pub fn fallbacks(&self, chosen: &NodeHandle) -> Vec<tonic::transport::Channel> {
+        let snapshot = self.snapshot();
+        let others = snapshot
+            .iter()
+            .filter(|r| r.handle.endpoint != chosen.endpoint);
+        std::iter::once(chosen.channel.clone())
+            .chain(others.map(|r| r.handle.channel.clone()))
+            .collect()
+    }
+
     /// Opens a session holding `log` on replica `i`, or (that one lost, unreachable or serving
     /// another model) on the next that answers; the session knows its replica.
     pub async fn open<W: Wire>(&self, i: usize, spec: &SessionSpec, log: &TokenLog) -> Opened<W> {

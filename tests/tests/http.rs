@@ -139,7 +139,10 @@ async fn the_openai_client_gets_the_grpc_text() {
             .all(|l| l["logprob"].as_f64().is_some_and(|p| p <= 0.0) && l["top"] == 2),
         "{logprobs:?}"
     );
-    assert_eq!(got["token_prompt_logprobs"].as_array().map(Vec::len), Some(4));
+    assert_eq!(
+        got["token_prompt_logprobs"].as_array().map(Vec::len),
+        Some(4)
+    );
 }
 
 async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, Value) {

@@ -388,3 +388,27 @@ async fn a_lost_draft_replica_is_skipped_for_another() {
         assert_eq!(ids, want);
     }
 }
+
+#[tokio::test]
+async fn a_draft_replica_lost_mid_generation_is_replaced_by_another() {
+    let target = start_target(&stories(), free_addr());
+    let draft_a = std::sync::Mutex::new(Some(start_node("draft-node", &stories_q8(), free_addr())));
+    let draft_b = start_node("draft-node", &stories_q8(), free_addr());
+    let a_url = draft_a.lock().expect("lock").as_ref().expect("a").url();
+    let coordinator = Proc::coordinator(
+        &target.url(),
+        &a_url,
+        free_addr(),
+        &["--draft", &draft_b.url()],
+        None,
+    );
+    // The generation opens its draft on A (the first, as least loaded); A dies mid-generation.
+    let (ids, done) = stream(coordinator.url(), story(400, 4), || {
+        drop(draft_a.lock().expect("lock").take());
+    })
+    .await;
+    let stats = done.expect("generated").stats.expect("stats");
+    assert!(stats.draft_lost, "A was lost: {stats:?}");
+    assert!(stats.draft_reattached >= 1, "attached to B: {stats:?}");
+    assert_eq!(ids, in_process(&stories(), None, &story(400, 0)).token_ids);
+}
