@@ -2,8 +2,10 @@
 //! target-node or draft-node that, for each message of a session by a draw keyed by the seed,
 //! the session and the message's index, passes it on, holds it (delay), sends it twice (the
 //! node's second answer swallowed: a retransmitted request), corrupts the committed prefix it
-//! carries, or resets the stream (UNAVAILABLE to the coordinator; the node sees its stream end).
-//! A message lost on a reliable stream surfaces as a stall or a reset: both are here.
+//! carries, resets the stream (UNAVAILABLE to the coordinator; the node sees its stream end), or
+//! drops it (neither forwarded nor answered: on a reliable stream a lost message is a stall, which
+//! the coordinator's call deadline ends). Messages of one stream cannot be reordered (each waits
+//! for its reply); the draft's and the target's streams are, by their independent delays.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -26,6 +28,7 @@ pub enum Fault {
     Duplicate,
     CorruptPrefix,
     Reset,
+    Drop,
 }
 
 /// Faults injected so far, by kind.
@@ -36,6 +39,7 @@ pub struct Injected {
     pub duplicated: AtomicUsize,
     pub corrupted: AtomicUsize,
     pub reset: AtomicUsize,
+    pub dropped: AtomicUsize,
 }
 
 /// The proxy: the node behind it, the seed, and each fault's chance per message (per mille).
@@ -43,8 +47,8 @@ pub struct Injected {
 pub struct FaultProxy {
     upstream: String,
     seed: u64,
-    /// Delay, duplicate, corrupt, reset.
-    per_mille: [u64; 4],
+    /// Delay, duplicate, corrupt, reset, drop.
+    per_mille: [u64; 5],
     sessions: Arc<AtomicU64>,
     pub injected: Arc<Injected>,
 }
@@ -58,8 +62,8 @@ fn splitmix(mut x: u64) -> u64 {
 
 impl FaultProxy {
     /// A proxy to the node at `upstream`: per message, a delay, a duplicate, a corrupted
-    /// prefix or a reset with these chances per mille.
-    pub fn new(upstream: std::net::SocketAddr, seed: u64, per_mille: [u64; 4]) -> Self {
+    /// prefix, a reset or a drop with these chances per mille.
+    pub fn new(upstream: std::net::SocketAddr, seed: u64, per_mille: [u64; 5]) -> Self {
         Self {
             upstream: format!("http://{upstream}"),
             seed,
@@ -73,14 +77,16 @@ impl FaultProxy {
     /// or corrupted: an open sent twice is a protocol error, not a retransmission).
     pub fn draw(&self, session: u64, n: u64, work: bool) -> Fault {
         let r = splitmix(self.seed ^ splitmix(session ^ splitmix(n))) % 1000;
-        let [delay, dup, corrupt, reset] = self.per_mille;
-        if r < reset {
+        let [delay, dup, corrupt, reset, drop] = self.per_mille;
+        if r < drop && work {
+            Fault::Drop
+        } else if r < drop + reset {
             Fault::Reset
-        } else if r < reset + corrupt && work {
+        } else if r < drop + reset + corrupt && work {
             Fault::CorruptPrefix
-        } else if r < reset + corrupt + dup && work {
+        } else if r < drop + reset + corrupt + dup && work {
             Fault::Duplicate
-        } else if r < reset + corrupt + dup + delay {
+        } else if r < drop + reset + corrupt + dup + delay {
             Fault::Delay(Duration::from_millis(1 + r % 20))
         } else {
             Fault::Pass
@@ -147,6 +153,11 @@ impl FaultProxy {
                 Fault::Delay(d) => {
                     counts.delayed.fetch_add(1, Ordering::Relaxed);
                     tokio::time::sleep(d).await;
+                }
+                Fault::Drop => {
+                    // Lost: the coordinator gives up on the stream at its deadline.
+                    counts.dropped.fetch_add(1, Ordering::Relaxed);
+                    continue;
                 }
                 Fault::Pass => {}
             }

@@ -1,6 +1,6 @@
 //! Fault injection (issue 13): a seeded fault layer ([`FaultProxy`]) between the coordinator and
-//! each node delays, duplicates, corrupts the prefix of, and resets the streams of a share of
-//! the messages, over more than 1,000 rounds. Every generation ends with target-only's output
+//! each node delays, duplicates, corrupts the prefix of, drops, and resets the streams of a share
+//! of the messages, over more than 1,000 rounds. Every generation ends with target-only's output
 //! or with a clean error, and no session is left open on either node.
 
 use std::sync::atomic::Ordering;
@@ -13,17 +13,19 @@ use tandem_tests::faults::{FaultProxy, Injected};
 use tandem_tests::*;
 use tonic::Code;
 
-/// Per mille of messages delayed, duplicated, corrupted, reset.
-const FAULTS: [u64; 4] = [50, 30, 30, 10];
+/// Per mille of messages delayed, duplicated, corrupted, reset, dropped (a dropped verify costs
+/// the target call's deadline, 10 s).
+const FAULTS: [u64; 5] = [50, 30, 30, 10, 1];
 
 fn report(who: &str, i: &Injected) -> String {
     format!(
-        "{who}: {} messages, {} delayed, {} duplicated, {} corrupted, {} reset",
+        "{who}: {} messages, {} delayed, {} duplicated, {} corrupted, {} reset, {} dropped",
         i.messages.load(Ordering::Relaxed),
         i.delayed.load(Ordering::Relaxed),
         i.duplicated.load(Ordering::Relaxed),
         i.corrupted.load(Ordering::Relaxed),
-        i.reset.load(Ordering::Relaxed)
+        i.reset.load(Ordering::Relaxed),
+        i.dropped.load(Ordering::Relaxed)
     )
 }
 
