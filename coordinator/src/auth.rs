@@ -37,17 +37,21 @@ impl ApiKeys {
     /// Whether an `Authorization` value (`Bearer KEY`) names one of the keys; any request does
     /// when there are none.
     pub fn admits(&self, authorization: Option<&str>) -> bool {
-        if self.is_empty() {
-            return true;
-        }
-        let Some(presented) = authorization.and_then(|v| v.trim().strip_prefix("Bearer ")) else {
-            return false;
-        };
+        self.is_empty() || self.matched(authorization).is_some()
+    }
+
+    /// Which key an `Authorization` value (`Bearer KEY`) names, if any.
+    pub fn matched(&self, authorization: Option<&str>) -> Option<usize> {
+        let presented = authorization.and_then(|v| v.trim().strip_prefix("Bearer "))?;
         let presented = presented.trim().as_bytes();
         // Every key compared, each in constant time: the answer's timing says nothing of them.
-        self.0
-            .iter()
-            .fold(false, |found, key| found | same(key.as_bytes(), presented))
+        self.0.iter().enumerate().fold(None, |found, (i, key)| {
+            if same(key.as_bytes(), presented) {
+                Some(i)
+            } else {
+                found
+            }
+        })
     }
 
     /// The gRPC check: UNAUTHENTICATED unless the call's `authorization` metadata admits it.
@@ -81,8 +85,8 @@ impl Access {
         authorization: Option<&str>,
         peer: Option<std::net::IpAddr>,
     ) -> Result<ClientPermit, tandem_proto::Error> {
-        let client = Client::of(!self.keys.is_empty(), authorization, peer);
-        self.per_client.acquire(client)
+        let key = self.keys.matched(authorization);
+        self.per_client.acquire(Client::of(key, peer))
     }
 }
 
@@ -131,6 +135,21 @@ mod tests {
         assert!(ApiKeys::new([String::new()]).is_empty());
         // Never printed.
         assert_eq!(format!("{keys:?}"), "ApiKeys(2 keys)");
+    }
+
+    #[test]
+    fn one_key_is_one_client_however_it_is_spaced() {
+        let keys = ApiKeys::new(["alpha-1".to_string(), "beta-2".into()]);
+        for header in [
+            "Bearer alpha-1",
+            "Bearer  alpha-1",
+            "Bearer \talpha-1 ",
+            " Bearer alpha-1",
+        ] {
+            assert_eq!(keys.matched(Some(header)), Some(0), "{header:?}");
+        }
+        assert_eq!(keys.matched(Some("Bearer beta-2")), Some(1));
+        assert_eq!(keys.matched(Some("Bearer gamma")), None);
     }
 
     #[test]

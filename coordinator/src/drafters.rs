@@ -104,8 +104,8 @@ const FIRST_DEADLINE: Duration = Duration::from_secs(10);
 /// holding it while it catches up, or opening a new one after a loss, when not.
 #[derive(Debug)]
 pub struct ModelDrafter {
-    /// The draft replica the session opened on, then the others (checked) to re-attach to when
-    /// it does not answer.
+    /// The draft replica the session opened on, then the others, to re-attach to when it does
+    /// not answer.
     channels: Vec<Channel>,
     attempts: usize,
     spec: SessionSpec,

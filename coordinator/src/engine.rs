@@ -8,7 +8,6 @@
 //! [`MAX_REFUSED_BLOCKS`] refused blocks the draft is detached from the generation, which goes
 //! on target-only. A bad draft never fails a request.
 
-use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -17,12 +16,13 @@ use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::generator::MAX_DRAFT_TOKENS;
 use tandem_runtime::{
-    Commit, DraftRefusal, FinishReason, GenerateRequest, RefusalReason, RequestLimits,
-    SamplingParams, TokenLog, Tokenizer, Transcript, Verdict,
+    DraftRefusal, GenerateRequest, RefusalReason, RequestLimits, SamplingParams, TokenLog,
+    Tokenizer, Transcript, Verdict,
 };
 use tracing::Instrument;
 
 use crate::drafters::{DrafterChoice, ModelDrafter, Proposal, fixed_drafter, ngram_proposal};
+pub use crate::job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
 use crate::links::{Draft, NodeSession, SessionSpec, Target};
 use crate::metrics::CoordinatorMetrics;
 pub use crate::nodes::NodeHandle;
@@ -35,62 +35,8 @@ use crate::replicas::Replicas;
 use crate::shadow::{Shadow, shadow_len};
 pub use crate::stats::Stats;
 
-/// Where a generation's commits go as they happen.
-pub trait CommitSink: Send {
-    /// Delivers one round's commit (with its tokens' log-probabilities when the request asked
-    /// for them); false when the receiver has gone.
-    fn send(
-        &mut self,
-        commit: &Commit,
-        logprobs: &[v1::TokenLogprobs],
-    ) -> impl Future<Output = bool> + Send;
-}
-
-/// Keeps nothing: for callers that only want the outcome.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Discard;
-
-impl CommitSink for Discard {
-    async fn send(&mut self, _: &Commit, _: &[v1::TokenLogprobs]) -> bool {
-        true
-    }
-}
-
-/// A request checked against the nodes' limits, ready to run.
-#[derive(Debug, Clone)]
-pub struct Job {
-    /// What to generate; with `adaptive`, `draft_tokens` is the largest K tried.
-    pub request: GenerateRequest,
-    /// K chosen each round by the cost model ([`KPolicy`]) rather than fixed.
-    pub adaptive: bool,
-    pub drafter: DrafterChoice,
-    /// The draft-node drafts the next block while the target verifies (DESIGN.md "Pipelined").
-    pub pipeline: bool,
-    /// Log-probabilities of each token and this many alternatives, from the target.
-    pub top_logprobs: Option<u32>,
-}
-
-impl std::ops::Deref for Job {
-    type Target = GenerateRequest;
-
-    fn deref(&self) -> &GenerateRequest {
-        &self.request
-    }
-}
-
 /// Refused blocks after which a generation detaches its draft.
 pub const MAX_REFUSED_BLOCKS: u32 = 3;
-
-/// A finished generation.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Outcome {
-    pub text: String,
-    pub token_ids: Vec<u32>,
-    pub finish_reason: FinishReason,
-    pub stats: Stats,
-    /// Each token's log-probabilities, when the request asked for them.
-    pub logprobs: Vec<v1::TokenLogprobs>,
-}
 
 /// Default generation length when a request names none.
 pub const DEFAULT_MAX_TOKENS: usize = 256;
@@ -208,6 +154,11 @@ impl Engine {
     fn check(&self, request: &v1::GenerateRequest) -> Result<Job> {
         if request.prompt_tokens.is_empty() && request.prompt.is_empty() {
             return Err(tandem_runtime::Error::EmptyPrompt.into());
+        }
+        if request.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            let n = request.stop_token_ids.len();
+            let limit = format!("at most {MAX_STOP_TOKEN_IDS} ids");
+            return Err(tandem_runtime::Error::invalid("stop_token_ids", n, limit).into());
         }
         let prompt = if request.prompt_tokens.is_empty() {
             self.tokenizer.encode(&request.prompt)?
@@ -327,19 +278,23 @@ impl Engine {
                         .fetch_add(1, Ordering::Relaxed)
                         .is_multiple_of(RETIME_EVERY))
         });
-        // Each session on the least loaded replica of its node, counted until the end.
-        let (replica, _lease) = self.targets.pick();
-        let draft_pick = use_draft.map(Replicas::pick);
-        let (target, draft) =
-            tokio::join!(self.targets.open::<Target>(replica, &spec, &log), async {
+        // Each session on the least loaded replica of its node, counted there until the end.
+        let (target, draft) = tokio::join!(
+            self.targets
+                .open::<Target>(self.targets.pick(), &spec, &log),
+            async {
                 let start = Instant::now();
-                match (use_draft, &draft_pick) {
-                    (Some(d), Some((i, _))) => Some(d.open::<Draft>(*i, &spec, &log).await),
-                    _ => None,
-                }
-                .map(|opened| (opened, start.elapsed().as_secs_f64()))
-            });
+                let d = use_draft?;
+                let opened = d.open::<Draft>(d.pick(), &spec, &log).await;
+                Some((opened, start.elapsed().as_secs_f64()))
+            }
+        );
         let mut target = target.session?;
+        let _lease = self.targets.lease(target.replica);
+        let _draft_lease = draft.as_ref().zip(use_draft).and_then(|((o, _), d)| {
+            let session = o.session.as_ref().ok()?;
+            Some(d.lease(session.replica))
+        });
         let (mut model, draft) = match (draft, use_draft) {
             (Some((opened, secs)), Some(d)) => (
                 Some(ModelDrafter::new(
@@ -738,9 +693,12 @@ impl Engine {
                 if attempt > 0 {
                     // The same replica first (it may be back), then the next, and so on.
                     let replica = (home + attempt as usize - 1) % self.targets.len();
-                    let channel = self.targets.recheck(replica).await?.channel.clone();
-                    target.rebind(replica, channel);
-                    target.replay(log).await?;
+                    let moved = async {
+                        let channel = self.targets.recheck(replica).await?.channel.clone();
+                        target.rebind(replica, channel);
+                        target.replay(log).await
+                    };
+                    moved.await.map_err(|e| self.targets.failed(replica, e))?;
                 }
                 target.call(log, make).await
             };

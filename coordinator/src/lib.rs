@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod drafters;
 pub mod engine;
 pub mod http;
+pub mod job;
 pub mod late;
 pub mod limits;
 pub mod links;

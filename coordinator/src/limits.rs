@@ -1,10 +1,10 @@
 //! Per-client concurrency on the public APIs (`coordinator serve --max-requests-per-client N`):
 //! a client with N generations in flight gets RESOURCE_EXHAUSTED / HTTP 429 with `Retry-After`
 //! for the next, at once. A client is the API key it presented where keys are required (keys
-//! are checked first; the key itself is not kept, only a hash of it), else its IP address.
+//! are checked first; which of the configured keys, not the key, is kept), else its IP address
+//! (an IPv6 client by its /64, which one host is usually given whole).
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
@@ -21,23 +21,24 @@ pub struct ClientLimits {
 /// Who a request comes from.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Client {
-    Key(u64),
+    /// The index of the configured key it presented.
+    Key(usize),
     Ip(IpAddr),
     Unknown,
 }
 
 impl Client {
-    /// The client of a request: its key (a hash of it) where keys are required, else its peer
-    /// address. A key is not trusted where none is required: anyone could make one up.
-    pub fn of(keys_required: bool, authorization: Option<&str>, peer: Option<IpAddr>) -> Self {
-        match (keys_required, authorization, peer) {
-            (true, Some(key), _) => {
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                key.trim().hash(&mut h);
-                Self::Key(h.finish())
+    /// The client of a request: the configured key it presented (checked already), else its
+    /// peer address (IPv6: its /64).
+    pub fn of(key: Option<usize>, peer: Option<IpAddr>) -> Self {
+        match (key, peer) {
+            (Some(i), _) => Self::Key(i),
+            (None, Some(IpAddr::V6(v6))) if v6.to_ipv4_mapped().is_none() => {
+                let bits = u128::from(v6) & !((1u128 << 64) - 1);
+                Self::Ip(IpAddr::V6(bits.into()))
             }
-            (_, _, Some(ip)) => Self::Ip(ip),
-            _ => Self::Unknown,
+            (None, Some(ip)) => Self::Ip(ip),
+            (None, None) => Self::Unknown,
         }
     }
 }
@@ -103,8 +104,8 @@ mod tests {
     #[test]
     fn a_client_past_its_limit_is_refused_and_let_in_once_one_ends() {
         let limits = ClientLimits::new(2);
-        let a = Client::of(false, None, Some([10, 0, 0, 1].into()));
-        let b = Client::of(false, None, Some([10, 0, 0, 2].into()));
+        let a = Client::of(None, Some([10, 0, 0, 1].into()));
+        let b = Client::of(None, Some([10, 0, 0, 2].into()));
         let first = limits.acquire(a.clone()).expect("first");
         let _second = limits.acquire(a.clone()).expect("second");
         let refused = limits.acquire(a.clone()).expect_err("third");
@@ -119,12 +120,21 @@ mod tests {
     }
 
     #[test]
-    fn clients_are_told_apart_by_key_only_where_keys_are_required() {
+    fn clients_are_told_apart_by_key_else_by_address() {
         let ip = Some(IpAddr::from([10, 0, 0, 1]));
-        let (k1, k2) = (Some("Bearer one"), Some("Bearer two"));
-        assert_ne!(Client::of(true, k1, ip), Client::of(true, k2, ip));
-        assert_eq!(Client::of(false, k1, ip), Client::of(false, k2, ip));
-        assert_eq!(Client::of(false, None, None), Client::Unknown);
+        assert_ne!(Client::of(Some(0), ip), Client::of(Some(1), ip));
+        assert_eq!(Client::of(None, ip), Client::Ip([10, 0, 0, 1].into()));
+        assert_eq!(Client::of(None, None), Client::Unknown);
+        // One IPv6 host is one /64.
+        let v6 = |s: &str| Some(s.parse::<IpAddr>().expect("address"));
+        assert_eq!(
+            Client::of(None, v6("2001:db8:1:2::1")),
+            Client::of(None, v6("2001:db8:1:2:ffff::9"))
+        );
+        assert_ne!(
+            Client::of(None, v6("2001:db8:1:2::1")),
+            Client::of(None, v6("2001:db8:1:3::1"))
+        );
         let limits = ClientLimits::new(0);
         let permits: Vec<_> = (0..100)
             .map(|_| limits.acquire(Client::Unknown).expect("no limit"))

@@ -10,7 +10,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tandem_proto::tls::ClientTls;
 use tandem_proto::{Error, Result};
@@ -18,6 +18,7 @@ use tandem_proto::{Error, Result};
 use crate::links::{NodeSession, SessionSpec, Wire};
 use crate::nodes::{NodeHandle, session_lost};
 use tandem_runtime::TokenLog;
+use tonic::Code;
 
 /// How often host names are resolved again.
 pub const REFRESH: Duration = Duration::from_secs(10);
@@ -38,6 +39,21 @@ struct Replica {
     load: AtomicUsize,
     /// Whether its info was read and matches the model's.
     checked: AtomicBool,
+    /// When it last failed to open or keep a session: for [`COOLDOWN`] it is picked only if
+    /// every replica failed.
+    failed: std::sync::Mutex<Option<Instant>>,
+}
+
+/// How long a replica that failed is passed over by [`Replicas::pick`].
+pub const COOLDOWN: Duration = Duration::from_secs(2);
+
+impl Replica {
+    fn cooling(&self) -> bool {
+        self.failed
+            .lock()
+            .map(|f| f.is_some_and(|at| at.elapsed() < COOLDOWN))
+            .unwrap_or(false)
+    }
 }
 
 /// A generation's count on its replica, given back on drop.
@@ -101,7 +117,10 @@ impl Replicas {
         };
         let replicas = addresses
             .into_iter()
-            .map(|a| replica(node, &model, a, tls))
+            .map(|a| {
+                let checked = a.url == model.endpoint;
+                replica(node, &model, a, tls, checked)
+            })
             .collect::<Result<Vec<_>>>()?;
         let replicas = Arc::new(RwLock::new(replicas));
         if urls.iter().any(|u| host_name(u).is_some()) {
@@ -145,18 +164,46 @@ impl Replicas {
         urls.join(", ")
     }
 
-    /// The least loaded replica (ties: the first), counted until the lease drops.
-    pub fn pick(&self) -> (usize, Option<Lease>) {
+    /// The least loaded replica (ties: the first) of those that have not just failed.
+    pub fn pick(&self) -> usize {
         let replicas = self.snapshot();
-        let Some((i, r)) = replicas
-            .iter()
-            .enumerate()
-            .min_by_key(|(_, r)| r.load.load(Ordering::Relaxed))
-        else {
-            return (0, None);
-        };
-        r.load.fetch_add(1, Ordering::Relaxed);
-        (i, Some(Lease(Arc::clone(r))))
+        (0..replicas.len())
+            .min_by_key(|&i| {
+                let r = &replicas[i];
+                (r.cooling(), r.load.load(Ordering::Relaxed))
+            })
+            .unwrap_or(0)
+    }
+
+    /// Counts a generation on replica `i` until the lease drops.
+    pub fn lease(&self, i: usize) -> Lease {
+        let replica = self.at(i);
+        replica.load.fetch_add(1, Ordering::Relaxed);
+        Lease(replica)
+    }
+
+    /// Passes replica `i` over for [`COOLDOWN`].
+    fn cool(&self, i: usize) -> Arc<Replica> {
+        let replica = self.at(i);
+        if let Ok(mut f) = replica.failed.lock() {
+            *f = Some(Instant::now());
+        }
+        replica
+    }
+
+    /// After replica `i` failed a session with `e`: passed over for [`COOLDOWN`], and, where
+    /// there are others, `e` made an error the caller moves on from (a replica that is full
+    /// or serves another model may not be the last word).
+    pub fn failed(&self, i: usize, e: Error) -> Error {
+        let replica = self.cool(i);
+        if self.len() > 1 && !session_lost(&e) {
+            return Error::Unavailable {
+                node: self.node,
+                endpoint: replica.address.url.clone(),
+                reason: crate::error_chain(&e),
+            };
+        }
+        e
     }
 
     fn at(&self, i: usize) -> Arc<Replica> {
@@ -173,6 +220,7 @@ impl Replicas {
                     },
                     load: AtomicUsize::new(0),
                     checked: AtomicBool::new(true),
+                    failed: std::sync::Mutex::new(None),
                 })
             })
     }
@@ -217,7 +265,7 @@ impl Replicas {
             let handle = match self.get(i).await {
                 Ok(handle) => handle,
                 Err(e) => {
-                    last = Some((self.at(i).handle.clone(), e));
+                    last = Some((self.at(i).handle.clone(), self.failed(i, e)));
                     continue;
                 }
             };
@@ -229,9 +277,11 @@ impl Replicas {
                         session: Ok(session),
                     };
                 }
-                Err(e) if n > 1 && session_lost(&e) => {
+                // Lost, unreachable or full: the next one may take it.
+                Err(e) if n > 1 && (session_lost(&e) || e.code() == Code::ResourceExhausted) => {
                     tracing::warn!(node = self.node, replica = %handle.endpoint,
                         error = %crate::error_chain(&e), "replica unavailable: trying the next");
+                    self.cool(i);
                     last = Some((handle, e));
                 }
                 Err(e) => {
@@ -259,8 +309,8 @@ fn replica(
     model: &NodeHandle,
     address: Address,
     tls: &ClientTls,
+    checked: bool,
 ) -> Result<Arc<Replica>> {
-    let checked = address.url == model.endpoint;
     let handle = if checked {
         model.clone()
     } else {
@@ -287,6 +337,7 @@ fn replica(
         address,
         load: AtomicUsize::new(0),
         checked: AtomicBool::new(checked),
+        failed: std::sync::Mutex::new(None),
     }))
 }
 
@@ -301,31 +352,48 @@ async fn refresh(
 ) {
     loop {
         tokio::time::sleep(REFRESH).await;
-        let addresses = resolve_all(&urls).await;
+        let mut found = Vec::new();
+        for url in &urls {
+            found.push((url, resolve(url).await));
+        }
         let Some(replicas) = replicas.upgrade() else {
             return;
         };
         let current = replicas.read().unwrap_or_else(|e| e.into_inner()).clone();
-        if addresses.is_empty() {
-            continue;
-        }
-        let next: Vec<Arc<Replica>> = addresses
-            .into_iter()
-            .filter_map(|a| match current.iter().find(|r| r.address == a) {
-                Some(r) => Some(Arc::clone(r)),
-                None => {
-                    tracing::info!(node, replica = %a.url, "replica found");
-                    replica(node, &model, a, &tls).ok()
+        let mut next: Vec<Arc<Replica>> = Vec::new();
+        for (url, addresses) in found {
+            // A name that does not resolve now (a resolver timeout, no ready pod) keeps what
+            // it had: the sessions there decide whether its replicas are alive.
+            let Some(addresses) = addresses else {
+                let host = host_name(url).map(|h| h.1);
+                let kept = current
+                    .iter()
+                    .filter(|r| r.address.name == host || r.address.url == *url);
+                next.extend(kept.cloned());
+                continue;
+            };
+            for a in addresses {
+                if next.iter().any(|r| r.address == a) {
+                    continue;
                 }
-            })
-            .collect();
+                match current.iter().find(|r| r.address == a) {
+                    Some(r) => next.push(Arc::clone(r)),
+                    None => {
+                        tracing::info!(node, replica = %a.url, "replica found");
+                        next.extend(replica(node, &model, a, &tls, false).ok());
+                    }
+                }
+            }
+        }
         for gone in current
             .iter()
             .filter(|r| !next.iter().any(|n| n.address == r.address))
         {
             tracing::info!(node, replica = %gone.address.url, "replica gone");
         }
-        *replicas.write().unwrap_or_else(|e| e.into_inner()) = next;
+        if !next.is_empty() {
+            *replicas.write().unwrap_or_else(|e| e.into_inner()) = next;
+        }
     }
 }
 
@@ -343,38 +411,40 @@ fn host_name(url: &str) -> Option<(String, String, u16)> {
     Some((scheme, host, port))
 }
 
-/// Every address of every URL, in order, without repeats: a URL with an address is itself; a
-/// host name is each of its addresses (sorted), or, if it does not resolve now, the URL as
-/// given (connecting will say why).
+/// The addresses of `url`: itself when its host is an address; each address of its host name
+/// (sorted); `None` when the name does not resolve now.
+async fn resolve(url: &str) -> Option<Vec<Address>> {
+    let Some((scheme, host, port)) = host_name(url) else {
+        return Some(vec![Address {
+            url: url.to_string(),
+            name: None,
+        }]);
+    };
+    let mut ips: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), port))
+        .await
+        .ok()?
+        .collect();
+    ips.sort();
+    ips.dedup();
+    let addresses = ips.into_iter().map(|a| Address {
+        url: format!("{scheme}://{a}"),
+        name: Some(host.clone()),
+    });
+    Some(addresses.collect())
+}
+
+/// Every address of every URL, in order, without repeats; a name that does not resolve now is
+/// its URL as given (connecting will say why).
 async fn resolve_all(urls: &[String]) -> Vec<Address> {
     let mut out: Vec<Address> = Vec::new();
     for url in urls {
-        let resolved = match host_name(url) {
-            None => vec![Address {
+        let addresses = resolve(url).await.unwrap_or_else(|| {
+            vec![Address {
                 url: url.clone(),
                 name: None,
-            }],
-            Some((scheme, host, port)) => {
-                match tokio::net::lookup_host((host.as_str(), port)).await {
-                    Ok(addrs) => {
-                        let mut ips: Vec<SocketAddr> = addrs.collect();
-                        ips.sort();
-                        ips.dedup();
-                        ips.into_iter()
-                            .map(|a| Address {
-                                url: format!("{scheme}://{a}"),
-                                name: Some(host.clone()),
-                            })
-                            .collect()
-                    }
-                    Err(_) => vec![Address {
-                        url: url.clone(),
-                        name: None,
-                    }],
-                }
-            }
-        };
-        for a in resolved {
+            }]
+        });
+        for a in addresses {
             if !out.contains(&a) {
                 out.push(a);
             }
@@ -403,6 +473,7 @@ mod tests {
                     },
                     load: AtomicUsize::new(0),
                     checked: AtomicBool::new(i == 0),
+                    failed: std::sync::Mutex::new(None),
                 })
             })
             .collect();
@@ -416,20 +487,33 @@ mod tests {
     #[tokio::test]
     async fn generations_go_to_the_least_loaded_replica_and_leave_it_when_they_end() {
         let targets = targets(3);
-        let (a, lease_a) = targets.pick();
-        let (b, _lease_b) = targets.pick();
-        let (c, _lease_c) = targets.pick();
-        assert_eq!((a, b, c), (0, 1, 2), "one each, ties to the first listed");
-        let (d, _lease_d) = targets.pick();
-        assert_eq!(d, 0);
-        drop(lease_a);
-        let (e, _lease_e) = targets.pick();
-        assert_eq!(e, 0, "replica 0 holds one again, as few as any");
+        let mut leases = Vec::new();
+        let mut picked = Vec::new();
+        for _ in 0..4 {
+            let i = targets.pick();
+            picked.push(i);
+            leases.push(targets.lease(i));
+        }
+        assert_eq!(picked, [0, 1, 2, 0], "one each, ties to the first listed");
+        leases.remove(0);
+        assert_eq!(
+            targets.pick(),
+            0,
+            "replica 0 holds one again, as few as any"
+        );
+        // A replica that failed is passed over while it cools down, even if least loaded.
+        let e = targets.failed(0, Error::NotReady("down".into()));
+        assert_eq!(e.code(), tonic::Code::Unavailable);
+        drop(leases);
+        assert_eq!(targets.pick(), 1);
         assert_eq!(
             targets.endpoints(),
             "http://127.0.0.1:1, http://127.0.0.1:2, http://127.0.0.1:3"
         );
         assert_eq!(targets.primary().endpoint, "http://127.0.0.1:1");
+        // A full replica's refusal is one to move on from, where there are others.
+        let full = Error::TooManySessions { limit: 1 };
+        assert_eq!(targets.failed(2, full).code(), tonic::Code::Unavailable);
     }
 
     #[tokio::test]

@@ -362,6 +362,7 @@ async fn the_openai_api_as_clients_use_it() {
     let (status, _, body) = call(&router, post_json("/v1/completions", &penalised)).await;
     assert_eq!(status, 200, "{body}");
     for (field, value) in [
+        ("stop_token_ids", json!((0..65).collect::<Vec<u32>>())),
         ("presence_penalty", json!(2.5)),
         ("frequency_penalty", json!(-3)),
         ("logprobs", json!("yes")),

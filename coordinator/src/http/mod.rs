@@ -349,7 +349,8 @@ async fn answer(
     let job = engine.prepare(&request)?;
     if !common.stream {
         let outcome = engine.generate(&job, &mut Discard).await?;
-        let logprobs = openai::logprobs_json(head.kind, &engine.tokenizer, &outcome.logprobs);
+        let logprobs =
+            openai::logprobs_json(head.kind, &engine.tokenizer, &outcome.logprobs, &mut 0);
         return Ok(Json(head.response(&job, &outcome, logprobs)).into_response());
     }
     let (tx, rx) = mpsc::channel(4);
@@ -363,6 +364,7 @@ async fn answer(
             head: head.clone(),
             tx: tx.clone(),
             first: true,
+            offset: 0,
             started: Some(started),
         };
         let generated = engine.generate(&job, &mut sink).await;
@@ -416,6 +418,8 @@ struct SseSink {
     head: Head,
     tx: mpsc::Sender<Result<Event, Infallible>>,
     first: bool,
+    /// Where the next token's text starts in the completion (logprobs' `text_offset`).
+    offset: usize,
     /// Told once the stream has its first event (the response then starts, status 200).
     started: Option<tokio::sync::oneshot::Sender<Result<(), ApiError>>>,
 }
@@ -425,10 +429,13 @@ impl CommitSink for SseSink {
         if let Some(started) = self.started.take() {
             let _ = started.send(Ok(()));
         }
-        if commit.text.is_empty() && !self.first {
+        // Text held back (half a character, a possible stop string) sends nothing, unless its
+        // tokens' log-probabilities were asked for.
+        if commit.text.is_empty() && logprobs.is_empty() && !self.first {
             return !self.tx.is_closed();
         }
-        let logprobs = openai::logprobs_json(self.head.kind, &self.engine.tokenizer, logprobs);
+        let (kind, tok) = (self.head.kind, &self.engine.tokenizer);
+        let logprobs = openai::logprobs_json(kind, tok, logprobs, &mut self.offset);
         let chunk = self.head.chunk(&commit.text, self.first, logprobs);
         self.first = false;
         self.tx

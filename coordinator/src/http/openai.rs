@@ -170,12 +170,6 @@ impl Common {
                 "`stop` takes up to 4 non-empty strings",
             ));
         }
-        if self.stop_token_ids.len() > 64 {
-            return Err(ApiError::invalid(
-                Some("stop_token_ids".to_string()),
-                "`stop_token_ids` takes up to 64 token ids",
-            ));
-        }
         let top_logprobs = self.top_logprobs()?;
         Ok(v1::GenerateRequest {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
@@ -353,7 +347,15 @@ impl Head {
 /// Tokens' log-probabilities in the shape of `kind`'s responses (null when there are none):
 /// completions `{tokens, token_logprobs, top_logprobs, text_offset}`, chat
 /// `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
-pub fn logprobs_json(kind: Kind, tok: &Tokenizer, logprobs: &[v1::TokenLogprobs]) -> Value {
+///
+/// `offset` is where the first token's text starts in the whole completion (completions'
+/// `text_offset`); advanced past these tokens' text.
+pub fn logprobs_json(
+    kind: Kind,
+    tok: &Tokenizer,
+    logprobs: &[v1::TokenLogprobs],
+    offset: &mut usize,
+) -> Value {
     if logprobs.is_empty() {
         return Value::Null;
     }
@@ -363,10 +365,10 @@ pub fn logprobs_json(kind: Kind, tok: &Tokenizer, logprobs: &[v1::TokenLogprobs]
             let tokens: Vec<String> = logprobs.iter().map(|l| text(l.token)).collect();
             let offsets: Vec<usize> = tokens
                 .iter()
-                .scan(0, |at, t| {
-                    let here = *at;
-                    *at += t.len();
-                    Some(here)
+                .map(|t| {
+                    let here = *offset;
+                    *offset += t.len();
+                    here
                 })
                 .collect();
             json!({
