@@ -364,19 +364,39 @@ async fn a_draft_node_that_comes_late_is_attached_once_it_answers() {
     assert_eq!(ids, want);
 }
 
-#[tokio::test]
-async fn a_lost_draft_replica_is_skipped_for_another() {
+/// A target-node, two draft-node replicas (A, which a test may kill by taking it out of the
+/// mutex, and B) and a coordinator given both, A first.
+struct TwoDrafts {
+    _target: Proc,
+    draft_a: std::sync::Mutex<Option<Proc>>,
+    _draft_b: Proc,
+    coordinator: Proc,
+}
+
+fn two_drafts() -> TwoDrafts {
     let target = start_target(&stories(), free_addr());
-    let draft_a = std::sync::Mutex::new(Some(start_node("draft-node", &stories_q8(), free_addr())));
+    let draft_a = start_node("draft-node", &stories_q8(), free_addr());
     let draft_b = start_node("draft-node", &stories_q8(), free_addr());
-    let a_url = draft_a.lock().expect("lock").as_ref().expect("a").url();
     let coordinator = Proc::coordinator(
         &target.url(),
-        &a_url,
+        &draft_a.url(),
         free_addr(),
         &["--draft", &draft_b.url()],
         None,
     );
+    TwoDrafts {
+        _target: target,
+        draft_a: std::sync::Mutex::new(Some(draft_a)),
+        _draft_b: draft_b,
+        coordinator,
+    }
+}
+
+#[tokio::test]
+async fn a_lost_draft_replica_is_skipped_for_another() {
+    // Bound whole: every process lives to the end of the test.
+    let two = two_drafts();
+    let (draft_a, coordinator) = (&two.draft_a, &two.coordinator);
     let want = in_process(&stories(), None, &story(40, 0)).token_ids;
     // The first draft replica gone: generations open their draft session on the other.
     drop(draft_a.lock().expect("lock").take());
@@ -391,17 +411,9 @@ async fn a_lost_draft_replica_is_skipped_for_another() {
 
 #[tokio::test]
 async fn a_draft_replica_lost_mid_generation_is_replaced_by_another() {
-    let target = start_target(&stories(), free_addr());
-    let draft_a = std::sync::Mutex::new(Some(start_node("draft-node", &stories_q8(), free_addr())));
-    let draft_b = start_node("draft-node", &stories_q8(), free_addr());
-    let a_url = draft_a.lock().expect("lock").as_ref().expect("a").url();
-    let coordinator = Proc::coordinator(
-        &target.url(),
-        &a_url,
-        free_addr(),
-        &["--draft", &draft_b.url()],
-        None,
-    );
+    // Bound whole: every process lives to the end of the test.
+    let two = two_drafts();
+    let (draft_a, coordinator) = (&two.draft_a, &two.coordinator);
     // The generation opens its draft on A (the first, as least loaded); A dies mid-generation.
     let (ids, done) = stream(coordinator.url(), story(400, 4), || {
         drop(draft_a.lock().expect("lock").take());
