@@ -57,16 +57,28 @@ impl ApiKeys {
     /// The gRPC check: UNAUTHENTICATED unless the call's `authorization` metadata admits it.
     #[allow(clippy::result_large_err)]
     pub fn check<T>(&self, request: Request<T>) -> Result<Request<T>, Status> {
-        let presented = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
-        if self.admits(presented) {
+        if self.admits(grpc_authorization(&request)) {
             Ok(request)
         } else {
             Err(Status::unauthenticated(REFUSAL))
         }
     }
+}
+
+/// A gRPC call's `authorization` metadata.
+pub fn grpc_authorization<T>(request: &Request<T>) -> Option<&str> {
+    request
+        .metadata()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+}
+
+/// An HTTP request's `Authorization` header.
+pub fn http_authorization(request: &axum::extract::Request) -> Option<&str> {
+    request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
 }
 
 /// Who may use the public APIs, and how much of them: the keys, and the generations each

@@ -49,9 +49,10 @@ impl NodeHandle {
             .info(v1::InfoRequest {})
             .await
             .map_err(|status| {
-                match tandem_proto::tls::mismatch_hint(endpoint, &crate::error_chain(&status)) {
+                let chain = crate::error_chain(&status);
+                match tandem_proto::tls::mismatch_hint(endpoint, &chain) {
                     "" => Error::Remote { node, status },
-                    _ => unavailable(connect_error(&status, endpoint)),
+                    hint => unavailable(chain + hint),
                 }
             })?
             .into_inner();

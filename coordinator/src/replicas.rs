@@ -147,11 +147,11 @@ impl Replicas {
     }
 
     pub fn len(&self) -> usize {
-        self.snapshot().len().max(1)
+        self.snapshot().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        false
+        self.snapshot().is_empty()
     }
 
     /// Every replica's URL, for errors.
@@ -206,23 +206,11 @@ impl Replicas {
         e
     }
 
+    /// Replica `i`, modulo their number (never none: [`Self::connect`] starts from the one that
+    /// answered, and a refresh keeps the list when it would empty it).
     fn at(&self, i: usize) -> Arc<Replica> {
         let replicas = self.snapshot();
-        replicas
-            .get(i % replicas.len().max(1))
-            .cloned()
-            .unwrap_or_else(|| {
-                Arc::new(Replica {
-                    handle: self.model.clone(),
-                    address: Address {
-                        url: self.model.endpoint.clone(),
-                        name: None,
-                    },
-                    load: AtomicUsize::new(0),
-                    checked: AtomicBool::new(true),
-                    failed: std::sync::Mutex::new(None),
-                })
-            })
+        Arc::clone(&replicas[i % replicas.len()])
     }
 
     /// Replica `i` (modulo their number), its info checked against the model's the first time.

@@ -109,12 +109,10 @@ impl Coordinator for CoordinatorService {
         let span = tracing::info_span!("grpc_generate");
         tandem_proto::trace::continue_trace(request.metadata(), &span);
         let engine = self.engine.get()?;
-        let authorization = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
         let peer = request.remote_addr().map(|a| a.ip());
-        let permit = self.access.admit(authorization, peer)?;
+        let permit = self
+            .access
+            .admit(crate::auth::grpc_authorization(&request), peer)?;
         let job = engine.prepare(request.get_ref())?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(tracing::Instrument::instrument(

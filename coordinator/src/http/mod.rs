@@ -205,11 +205,11 @@ async fn require_key(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let presented = request
-        .headers()
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    if state.access.keys.admits(presented) {
+    if state
+        .access
+        .keys
+        .admits(crate::auth::http_authorization(&request))
+    {
         return next.run(request).await;
     }
     ApiError {
@@ -228,10 +228,7 @@ async fn limit_client(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let authorization = request
-        .headers()
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
+    let authorization = crate::auth::http_authorization(&request);
     let peer = request
         .extensions()
         .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
