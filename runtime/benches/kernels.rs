@@ -2,6 +2,15 @@
 //! per product and GB/s of weights read, for 1 row (a decode step) and 9 (a verify block of
 //! K = 8), Tandem's kernels against candle's own (`QMatMul`), alternated, medians.
 //!
+//! And what stands between nine rows and the time of one: this machine's peak multiply rate,
+//! measured first (x86-64 with AVX2: f32 `fmadd` and u8 × i8 `maddubs` in registers, every
+//! thread at once), bounds the time of a 9-row product from below (its products over that
+//! rate); over the measured time of one row (the weights read once) that is the least 9 / 1
+//! ratio this machine allows, whatever the kernel. "of peak" is that bound over the measured
+//! 9-row time. The peak is measured between the kernel's runs (this machine's rate moves with
+//! its neighbours' load): "peak G/s" is their median, f32 multiply-adds for f32 and u8 × i8
+//! products for the quantized types.
+//!
 //! `cargo bench -p tandem-runtime --bench kernels` (BENCH_ITERS, default 40; BENCH_TYPES;
 //! BENCH_SHAPE, `in,out`, default `1536,8960`).
 
@@ -40,9 +49,9 @@ fn main() -> anyhow::Result<()> {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     println!(
-        "| type | MB | rows | Tandem µs | GB/s | candle µs | Tandem / candle | Tandem 9 rows / 1 row |"
+        "| type | MB | rows | Tandem µs | GB/s | candle µs | Tandem / candle | Tandem 9 rows / 1 row | peak G/s | 9-row bound µs | least 9 / 1 | of peak |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for name in types.split(',') {
         let dtype = match name {
             "q4_0" => GgmlDType::Q4_0,
@@ -63,8 +72,11 @@ fn main() -> anyhow::Result<()> {
         let mut one_row = 0.0;
         for rows in [1, 9] {
             let x = Tensor::randn(0f32, 1.0, (rows, in_dim), &dev)?;
-            let (mut a, mut b) = (Vec::new(), Vec::new());
+            let (mut a, mut b, mut peak) = (Vec::new(), Vec::new(), Vec::new());
             for i in 0..iters + 3 {
+                if rows == 9 {
+                    peak.extend(peaks::rate(dtype == GgmlDType::F32));
+                }
                 let start = Instant::now();
                 std::hint::black_box(ours.forward(&x)?);
                 let t_ours = start.elapsed().as_secs_f64();
@@ -80,20 +92,102 @@ fn main() -> anyhow::Result<()> {
             if rows == 1 {
                 one_row = a;
             }
+            let nine = match peak.is_empty() {
+                false => {
+                    let peak = median(peak);
+                    // The least time of these rows' products at the machine's peak rate.
+                    let bound = (rows * in_dim * out_dim) as f64 / peak;
+                    format!(
+                        "{:.2} | {:.1} | {:.0} | {:.2} | {:.0} % |",
+                        a / one_row,
+                        peak / 1e9,
+                        bound * 1e6,
+                        (bound / one_row).max(1.0),
+                        100.0 * bound / a
+                    )
+                }
+                true if rows == 9 => format!("{:.2} | | | | |", a / one_row),
+                true => " | | | | |".into(),
+            };
             println!(
-                "| {name} | {:.1} | {rows} | {:.0} | {:.1} | {:.0} | {:.2} | {} |",
+                "| {name} | {:.1} | {rows} | {:.0} | {:.1} | {:.0} | {:.2} | {nine}",
                 bytes / 1e6,
                 a * 1e6,
                 bytes / a / 1e9,
                 b * 1e6,
                 a / b,
-                if rows == 9 {
-                    format!("{:.2}", a / one_row)
-                } else {
-                    "".into()
-                },
             );
         }
     }
     Ok(())
+}
+
+/// This machine's peak multiply rates, every thread at once.
+mod peaks {
+    /// Per second, all threads together: f32 multiply-adds (`float`: 8 per AVX2 `fmadd`) or
+    /// u8 × i8 products (32 per `maddubs`, which every quantized kernel's product goes through),
+    /// over a few milliseconds. `None` where the CPU has no AVX2 and FMA.
+    pub fn rate(float: bool) -> Option<f64> {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let (per_call, f): (f64, unsafe fn(u64) -> u64) = if float {
+                (12.0 * 8.0, x86::fmadd)
+            } else {
+                (12.0 * 32.0, x86::maddubs)
+            };
+            let calls = 2_000_000;
+            let start = std::time::Instant::now();
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    // SAFETY: AVX2 and FMA were detected above.
+                    #[allow(unsafe_code, reason = "calls the AVX2 loops the CPU was checked for")]
+                    s.spawn(move || std::hint::black_box(unsafe { f(calls) }));
+                }
+            });
+            return Some(
+                per_call * (calls * threads as u64) as f64 / start.elapsed().as_secs_f64(),
+            );
+        }
+        None
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[allow(
+        unsafe_code,
+        reason = "SIMD intrinsics need the CPU features checked by the caller"
+    )]
+    mod x86 {
+        use std::arch::x86_64::*;
+
+        /// `n` rounds of 12 independent `fmadd` chains (enough to hide their latency).
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn fmadd(n: u64) -> u64 {
+            // Opaque to the compiler, and distinct chains: none may be folded or merged.
+            let (w, x) = std::hint::black_box((_mm256_set1_ps(0.999), _mm256_set1_ps(1e-3)));
+            let mut acc: [__m256; 12] = std::array::from_fn(|j| _mm256_set1_ps(j as f32));
+            for _ in 0..n {
+                for a in &mut acc {
+                    *a = _mm256_fmadd_ps(*a, w, x);
+                }
+            }
+            let acc = std::hint::black_box(acc);
+            acc.iter().map(|a| _mm256_cvtss_f32(*a) as u64).sum()
+        }
+
+        /// `n` rounds of 12 independent `maddubs` chains.
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn maddubs(n: u64) -> u64 {
+            let y = std::hint::black_box(_mm256_set1_epi8(3));
+            let mut acc: [__m256i; 12] = std::array::from_fn(|j| _mm256_set1_epi8(j as i8));
+            for _ in 0..n {
+                for a in &mut acc {
+                    *a = _mm256_maddubs_epi16(*a, y);
+                }
+            }
+            let acc = std::hint::black_box(acc);
+            acc.iter()
+                .map(|a| _mm256_extract_epi16::<0>(*a) as u64)
+                .sum()
+        }
+    }
 }
