@@ -4,6 +4,8 @@
 //!
 //! `BENCH_MODEL=path.gguf cargo bench -p tandem-runtime --bench verify` (BENCH_ROWS, default
 //! `1,5,9`; BENCH_ITERS, default 10; BENCH_CONTEXT, the positions before the block, default 64).
+//! BENCH_SEQS (e.g. `8`): also one forward over that many sequences of one position each, every
+//! one on its own cache (a decode batch of as many sessions: [`Model::forward_batch`]).
 //! `BENCH_MODEL=random-110m` writes and measures the benchmarks' random 110M-shape f32 model;
 //! without BENCH_MODEL, the Qwen2.5-Coder 1.5B target in ~/.cache/tandem/models if it is there.
 
@@ -57,8 +59,34 @@ fn main() -> anyhow::Result<()> {
     let prompt: Vec<u32> = (0..context).map(|i| 100 + (i * 7) % 1000).collect();
     m.forward(&prompt, &mut cache, Logits::Last)?;
     let base = cache.len();
+    let seqs: Option<usize> = std::env::var("BENCH_SEQS")
+        .ok()
+        .map(|s| s.parse())
+        .transpose()?;
+    let mut caches = Vec::new();
+    for _ in 0..seqs.unwrap_or(0) {
+        let mut c = m.new_cache();
+        m.forward(&prompt, &mut c, Logits::Last)?;
+        caches.push(c);
+    }
+    let mut batched = Vec::new();
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
     for i in 0..iters + 2 {
+        if !caches.is_empty() {
+            let block = [200u32];
+            let mut items: Vec<_> = caches
+                .iter_mut()
+                .map(|c| (&block[..], c, Logits::All))
+                .collect();
+            let start = Instant::now();
+            m.forward_batch(&mut items)?;
+            if i >= 2 {
+                batched.push(start.elapsed().as_secs_f64());
+            }
+            for c in &mut caches {
+                c.truncate(base)?;
+            }
+        }
         for (n, t) in rows.iter().zip(times.iter_mut()) {
             let block: Vec<u32> = (0..*n as u32).map(|j| 200 + j).collect();
             let start = Instant::now();
@@ -81,6 +109,15 @@ fn main() -> anyhow::Result<()> {
         .collect();
     for (n, t) in rows.iter().zip(&medians) {
         println!("| {n} | {:.1} | {:.2} |", t * 1e3, t / medians[0]);
+    }
+    if let Some(seqs) = seqs {
+        batched.sort_by(f64::total_cmp);
+        let t = batched[batched.len() / 2];
+        println!(
+            "| {seqs} sequences × 1 | {:.1} | {:.2} |",
+            t * 1e3,
+            t / medians[0]
+        );
     }
     Ok(())
 }
