@@ -26,41 +26,69 @@ pub(crate) struct AttentionShape {
     pub kv_stride: usize,
 }
 
-/// `q` (1, heads, n, d), `k` and `v` (1, kv_heads, pos + n, d), f32 on the CPU: returns
-/// (1, n, heads · d). Views whose rows are contiguous (those of a preallocated cache) are read
-/// in place; others are copied first.
-pub(crate) fn attention_cpu(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let (_, heads, n, head_dim) = q.dims4()?;
-    let (_, kv_heads, seen, _) = k.dims4()?;
+/// The attention of the sequences of a batch, each `(q, k, v)`: `q` (1, heads, n, d), `k` and
+/// `v` (1, kv_heads, pos + n, d), f32 on the CPU. Returns (1, Σ n, heads · d): every sequence's
+/// rows in turn, as their concatenation. The rows of all sequences are split across the threads
+/// together (one sequence's decode row alone is too little work for two). Views whose rows are
+/// contiguous (those of a preallocated cache) are read in place; others are copied first.
+pub(crate) fn attention_cpu(seqs: &[(Tensor, Tensor, Tensor)]) -> Result<Tensor> {
     let rows = |t: &Tensor| -> Result<Tensor> {
-        let contiguous_rows = t.stride()[3] == 1 && t.stride()[2] == head_dim;
+        let contiguous_rows = t.stride()[3] == 1 && t.stride()[2] == t.dim(3)?;
         Ok(if contiguous_rows {
             t.clone()
         } else {
             t.contiguous()?
         })
     };
-    let (q, k, v) = (rows(q)?, rows(k)?, rows(v)?);
-    let (q_storage, q_layout) = q.storage_and_layout();
-    let (k_storage, k_layout) = k.storage_and_layout();
-    let (v_storage, v_layout) = v.storage_and_layout();
-    let (q_elements, q_stride) = elements(&q_storage, q_layout)?;
-    let (k_elements, kv_stride) = elements(&k_storage, k_layout)?;
-    let (v_elements, v_stride) = elements(&v_storage, v_layout)?;
-    if v_stride != kv_stride {
-        return Err(candle_core::Error::Msg("keys and values laid out differently".into()).into());
+    let tensors = seqs
+        .iter()
+        .map(|(q, k, v)| Ok([rows(q)?, rows(k)?, rows(v)?]))
+        .collect::<Result<Vec<_>>>()?;
+    let guards: Vec<_> = tensors
+        .iter()
+        .map(|t| t.each_ref().map(|t| t.storage_and_layout()))
+        .collect();
+    let mut calls = Vec::with_capacity(seqs.len());
+    let (mut heads, mut head_dim, mut rows_out) = (0, 0, 0);
+    for ([q, k, _], [(qs, ql), (ks, kl), (vs, vl)]) in tensors.iter().zip(&guards) {
+        let (_, h, n, d) = q.dims4()?;
+        let (_, kv_heads, seen, _) = k.dims4()?;
+        if calls.is_empty() {
+            (heads, head_dim) = (h, d);
+        } else if (h, d) != (heads, head_dim) {
+            return Err(
+                candle_core::Error::Msg("sequences of different head shapes".into()).into(),
+            );
+        }
+        let (q, q_stride) = elements(qs, ql)?;
+        let (k, kv_stride) = elements(ks, kl)?;
+        let (v, v_stride) = elements(vs, vl)?;
+        if v_stride != kv_stride {
+            return Err(
+                candle_core::Error::Msg("keys and values laid out differently".into()).into(),
+            );
+        }
+        let s = AttentionShape {
+            heads,
+            kv_heads,
+            n,
+            pos: seen - n,
+            head_dim,
+            q_stride,
+            kv_stride,
+        };
+        calls.push(Call { q, k, v, s });
+        rows_out += n;
     }
-    let shape = AttentionShape {
-        heads,
-        kv_heads,
-        n,
-        pos: seen - n,
-        head_dim,
-        q_stride,
-        kv_stride,
-    };
-    let ys = attention(q_elements, k_elements, v_elements, shape);
-    Ok(Tensor::from_vec(ys, (1, n, heads * head_dim), q.device())?)
+    let ys = attention(&calls);
+    let device = seqs
+        .first()
+        .map_or(&candle_core::Device::Cpu, |(q, ..)| q.device());
+    Ok(Tensor::from_vec(
+        ys,
+        (1, rows_out, heads * head_dim),
+        device,
+    )?)
 }
 
 /// A CPU f32 tensor's elements from the start of its view, and the distance between its heads
@@ -82,20 +110,45 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// `q`: heads of `n` rows; `k`, `v`: kv heads of `pos + n` rows (see [`AttentionShape`] for the
-/// strides); returns (n, heads · d).
-pub(crate) fn attention(q: &[f32], k: &[f32], v: &[f32], s: AttentionShape) -> Vec<f32> {
-    let d = s.head_dim;
-    let group = s.heads / s.kv_heads;
+/// One sequence's attention: `q` heads of `n` rows; `k`, `v` kv heads of `pos + n` rows (see
+/// [`AttentionShape`] for the strides).
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    s: AttentionShape,
+}
+
+/// Every call's (n, heads · d) rows, one call after the other (the calls share `heads` and
+/// `head_dim`).
+fn attention(calls: &[Call<'_>]) -> Vec<f32> {
+    let Some(first) = calls.first() else {
+        return Vec::new();
+    };
+    let (heads, d) = (first.s.heads, first.s.head_dim);
+    // The first output chunk (of d) of each call.
+    let starts: Vec<usize> = calls
+        .iter()
+        .scan(0, |at, c| {
+            let start = *at;
+            *at += c.s.n * heads;
+            Some(start)
+        })
+        .collect();
+    let total: usize = calls.iter().map(|c| c.s.n * heads).sum();
     let scale = 1.0 / (d as f32).sqrt();
-    let mut out = vec![0f32; s.n * s.heads * d];
+    let mut out = vec![0f32; total * d];
     #[cfg(target_arch = "x86_64")]
     let fused = Path::detect() != Path::Portable;
     let one = |(index, out_row): (usize, &mut [f32])| {
-        // Output (row i, head h) is chunk i · heads + h.
-        let (i, h) = (index / s.heads, index % s.heads);
+        let c = starts.partition_point(|&s| s <= index) - 1;
+        let Call { q, k, v, s } = calls[c];
+        // Output (row i, head h) of a call is its chunk i · heads + h.
+        let local = index - starts[c];
+        let (i, h) = (local / heads, local % heads);
         let q_row = &q[h * s.q_stride + i * d..][..d];
-        let kv = h / group;
+        let kv = h / (heads / s.kv_heads);
         let seen = s.pos + i + 1;
         let rows = Rows {
             keys: &k[kv * s.kv_stride..][..seen * d],
@@ -118,7 +171,10 @@ pub(crate) fn attention(q: &[f32], k: &[f32], v: &[f32], s: AttentionShape) -> V
     };
     // Threads pay off only past a few hundred thousand multiply-adds (tiny models decode faster
     // on one); how the rows are split never changes a row's result.
-    let work = s.n * s.heads * (s.pos + s.n) * d;
+    let work: usize = calls
+        .iter()
+        .map(|c| c.s.n * heads * (c.s.pos + c.s.n) * d)
+        .sum();
     if work >= PARALLEL_WORK {
         on_pool(&mut out, d, |i, row| one((i, row)));
     } else {

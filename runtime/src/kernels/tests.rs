@@ -259,7 +259,7 @@ fn attention_case(capacity: usize, pos: usize) {
     };
     let (k, v) = (view(0), view(1));
     let q = Tensor::from_slice(&qv, (1, heads, n, d), &device).expect("q");
-    let got = super::attention_cpu(&q, &k, &v).expect("attention");
+    let got = super::attention_cpu(&[(q.clone(), k.clone(), v.clone())]).expect("attention");
     let got: Vec<f32> = got.flatten_all().and_then(|t| t.to_vec1()).expect("vec");
     let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().and_then(|t| t.to_vec1()).expect("vec") };
     let reference = attention_reference(&qv, &flat(&k), &flat(&v), [heads, kv_heads, n, pos, d]);
@@ -269,12 +269,18 @@ fn attention_case(capacity: usize, pos: usize) {
             "{pos}, {i}: {a} against {b}"
         );
     }
-    // Each row as a decode step over the positions it sees: the same bits.
-    for i in 0..n {
-        let q_row = q.narrow(2, i, 1).expect("row");
-        let k_row = k.narrow(2, 0, pos + i + 1).expect("keys");
-        let v_row = v.narrow(2, 0, pos + i + 1).expect("values");
-        let alone = super::attention_cpu(&q_row, &k_row, &v_row).expect("attention");
+    // Each row as a decode step over the positions it sees: the same bits, alone and with the
+    // other rows' steps as the sequences of one batched call.
+    let steps: Vec<_> = (0..n)
+        .map(|i| {
+            let q_row = q.narrow(2, i, 1).expect("row");
+            let k_row = k.narrow(2, 0, pos + i + 1).expect("keys");
+            let v_row = v.narrow(2, 0, pos + i + 1).expect("values");
+            (q_row, k_row, v_row)
+        })
+        .collect();
+    for (i, step) in steps.iter().enumerate() {
+        let alone = super::attention_cpu(std::slice::from_ref(step)).expect("attention");
         let alone: Vec<f32> = alone.flatten_all().and_then(|t| t.to_vec1()).expect("vec");
         let in_block = &got[i * heads * d..][..heads * d];
         assert!(
@@ -282,6 +288,15 @@ fn attention_case(capacity: usize, pos: usize) {
             "row {i} alone differs from row {i} of the block"
         );
     }
+    let batched = super::attention_cpu(&steps).expect("attention");
+    let batched: Vec<f32> = batched
+        .flatten_all()
+        .and_then(|t| t.to_vec1())
+        .expect("vec");
+    assert!(
+        same_bits(&batched, &got),
+        "the rows as a batch of sequences differ from the block"
+    );
 }
 
 #[test]

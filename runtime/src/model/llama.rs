@@ -103,16 +103,25 @@ impl Attention {
             self.k_proj.forward(xs)?,
             self.v_proj.forward(xs)?,
         );
-        let mut out = Vec::with_capacity(seqs.len());
+        // On the CPU the attention of all sequences runs as one call (their rows split across
+        // the threads together); elsewhere sequence by sequence.
+        let cpu = matches!(xs.device(), Device::Cpu) && xs.dtype() == DType::F32;
+        let (mut on_cpu, mut out) = (Vec::new(), Vec::new());
         for seq in seqs {
             let rows = |t: &Tensor| t.narrow(1, seq.offset, seq.n);
             let q = self.heads(rows(&q_all)?, self.num_heads, Some(&seq.rope))?;
             let k = self.heads(rows(&k_all)?, self.num_kv_heads, Some(&seq.rope))?;
             let v = self.heads(rows(&v_all)?, self.num_kv_heads, None)?;
             let (k, v) = seq.cache.append(layer, &k, &v)?;
-            out.push(self.attend(&q, &k, &v, seq.mask.as_ref())?);
+            if cpu {
+                on_cpu.push((q, k, v));
+            } else {
+                out.push(self.attend(&q, &k, &v, seq.mask.as_ref())?);
+            }
         }
-        let ys = if out.len() == 1 {
+        let ys = if cpu {
+            attention_cpu(&on_cpu)?
+        } else if out.len() == 1 {
             out.pop().expect("one sequence")
         } else {
             Tensor::cat(&out, 1)?
@@ -121,11 +130,8 @@ impl Attention {
     }
 
     /// One sequence's attention of q (1, heads, n, d) over its cached k and v, as
-    /// (1, n, heads · d).
+    /// (1, n, heads · d), off the CPU (the CPU runs [`attention_cpu`]).
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
-        if matches!(q.device(), Device::Cpu) && q.dtype() == DType::F32 {
-            return attention_cpu(q, k, v);
-        }
         let n = q.dim(2)?;
         let total = k.dim(2)?;
         // Grouped-query attention without copying keys: the query heads that share a kv head
