@@ -143,3 +143,18 @@ impl KvCache {
         self.len += n;
     }
 }
+
+/// A session's cache is dropped where the session ends: often a server's async thread, not the
+/// thread that runs the model. CUDA frees memory in the context current on the dropping thread
+/// (cudarc's `CudaSlice` drop does not make it current, and records the failure for the next
+/// call on any thread to return: requests failed with CUDA_ERROR_INVALID_CONTEXT), so the
+/// cache's device context is made current here first.
+#[cfg(feature = "cuda")]
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        if let Device::Cuda(device) = &self.shape.device {
+            // A failure leaves the frees to fail as before: nothing more to do in a drop.
+            let _ = device.cuda_stream().context().bind_to_thread();
+        }
+    }
+}

@@ -1,4 +1,4 @@
-//! The K-quants of the real models (Q4_K, Q6_K) in panels of [`QLANES`] outputs for the AVX2
+//! The K-quants of the real models (Q4_K, Q5_K, Q6_K) in panels of [`QLANES`] outputs for the AVX2
 //! kernels ([`super::x86_kpanels`]), as [`super::panels`] does for the blocks of 32: repacked when
 //! the model loads (at about the file's size), each super-block decoded once for a tile of
 //! activation rows, integer products within a super-block (a sub-block's pair sums scaled by its
@@ -51,16 +51,18 @@ pub(crate) fn quantize(x: &[f32], out: &mut [Q8S]) {
 /// the sub-blocks' scales and minimums in pairs (sub-blocks 2i and 2i + 1 of output o at
 /// 16i + 2o), then per sub-block of 32 the quants as [`pack_nibbles`] lays them out.
 pub(crate) const Q4K_BYTES: usize = 16 + 16 + 64 + 64 + 8 * 128;
+/// Bytes of a Q5_K super-block in a panel: Q4_K's layout of the low 4 bits, then per sub-block
+/// of 32 one register of the fifth bits (bit g of byte i: the high bit of group g's byte i).
+pub(crate) const Q5K_BYTES: usize = Q4K_BYTES + 8 * 32;
 /// Bytes of a Q6_K super-block of [`QLANES`] outputs in a panel: f16 scales, the 16 sub-block
 /// scales in pairs (as Q4_K's), per sub-block of 32 the low 4 bits as [`pack_nibbles`] lays them
 /// out, then per sub-block of 32 two registers of the high 2 bits (register h: bits 2f..2f + 2
 /// of byte i the high bits of group 4h + f's byte i).
 pub(crate) const Q6K_BYTES: usize = 16 + 128 + 8 * 128 + 8 * 64;
 
-/// A Q4_K super-block's 6-bit sub-block scales and minimums and its 256 quants (0..16), as
-/// llama.cpp's `dequantize_row_q4_K` reads them.
-fn q4k_parts(b: &layout::Q4K) -> ([u8; 8], [u8; 8], [u8; QK_K]) {
-    let s = &b.scales;
+/// A Q4_K or Q5_K super-block's 6-bit sub-block scales and minimums, as llama.cpp's
+/// `get_scale_min_k4` reads them.
+fn k4_scales(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
     let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
     for j in 0..8 {
         (sc[j], m[j]) = if j < 4 {
@@ -72,14 +74,35 @@ fn q4k_parts(b: &layout::Q4K) -> ([u8; 8], [u8; 8], [u8; QK_K]) {
             )
         };
     }
+    (sc, m)
+}
+
+/// A Q4_K or Q5_K super-block's 256 low nibbles (`qs`), with the fifth bits of `qh` (Q5_K) on
+/// top, as llama.cpp's `dequantize_row_q4_K` / `_q5_K` read them.
+fn k4_quants(qs: &[u8; 128], qh: Option<&[u8; 32]>) -> [u8; QK_K] {
     let mut q = [0u8; QK_K];
-    for (jj, bytes) in b.qs.chunks_exact(32).enumerate() {
+    for (jj, bytes) in qs.chunks_exact(32).enumerate() {
         for (l, byte) in bytes.iter().enumerate() {
-            q[64 * jj + l] = byte & 15;
-            q[64 * jj + 32 + l] = byte >> 4;
+            let high = |bit: usize| qh.map_or(0, |h| ((h[l] >> bit) & 1) << 4);
+            q[64 * jj + l] = (byte & 15) | high(2 * jj);
+            q[64 * jj + 32 + l] = (byte >> 4) | high(2 * jj + 1);
         }
     }
-    (sc, m, q)
+    q
+}
+
+/// A Q4_K or Q5_K super-block as a panel writes it: f16 scales `d` and `dmin`, sub-block scales
+/// and minimums, quants.
+type K4Parts = (u16, u16, [u8; 8], [u8; 8], [u8; QK_K]);
+
+fn q4k_parts(b: &layout::Q4K) -> K4Parts {
+    let (sc, m) = k4_scales(&b.scales);
+    (b.d, b.dmin, sc, m, k4_quants(&b.qs, None))
+}
+
+fn q5k_parts(b: &layout::Q5K) -> K4Parts {
+    let (sc, m) = k4_scales(&b.scales);
+    (b.d, b.dmin, sc, m, k4_quants(&b.qs, Some(&b.qh)))
 }
 
 /// A Q6_K super-block's 16 sub-block scales and its 256 quants (0..64, the offset 32 not
@@ -110,22 +133,28 @@ fn pairs(v: &[[u8; 16]; QLANES], subs: usize, out: &mut [u8]) {
     }
 }
 
-/// Writes a panel's Q4_K super-block ([`Q4K_BYTES`]); missing outputs have zero scales.
-fn write_q4k(blocks: &[Option<&layout::Q4K>; QLANES], dst: &mut [u8]) {
-    let parts = blocks.map(|b| b.map(q4k_parts));
-    for (o, b) in blocks.iter().enumerate() {
-        let (d, dmin) = b.map_or((0, 0), |b| (b.d, b.dmin));
+/// Writes a panel's Q4_K super-block ([`Q4K_BYTES`]), or Q5_K's ([`Q5K_BYTES`]: `dst` is that
+/// long); missing outputs have zero scales.
+fn write_k4(parts: [Option<K4Parts>; QLANES], dst: &mut [u8]) {
+    for (o, p) in parts.iter().enumerate() {
+        let (d, dmin) = p.map_or((0, 0), |p| (p.0, p.1));
         dst[2 * o..][..2].copy_from_slice(&d.to_le_bytes());
         dst[16 + 2 * o..][..2].copy_from_slice(&dmin.to_le_bytes());
     }
     let widen = |v: [u8; 8]| std::array::from_fn(|j| if j < 8 { v[j] } else { 0 });
-    let sc: [[u8; 16]; QLANES] = parts.map(|p| widen(p.map_or([0; 8], |p| p.0)));
-    let m: [[u8; 16]; QLANES] = parts.map(|p| widen(p.map_or([0; 8], |p| p.1)));
+    let sc: [[u8; 16]; QLANES] = parts.map(|p| widen(p.map_or([0; 8], |p| p.2)));
+    let m: [[u8; 16]; QLANES] = parts.map(|p| widen(p.map_or([0; 8], |p| p.3)));
     pairs(&sc, 8, &mut dst[32..96]);
     pairs(&m, 8, &mut dst[96..160]);
-    let q = parts.map(|p| p.map_or([0; QK_K], |p| p.2));
-    for (j, regs) in dst[160..].chunks_exact_mut(128).enumerate() {
-        pack_nibbles(|g, i| q[i / 4][32 * j + 4 * g + i % 4], regs);
+    let q = parts.map(|p| p.map_or([0; QK_K], |p| p.4));
+    let at = |j: usize, g: usize, i: usize| q[i / 4][32 * j + 4 * g + i % 4];
+    for (j, regs) in dst[160..Q4K_BYTES].chunks_exact_mut(128).enumerate() {
+        pack_nibbles(|g, i| at(j, g, i) & 15, regs);
+    }
+    for (j, reg) in dst[Q4K_BYTES..].chunks_exact_mut(32).enumerate() {
+        for (i, byte) in reg.iter_mut().enumerate() {
+            *byte = (0..8).fold(0, |acc, g| acc | ((at(j, g, i) >> 4) << g));
+        }
     }
 }
 
@@ -160,7 +189,7 @@ pub(crate) fn trim_scratch() {
     X.with_borrow_mut(super::rows::trim);
 }
 
-/// A Q4_K or Q6_K weight in panels, for a CPU with AVX2, FMA and F16C.
+/// A Q4_K, Q5_K or Q6_K weight in panels, for a CPU with AVX2, FMA and F16C.
 #[derive(Debug)]
 pub(crate) struct KPanels {
     dtype: GgmlDType,
@@ -170,7 +199,7 @@ pub(crate) struct KPanels {
 }
 
 impl KPanels {
-    /// `t` (out × in, in a multiple of 256, Q4_K or Q6_K); the caller checked the CPU runs
+    /// `t` (out × in, in a multiple of 256, Q4_K, Q5_K or Q6_K); the caller checked the CPU runs
     /// [`super::rows::Path::Avx2`] at least.
     pub(crate) fn new(t: &QTensor) -> candle_core::Result<Self> {
         let (out_dim, in_dim) = t.shape().dims2()?;
@@ -182,7 +211,14 @@ impl KPanels {
                 out_dim,
                 nsb,
                 Q4K_BYTES,
-                write_q4k,
+                |b, dst| write_k4(b.map(|b| b.map(q4k_parts)), dst),
+            ),
+            GgmlDType::Q5K => repack(
+                cast::<layout::Q5K>(&bytes)?,
+                out_dim,
+                nsb,
+                Q5K_BYTES,
+                |b, dst| write_k4(b.map(|b| b.map(q5k_parts)), dst),
             ),
             GgmlDType::Q6K => repack(
                 cast::<layout::Q6K>(&bytes)?,
@@ -217,14 +253,14 @@ impl KPanels {
             }
             let x: &[Q8S] = x;
             let parallel = self.data.len() * 2 >= super::attention::PARALLEL_WORK;
-            let q4k = self.dtype == GgmlDType::Q4K;
+            let dtype = self.dtype;
             #[cfg(target_arch = "x86_64")]
             drive(QLANES, self.out_dim, rows, parallel, dst, |panels, out| {
                 // SAFETY: the CPU runs Path::Avx2 at least (checked by the caller of `new`).
-                unsafe { super::x86_kpanels::matmul(q4k, &self.data, nsb, panels, x, rows, out) }
+                unsafe { super::x86_kpanels::matmul(dtype, &self.data, nsb, panels, x, rows, out) }
             });
             #[cfg(not(target_arch = "x86_64"))]
-            let _ = (x, parallel, q4k, dst);
+            let _ = (x, parallel, dtype, dst);
         });
     }
 }

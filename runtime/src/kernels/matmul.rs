@@ -58,7 +58,7 @@ pub(crate) enum Matmul {
     Blocks(Blocks),
     /// A Q4_K or Q6_K tensor on a CPU with AVX-512 ([`kquants`]' kernels).
     KQuant(Arc<QTensor>),
-    /// A Q4_K or Q6_K tensor on a CPU with AVX2 (but not AVX-512): panels.
+    /// A Q4_K or Q6_K tensor on a CPU with AVX2 (but not AVX-512), or a Q5_K one on either: panels.
     KPanels(KPanels),
     /// A GGUF tensor on the CPU.
     Quantized(Arc<QTensor>),
@@ -83,8 +83,8 @@ impl Matmul {
             && t.shape().dims2()?.1 % kquants::QK_K == 0
         {
             Self::KQuant(t)
-        } else if Path::detect() == Path::Avx2
-            && matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q6K)
+        } else if Path::detect() >= Path::Avx2
+            && matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
             && t.shape().dims2()?.1 % kquants::QK_K == 0
         {
             Self::KPanels(KPanels::new(&t)?)

@@ -41,6 +41,7 @@ fn run(dtype: GgmlDType, path: Path, w: &[f32], x: &[f32], mkn: (usize, usize, u
         GgmlDType::Q4K | GgmlDType::Q6K if path == Path::Avx2 => {
             KPanels::new(&q).expect("panels").matmul(x, rows, &mut dst)
         }
+        GgmlDType::Q5K => KPanels::new(&q).expect("panels").matmul(x, rows, &mut dst),
         GgmlDType::Q4K => kquants::matmul(
             path,
             cast::<kquants::layout::Q4K>(&bytes).expect("blocks"),
@@ -79,7 +80,7 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-const TYPES: [GgmlDType; 8] = [
+const TYPES: [GgmlDType; 9] = [
     GgmlDType::Q4_0,
     GgmlDType::Q4_1,
     GgmlDType::Q5_0,
@@ -87,14 +88,22 @@ const TYPES: [GgmlDType; 8] = [
     GgmlDType::Q8_0,
     GgmlDType::F32,
     GgmlDType::Q4K,
+    GgmlDType::Q5K,
     GgmlDType::Q6K,
 ];
 
-/// The paths that run `dtype`: the K-quants have AVX2 and AVX-512 kernels only.
+/// The paths that run `dtype`: the K-quants have AVX2 and AVX-512 kernels only (Q5_K one, the
+/// AVX2 panels, on both).
 fn paths(dtype: GgmlDType) -> Vec<Path> {
     let all = Path::available();
-    if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) {
-        let paths: Vec<Path> = all.into_iter().filter(|p| *p >= Path::Avx2).collect();
+    if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K) {
+        let paths: Vec<Path> = all
+            .into_iter()
+            .filter(|p| match dtype {
+                GgmlDType::Q5K => *p == Path::Avx2,
+                _ => *p >= Path::Avx2,
+            })
+            .collect();
         if paths.is_empty() {
             eprintln!("{dtype:?}: no AVX2 on this CPU, its kernels are not tested here");
         }
@@ -112,7 +121,7 @@ fn every_kernel_matches_the_dequantized_product() {
     for dtype in TYPES {
         let in_dim = match dtype {
             GgmlDType::F32 => 324,
-            GgmlDType::Q4K | GgmlDType::Q6K => 512,
+            GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => 512,
             _ => 320,
         };
         let (w, x) = data(out_dim, in_dim, rows);

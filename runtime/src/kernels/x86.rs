@@ -30,3 +30,15 @@ pub(crate) fn prefetch(at: *const u8, span: std::ops::Range<usize>) {
         unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line).cast()) };
     }
 }
+
+/// 16 in each byte whose bit `g` of `qh` is set, else 0.
+#[target_feature(enable = "avx2")]
+pub(crate) fn fifth(qh: __m256i, g: usize) -> __m256i {
+    // Bit g to bit 4 (a 16-bit shift moves no other byte's bit to a bit 4: see the mask).
+    let moved = if g <= 4 {
+        _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - g as i32))
+    } else {
+        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(g as i32 - 4))
+    };
+    _mm256_and_si256(moved, _mm256_set1_epi8(0x10))
+}

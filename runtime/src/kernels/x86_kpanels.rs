@@ -1,4 +1,4 @@
-//! The AVX2 kernels over Q4_K and Q6_K weights in panels ([`super::kpanels`]): per super-block
+//! The AVX2 kernels over Q4_K, Q5_K and Q6_K weights in panels ([`super::kpanels`]): per super-block
 //! and activation row, integer sums of the 8 outputs (u8 × i8 pair products summed in 16 bits
 //! within what cannot saturate, then scaled by each sub-block's scale in one `madd`), converted
 //! to float once. Callers check the features ([`super::rows::Path::Avx2`]).
@@ -11,9 +11,11 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::kpanels::{Q4K_BYTES, Q6K_BYTES, Q8S};
+use candle_core::quantized::GgmlDType;
+
+use super::kpanels::{Q4K_BYTES, Q5K_BYTES, Q6K_BYTES, Q8S};
 use super::panels::QLANES;
-use super::x86::group;
+use super::x86::{fifth, group};
 
 /// Activation rows in a tile.
 const ROWS: usize = 4;
@@ -94,27 +96,49 @@ fn nibbles(raw: __m256i) -> (__m256i, __m256i) {
     )
 }
 
-/// One Q4_K panel (`w`: `nsb` super-blocks) × activation rows `r0..r0 + T`: `out`
+/// One Q4_K panel (`FIVE`: Q5_K; `w`: `nsb` super-blocks) × activation rows `r0..r0 + T`: `out`
 /// (`[row][QLANES]`, `rows` rows) gets the sums. A row's operations do not depend on `T` or `r0`.
 ///
 /// # Safety
 /// AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k_tile<const T: usize>(w: &[u8], nsb: usize, x: &[Q8S], r0: usize, out: &mut [f32]) {
+unsafe fn k4_tile<const FIVE: bool, const T: usize>(
+    w: &[u8],
+    nsb: usize,
+    x: &[Q8S],
+    r0: usize,
+    out: &mut [f32],
+) {
+    let size = if FIVE { Q5K_BYTES } else { Q4K_BYTES };
     let xs: [&[Q8S]; T] = std::array::from_fn(|t| &x[(r0 + t) * nsb..][..nsb]);
     let mut acc = [_mm256_setzero_ps(); T];
-    for (s, blk) in w.chunks_exact(Q4K_BYTES).take(nsb).enumerate() {
+    for (s, blk) in w.chunks_exact(size).take(nsb).enumerate() {
         let (d, dmin) = (halves(blk, 0), halves(blk, 16));
         let mut sums = [_mm256_setzero_si256(); T];
         for j in 0..8 {
             if r0 == 0 {
-                prefetch(blk, Q4K_BYTES, j);
+                prefetch(blk, size, j);
             }
             let sc = dup(widen(blk, 32 + 16 * (j / 2), false), j % 2);
-            // Pair products of 4-bit quants: 8 of them stay below 2^15.
+            let qh = if FIVE {
+                load(blk, Q4K_BYTES + 32 * j)
+            } else {
+                _mm256_setzero_si256()
+            };
+            // Pair products of 4-bit quants: 8 of them stay below 2^15; of 5-bit quants, 4.
             let mut s16 = [_mm256_setzero_si256(); T];
             for jj in 0..4 {
-                let (lo, hi) = nibbles(load(blk, 160 + 128 * j + 32 * jj));
+                let (mut lo, mut hi) = nibbles(load(blk, 160 + 128 * j + 32 * jj));
+                if FIVE {
+                    lo = _mm256_or_si256(lo, fifth(qh, 2 * jj));
+                    hi = _mm256_or_si256(hi, fifth(qh, 2 * jj + 1));
+                    if jj == 2 {
+                        for (sum, s16) in sums.iter_mut().zip(&mut s16) {
+                            *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(*s16, sc));
+                            *s16 = _mm256_setzero_si256();
+                        }
+                    }
+                }
                 for (acc, xs) in s16.iter_mut().zip(&xs) {
                     let p = _mm256_add_epi16(
                         _mm256_maddubs_epi16(lo, group(&xs[s].qs, 32 * j + 8 * jj)),
@@ -208,14 +232,14 @@ unsafe fn q6k_tile<const T: usize>(w: &[u8], nsb: usize, x: &[Q8S], r0: usize, o
     }
 }
 
-/// Panels `panels` of `w` (Q4_K if `q4k`, else Q6_K, in panels of `nsb` super-blocks) against
+/// Panels `panels` of `w` (Q4_K, Q5_K or Q6_K as `dtype` says, in panels of `nsb` super-blocks) against
 /// `rows` activation rows `x` (`nsb` quantized super-blocks each): `out` gets
 /// `[panel][row][QLANES]` for those panels.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C ([`super::rows::Path::Avx2`]).
 pub(crate) unsafe fn matmul(
-    q4k: bool,
+    dtype: GgmlDType,
     w: &[u8],
     nsb: usize,
     panels: Range<usize>,
@@ -223,7 +247,12 @@ pub(crate) unsafe fn matmul(
     rows: usize,
     out: &mut [f32],
 ) {
-    let per_panel = nsb * if q4k { Q4K_BYTES } else { Q6K_BYTES };
+    let per_panel = nsb
+        * match dtype {
+            GgmlDType::Q4K => Q4K_BYTES,
+            GgmlDType::Q5K => Q5K_BYTES,
+            _ => Q6K_BYTES,
+        };
     assert!(panels.end * per_panel <= w.len(), "panels past the weight");
     assert!(x.len() >= rows * nsb, "fewer activations than rows");
     assert!(out.len() >= panels.len() * rows * QLANES, "a short output");
@@ -238,10 +267,10 @@ pub(crate) unsafe fn matmul(
                 // SAFETY: the caller checked AVX2, FMA and F16C; the panel, the rows and their
                 // outputs are in bounds (above).
                 unsafe {
-                    if q4k {
-                        q4k_tile::<$t>(wp, nsb, x, r0, op)
-                    } else {
-                        q6k_tile::<$t>(wp, nsb, x, r0, op)
+                    match dtype {
+                        GgmlDType::Q4K => k4_tile::<false, $t>(wp, nsb, x, r0, op),
+                        GgmlDType::Q5K => k4_tile::<true, $t>(wp, nsb, x, r0, op),
+                        _ => q6k_tile::<$t>(wp, nsb, x, r0, op),
                     }
                 }
             };

@@ -14,7 +14,7 @@ use std::ops::Range;
 
 use super::panels::{LANES, QLANES, panel_bytes};
 use super::rows::{Block, Q8};
-use super::x86::group;
+use super::x86::{fifth, group};
 
 /// Activation rows in a tile of one panel: two registers per row (16 lanes), `2 · MAX_ROWS`
 /// accumulators, the panel's weights and a broadcast fit in the 16 registers of AVX2.
@@ -180,18 +180,6 @@ const BLOCKS_AHEAD: usize = 8;
 
 /// Activation rows in a tile of a block kernel.
 const BLOCK_ROWS: usize = 4;
-
-/// 16 in each byte whose bit `g` of `qh` is set, else 0.
-#[target_feature(enable = "avx2")]
-fn fifth(qh: __m256i, g: usize) -> __m256i {
-    // Bit g to bit 4 (a 16-bit shift moves no other byte's bit to a bit 4: see the mask).
-    let moved = if g <= 4 {
-        _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - g as i32))
-    } else {
-        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(g as i32 - 4))
-    };
-    _mm256_and_si256(moved, _mm256_set1_epi8(0x10))
-}
 
 /// `P` panels (`w`: theirs `nb` blocks each, [`panel_bytes`] a block) × activation rows
 /// `r0..r0 + T` (`x`: `nb` quantized blocks per row): `out` (`[panel][row][QLANES]`, `rows`
