@@ -33,7 +33,7 @@ fn main() -> anyhow::Result<()> {
         .and_then(|s| s.parse().ok())
         .unwrap_or(40);
     let types = std::env::var("BENCH_TYPES")
-        .unwrap_or_else(|_| "q4_0,q4_1,q5_0,q5_1,q8_0,q4k,q6k,f32".into());
+        .unwrap_or_else(|_| "q4_0,q4_1,q5_0,q5_1,q8_0,q4k,q5k,q6k,f32,f16,bf16".into());
     let shape: Vec<usize> = std::env::var("BENCH_SHAPE")
         .unwrap_or_else(|_| "1536,8960".into())
         .split(',')
@@ -63,6 +63,8 @@ fn main() -> anyhow::Result<()> {
             "q5k" => GgmlDType::Q5K,
             "q6k" => GgmlDType::Q6K,
             "f32" => GgmlDType::F32,
+            "f16" => GgmlDType::F16,
+            "bf16" => GgmlDType::BF16,
             other => anyhow::bail!("BENCH_TYPES: unknown type {other}"),
         };
         let q = Arc::new(QTensor::quantize(&w, dtype)?);
@@ -75,7 +77,10 @@ fn main() -> anyhow::Result<()> {
             let (mut a, mut b, mut peak) = (Vec::new(), Vec::new(), Vec::new());
             for i in 0..iters + 3 {
                 if rows == 9 {
-                    peak.extend(peaks::rate(dtype == GgmlDType::F32));
+                    peak.extend(peaks::rate(matches!(
+                        dtype,
+                        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
+                    )));
                 }
                 let start = Instant::now();
                 std::hint::black_box(ours.forward(&x)?);

@@ -64,7 +64,7 @@ pub(crate) enum Matmul {
     Quantized(Arc<QTensor>),
     /// A GGUF tensor on the CPU of a [`REPACKED`] type.
     Repacked(QMatMul),
-    /// A dense f32 weight on the CPU.
+    /// A dense f32, f16 or bf16 weight on the CPU.
     Dense(Dense),
     /// Any other device: candle's kernels.
     Candle(QMatMul),
@@ -75,6 +75,9 @@ impl Matmul {
     pub(crate) fn quantized(t: Arc<QTensor>) -> Result<Self> {
         if t.dtype() == GgmlDType::F32 {
             return Self::dense(t.dequantize(&t.device())?);
+        }
+        if t.device().is_cpu() && matches!(t.dtype(), GgmlDType::F16 | GgmlDType::BF16) {
+            return Ok(Self::Dense(Dense::half(Path::detect(), &t)?));
         }
         Ok(if !t.device().is_cpu() {
             Self::Candle(QMatMul::from_arc(t)?)

@@ -51,15 +51,29 @@ pub(crate) fn scratch_bytes() -> usize {
         + XQ.with_borrow(|x| x.capacity() * std::mem::size_of::<Q8>())
 }
 
-/// A dense (out, in) f32 weight, laid out for the kernel the path runs: row-major for the
-/// portable kernel ([`super::rows`]), in panels for AVX2 and AVX-512.
+/// A dense (out, in) weight, laid out for the kernel the path runs: f32 row-major for the
+/// portable kernel ([`super::rows`]), in panels for AVX2 and AVX-512: f32, or f16 / bf16 as the
+/// file holds them (half the bytes to read per token; widened to f32 in registers).
 #[derive(Debug)]
 pub(crate) struct Dense {
     path: Path,
-    data: Vec<f32>,
+    data: Data,
     out_dim: usize,
     in_dim: usize,
 }
+
+/// A dense weight's elements.
+#[derive(Debug)]
+enum Data {
+    F32(Vec<f32>),
+    F16(Vec<Half>),
+    Bf16(Vec<Half>),
+}
+
+/// A 16-bit float's bits (f16 or bf16, as [`Data`] says).
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(transparent)]
+pub(crate) struct Half(pub u16);
 
 impl Dense {
     /// `weight` (out × in, row-major) for `path` (or the fastest path the CPU runs, if less).
@@ -77,10 +91,38 @@ impl Dense {
         };
         Self {
             path,
-            data,
+            data: Data::F32(data),
             out_dim,
             in_dim,
         }
+    }
+
+    /// An F16 or BF16 weight: in panels of its own 16-bit values where `path` runs AVX2, else
+    /// widened to f32 for the portable kernel.
+    pub(crate) fn half(path: Path, t: &QTensor) -> candle_core::Result<Self> {
+        let (out_dim, in_dim) = t.shape().dims2()?;
+        let path = path.supported();
+        if path < Path::Avx2 {
+            let w = t.dequantize(&t.device())?.flatten_all()?.to_vec1::<f32>()?;
+            return Ok(Self::new(path, w, out_dim, in_dim));
+        }
+        let bytes = t.data()?;
+        let halves: Vec<Half> = bytes
+            .chunks_exact(2)
+            .map(|b| Half(u16::from_le_bytes([b[0], b[1]])))
+            .collect();
+        let panels = repack_dense(&halves, out_dim, in_dim);
+        let data = match t.dtype() {
+            GgmlDType::F16 => Data::F16(panels),
+            GgmlDType::BF16 => Data::Bf16(panels),
+            other => candle_core::bail!("{other:?} is not a 16-bit float type"),
+        };
+        Ok(Self {
+            path,
+            data,
+            out_dim,
+            in_dim,
+        })
     }
 
     /// (out, in).
@@ -92,16 +134,23 @@ impl Dense {
     #[allow(unsafe_code, reason = "calls the AVX2 kernel the CPU was checked for")]
     pub(crate) fn matmul(&self, lhs: &[f32], rows: usize, dst: &mut [f32]) {
         let mkn = (rows, self.in_dim, self.out_dim);
-        if self.path < Path::Avx2 {
-            return super::rows::matmul_dense(&self.data, mkn, lhs, dst);
+        if let (Data::F32(w), true) = (&self.data, self.path < Path::Avx2) {
+            return super::rows::matmul_dense(w, mkn, lhs, dst);
         }
         #[cfg(target_arch = "x86_64")]
         {
+            use super::x86_panels::{Bf16, F16, F32, dense};
             let k = self.in_dim;
-            let parallel = self.data.len() >= super::attention::PARALLEL_WORK;
+            let parallel = self.out_dim * k >= super::attention::PARALLEL_WORK;
             drive(LANES, self.out_dim, rows, parallel, dst, |panels, out| {
-                // SAFETY: the CPU runs Path::Avx2 at least (`supported` in `new`).
-                unsafe { super::x86_panels::dense(&self.data, k, panels, lhs, rows, out) }
+                // SAFETY: the CPU runs Path::Avx2 at least (`supported` in `new` and `half`).
+                unsafe {
+                    match &self.data {
+                        Data::F32(w) => dense::<F32>(w, k, panels, lhs, rows, out),
+                        Data::F16(w) => dense::<F16>(w, k, panels, lhs, rows, out),
+                        Data::Bf16(w) => dense::<Bf16>(w, k, panels, lhs, rows, out),
+                    }
+                }
             });
         }
     }
@@ -109,9 +158,9 @@ impl Dense {
 
 /// (out, in) row-major → panels of [`LANES`] outputs, input-major within a panel
 /// (`[panel][input][lane]`); the last panel is padded with zero outputs.
-fn repack_dense(w: &[f32], out_dim: usize, in_dim: usize) -> Vec<f32> {
+fn repack_dense<T: Copy + Default>(w: &[T], out_dim: usize, in_dim: usize) -> Vec<T> {
     let panels = out_dim.div_ceil(LANES);
-    let mut data = vec![0f32; panels * in_dim * LANES];
+    let mut data = vec![T::default(); panels * in_dim * LANES];
     for (o, row) in w.chunks_exact(in_dim).enumerate() {
         let panel = &mut data[(o / LANES) * in_dim * LANES..][..in_dim * LANES];
         for (k, v) in row.iter().enumerate() {

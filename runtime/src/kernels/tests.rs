@@ -36,6 +36,12 @@ fn run(dtype: GgmlDType, path: Path, w: &[f32], x: &[f32], mkn: (usize, usize, u
     }
     let t = Tensor::from_slice(w, (out_dim, in_dim), &Device::Cpu).expect("tensor");
     let q = QTensor::quantize(&t, dtype).expect("quantize");
+    if matches!(dtype, GgmlDType::F16 | GgmlDType::BF16) {
+        Dense::half(path, &q)
+            .expect("dense")
+            .matmul(x, rows, &mut dst);
+        return dst;
+    }
     let bytes = q.data().expect("data");
     match dtype {
         GgmlDType::Q4K | GgmlDType::Q6K if path == Path::Avx2 => {
@@ -80,13 +86,15 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-const TYPES: [GgmlDType; 9] = [
+const TYPES: [GgmlDType; 11] = [
     GgmlDType::Q4_0,
     GgmlDType::Q4_1,
     GgmlDType::Q5_0,
     GgmlDType::Q5_1,
     GgmlDType::Q8_0,
     GgmlDType::F32,
+    GgmlDType::F16,
+    GgmlDType::BF16,
     GgmlDType::Q4K,
     GgmlDType::Q5K,
     GgmlDType::Q6K,
@@ -120,7 +128,7 @@ fn every_kernel_matches_the_dequantized_product() {
     let (rows, out_dim) = (6, 37);
     for dtype in TYPES {
         let in_dim = match dtype {
-            GgmlDType::F32 => 324,
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => 324,
             GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => 512,
             _ => 320,
         };
@@ -142,7 +150,9 @@ fn every_kernel_matches_the_dequantized_product() {
                         .sum();
                     // Activations quantized to 8 bits: each product is off by at most half a
                     // step of 1/127 of its block's largest activation.
-                    let tolerance = if dtype == GgmlDType::F32 { 1e-5 } else { 1e-2 };
+                    // Activations stay f32 for the dense types: only the sums' rounding.
+                    let dense = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+                    let tolerance = if dense { 1e-5 } else { 1e-2 };
                     let err = (f64::from(got[r * out_dim + o]) - exact).abs();
                     assert!(
                         err <= tolerance * scale + 1e-6,

@@ -12,7 +12,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::panels::{LANES, QLANES, panel_bytes};
+use super::panels::{Half, LANES, QLANES, panel_bytes};
 use super::rows::{Block, Q8};
 use super::x86::{fifth, group};
 
@@ -29,17 +29,66 @@ const TWO_PANEL_ROWS: usize = 3;
 /// prefetched by every tile 1.27× and 1.24× (32: 1.22× at 9 rows, but slower for 4–6 rows).
 const CHUNK: usize = 64;
 
+/// How a dense panel's elements widen to f32, eight lanes at a time.
+pub(crate) trait Lanes {
+    type Elem: Copy;
+    /// Eight elements from `p`, as f32.
+    ///
+    /// # Safety
+    /// Eight elements are readable at `p`; the CPU has AVX2 and F16C (inlined into the tiles,
+    /// which enable them).
+    unsafe fn load8(p: *const Self::Elem) -> __m256;
+}
+
+/// f32 weights.
+pub(crate) struct F32;
+/// IEEE half-precision weights (GGUF F16).
+pub(crate) struct F16;
+/// bfloat16 weights (GGUF BF16): an f32's upper 16 bits.
+pub(crate) struct Bf16;
+
+impl Lanes for F32 {
+    type Elem = f32;
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: the caller's.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+impl Lanes for F16 {
+    type Elem = Half;
+    #[inline(always)]
+    unsafe fn load8(p: *const Half) -> __m256 {
+        // SAFETY: the caller's (16 bytes, F16C).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+impl Lanes for Bf16 {
+    type Elem = Half;
+    #[inline(always)]
+    unsafe fn load8(p: *const Half) -> __m256 {
+        // SAFETY: the caller's (16 bytes, AVX2): each value to the upper half of an f32.
+        unsafe {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128(p.cast()),
+            )))
+        }
+    }
+}
+
 /// `P` panels (`w`: `[panel][input][lane]`, `k` inputs each) × activation rows `r0..r0 + T` over
 /// inputs `ks`, added to what `out` (`[panel][row][lane]`, `rows` rows) holds, or to zero for
 /// the first chunk. A lane's operations (one fused multiply-add per input, in input order) do not
 /// depend on `P`, `T`, `r0` or the chunks.
 ///
 /// # Safety
-/// AVX2 and FMA; `w` holds `P` panels of `k` inputs, `x` `rows` rows of `k`, `out` `P` panels of
-/// `rows` rows, `ks` ⊆ 0..k, `r0 + T` ≤ `rows` (the caller checks).
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dense_tile<const P: usize, const T: usize>(
-    w: *const f32,
+/// AVX2, FMA and F16C; `w` holds `P` panels of `k` inputs, `x` `rows` rows of `k`, `out` `P`
+/// panels of `rows` rows, `ks` ⊆ 0..k, `r0 + T` ≤ `rows` (the caller checks).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_tile<L: Lanes, const P: usize, const T: usize>(
+    w: *const L::Elem,
     k: usize,
     x: *const f32,
     (rows, r0): (usize, usize),
@@ -68,7 +117,7 @@ unsafe fn dense_tile<const P: usize, const T: usize>(
         }
         // SAFETY (the loads): in `w` and `x` (the caller's bounds).
         let wv: [[__m256; 2]; P] = std::array::from_fn(|p| {
-            std::array::from_fn(|h| unsafe { _mm256_loadu_ps(w.add((p * k + i) * LANES + 8 * h)) })
+            std::array::from_fn(|h| unsafe { L::load8(w.add((p * k + i) * LANES + 8 * h)) })
         });
         #[allow(
             clippy::needless_range_loop,
@@ -93,28 +142,42 @@ unsafe fn dense_tile<const P: usize, const T: usize>(
     }
 }
 
-/// `dense_tile::<P, T>` for a `T` known only at run time (1..=[`MAX_ROWS`]).
-macro_rules! by_rows {
-    ($f:ident::<$p:literal>($t:expr)($($arg:expr),*)) => {
-        match $t {
-            1 => $f::<$p, 1>($($arg),*),
-            2 => $f::<$p, 2>($($arg),*),
-            3 => $f::<$p, 3>($($arg),*),
-            4 => $f::<$p, 4>($($arg),*),
-            5 => $f::<$p, 5>($($arg),*),
-            6 => $f::<$p, 6>($($arg),*),
-            t => unreachable!("{t} rows in a tile"),
+/// `dense_tile::<L, P, T>` for a `T` known only at run time: 1..=[`MAX_ROWS`] rows for one
+/// panel, 1..=[`TWO_PANEL_ROWS`] for two.
+///
+/// # Safety
+/// As [`dense_tile`]'s.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<L: Lanes, const P: usize>(
+    t: usize,
+    w: *const L::Elem,
+    k: usize,
+    x: *const f32,
+    at: (usize, usize),
+    (ks, ahead): (Range<usize>, usize),
+    out: *mut f32,
+) {
+    // SAFETY: the caller's.
+    unsafe {
+        match (P, t) {
+            (1, 4) => dense_tile::<L, 1, 4>(w, k, x, at, ks, ahead, out),
+            (1, 5) => dense_tile::<L, 1, 5>(w, k, x, at, ks, ahead, out),
+            (1, 6) => dense_tile::<L, 1, 6>(w, k, x, at, ks, ahead, out),
+            (_, 1) => dense_tile::<L, P, 1>(w, k, x, at, ks, ahead, out),
+            (_, 2) => dense_tile::<L, P, 2>(w, k, x, at, ks, ahead, out),
+            (_, 3) => dense_tile::<L, P, 3>(w, k, x, at, ks, ahead, out),
+            _ => unreachable!("{t} rows in a tile of {P} panels"),
         }
-    };
+    }
 }
 
 /// Panels `panels` of `w` (`[panel][input][lane]`, `k` inputs) against `rows` activation rows
 /// `x` (rows × k): `out` gets `[panel][row][lane]` for those panels.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA ([`super::rows::Path::Avx2`]).
-pub(crate) unsafe fn dense(
-    w: &[f32],
+/// The CPU has AVX2, FMA and F16C ([`super::rows::Path::Avx2`]).
+pub(crate) unsafe fn dense<L: Lanes>(
+    w: &[L::Elem],
     k: usize,
     panels: Range<usize>,
     x: &[f32],
@@ -142,30 +205,14 @@ pub(crate) unsafe fn dense(
                 } else {
                     (MAX_ROWS.min(rows - r0), CHUNK)
                 };
-                let args = (rows, r0);
+                let (at, x) = ((rows, r0), x.as_ptr());
                 // SAFETY: n panels from panels.start + p are in `w` and their rows in `out`,
-                // r0 + t ≤ rows (asserted and computed above); the caller checked AVX2 and FMA.
+                // r0 + t ≤ rows (asserted and computed above); the caller checked the features.
                 unsafe {
                     if n == 2 {
-                        by_rows!(dense_tile::<2>(t)(
-                            wp,
-                            k,
-                            x.as_ptr(),
-                            args,
-                            ks.clone(),
-                            ahead,
-                            op
-                        ));
+                        tile::<L, 2>(t, wp, k, x, at, (ks.clone(), ahead), op);
                     } else {
-                        by_rows!(dense_tile::<1>(t)(
-                            wp,
-                            k,
-                            x.as_ptr(),
-                            args,
-                            ks.clone(),
-                            ahead,
-                            op
-                        ));
+                        tile::<L, 1>(t, wp, k, x, at, (ks.clone(), ahead), op);
                     }
                 }
                 r0 += t;
