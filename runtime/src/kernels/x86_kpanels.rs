@@ -1,7 +1,7 @@
-//! The AVX2 kernels over Q4_K, Q5_K and Q6_K weights in panels ([`super::kpanels`]): per super-block
-//! and activation row, integer sums of the 8 outputs (u8 × i8 pair products summed in 16 bits
-//! within what cannot saturate, then scaled by each sub-block's scale in one `madd`), converted
-//! to float once. Callers check the features ([`super::rows::Path::Avx2`]).
+//! The AVX2 kernels over Q4_K, Q5_K and Q6_K weights in panels ([`super::kpanels`]): per
+//! super-block and activation row, integer sums of the 8 outputs (u8 × i8 pair products summed
+//! in 16 bits within what cannot saturate, then scaled by each sub-block's scale in one `madd`),
+//! converted to float once. Callers check the features ([`super::rows::Path::Avx2`]).
 
 #![allow(
     unsafe_code,
@@ -232,9 +232,9 @@ unsafe fn q6k_tile<const T: usize>(w: &[u8], nsb: usize, x: &[Q8S], r0: usize, o
     }
 }
 
-/// Panels `panels` of `w` (Q4_K, Q5_K or Q6_K as `dtype` says, in panels of `nsb` super-blocks) against
-/// `rows` activation rows `x` (`nsb` quantized super-blocks each): `out` gets
-/// `[panel][row][QLANES]` for those panels.
+/// Panels `panels` of `w` (Q4_K, Q5_K or Q6_K as `dtype` says, in panels of `nsb`
+/// super-blocks) against `rows` activation rows `x` (`nsb` quantized super-blocks each): `out`
+/// gets `[panel][row][QLANES]` for those panels.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C ([`super::rows::Path::Avx2`]).
