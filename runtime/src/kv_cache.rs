@@ -153,8 +153,14 @@ impl KvCache {
 impl Drop for KvCache {
     fn drop(&mut self) {
         if let Device::Cuda(device) = &self.shape.device {
-            // A failure leaves the frees to fail as before: nothing more to do in a drop.
-            let _ = device.cuda_stream().context().bind_to_thread();
+            let ctx = device.cuda_stream().context().clone();
+            // `bind_to_thread` first returns (and clears) an error recorded earlier, without
+            // binding: bind again, then record that error again for the call it was meant for.
+            if let Err(pending) = ctx.bind_to_thread() {
+                let bound = ctx.bind_to_thread();
+                ctx.record_err(Err::<(), _>(pending));
+                ctx.record_err(bound);
+            }
         }
     }
 }

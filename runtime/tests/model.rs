@@ -124,6 +124,44 @@ fn block_forward_equals_single_token_forwards() {
     }
 }
 
+/// A dense checkpoint loaded in f16 or bf16 on the CPU runs candle's attention, which needs the
+/// causal mask the f32 kernel does not: a block's rows must track single-token forwards (close,
+/// not bit-identical: candle's half-precision matmuls are not batch-invariant), not attend to the
+/// positions after them.
+#[test]
+fn a_half_precision_cpu_model_attends_causally() {
+    for dtype in [candle_core::DType::F16, candle_core::DType::BF16] {
+        let options = tandem_runtime::LoadOptions {
+            dtype: Some(dtype),
+            ..Default::default()
+        };
+        let model = tandem_runtime::Model::load(&stories_dir(), &options).expect("load");
+        let tokens = story_tokens();
+        let (prefix, block) = (&tokens[..10], &tokens[10..18]);
+        let mut block_cache = model.new_cache();
+        model
+            .forward(prefix, &mut block_cache, Logits::Last)
+            .expect("prefix");
+        let rows = model
+            .forward(block, &mut block_cache, Logits::All)
+            .expect("block");
+        let mut single_cache = model.new_cache();
+        model
+            .forward(prefix, &mut single_cache, Logits::Last)
+            .expect("prefix");
+        for (i, &t) in block.iter().enumerate() {
+            let single = model
+                .forward(&[t], &mut single_cache, Logits::Last)
+                .expect("single");
+            let diff = max_diff(&single[0], &rows[i]);
+            assert!(
+                diff < 0.25,
+                "{dtype:?} block position {i}: max |Δlogit| = {diff}"
+            );
+        }
+    }
+}
+
 /// An f32 GGUF holds the same numbers with q/k rows permuted for interleaved rope: logits must
 /// match the safetensors model, which checks the permutation and the rope variant together.
 #[test]

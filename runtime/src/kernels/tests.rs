@@ -121,6 +121,40 @@ fn paths(dtype: GgmlDType) -> Vec<Path> {
     }
 }
 
+/// Asserts that every path running `dtype` gives `w` · `x` as the dequantized weight does, within
+/// the rounding of the activations (8 bits for the quantized types, none for the dense ones).
+fn check_against_the_reference(dtype: GgmlDType, w: &[f32], x: &[f32], mkn: (usize, usize, usize)) {
+    let (rows, in_dim, out_dim) = mkn;
+    let reference = dequantized(dtype, w, out_dim, in_dim);
+    // Quantized activations: each product is off by at most half a step of 1/127 of its
+    // block's largest activation. Dense types keep f32 activations: only the sums' rounding.
+    let dense = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+    let tolerance = if dense { 1e-5 } else { 1e-2 };
+    for path in paths(dtype) {
+        let got = run(dtype, path, w, x, mkn);
+        for r in 0..rows {
+            for o in 0..out_dim {
+                let (wr, xr) = (
+                    &reference[o * in_dim..][..in_dim],
+                    &x[r * in_dim..][..in_dim],
+                );
+                let exact: f64 = wr.iter().zip(xr).map(|(a, b)| f64::from(a * b)).sum();
+                let scale: f64 = wr
+                    .iter()
+                    .zip(xr)
+                    .map(|(a, b)| f64::from((a * b).abs()))
+                    .sum();
+                let err = (f64::from(got[r * out_dim + o]) - exact).abs();
+                assert!(
+                    err <= tolerance * scale + 1e-6,
+                    "{dtype:?} {path:?} row {r} column {o}: {} against {exact} (scale {scale})",
+                    got[r * out_dim + o]
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn every_kernel_matches_the_dequantized_product() {
     // 320 inputs (10 blocks; for f32 324, a tail past the 16-wide body; for K-quants 512, two
@@ -133,34 +167,30 @@ fn every_kernel_matches_the_dequantized_product() {
             _ => 320,
         };
         let (w, x) = data(out_dim, in_dim, rows);
-        let reference = dequantized(dtype, &w, out_dim, in_dim);
-        for path in paths(dtype) {
-            let got = run(dtype, path, &w, &x, (rows, in_dim, out_dim));
-            for r in 0..rows {
-                for o in 0..out_dim {
-                    let (wr, xr) = (
-                        &reference[o * in_dim..][..in_dim],
-                        &x[r * in_dim..][..in_dim],
-                    );
-                    let exact: f64 = wr.iter().zip(xr).map(|(a, b)| f64::from(a * b)).sum();
-                    let scale: f64 = wr
-                        .iter()
-                        .zip(xr)
-                        .map(|(a, b)| f64::from((a * b).abs()))
-                        .sum();
-                    // Activations quantized to 8 bits: each product is off by at most half a
-                    // step of 1/127 of its block's largest activation.
-                    // Activations stay f32 for the dense types: only the sums' rounding.
-                    let dense = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
-                    let tolerance = if dense { 1e-5 } else { 1e-2 };
-                    let err = (f64::from(got[r * out_dim + o]) - exact).abs();
-                    assert!(
-                        err <= tolerance * scale + 1e-6,
-                        "{dtype:?} {path:?} row {r} column {o}: {} against {exact} (scale {scale})",
-                        got[r * out_dim + o]
-                    );
-                }
-            }
+        check_against_the_reference(dtype, &w, &x, (rows, in_dim, out_dim));
+    }
+}
+
+#[test]
+fn the_largest_quants_and_activations_do_not_saturate() {
+    // In each block of 32 inputs one weight −1 and the others +1 (every type's largest quant
+    // for all but one), every activation +1 in one row and −1 in the other: the integer sums
+    // of the kernels (16 bits before they widen) reach their bounds. Two rows and one (the
+    // decode tiles), 324 inputs for the dense types (two-panel tiles over a chunk's tail).
+    for dtype in TYPES {
+        let in_dim = match dtype {
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => 324,
+            _ => 512,
+        };
+        let out_dim = 37;
+        let w: Vec<f32> = (0..out_dim * in_dim)
+            .map(|i| if i % 32 == 0 { -1.0 } else { 1.0 })
+            .collect();
+        let x: Vec<f32> = (0..2 * in_dim)
+            .map(|i| if i < in_dim { 1.0 } else { -1.0 })
+            .collect();
+        for rows in [1, 2] {
+            check_against_the_reference(dtype, &w, &x[..rows * in_dim], (rows, in_dim, out_dim));
         }
     }
 }

@@ -306,8 +306,9 @@ impl Llama {
         let mut seqs = Vec::with_capacity(items.len());
         for item in items.iter() {
             let (n, pos) = (item.tokens.len(), item.cache.len());
-            // The CPU attention kernel masks by construction.
-            let mask = if n > 1 && !matches!(device, Device::Cpu) {
+            // The CPU attention kernel (f32) masks by construction; any other path needs one.
+            let kernel = matches!(device, Device::Cpu) && self.dtype == DType::F32;
+            let mask = if n > 1 && !kernel {
                 Some(causal_mask(n, pos, self.dtype, device)?)
             } else {
                 None
