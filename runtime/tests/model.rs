@@ -82,39 +82,52 @@ fn truncate_then_reforward_equals_fresh_forward_gguf() {
     assert_truncate_then_reforward(&load(&stories_gguf(QuantType::Q8_0)));
 }
 
+/// After the story's first 10 tokens, its next 8 as one block and one by one on another cache:
+/// each position's (block row, single-token row).
+fn block_and_single_rows(model: &tandem_runtime::Model) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let tokens = story_tokens();
+    let (prefix, block) = (&tokens[..10], &tokens[10..18]);
+    let mut block_cache = model.new_cache();
+    model
+        .forward(prefix, &mut block_cache, Logits::Last)
+        .expect("prefix");
+    let rows = model
+        .forward(block, &mut block_cache, Logits::All)
+        .expect("block");
+    assert_eq!(rows.len(), block.len());
+    let mut single_cache = model.new_cache();
+    model
+        .forward(prefix, &mut single_cache, Logits::Last)
+        .expect("prefix");
+    let singles: Vec<Vec<f32>> = block
+        .iter()
+        .map(|&t| {
+            let mut single = model
+                .forward(&[t], &mut single_cache, Logits::Last)
+                .expect("single");
+            single.remove(0)
+        })
+        .collect();
+    assert_eq!(block_cache.len(), single_cache.len());
+    rows.into_iter().zip(singles).collect()
+}
+
 #[test]
 fn block_forward_equals_single_token_forwards() {
     for path in [stories_dir(), stories_gguf(QuantType::Q8_0), tiny_random(3)] {
         let model = load(&path);
         let tokens = story_tokens();
-        let (prefix, block) = (&tokens[..10], &tokens[10..18]);
-        let mut block_cache = model.new_cache();
-        model
-            .forward(prefix, &mut block_cache, Logits::Last)
-            .expect("prefix");
-        let rows = model
-            .forward(block, &mut block_cache, Logits::All)
-            .expect("block");
-        assert_eq!(rows.len(), block.len());
-        let mut single_cache = model.new_cache();
-        model
-            .forward(prefix, &mut single_cache, Logits::Last)
-            .expect("prefix");
-        for (i, &t) in block.iter().enumerate() {
-            let single = model
-                .forward(&[t], &mut single_cache, Logits::Last)
-                .expect("single");
+        for (i, (rows, single)) in block_and_single_rows(&model).iter().enumerate() {
             // Bit-identical, not merely close: greedy speculative decoding equals target-only
             // decoding only if a block row and a single forward agree exactly.
             assert_eq!(
-                single[0],
-                rows[i],
+                single,
+                rows,
                 "{}: block position {i}: max |Δlogit| = {}",
                 path.display(),
-                max_diff(&single[0], &rows[i])
+                max_diff(single, rows)
             );
         }
-        assert_eq!(block_cache.len(), single_cache.len());
         // Logits::Last is the last row of Logits::All.
         let last = model
             .forward(&tokens[..12], &mut model.new_cache(), Logits::Last)
@@ -136,24 +149,8 @@ fn a_half_precision_cpu_model_attends_causally() {
             ..Default::default()
         };
         let model = tandem_runtime::Model::load(&stories_dir(), &options).expect("load");
-        let tokens = story_tokens();
-        let (prefix, block) = (&tokens[..10], &tokens[10..18]);
-        let mut block_cache = model.new_cache();
-        model
-            .forward(prefix, &mut block_cache, Logits::Last)
-            .expect("prefix");
-        let rows = model
-            .forward(block, &mut block_cache, Logits::All)
-            .expect("block");
-        let mut single_cache = model.new_cache();
-        model
-            .forward(prefix, &mut single_cache, Logits::Last)
-            .expect("prefix");
-        for (i, &t) in block.iter().enumerate() {
-            let single = model
-                .forward(&[t], &mut single_cache, Logits::Last)
-                .expect("single");
-            let diff = max_diff(&single[0], &rows[i]);
+        for (i, (rows, single)) in block_and_single_rows(&model).iter().enumerate() {
+            let diff = max_diff(single, rows);
             assert!(
                 diff < 0.25,
                 "{dtype:?} block position {i}: max |Δlogit| = {diff}"
