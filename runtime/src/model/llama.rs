@@ -105,7 +105,7 @@ impl Attention {
         );
         // On the CPU the attention of all sequences runs as one call (their rows split across
         // the threads together); elsewhere sequence by sequence.
-        let cpu = matches!(xs.device(), Device::Cpu) && xs.dtype() == DType::F32;
+        let cpu = cpu_kernel(xs.device(), xs.dtype());
         let (mut on_cpu, mut out) = (Vec::new(), Vec::new());
         for seq in seqs {
             let rows = |t: &Tensor| t.narrow(1, seq.offset, seq.n);
@@ -130,7 +130,7 @@ impl Attention {
     }
 
     /// One sequence's attention of q (1, heads, n, d) over its cached k and v, as
-    /// (1, n, heads · d), off the CPU (the CPU runs [`attention_cpu`]).
+    /// (1, n, heads · d), where [`attention_cpu`] does not run ([`cpu_kernel`]).
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
         let n = q.dim(2)?;
         let total = k.dim(2)?;
@@ -206,6 +206,12 @@ impl Block {
             .forward(&self.post_attention_layernorm.forward(&xs)?)?;
         Ok((xs + mlp)?)
     }
+}
+
+/// Whether attention runs on the CPU kernel ([`attention_cpu`]: f32 on the CPU, causal by
+/// construction) rather than candle's ops (which take a mask).
+fn cpu_kernel(device: &Device, dtype: DType) -> bool {
+    matches!(device, Device::Cpu) && dtype == DType::F32
 }
 
 /// cos/sin rows of the positions of one block.
@@ -306,9 +312,8 @@ impl Llama {
         let mut seqs = Vec::with_capacity(items.len());
         for item in items.iter() {
             let (n, pos) = (item.tokens.len(), item.cache.len());
-            // The CPU attention kernel (f32) masks by construction; any other path needs one.
-            let kernel = matches!(device, Device::Cpu) && self.dtype == DType::F32;
-            let mask = if n > 1 && !kernel {
+            // The CPU attention kernel masks by construction; candle's attention needs a mask.
+            let mask = if n > 1 && !cpu_kernel(device, self.dtype) {
                 Some(causal_mask(n, pos, self.dtype, device)?)
             } else {
                 None
