@@ -192,6 +192,19 @@ struct Rows<'a> {
     scale: f32,
 }
 
+/// `acc` + a · b, in one rounding where `FUSED` (FMA).
+#[inline(always)]
+fn madd<const FUSED: bool>(a: f32, b: f32, acc: f32) -> f32 {
+    if FUSED {
+        a.mul_add(b, acc)
+    } else {
+        acc + a * b
+    }
+}
+
+/// Keys whose scores are computed together.
+const KEYS: usize = 4;
+
 /// `out_row` = softmax(q · kᵀ · scale) · v over `rows`, in a fixed order: each score a dot product
 /// in 16 lanes then the lanes pairwise, the values summed position by position. `FUSED` makes
 /// each multiply-add one rounding (FMA): the same order, so a row's result is still the same
@@ -203,40 +216,19 @@ fn attend<const FUSED: bool>(
     scores: &mut Vec<f32>,
     out_row: &mut [f32],
 ) {
-    let madd = |a: f32, b: f32, acc: f32| {
-        if FUSED {
-            a.mul_add(b, acc)
-        } else {
-            acc + a * b
-        }
-    };
     let Rows {
         keys,
         values,
         d,
         scale,
     } = rows;
-    // Plain loops: iterator adapters may be left out of line, compiled without FMA.
     scores.clear();
-    let body = d - d % 16;
-    for key in keys.chunks_exact(d) {
-        let mut lanes = [0f32; 16];
-        for c in (0..body).step_by(16) {
-            for l in 0..16 {
-                lanes[l] = madd(q_row[c + l], key[c + l], lanes[l]);
-            }
-        }
-        let mut tail = 0f32;
-        for c in body..d {
-            tail = madd(q_row[c], key[c], tail);
-        }
-        // The lanes summed pairwise (a fixed tree: 4 dependent adds, not 15).
-        for width in [8, 4, 2, 1] {
-            for l in 0..width {
-                lanes[l] += lanes[l + width];
-            }
-        }
-        scores.push((lanes[0] + tail) * scale);
+    let mut groups = keys.chunks_exact(KEYS * d);
+    for group in &mut groups {
+        scores.extend(key_scores::<FUSED, KEYS>(q_row, group, d, scale));
+    }
+    for key in groups.remainder().chunks_exact(d) {
+        scores.extend(key_scores::<FUSED, 1>(q_row, key, d, scale));
     }
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;
@@ -246,11 +238,49 @@ fn attend<const FUSED: bool>(
     }
     for (w, value) in scores.iter().zip(values.chunks_exact(d)) {
         for (o, x) in out_row.iter_mut().zip(value) {
-            *o = madd(*w, *x, *o);
+            *o = madd::<FUSED>(*w, *x, *o);
         }
     }
     let inv = 1.0 / sum;
     out_row.iter_mut().for_each(|o| *o *= inv);
+}
+
+/// The scores of `G` consecutive keys (`keys`: G · d). Each key's operations are those it has
+/// alone; interleaving the keys overlaps their chains of dependent multiply-adds.
+#[inline(always)]
+fn key_scores<const FUSED: bool, const G: usize>(
+    q_row: &[f32],
+    keys: &[f32],
+    d: usize,
+    scale: f32,
+) -> [f32; G] {
+    // Plain loops: iterator adapters may be left out of line, compiled without FMA.
+    let body = d - d % 16;
+    let mut lanes = [[0f32; 16]; G];
+    for c in (0..body).step_by(16) {
+        let q = &q_row[c..][..16];
+        for (j, lanes) in lanes.iter_mut().enumerate() {
+            let key = &keys[j * d + c..][..16];
+            for l in 0..16 {
+                lanes[l] = madd::<FUSED>(q[l], key[l], lanes[l]);
+            }
+        }
+    }
+    std::array::from_fn(|j| {
+        let key = &keys[j * d..][..d];
+        let mut tail = 0f32;
+        for c in body..d {
+            tail = madd::<FUSED>(q_row[c], key[c], tail);
+        }
+        // The lanes summed pairwise (a fixed tree: 4 dependent adds, not 15).
+        let lanes = &mut lanes[j];
+        for width in [8, 4, 2, 1] {
+            for l in 0..width {
+                lanes[l] += lanes[l + width];
+            }
+        }
+        (lanes[0] + tail) * scale
+    })
 }
 
 /// [`attend`] compiled for AVX2 and FMA.

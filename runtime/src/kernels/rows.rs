@@ -246,7 +246,20 @@ pub(crate) fn quantize(x: &[f32], out: &mut [Q8]) {
 }
 
 /// `xs` to signed bytes `qs` (as long): scale max|x| / 127, round to nearest; returns the scale.
+/// The same bytes on every path (AVX2 where the CPU has it: the quantizer runs on one thread
+/// while the other waits, so it is in every matmul's serial part).
 pub(crate) fn quantize_bytes(xs: &[f32], qs: &mut [i8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if xs.len().is_multiple_of(QK) && Path::detect() != Path::Portable {
+        // SAFETY: `Path::detect` found AVX2 on this CPU.
+        #[allow(unsafe_code, reason = "a target-feature function, features checked")]
+        return unsafe { super::x86::quantize_bytes(xs, qs) };
+    }
+    portable_quantize_bytes(xs, qs)
+}
+
+/// [`quantize_bytes`] one value at a time.
+pub(super) fn portable_quantize_bytes(xs: &[f32], qs: &mut [i8]) -> f32 {
     let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     let id = if d > 0.0 { 1.0 / d } else { 0.0 };

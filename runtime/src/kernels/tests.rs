@@ -196,6 +196,39 @@ fn the_largest_quants_and_activations_do_not_saturate() {
 }
 
 #[test]
+fn the_activation_quantizer_gives_the_same_bytes_on_every_path() {
+    // With max |x| = 127 the scale is 1, so every value is rounded as written: halves (away
+    // from zero), the floats just beside them, zeros of both signs, the extremes.
+    let mut xs = vec![127.0f32, -126.5, 0.5, -0.5, 2.5, -2.5, 0.0, -0.0];
+    let beside = |v: f32| {
+        [
+            f32::from_bits(v.to_bits() - 1),
+            f32::from_bits(v.to_bits() + 1),
+        ]
+    };
+    for v in [0.5f32, 1.5, 2.5, 63.5, 126.5] {
+        xs.extend(beside(v));
+        xs.extend(beside(-v));
+    }
+    xs.resize(64, 3.25);
+    let (_, random) = data(0, 256, 3);
+    let scaled: Vec<f32> = random.iter().map(|v| v * 0.01).collect();
+    for case in [&xs[..], &random, &scaled, &[0.0; 32]] {
+        let mut portable = vec![0i8; case.len()];
+        let d = super::rows::portable_quantize_bytes(case, &mut portable);
+        let mut fast = vec![0i8; case.len()];
+        assert_eq!(
+            super::rows::quantize_bytes(case, &mut fast).to_bits(),
+            d.to_bits()
+        );
+        assert_eq!(fast, portable);
+    }
+    let mut q = vec![0i8; 64];
+    super::rows::quantize_bytes(&xs, &mut q);
+    assert_eq!(q[..6], [127, -127, 1, -1, 3, -3], "halves away from zero");
+}
+
+#[test]
 fn a_row_gets_the_same_bits_in_a_block_of_any_size() {
     let (in_dim, out_dim) = (512, 300);
     let (w, x) = data(out_dim, in_dim, 9);
