@@ -9,7 +9,8 @@
 //! ratio this machine allows, whatever the kernel. "of peak" is that bound over the measured
 //! 9-row time. The peak is measured between the kernel's runs (this machine's rate moves with
 //! its neighbours' load): "peak G/s" is their median, f32 multiply-adds for f32 and u8 × i8
-//! products for the quantized types.
+//! products for the quantized types, Q8_0's with the instructions a signed weight adds
+//! ([`peaks::Peak`]).
 //!
 //! `cargo bench -p tandem-runtime --bench kernels` (BENCH_ITERS, default 40; BENCH_TYPES;
 //! BENCH_SHAPE, `in,out`, default `1536,8960`).
@@ -77,10 +78,14 @@ fn main() -> anyhow::Result<()> {
             let (mut a, mut b, mut peak) = (Vec::new(), Vec::new(), Vec::new());
             for i in 0..iters + 3 {
                 if rows == 9 {
-                    peak.extend(peaks::rate(matches!(
-                        dtype,
-                        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
-                    )));
+                    // The kernels' pool spins a while after a product before it parks: a peak
+                    // measured meanwhile shares the cores with it and reads low (by up to half).
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    peak.extend(peaks::rate(match dtype {
+                        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => peaks::Peak::Fmadd,
+                        GgmlDType::Q8_0 => peaks::Peak::SignedMaddubs,
+                        _ => peaks::Peak::Maddubs,
+                    }));
                 }
                 let start = Instant::now();
                 std::hint::black_box(ours.forward(&x)?);
@@ -129,17 +134,30 @@ fn main() -> anyhow::Result<()> {
 
 /// This machine's peak multiply rates, every thread at once.
 mod peaks {
-    /// Per second, all threads together: f32 multiply-adds (`float`: 8 per AVX2 `fmadd`) or
-    /// u8 × i8 products (32 per `maddubs`, which every quantized kernel's product goes through),
-    /// over a few milliseconds. `None` where the CPU has no AVX2 and FMA.
-    pub fn rate(float: bool) -> Option<f64> {
+    /// The instructions a product goes through.
+    #[derive(Clone, Copy)]
+    pub enum Peak {
+        /// f32: 8 multiply-adds per AVX2 `fmadd`.
+        Fmadd,
+        /// An unsigned 4-, 5- or 6-bit weight: 32 u8 × i8 products per `maddubs`, their 16-bit
+        /// sums added.
+        Maddubs,
+        /// A signed 8-bit weight (Q8_0): `maddubs` takes one unsigned operand, so each of its 32
+        /// products needs the weight's magnitude and the activation's sign moved (`abs`, `sign`),
+        /// and its sums, which may fill 16 bits, widened at once (`madd`).
+        SignedMaddubs,
+    }
+
+    /// Per second, all threads together, over a few milliseconds: f32 multiply-adds or u8 × i8
+    /// products. `None` where the CPU has no AVX2 and FMA.
+    pub fn rate(peak: Peak) -> Option<f64> {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let (per_call, f): (f64, unsafe fn(u64) -> u64) = if float {
-                (12.0 * 8.0, x86::fmadd)
-            } else {
-                (12.0 * 32.0, x86::maddubs)
+            let (per_call, f): (f64, unsafe fn(u64) -> u64) = match peak {
+                Peak::Fmadd => (12.0 * 8.0, x86::fmadd),
+                Peak::Maddubs => (12.0 * 32.0, x86::maddubs),
+                Peak::SignedMaddubs => (12.0 * 32.0, x86::signed_maddubs),
             };
             let calls = 2_000_000;
             let start = std::time::Instant::now();
@@ -179,19 +197,60 @@ mod peaks {
             acc.iter().map(|a| _mm256_cvtss_f32(*a) as u64).sum()
         }
 
-        /// `n` rounds of 12 independent `maddubs` chains.
+        /// Twelve registers of bytes, read anew each round (so the products cannot be hoisted
+        /// out of the loop; from L1, as a kernel's are).
+        #[repr(align(32))]
+        struct Registers([[i8; 32]; 12]);
+        static BYTES: Registers = {
+            let mut b = [[0i8; 32]; 12];
+            let mut i = 0;
+            while i < 12 * 32 {
+                b[i / 32][i % 32] = (i * 7 % 51) as i8 - 25;
+                i += 1;
+            }
+            Registers(b)
+        };
+
+        /// The `j`-th register of [`BYTES`] (a macro: a call would not be inlined).
+        macro_rules! bytes {
+            ($j:expr) => {
+                // SAFETY: a whole element of a static array aligned to 32 bytes.
+                unsafe { std::ptr::read_volatile(BYTES.0[$j].as_ptr().cast::<__m256i>()) }
+            };
+        }
+
+        /// `n` rounds of 12 independent `maddubs` of a loaded register, their 16-bit sums added.
         #[target_feature(enable = "avx2")]
         pub unsafe fn maddubs(n: u64) -> u64 {
             let y = std::hint::black_box(_mm256_set1_epi8(3));
-            let mut acc: [__m256i; 12] = std::array::from_fn(|j| _mm256_set1_epi8(j as i8));
+            let mut acc = [_mm256_setzero_si256(); 12];
             for _ in 0..n {
-                for a in &mut acc {
-                    *a = _mm256_maddubs_epi16(*a, y);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(y, bytes!(j)));
                 }
             }
             let acc = std::hint::black_box(acc);
             acc.iter()
                 .map(|a| _mm256_extract_epi16::<0>(*a) as u64)
+                .sum()
+        }
+
+        /// `n` rounds of 12 independent signed byte products as Q8_0's kernel makes them: `abs`,
+        /// `sign`, `maddubs`, `madd` to 32 bits, added.
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn signed_maddubs(n: u64) -> u64 {
+            let (y, ones) = std::hint::black_box((_mm256_set1_epi8(3), _mm256_set1_epi16(1)));
+            let mut acc = [_mm256_setzero_si256(); 12];
+            for _ in 0..n {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let w = bytes!(j);
+                    let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(y, w));
+                    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(p, ones));
+                }
+            }
+            let acc = std::hint::black_box(acc);
+            acc.iter()
+                .map(|a| _mm256_extract_epi32::<0>(*a) as u64)
                 .sum()
         }
     }
