@@ -266,21 +266,22 @@ fn key_scores<const FUSED: bool, const G: usize>(
             }
         }
     }
-    std::array::from_fn(|j| {
+    let mut scores = [0f32; G];
+    for (j, (score, lanes)) in scores.iter_mut().zip(&mut lanes).enumerate() {
         let key = &keys[j * d..][..d];
         let mut tail = 0f32;
         for c in body..d {
             tail = madd::<FUSED>(q_row[c], key[c], tail);
         }
         // The lanes summed pairwise (a fixed tree: 4 dependent adds, not 15).
-        let lanes = &mut lanes[j];
         for width in [8, 4, 2, 1] {
             for l in 0..width {
                 lanes[l] += lanes[l + width];
             }
         }
-        (lanes[0] + tail) * scale
-    })
+        *score = (lanes[0] + tail) * scale;
+    }
+    scores
 }
 
 /// [`attend`] compiled for AVX2 and FMA.
