@@ -157,8 +157,9 @@ pub struct ServeArgs {
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// Adaptive K speculates only while at most this many generations run here (beyond, a
     /// batch of plain target steps is cheaper); 0: no limit. Default: 1 for a CPU target whose
-    /// draft-node is on the same machine (the same host, or loopback both: it takes the
-    /// target's cores), no limit otherwise. Requests that fix K are not affected.
+    /// draft-node runs on its cores (the nodes report one machine and CPU sets that overlap;
+    /// nodes that do not report: the same host or loopback both), no limit otherwise. Requests
+    /// that fix K are not affected.
     #[arg(long, env = "TANDEM_MAX_SPECULATING_SESSIONS")]
     pub max_speculating_sessions: Option<usize>,
     /// How long a generation whose target-node was lost (stopped, restarted, unreachable, not

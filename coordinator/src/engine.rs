@@ -61,7 +61,7 @@ pub struct Engine {
     /// Adaptive K speculates only while at most this many generations run here: beyond, the
     /// target's batch of plain steps is already compute-bound and drafts cost it more than they
     /// save (vLLM's disable-by-batch-size). `None`: no limit. Default: 1 for a CPU target whose
-    /// draft-node is on the same machine, else none.
+    /// draft-node runs on its cores ([`crate::shares_cores`]), else none.
     pub max_speculating: Option<usize>,
     /// How long a lost target is waited for (its session replayed) before a generation fails.
     pub target_retry: Duration,
@@ -85,12 +85,16 @@ impl Engine {
         let targets = Replicas::connect("target-node", targets, tls).await?;
         let target = targets.primary().clone();
         let cpu_target = target.info.device.starts_with("cpu");
-        let shares_machine = drafts
-            .first()
-            .is_none_or(|d| crate::same_machine(&target.endpoint, d));
         let draft = match drafts {
             [] => LateDraft::default(),
             urls => LateDraft::connect(urls, &target, tls).await?,
+        };
+        // What the nodes say of their machine and CPUs where the draft answered; else the URLs.
+        let shares_cores = match (draft.get(), drafts.first()) {
+            (_, None) => true,
+            (Some(d), Some(url)) => crate::shares_cores(&target.info, &d.primary().info)
+                .unwrap_or_else(|| crate::same_machine(&target.endpoint, url)),
+            (None, Some(url)) => crate::same_machine(&target.endpoint, url),
         };
         let reply = v1::node_service_client::NodeServiceClient::new(target.channel.clone())
             .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
@@ -116,9 +120,9 @@ impl Engine {
             metrics: CoordinatorMetrics::default(),
             draft_shares_cores: false,
             // A CPU target gains nothing from speculation once it batches other sessions when
-            // the draft runs on its cores; a draft on another machine keeps paying
+            // the draft runs on its cores; a draft on other cores or another machine keeps paying
             // (docs/benchmarks.md, "Many sessions on one target", unpinned and pinned).
-            max_speculating: (cpu_target && shares_machine).then_some(1),
+            max_speculating: (cpu_target && shares_cores).then_some(1),
             target_retry: Duration::from_secs(30),
             learnt: std::sync::Mutex::new(None),
             hopeless: AtomicUsize::new(0),

@@ -30,6 +30,22 @@ use late::LateEngine;
 
 pub use tandem_proto::error_chain;
 
+/// Whether a draft-node runs on the target-node's cores, from what they say of themselves: the
+/// same machine (boot id) and CPU sets that overlap (an empty set: every CPU). `None` where
+/// either does not say (an older node, not Linux): then [`same_machine`] guesses from the URLs.
+pub fn shares_cores(
+    target: &tandem_proto::v1::NodeInfo,
+    draft: &tandem_proto::v1::NodeInfo,
+) -> Option<bool> {
+    if target.host_id.is_empty() || draft.host_id.is_empty() {
+        return None;
+    }
+    let overlap = target.cpus.is_empty()
+        || draft.cpus.is_empty()
+        || target.cpus.iter().any(|c| draft.cpus.contains(c));
+    Some(target.host_id == draft.host_id && overlap)
+}
+
 /// Whether two node URLs name the same machine: the same host, or loopback both (a draft-node
 /// there runs on the target-node's cores). URLs that do not parse name no machine.
 pub fn same_machine(a: &str, b: &str) -> bool {
@@ -111,6 +127,23 @@ mod tests {
         ));
         assert!(!same_machine("http://127.0.0.1:1", "http://edge.example:1"));
         assert!(!same_machine("not a url", "not a url"));
+    }
+
+    #[test]
+    fn nodes_share_cores_on_one_machine_only_where_their_cpus_overlap() {
+        use super::shares_cores;
+        use tandem_proto::v1::NodeInfo;
+        let node = |host: &str, cpus: &[u32]| NodeInfo {
+            host_id: host.into(),
+            cpus: cpus.to_vec(),
+            ..NodeInfo::default()
+        };
+        let target = node("boot-a", &[0]);
+        assert_eq!(shares_cores(&target, &node("boot-a", &[1])), Some(false));
+        assert_eq!(shares_cores(&target, &node("boot-a", &[0, 1])), Some(true));
+        assert_eq!(shares_cores(&target, &node("boot-a", &[])), Some(true));
+        assert_eq!(shares_cores(&target, &node("boot-b", &[0])), Some(false));
+        assert_eq!(shares_cores(&target, &node("", &[0])), None);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! node info, health, and serving.
 
 mod config;
+mod host;
 mod http;
 pub mod metrics;
 mod serve;

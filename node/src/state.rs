@@ -139,6 +139,8 @@ impl NodeState {
             kv_cache_bytes: self.sessions.kv_bytes() as u64,
             version: env!("CARGO_PKG_VERSION").into(),
             stop_token_ids: self.stop_token_ids.clone(),
+            host_id: crate::host::host_id(),
+            cpus: crate::host::cpus(),
         }
     }
 
