@@ -121,7 +121,7 @@ impl Engine {
             draft_shares_cores: false,
             // A CPU target gains nothing from speculation once it batches other sessions when
             // the draft runs on its cores; a draft on other cores or another machine keeps paying
-            // (docs/benchmarks.md, "Many sessions on one target", unpinned and pinned).
+            // (docs/benchmarks/concurrency.md, unpinned and pinned).
             max_speculating: (cpu_target && shares_cores).then_some(1),
             target_retry: Duration::from_secs(30),
             learnt: std::sync::Mutex::new(None),
