@@ -213,7 +213,8 @@ fn the_activation_quantizer_gives_the_same_bytes_on_every_path() {
     xs.resize(64, 3.25);
     let (_, random) = data(0, 256, 3);
     let scaled: Vec<f32> = random.iter().map(|v| v * 0.01).collect();
-    for case in [&xs[..], &random, &scaled, &[0.0; 32]] {
+    let tiny: Vec<f32> = random.iter().map(|v| v * 1e-38).collect();
+    for case in [&xs[..], &random, &scaled, &tiny, &[0.0; 32]] {
         let mut portable = vec![0i8; case.len()];
         let d = super::rows::portable_quantize_bytes(case, &mut portable);
         let mut fast = vec![0i8; case.len()];

@@ -64,7 +64,12 @@ pub(crate) fn quantize_bytes(xs: &[f32], qs: &mut [i8]) -> f32 {
     let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
     let d = amax / 127.0;
-    let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    if id.is_infinite() {
+        // A subnormal scale: values scale to infinities and NaNs, whose conversions differ.
+        return super::rows::portable_quantize_bytes(xs, qs);
+    }
+    let id = _mm256_set1_ps(id);
     let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
     let round = |at: &[f32]| {
         // SAFETY: eight floats in bounds.
