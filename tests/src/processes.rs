@@ -41,10 +41,36 @@ pub fn binary(name: &str) -> PathBuf {
 }
 
 /// A free loopback port (bound, then released for the child to take).
+///
+/// The port is below the system's ephemeral range: a port the system hands out (`:0`) is free
+/// now, but any outgoing connection on the machine may take it before the process meant to
+/// listen there starts (seen in CI: a coordinator started after its two nodes found its HTTP
+/// port in use). Ports are tried from a point that differs per process and per call.
 pub fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static CALLS: AtomicU32 = AtomicU32::new(0);
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let (first, span) = (10_000, ephemeral.saturating_sub(10_000).max(1));
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    let start = std::process::id()
+        .wrapping_mul(7919)
+        .wrapping_add(call.wrapping_mul(97));
+    (0..span)
+        .map(|i| first + start.wrapping_add(i) % span)
+        .filter_map(|port| u16::try_from(port).ok())
+        .find_map(|port| {
+            TcpListener::bind(("127.0.0.1", port))
+                .and_then(|l| l.local_addr())
+                .ok()
+        })
+        .unwrap_or_else(|| {
+            TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("free port")
+        })
 }
 
 /// A child process, killed on drop.
@@ -181,8 +207,7 @@ impl Proc {
             runtime.block_on(async {
                 use tonic_health::pb::health_check_response::ServingStatus;
                 // One connection for every check (it is up: the port listens): a connection
-                // per check would take an ephemeral port each time, the range `free_addr`
-                // hands out to processes not yet listening.
+                // per check would take an ephemeral port each time.
                 let channel = endpoint.connect_lazy();
                 let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
                 let deadline = Instant::now() + Duration::from_secs(60);
