@@ -141,7 +141,8 @@ pub struct ServeArgs {
     /// each of its addresses, as for `--target`. Unset decodes with the target alone.
     #[arg(long = "draft", env = "TANDEM_DRAFT", value_delimiter = ',')]
     pub drafts: Vec<String>,
-    /// Address of the public gRPC API.
+    /// Address of the public gRPC API (port 0: a free one). Once bound, the addresses are
+    /// printed on stdout as one line, `listening grpc=ADDR [http=ADDR] [metrics=ADDR]`.
     #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:50050")]
     pub listen: std::net::SocketAddr,
     /// K for requests that do not name one: `auto` (chosen each round) or a number.

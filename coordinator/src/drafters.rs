@@ -387,7 +387,7 @@ impl ModelDrafter {
         }
     }
 
-    /// Drafts `k` tokens past `drafts` while the target verifies them (DESIGN.md "Pipelined"):
+    /// Drafts `k` tokens past `drafts` while the target verifies them (docs/architecture.md "Pipelined"):
     /// the first is the draft's guess of the bonus token, the rest continue it, so that if every
     /// draft is accepted and the guess is the target's token, the next round's drafts are ready
     /// when the verdict comes. A failure drops the session and re-attaches it from `log`, as

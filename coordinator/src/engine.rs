@@ -1,4 +1,4 @@
-//! The round loop over gRPC (DESIGN.md "Data flow of one round"): the coordinator keeps each
+//! The round loop over gRPC (docs/architecture.md "Data flow of one round"): the coordinator keeps each
 //! session's canonical log, asks the draft-node for K tokens, has the target-node verify them in
 //! one pass, commits the verdict and streams it. Losing the draft costs speed, not output: the
 //! loop goes on target-only. A lost target session is rebuilt by replaying the log.
@@ -423,7 +423,7 @@ impl Engine {
                 (verdict, verify_start.elapsed().as_secs_f64())
             };
             // While the target verifies, the draft-node drafts the block that follows if every
-            // draft is accepted (DESIGN.md "Pipelined"), when it fits in the verify's time and in
+            // draft is accepted (docs/architecture.md "Pipelined"), when it fits in the verify's time and in
             // what the generation has left: at least as long as this one, and one longer where K
             // is adaptive ([`KPolicy::ahead_len`]); the next round takes the part it planned, so
             // rounds fall where they would without drafting ahead. The drafts go back to the

@@ -38,7 +38,7 @@ pub struct Job {
     /// K chosen each round by the cost model ([`crate::policy::KPolicy`]) rather than fixed.
     pub adaptive: bool,
     pub drafter: DrafterChoice,
-    /// The draft-node drafts the next block while the target verifies (DESIGN.md "Pipelined").
+    /// The draft-node drafts the next block while the target verifies (docs/architecture.md "Pipelined").
     pub pipeline: bool,
     /// Log-probabilities of each token and this many alternatives, from the target.
     pub top_logprobs: Option<u32>,

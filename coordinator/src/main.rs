@@ -101,6 +101,13 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),
         "coordinator listening"
     );
+    tandem_node::announce_listening(
+        &listener,
+        &[
+            ("http", http.as_ref()),
+            ("metrics", metrics_listener.as_ref()),
+        ],
+    )?;
     let access = Access {
         keys: ApiKeys::new(args.api_keys.iter().map(|k| k.0.clone())),
         per_client: ClientLimits::new(args.max_requests_per_client),

@@ -1,4 +1,4 @@
-//! The choice of K each round (DESIGN.md "Adaptive K"; the cost model is in
+//! The choice of K each round (docs/architecture.md "Adaptive K"; the cost model is in
 //! docs/adaptive-k.md). Per session the policy estimates, from what each round measured:
 //!
 //! - a_i, the chance that draft position i is accepted when positions 1..i-1 were, per drafter

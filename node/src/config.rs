@@ -9,7 +9,8 @@ use clap::Args;
 pub struct NodeArgs {
     #[command(flatten)]
     pub source: ModelSource,
-    /// Address to listen on for gRPC.
+    /// Address to listen on for gRPC (port 0: a free one). Once bound, the addresses are printed
+    /// on stdout as one line, `listening grpc=ADDR [http=ADDR]`.
     #[arg(long, env = "TANDEM_LISTEN")]
     pub listen: SocketAddr,
     /// Address of the HTTP side: `/metrics` (Prometheus), `/health`, `/ready`; unset serves none.

@@ -15,7 +15,7 @@ mod telemetry;
 mod worker;
 
 pub use config::{LimitsArgs, ModelSource, NodeArgs};
-pub use serve::{Shutdown, bind_http, run, serve, serve_until_signal, stopped};
+pub use serve::{Shutdown, announce_listening, bind_http, run, serve, serve_until_signal, stopped};
 pub use sessions::{SessionSlot, SessionTable};
 pub use state::{Limits, NodeState, Role};
 pub use stream::{Incoming, Session, drive_session};

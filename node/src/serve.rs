@@ -132,6 +132,7 @@ where
         max_draft_tokens = state.limits.max_draft_tokens,
         "node ready"
     );
+    announce_listening(&listener, &[("http", http.as_ref())])?;
     let state = Arc::new(state);
     serve_until_signal(
         || {
@@ -151,6 +152,26 @@ where
     .await?;
     tracing::info!(role = role.as_str(), "node stopped");
     Ok(())
+}
+
+/// Prints where this process listens as one line on stdout, `listening grpc=ADDR` followed by
+/// ` NAME=ADDR` for each other listener that is bound: with port 0 (`--listen 127.0.0.1:0`) the
+/// system picks a free port, and whoever started the process (a supervisor, a test) reads here
+/// which one, with no window in which another process could take it.
+pub fn announce_listening(
+    grpc: &TcpListener,
+    others: &[(&str, Option<&TcpListener>)],
+) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut line = format!("listening grpc={}", grpc.local_addr()?);
+    for (name, listener) in others {
+        if let Some(l) = listener {
+            line.push_str(&format!(" {name}={}", l.local_addr()?));
+        }
+    }
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{line}")?;
+    stdout.flush()
 }
 
 /// Binds the optional HTTP listener (`--http-listen`).

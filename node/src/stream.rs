@@ -43,7 +43,7 @@ pub trait Session: Sized + Send + 'static {
     /// Feeds the next at most `max_tokens` of the prompt (blocking); true once all is fed.
     fn prefill_chunk(&mut self, max_tokens: usize) -> Result<bool>;
     /// Does the work of several sessions at once (blocking; a batch of the pieces that were
-    /// ready together, DESIGN.md "Batching"): one result per item, in order, each what the
+    /// ready together, docs/architecture.md "Batching"): one result per item, in order, each what the
     /// session would get alone. `span` is each item's own span (the whole batch runs inside all
     /// of them). On error a session must be as it was.
     fn handle_batch(

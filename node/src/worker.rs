@@ -4,7 +4,7 @@
 //! of decode speed on a 110M model); the matmuls inside a forward still use every core through
 //! the compute pools.
 //!
-//! It is also the node's scheduler (continuous batching, DESIGN.md "Batching"): work of a kind
+//! It is also the node's scheduler (continuous batching, docs/architecture.md "Batching"): work of a kind
 //! that runs many at a time ([`Batch`]: verify blocks, draft steps) is not run as it arrives but
 //! gathered, with whatever else is queued when the thread comes free, into one call over up to
 //! `max_batch` items (waiting up to `max_wait` while fewer are ready than the last batch held);

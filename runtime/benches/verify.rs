@@ -21,7 +21,7 @@ fn random_110m() -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join("tandem-bench-random-110m");
     if !dir.join("config.json").exists() {
         let tokenizer =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/models/llama2-tokenizer");
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama2-tokenizer");
         write_random_llama(&dir, &SyntheticSpec::stories110m(110), &tokenizer)?;
     }
     Ok(dir)

@@ -1,4 +1,4 @@
-//! The speculative acceptance rule (DESIGN.md invariant 1): accept draft token x only when
+//! The speculative acceptance rule (docs/architecture.md invariant 1): accept draft token x only when
 //! q(x) > 0 and p(x) > 0, with probability min(1, p(x)/q(x)); on the first rejection sample from
 //! norm(max(0, p − q)), or from p itself when that residual is empty (possible only through
 //! rounding or a lying q); if every draft is accepted, sample a bonus token from p. With a

@@ -1,5 +1,5 @@
 //! What a verifier checks of a drafted block before it lets the block near the acceptance rule
-//! (DESIGN.md invariant 1: the output is the target's, whatever the draft sends). A block that
+//! (docs/architecture.md invariant 1: the output is the target's, whatever the draft sends). A block that
 //! fails is not an error: the round runs as a plain target step and the refusal says which draft
 //! position was wrong and how, so that a buggy or hostile draft costs speed, never output and
 //! never a request.

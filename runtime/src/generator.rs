@@ -1,5 +1,5 @@
 //! The in-process speculative generator: draft and target in one process, the round loop of
-//! DESIGN.md, stop conditions and statistics. `draft_tokens == 0` (or no draft model) is plain
+//! docs/architecture.md, stop conditions and statistics. `draft_tokens == 0` (or no draft model) is plain
 //! target-only decoding through the same verify path.
 
 use serde::Serialize;

@@ -35,7 +35,7 @@ pub use tokenizer::Tokenizer;
 pub use transcript::{Commit, Transcript};
 
 /// Sets the CPU thread pools to the core count unless the user chose. Unset, candle re-reads
-/// /proc/cpuinfo on every matmul, a 5× slowdown on small models (see DESIGN.md). Also keeps
+/// /proc/cpuinfo on every matmul, a 5× slowdown on small models (see docs/architecture.md). Also keeps
 /// glibc's malloc to one arena (unless `MALLOC_ARENA_MAX` is set): with an arena per thread,
 /// model work on threads other than `main` (the nodes' model threads) trims and page-faults its buffers
 /// anew, measured at 7 % of decode speed on a 110M model. Call it first thing in `main`, before

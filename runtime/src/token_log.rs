@@ -1,4 +1,4 @@
-//! A sequence's canonical token log with the hash of every prefix (DESIGN.md invariant 4): the
+//! A sequence's canonical token log with the hash of every prefix (docs/architecture.md invariant 4): the
 //! coordinator's truth, and what each node believes it holds. Rolling back to any earlier prefix
 //! is a truncation, and naming a prefix costs O(1).
 

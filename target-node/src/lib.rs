@@ -3,7 +3,7 @@
 //! committed tokens, scores [last committed token, d1..dK] in one forward pass and applies the
 //! lossless acceptance rule. The verdict's accepted drafts and next token join the log.
 //!
-//! The node trusts nothing the draft wrote (DESIGN.md invariant 1): a block whose drafts or q
+//! The node trusts nothing the draft wrote (docs/architecture.md invariant 1): a block whose drafts or q
 //! fail the checks of [`tandem_runtime::draft_check`] is not verified; the round is one plain
 //! target step and the verdict carries the refusal. A block that repeats the last one answered
 //! gets the same verdict again without a forward pass.

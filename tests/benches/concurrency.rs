@@ -24,7 +24,7 @@ use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
 use tandem_tests::bench::{env_list, median, pairs};
-use tandem_tests::processes::{Proc, free_addr};
+use tandem_tests::processes::Proc;
 use tandem_tests::tokenizer;
 
 const PROMPTS: [&str; 4] = [
@@ -125,13 +125,12 @@ async fn main() -> anyhow::Result<()> {
             .map(|p| tok.encode(p))
             .collect::<Result<_, _>>()?;
         let node = |name: &str, model: &std::path::Path, extra: &[&str], cpus: Option<&str>| {
-            let addr = free_addr();
-            let (model, listen) = (model.display().to_string(), addr.to_string());
-            let mut args = vec!["--model", &model, "--listen", &listen];
+            let model = model.display().to_string();
+            let mut args = vec!["--model", &model, "--listen", "127.0.0.1:0"];
             args.extend_from_slice(extra);
             match cpus {
-                Some(cpus) => Proc::start_pinned(name, &args, addr, cpus),
-                None => Proc::start(name, &args, addr),
+                Some(cpus) => Proc::start_pinned(name, &args, cpus),
+                None => Proc::start(name, &args),
             }
         };
         let (target_cpus, draft_cpus) = match cpus.as_slice() {
@@ -147,8 +146,7 @@ async fn main() -> anyhow::Result<()> {
                 None => args.push(max_batch),
             }
             let target = node("target-node", &pair.target, &args, target_cpus);
-            let coordinator =
-                Proc::coordinator(&target.url(), &draft.url(), free_addr(), &[], draft_cpus);
+            let coordinator = Proc::coordinator(&target.url(), &draft.url(), &[], draft_cpus);
             let client = CoordinatorClient::connect(coordinator.url()).await?;
             setups.push((max_batch, target, coordinator, client));
         }

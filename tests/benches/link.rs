@@ -25,7 +25,7 @@ use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
 use tandem_tests::bench::{env_list, median, pairs};
 use tandem_tests::link::{Link, LinkSpec};
-use tandem_tests::processes::{Proc, free_addr};
+use tandem_tests::processes::Proc;
 use tandem_tests::tokenizer;
 
 fn parse_list<T: std::str::FromStr>(name: &str, default: &str) -> anyhow::Result<Vec<T>>
@@ -56,9 +56,8 @@ struct Samples {
 }
 
 fn node(name: &str, model: &std::path::Path, cpu: &str) -> Proc {
-    let addr = free_addr();
-    let (model, listen) = (model.display().to_string(), addr.to_string());
-    Proc::start_pinned(name, &["--model", &model, "--listen", &listen], addr, cpu)
+    let model = model.display().to_string();
+    Proc::start_pinned(name, &["--model", &model, "--listen", "127.0.0.1:0"], cpu)
 }
 
 // The link's tasks run on a worker thread: the main one blocks while a process starts.
@@ -106,13 +105,8 @@ async fn main() -> anyhow::Result<()> {
                 let link = Link::start(draft.addr, spec).await?;
                 let draft_url = format!("http://{}", link.addr);
                 // The coordinator sits beside the target, on its core.
-                let coordinator = Proc::coordinator(
-                    &target.url(),
-                    &draft_url,
-                    free_addr(),
-                    &[],
-                    Some(&target_cpu),
-                );
+                let coordinator =
+                    Proc::coordinator(&target.url(), &draft_url, &[], Some(&target_cpu));
                 let mut client = CoordinatorClient::connect(coordinator.url()).await?;
                 let request = |variant: &str| {
                     let (k, serial) = variant

@@ -5,7 +5,9 @@
 //! carries, resets the stream (UNAVAILABLE to the coordinator; the node sees its stream end), or
 //! drops it (neither forwarded nor answered: on a reliable stream a lost message is a stall, which
 //! the coordinator's call deadline ends). Messages of one stream cannot be reordered (each waits
-//! for its reply); the draft's and the target's streams are, by their independent delays.
+//! for its reply); the draft's and the target's streams are, by their independent delays. Its
+//! gate holds work messages while a test injects a fault of its own (a node killed, restarted
+//! elsewhere: the upstream re-pointed).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -19,6 +21,9 @@ use tandem_proto::v1::{self, draft_request, target_request};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
+
+use crate::gate::Gate;
+use crate::proxy::{NodeForward, Upstream};
 
 /// What happens to one message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,10 +47,12 @@ pub struct Injected {
     pub dropped: AtomicUsize,
 }
 
-/// The proxy: the node behind it, the seed, and each fault's chance per message (per mille).
+/// The proxy: the node behind it, the seed, and each fault's chance per message (per mille);
+/// a gate on its work messages (open unless a test closes it).
 #[derive(Debug, Clone)]
 pub struct FaultProxy {
-    upstream: String,
+    pub upstream: Upstream,
+    pub gate: Gate,
     seed: u64,
     /// Delay, duplicate, corrupt, reset, drop.
     per_mille: [u64; 5],
@@ -65,12 +72,18 @@ impl FaultProxy {
     /// prefix, a reset or a drop with these chances per mille.
     pub fn new(upstream: std::net::SocketAddr, seed: u64, per_mille: [u64; 5]) -> Self {
         Self {
-            upstream: format!("http://{upstream}"),
+            upstream: Upstream::new(upstream),
+            gate: Gate::default(),
             seed,
             per_mille,
             sessions: Arc::default(),
             injected: Arc::default(),
         }
+    }
+
+    /// A proxy to the node at `upstream` that injects no fault: its gate alone holds messages.
+    pub fn passing(upstream: std::net::SocketAddr) -> Self {
+        Self::new(upstream, 0, [0; 5])
     }
 
     /// The fault for message `n` of session `session` (work messages only may be duplicated
@@ -95,13 +108,17 @@ impl FaultProxy {
 
     /// Serves the proxy on 127.0.0.1:0; returns its URL.
     pub async fn serve(self) -> String {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
+        self.serve_at(std::net::Ipv4Addr::LOCALHOST.into()).await
+    }
+
+    /// Serves the proxy on a free port of `ip` (e.g. this side of a host's link, which that
+    /// host reaches); returns its URL.
+    pub async fn serve_at(self, ip: std::net::IpAddr) -> String {
+        let listener = tokio::net::TcpListener::bind((ip, 0)).await.expect("bind");
         let url = format!("http://{}", listener.local_addr().expect("addr"));
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(crate::proxy::NodeForward(self.upstream.clone()).into_server())
+                .add_service(NodeForward(self.upstream.clone()).into_server())
                 .add_service(TargetServiceServer::new(self.clone()))
                 .add_service(DraftServiceServer::new(self))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
@@ -127,7 +144,11 @@ impl FaultProxy {
                 return;
             };
             counts.messages.fetch_add(1, Ordering::Relaxed);
-            let fault = self.draw(session, n, prefix(&mut message).is_some());
+            let work = prefix(&mut message).is_some();
+            if work {
+                self.gate.pass().await;
+            }
+            let fault = self.draw(session, n, work);
             match fault {
                 Fault::Reset => {
                     counts.reset.fetch_add(1, Ordering::Relaxed);
@@ -224,7 +245,7 @@ impl TargetService for FaultProxy {
         request: Request<Streaming<v1::TargetRequest>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         let (up_tx, up_rx) = mpsc::channel(4);
-        let mut client = TargetServiceClient::connect(self.upstream.clone())
+        let mut client = TargetServiceClient::connect(self.upstream.url())
             .await
             .map_err(unavailable)?;
         let upstream = client.session(ReceiverStream::new(up_rx)).await?;
@@ -243,7 +264,7 @@ impl DraftService for FaultProxy {
         request: Request<Streaming<v1::DraftRequest>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         let (up_tx, up_rx) = mpsc::channel(4);
-        let mut client = DraftServiceClient::connect(self.upstream.clone())
+        let mut client = DraftServiceClient::connect(self.upstream.url())
             .await
             .map_err(unavailable)?;
         let upstream = client.session(ReceiverStream::new(up_rx)).await?;

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod faults;
+pub mod gate;
 pub mod hub;
 pub mod link;
 pub mod netns;
@@ -238,9 +239,37 @@ pub async fn node_info(addr: std::net::SocketAddr) -> v1::NodeInfo {
         .into_inner()
 }
 
-/// Polls until `f` holds, for up to five seconds.
+/// Streams `req` from the coordinator at `url`. Returns the streamed ids and how the stream
+/// ended.
+pub async fn stream(
+    url: String,
+    req: v1::GenerateRequest,
+) -> (Vec<u32>, Result<v1::GenerateDone, tonic::Status>) {
+    let mut client = v1::coordinator_client::CoordinatorClient::connect(url)
+        .await
+        .expect("connect");
+    let mut stream = match client.generate(req).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => return (Vec::new(), Err(status)),
+    };
+    let mut ids = Vec::new();
+    loop {
+        match stream.message().await {
+            Ok(Some(message)) => match message.kind {
+                Some(v1::generate_response::Kind::Delta(d)) => ids.extend(d.token_ids),
+                Some(v1::generate_response::Kind::Done(done)) => return (ids, Ok(done)),
+                None => {}
+            },
+            Ok(None) => panic!("the stream ended without its last message"),
+            Err(status) => return (ids, Err(status)),
+        }
+    }
+}
+
+/// Polls until `f` holds, for up to a minute (a loaded machine is slow, not wrong).
 pub async fn eventually(mut f: impl AsyncFnMut() -> bool) -> bool {
-    for _ in 0..100 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::time::Instant::now() < deadline {
         if f().await {
             return true;
         }
@@ -327,7 +356,7 @@ pub fn qwen_pair(test: &str) -> Option<(PathBuf, PathBuf)> {
     }
     let how = format!(
         "the Qwen2.5-Coder pair is not in {}: fetch it with \
-         `../shared/models/fetch-qwen-pair.sh {}` (.ci/run does)",
+         `scripts/fetch-qwen-pair.sh {}` (.ci/run does)",
         dir.display(),
         dir.display()
     );

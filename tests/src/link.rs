@@ -4,9 +4,11 @@
 //!
 //! Each direction is a queue: a chunk read at time t leaves the link at
 //! `max(t, link free) + bytes · 8 / rate` and is written `delay` later, so a burst waits behind
-//! the bytes before it, as on a real link.
+//! the bytes before it, as on a real link. With no delay and no cap it is a plain relay whose
+//! upstream a test may set late or change.
 
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -24,6 +26,12 @@ pub struct LinkSpec {
 }
 
 impl LinkSpec {
+    /// No delay, no cap: a plain relay.
+    pub const DIRECT: Self = Self {
+        rtt: Duration::ZERO,
+        bits_per_second: None,
+    };
+
     pub fn label(&self) -> String {
         let rate = match self.bits_per_second {
             Some(b) => format!("{:.0} Mbit/s", b / 1e6),
@@ -33,19 +41,34 @@ impl LinkSpec {
     }
 }
 
-/// A running link to `upstream`; serves until the runtime it was started on ends.
+/// A running link; serves until the runtime it was started on ends. Its upstream may be set
+/// later or changed (the stable address of a Service whose node is not up yet, or came back
+/// elsewhere): a connection that arrives while it has none is closed at once.
 #[derive(Debug)]
 pub struct Link {
     pub addr: SocketAddr,
+    upstream: Arc<Mutex<Option<SocketAddr>>>,
 }
 
 impl Link {
     /// Starts a link on 127.0.0.1:0 in front of `upstream` (call inside a tokio runtime).
     pub async fn start(upstream: SocketAddr, spec: LinkSpec) -> std::io::Result<Self> {
+        let link = Self::unbound(spec).await?;
+        link.point_to(upstream);
+        Ok(link)
+    }
+
+    /// Starts a link on 127.0.0.1:0 with no upstream yet (see [`Self::point_to`]).
+    pub async fn unbound(spec: LinkSpec) -> std::io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
+        let upstream = Arc::new(Mutex::new(None));
+        let to = Arc::clone(&upstream);
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                let Some(upstream) = *to.lock().expect("upstream") else {
+                    continue;
+                };
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(upstream).await {
                         carry(client, server, spec).await;
@@ -53,7 +76,16 @@ impl Link {
                 });
             }
         });
-        Ok(Self { addr })
+        Ok(Self { addr, upstream })
+    }
+
+    /// Sends the connections made from now on to `upstream`.
+    pub fn point_to(&self, upstream: SocketAddr) {
+        *self.upstream.lock().expect("upstream") = Some(upstream);
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
     }
 }
 

@@ -1,9 +1,12 @@
-//! The real binaries as processes: built on demand, started on free loopback ports, killed when
-//! dropped.
+//! The real binaries as processes: built on demand, listening on ports the system chose (which
+//! they print), reported with their standard error when they fail, killed when dropped.
 
-use std::net::{SocketAddr, TcpListener};
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::RecvTimeoutError;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// The workspace's target directory, found from this test executable
@@ -40,99 +43,70 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
-/// A free loopback port (bound, then released for the child to take).
-///
-/// The port is below the system's ephemeral range: a port the system hands out (`:0`) is free
-/// now, but any outgoing connection on the machine may take it before the process meant to
-/// listen there starts (seen in CI: a coordinator started after its two nodes found its HTTP
-/// port in use). Ports are tried from a point that differs per process and per call.
-pub fn free_addr() -> SocketAddr {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static CALLS: AtomicU32 = AtomicU32::new(0);
-    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
-        .unwrap_or(32768);
-    let (first, span) = (10_000, ephemeral.saturating_sub(10_000).max(1));
-    let call = CALLS.fetch_add(1, Ordering::Relaxed);
-    let start = std::process::id()
-        .wrapping_mul(7919)
-        .wrapping_add(call.wrapping_mul(97));
-    (0..span)
-        .map(|i| first + start.wrapping_add(i) % span)
-        .filter_map(|port| u16::try_from(port).ok())
-        .find_map(|port| {
-            TcpListener::bind(("127.0.0.1", port))
-                .and_then(|l| l.local_addr())
-                .ok()
-        })
-        .unwrap_or_else(|| {
-            TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("free port")
-        })
-}
+/// How long a process may take to load its model and listen.
+const START: Duration = Duration::from_secs(120);
+/// How much of a child's standard error is kept to report when it fails.
+const STDERR_KEPT: usize = 64 * 1024;
 
-/// A child process, killed on drop.
+/// A child process, killed on drop. It listens where it said it does (`--listen 127.0.0.1:0`: the
+/// system chose the port and the process printed it), so no port is picked by one process and
+/// bound by another.
 #[derive(Debug)]
 pub struct Proc {
+    pub name: String,
     pub child: Child,
+    /// The gRPC address it listens on.
     pub addr: SocketAddr,
+    /// Every address it announced, by name (`grpc`, `http`, `metrics`).
+    listening: HashMap<String, SocketAddr>,
+    /// The end of its standard error, unless it was sent to the file `log`.
+    stderr: Arc<Mutex<Vec<u8>>>,
+    log: Option<PathBuf>,
 }
 
 impl Proc {
-    /// Starts `name` with `args` (which should make it listen on `addr`) and waits until it
-    /// accepts connections.
-    pub fn start(name: &str, args: &[&str], addr: SocketAddr) -> Self {
-        Self::start_with_env(name, args, addr, &[])
+    /// Starts `name` with `args` (which should make it listen on port 0, or on an address of
+    /// its own network namespace) and waits until it says where it listens.
+    pub fn start(name: &str, args: &[&str]) -> Self {
+        Self::start_with_env(name, args, &[])
+    }
+
+    /// A node (`target-node` or `draft-node`) serving `model` on a free loopback port, with
+    /// `extra` arguments.
+    pub fn node(name: &str, model: &Path, extra: &[&str]) -> Self {
+        let model = model.display().to_string();
+        let mut args = vec!["--model", &model, "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        Self::start(name, &args)
     }
 
     /// [`Self::start`] with extra environment variables.
-    pub fn start_with_env(
-        name: &str,
-        args: &[&str],
-        addr: SocketAddr,
-        env: &[(&str, &str)],
-    ) -> Self {
-        Self::spawn(name, Self::command(name, args, env), addr)
+    pub fn start_with_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn(name, Self::command(name, args, env), None)
     }
 
     /// [`Self::start_with_env`], its standard error written to the file `log`.
-    pub fn start_logged(
-        name: &str,
-        args: &[&str],
-        addr: SocketAddr,
-        env: &[(&str, &str)],
-        log: &Path,
-    ) -> Self {
+    pub fn start_logged(name: &str, args: &[&str], env: &[(&str, &str)], log: &Path) -> Self {
         let mut command = Self::command(name, args, env);
         command.stderr(std::fs::File::create(log).expect("log file"));
-        Self::spawn(name, command, addr)
+        Self::spawn(name, command, Some(log))
     }
 
     /// [`Self::start`] on `host` (its network namespace).
-    pub fn start_on(
-        host: &crate::netns::Host,
-        name: &str,
-        args: &[&str],
-        addr: SocketAddr,
-    ) -> Self {
-        let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
+    pub fn start_on(host: &crate::netns::Host, name: &str, args: &[&str]) -> Self {
         let mut command = Command::new("ip");
         command
-            .env("RUST_LOG", log)
+            .env("RUST_LOG", log_level())
             .args(host.exec_prefix())
             .arg(binary(name))
             .args(args);
-        Self::spawn(name, command, addr)
+        Self::spawn(name, command, None)
     }
 
     fn command(name: &str, args: &[&str], env: &[(&str, &str)]) -> Command {
         let mut command = Command::new(binary(name));
-        // Warnings only, unless the caller asks for more.
-        let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
         command
-            .env("RUST_LOG", log)
+            .env("RUST_LOG", log_level())
             .args(args)
             .envs(env.iter().copied());
         command
@@ -140,50 +114,140 @@ impl Proc {
 
     /// [`Self::start`] on the CPUs `cpus` names (`taskset -c`): one machine's cores for one
     /// node, as when two machines are emulated on one.
-    pub fn start_pinned(name: &str, args: &[&str], addr: SocketAddr, cpus: &str) -> Self {
+    pub fn start_pinned(name: &str, args: &[&str], cpus: &str) -> Self {
         let mut command = Command::new("taskset");
         // The node sizes its thread pools to the CPUs it may run on: pools inherited from this
         // process (sized to the whole machine) would fight over the one core.
-        // Warnings only, unless the caller asks for more.
-        let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
         command
-            .env("RUST_LOG", log)
+            .env("RUST_LOG", log_level())
             .env_remove("RAYON_NUM_THREADS")
             .env_remove("CANDLE_NUM_THREADS")
             .args(["-c", cpus])
             .arg(binary(name))
             .args(args);
-        Self::spawn(name, command, addr)
+        Self::spawn(name, command, None)
     }
 
-    fn spawn(name: &str, mut command: Command, addr: SocketAddr) -> Self {
-        let child = command
-            .stdout(Stdio::null())
+    /// Spawns `command` and waits for its `listening grpc=ADDR ...` line; a child that exits
+    /// first, or says nothing within [`START`], fails the test with its standard error.
+    fn spawn(name: &str, mut command: Command, log: Option<&Path>) -> Self {
+        use std::io::{BufRead, Read};
+        command.stdout(Stdio::piped());
+        if log.is_none() {
+            command.stderr(Stdio::piped());
+        }
+        let mut child = command
             .spawn()
             .unwrap_or_else(|e| panic!("start {name}: {e}"));
-        let mut proc = Self { child, addr };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while std::net::TcpStream::connect(addr).is_err() {
-            if let Ok(Some(status)) = proc.child.try_wait() {
-                panic!("{name} exited early: {status}");
-            }
-            assert!(Instant::now() < deadline, "{name} did not listen on {addr}");
-            std::thread::sleep(Duration::from_millis(50));
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        if let Some(mut pipe) = child.stderr.take() {
+            let kept = Arc::clone(&stderr);
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n @ 1..) = pipe.read(&mut buf) {
+                    let mut kept = kept.lock().unwrap_or_else(PoisonError::into_inner);
+                    kept.extend_from_slice(&buf[..n]);
+                    let excess = kept.len().saturating_sub(STDERR_KEPT);
+                    kept.drain(..excess);
+                }
+            });
         }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stdout = child.stdout.take().expect("piped stdout");
+        std::thread::spawn(move || {
+            // Read to the end: a child must never block on a full pipe.
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.strip_prefix("listening ") {
+                    let _ = tx.send(rest.to_string());
+                }
+            }
+        });
+        let mut proc = Self {
+            name: name.to_string(),
+            child,
+            addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            listening: HashMap::new(),
+            stderr,
+            log: log.map(Path::to_path_buf),
+        };
+        let deadline = Instant::now() + START;
+        let line = loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(line) => break line,
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => {}
+            }
+            if let Ok(Some(status)) = proc.child.try_wait() {
+                panic!(
+                    "{name} exited before it listened: {status}{}",
+                    proc.stderr_tail()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} did not say where it listens within {START:?}{}",
+                proc.stderr_tail()
+            );
+        };
+        proc.listening = line
+            .split_whitespace()
+            .filter_map(|pair| {
+                let (key, addr) = pair.split_once('=')?;
+                Some((key.to_string(), addr.parse().ok()?))
+            })
+            .collect();
+        proc.addr = proc.listening("grpc");
         proc
     }
 
-    /// `coordinator serve` in front of the target-node and draft-node at these URLs, listening
-    /// on `addr`, with `extra` arguments; pinned to `cpus` when given. Returns once it is ready
-    /// (it has reached its nodes).
+    /// The address it announced as `name` (`grpc`, `http`, `metrics`).
+    pub fn listening(&self, name: &str) -> SocketAddr {
+        *self.listening.get(name).unwrap_or_else(|| {
+            panic!(
+                "{} announced no {name} listener: {:?}",
+                self.name, self.listening
+            )
+        })
+    }
+
+    /// Its HTTP listener (`--http-listen 127.0.0.1:0`).
+    pub fn http(&self) -> SocketAddr {
+        self.listening("http")
+    }
+
+    /// The end of its standard error, to put in a failure's message.
+    pub fn stderr_tail(&self) -> String {
+        let mut kept = match &self.log {
+            Some(log) => std::fs::read(log).unwrap_or_default(),
+            None => self
+                .stderr
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        };
+        kept.drain(..kept.len().saturating_sub(STDERR_KEPT));
+        if kept.is_empty() {
+            return format!("\n({} wrote nothing on stderr)", self.name);
+        }
+        format!(
+            "\n--- {} stderr (last {} bytes) ---\n{}",
+            self.name,
+            kept.len(),
+            String::from_utf8_lossy(&kept)
+        )
+    }
+
+    /// `coordinator serve` in front of the target-node and draft-node at these URLs, on a free
+    /// loopback port, with `extra` arguments; pinned to `cpus` when given. Returns once it is
+    /// ready (it has reached its nodes).
     pub fn coordinator(
         target_url: &str,
         draft_url: &str,
-        addr: SocketAddr,
         extra: &[&str],
         cpus: Option<&str>,
     ) -> Self {
-        let coordinator = Self::coordinator_starting(target_url, draft_url, addr, extra, cpus);
+        let coordinator = Self::coordinator_starting(target_url, draft_url, extra, cpus);
         coordinator.wait_ready();
         coordinator
     }
@@ -199,7 +263,7 @@ impl Proc {
     pub fn wait_ready_at(&self, endpoint: tonic::transport::Endpoint) {
         let url = endpoint.uri().to_string();
         // A runtime of its own, on a thread of its own: callers may be async tests.
-        std::thread::spawn(move || {
+        let ready = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -210,8 +274,8 @@ impl Proc {
                 // per check would take an ephemeral port each time.
                 let channel = endpoint.connect_lazy();
                 let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
-                let deadline = Instant::now() + Duration::from_secs(60);
-                loop {
+                let deadline = Instant::now() + START;
+                while Instant::now() < deadline {
                     let status = health
                         .check(tonic_health::pb::HealthCheckRequest {
                             service: "tandem.v1.Coordinator".into(),
@@ -220,36 +284,42 @@ impl Proc {
                         .map(|r| r.into_inner().status)
                         .ok();
                     if status == Some(ServingStatus::Serving as i32) {
-                        return;
+                        return true;
                     }
-                    assert!(
-                        Instant::now() < deadline,
-                        "the coordinator at {url} never got ready"
-                    );
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-            });
+                false
+            })
         })
         .join()
         .expect("waiting for the coordinator");
+        assert!(
+            ready,
+            "the coordinator at {url} was not ready within {START:?}{}",
+            self.stderr_tail()
+        );
     }
 
     /// [`Self::coordinator`], returning as soon as it listens (before it has reached its nodes).
     pub fn coordinator_starting(
         target_url: &str,
         draft_url: &str,
-        addr: SocketAddr,
         extra: &[&str],
         cpus: Option<&str>,
     ) -> Self {
-        let listen = addr.to_string();
         let mut args = vec![
-            "serve", "--target", target_url, "--draft", draft_url, "--listen", &listen,
+            "serve",
+            "--target",
+            target_url,
+            "--draft",
+            draft_url,
+            "--listen",
+            "127.0.0.1:0",
         ];
         args.extend_from_slice(extra);
         match cpus {
-            Some(cpus) => Self::start_pinned("coordinator", &args, addr, cpus),
-            None => Self::start("coordinator", &args, addr),
+            Some(cpus) => Self::start_pinned("coordinator", &args, cpus),
+            None => Self::start("coordinator", &args),
         }
     }
 
@@ -268,6 +338,11 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The children's log level: warnings only, unless the caller asks for more (`RUST_LOG`).
+fn log_level() -> String {
+    std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())
 }
 
 /// Runs `coordinator generate --json` with `args` and `env` in the repository root, checks the

@@ -24,7 +24,7 @@ pub type StepDelay = dyn Fn(usize) -> std::time::Duration + Send + Sync;
 /// The proxy: where the real draft-node is, and what to rewrite.
 #[derive(Clone)]
 pub struct DraftProxy {
-    upstream: String,
+    upstream: Upstream,
     on_step: Arc<StepRewrite>,
     on_reply: Arc<ReplyRewrite>,
     delay: Arc<StepDelay>,
@@ -42,7 +42,7 @@ impl DraftProxy {
     /// A proxy to the draft-node at `upstream` that changes nothing yet.
     pub fn new(upstream: std::net::SocketAddr) -> Self {
         Self {
-            upstream: format!("http://{upstream}"),
+            upstream: Upstream::new(upstream),
             on_step: Arc::new(|_, _| {}),
             on_reply: Arc::new(|_, _| {}),
             delay: Arc::new(|_| std::time::Duration::ZERO),
@@ -99,7 +99,7 @@ impl DraftService for DraftProxy {
     ) -> Result<Response<Self::SessionStream>, Status> {
         let mut inbound = request.into_inner();
         let (up_tx, up_rx) = mpsc::channel(4);
-        let mut upstream = DraftServiceClient::connect(self.upstream.clone())
+        let mut upstream = DraftServiceClient::connect(self.upstream.url())
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?
             .session(ReceiverStream::new(up_rx))
@@ -137,14 +137,33 @@ impl DraftService for DraftProxy {
     }
 }
 
+/// The URL of the node behind a proxy; it may be re-pointed (a node restarted on another port,
+/// as behind a Kubernetes Service) and every later connection goes there.
+#[derive(Debug, Clone)]
+pub struct Upstream(Arc<std::sync::Mutex<String>>);
+
+impl Upstream {
+    pub fn new(addr: std::net::SocketAddr) -> Self {
+        Self(Arc::new(std::sync::Mutex::new(format!("http://{addr}"))))
+    }
+
+    pub fn url(&self) -> String {
+        self.0.lock().expect("upstream").clone()
+    }
+
+    pub fn point_to(&self, addr: std::net::SocketAddr) {
+        *self.0.lock().expect("upstream") = format!("http://{addr}");
+    }
+}
+
 /// NodeService (info, tokenizer) answered by the node at `upstream`, unchanged: what a proxy in
 /// front of a node serves beside the role's service.
 #[derive(Debug, Clone)]
-pub struct NodeForward(pub String);
+pub struct NodeForward(pub Upstream);
 
 impl NodeForward {
     async fn node(&self) -> Result<NodeServiceClient<tonic::transport::Channel>, Status> {
-        NodeServiceClient::connect(self.0.clone())
+        NodeServiceClient::connect(self.0.url())
             .await
             .map_err(|e| Status::unavailable(e.to_string()))
     }

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1;
-use tandem_tests::processes::{Proc, free_addr};
+use tandem_tests::processes::Proc;
 use tandem_tests::*;
 
 fn signal(proc: &Proc, sig: &str) {
@@ -29,32 +29,27 @@ async fn complete(http: SocketAddr, key: &str) -> (u16, String, String) {
     .await
 }
 
+/// Waits until the coordinator whose metrics are at `metrics` has `n` generations in flight.
+async fn in_flight(metrics: SocketAddr, n: usize) {
+    let line = format!("tandem_active_generations {n}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !http_request(metrics, "GET", "/metrics", "")
+        .await
+        .1
+        .contains(&line)
+    {
+        assert!(Instant::now() < deadline, "{n} generations in flight");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test]
 async fn a_client_at_its_limit_gets_429_while_others_are_served() {
-    let target = {
-        let addr = free_addr();
-        let (model, listen) = (stories().display().to_string(), addr.to_string());
-        Proc::start(
-            "target-node",
-            &["--model", &model, "--listen", &listen],
-            addr,
-        )
-    };
-    let draft = {
-        let addr = free_addr();
-        let (model, listen) = (stories_q8().display().to_string(), addr.to_string());
-        Proc::start(
-            "draft-node",
-            &["--model", &model, "--listen", &listen],
-            addr,
-        )
-    };
-    let (http, metrics) = (free_addr(), free_addr());
-    let (http_listen, metrics_listen) = (http.to_string(), metrics.to_string());
+    let target = Proc::node("target-node", &stories(), &[]);
+    let draft = Proc::node("draft-node", &stories_q8(), &[]);
     let coordinator = Proc::coordinator(
         &target.url(),
         &draft.url(),
-        free_addr(),
         &[
             "--api-key",
             "k1",
@@ -63,15 +58,13 @@ async fn a_client_at_its_limit_gets_429_while_others_are_served() {
             "--max-requests-per-client",
             "1",
             "--http-listen",
-            &http_listen,
+            "127.0.0.1:0",
             "--metrics-listen",
-            &metrics_listen,
+            "127.0.0.1:0",
         ],
         None,
     );
-    while std::net::TcpStream::connect(http).is_err() {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (http, metrics) = (coordinator.http(), coordinator.listening("metrics"));
     // /metrics is on its own listener, not with the API.
     assert_eq!(http_request(http, "GET", "/metrics", "").await.0, 404);
     let (status, text) = http_request(metrics, "GET", "/metrics", "").await;
@@ -81,15 +74,7 @@ async fn a_client_at_its_limit_gets_429_while_others_are_served() {
     // The target paused: k1's generation stays in flight.
     signal(&target, "-STOP");
     let first = tokio::spawn(complete(http, "k1"));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !http_request(metrics, "GET", "/metrics", "")
-        .await
-        .1
-        .contains("tandem_active_generations 1")
-    {
-        assert!(Instant::now() < deadline, "k1's generation in flight");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    in_flight(metrics, 1).await;
     let (status, head, body) = complete(http, "k1").await;
     assert_eq!(status, 429, "{body}");
     assert!(
@@ -130,7 +115,7 @@ async fn a_client_at_its_limit_gets_429_while_others_are_served() {
     assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
     // Another client is admitted (held too, until the target resumes).
     let other = tokio::spawn(complete(http, "k2"));
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    in_flight(metrics, 2).await;
     signal(&target, "-CONT");
     for (who, task) in [("k1", first), ("k2", other)] {
         let (status, _, body) = task.await.expect("request");

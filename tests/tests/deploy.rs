@@ -94,21 +94,16 @@ async fn make_certs_writes_secrets_whose_certificates_a_node_accepts() {
         dir.path().join("target-node"),
         dir.path().join("coordinator"),
     );
-    let addr = tandem_tests::processes::free_addr();
     let path = |p: std::path::PathBuf| p.display().to_string();
-    let (model, listen) = (path(tandem_tests::stories()), addr.to_string());
     let (cert, key, ca) = (
         path(node.join("tls.crt")),
         path(node.join("tls.key")),
         path(node.join("ca.crt")),
     );
-    let _target = tandem_tests::processes::Proc::start(
+    let target = tandem_tests::processes::Proc::node(
         "target-node",
+        &tandem_tests::stories(),
         &[
-            "--model",
-            &model,
-            "--listen",
-            &listen,
             "--tls-cert",
             &cert,
             "--tls-key",
@@ -116,8 +111,8 @@ async fn make_certs_writes_secrets_whose_certificates_a_node_accepts() {
             "--tls-client-ca",
             &ca,
         ],
-        addr,
     );
+    let addr = target.addr;
     let pem = |f: &str| std::fs::read(coordinator.join(f)).expect("read PEM");
     let tls = tonic::transport::ClientTlsConfig::new()
         .ca_certificate(tonic::transport::Certificate::from_pem(pem("ca.crt")))

@@ -1,4 +1,4 @@
-//! Exact whatever the draft sends (DESIGN.md invariant 1): a draft-node stand-in that lies in
+//! Exact whatever the draft sends (docs/architecture.md invariant 1): a draft-node stand-in that lies in
 //! every way a buggy or hostile draft can, over whole generations, on a high- and a
 //! low-acceptance pair, greedy and sampled. The output must equal target-only decoding (greedy)
 //! or the seeded in-process reference (sampled), the request must succeed, and the refused
@@ -149,7 +149,7 @@ async fn assert_lies_change_nothing(target: &Path, draft: &Path) {
             assert_eq!(outcome.token_ids, reference.token_ids, "{case}");
             let s = &outcome.stats;
             // Every block used is a lie when every reply lies. Lying on every other reply, the
-            // lies may all land in blocks drafted ahead (DESIGN.md "Pipelined") that are never
+            // lies may all land in blocks drafted ahead (docs/architecture.md "Pipelined") that are never
             // used, which changes nothing either.
             if *every == 1 {
                 assert_eq!(s.draft_blocks_refused, MAX_REFUSED_BLOCKS, "{case}");

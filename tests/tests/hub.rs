@@ -8,7 +8,7 @@ use std::path::Path;
 use tandem_runtime::model::hub::{HubConfig, HubRef, resolve_with};
 use tandem_runtime::{LoadOptions, Logits, Model, Tokenizer};
 use tandem_tests::hub::{COMMIT, StandInHub, StandInRepo};
-use tandem_tests::processes::{binary, free_addr, generate_cli};
+use tandem_tests::processes::{binary, generate_cli};
 use tandem_tests::{stories, stories_q8};
 
 const GGUF_REPO: &str = "tandem-test/stories260K-GGUF";
@@ -168,7 +168,8 @@ fn a_missing_repository_file_or_cache_entry_is_an_error_that_says_what_to_fix() 
     assert_eq!(hub.requests(), before, "offline makes no request");
 
     let unreachable = HubConfig {
-        endpoint: format!("http://{}", free_addr()),
+        // Port 1 (tcpmux) has no listener: the connection is refused.
+        endpoint: "http://127.0.0.1:1".into(),
         ..online
     };
     let down = error_of(&gguf_ref(), &unreachable);

@@ -8,7 +8,10 @@ use std::process::Command;
 
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
-use tandem_tests::processes::{Proc, free_addr, generate_cli};
+use tandem_tests::faults::FaultProxy;
+use tandem_tests::gate::{Gate, with_fault};
+use tandem_tests::link::{Link, LinkSpec};
+use tandem_tests::processes::{Proc, generate_cli};
 use tandem_tests::*;
 
 struct Nodes {
@@ -20,38 +23,55 @@ struct Nodes {
     http: [SocketAddr; 3],
 }
 
-/// Starts node `name` serving `model` with gRPC on `addr` and HTTP on `http`.
-fn start_node(name: &str, model: &Path, addr: SocketAddr, http: SocketAddr) -> Proc {
-    let model = model.display().to_string();
-    let (listen, http) = (addr.to_string(), http.to_string());
-    let args = [
-        "--model",
-        &model,
-        "--listen",
-        &listen,
-        "--http-listen",
-        &http,
-    ];
-    Proc::start(name, &args, addr)
+/// Node `name` serving `model`, with its HTTP side.
+fn start_node(name: &str, model: &Path) -> Proc {
+    Proc::node(name, model, &["--http-listen", "127.0.0.1:0"])
 }
 
-fn start_nodes(target: &Path, draft: &Path) -> Nodes {
-    let http = [free_addr(), free_addr(), free_addr()];
-    let target = start_node("target-node", target, free_addr(), http[0]);
-    let draft = start_node("draft-node", draft, free_addr(), http[1]);
-    let http_listen = http[2].to_string();
+/// A target-node and a draft-node, and a coordinator talking to them at these URLs.
+fn nodes_at(target: Proc, target_url: &str, draft: Proc, draft_url: &str) -> Nodes {
     let coordinator = Proc::coordinator(
-        &target.url(),
-        &draft.url(),
-        free_addr(),
-        &["--http-listen", &http_listen],
+        target_url,
+        draft_url,
+        &["--http-listen", "127.0.0.1:0"],
         None,
     );
     Nodes {
+        http: [target.http(), draft.http(), coordinator.http()],
         _target: target,
         draft,
         coordinator,
-        http,
+    }
+}
+
+fn start_nodes(target: &Path, draft: &Path) -> Nodes {
+    let target = start_node("target-node", target);
+    let draft = start_node("draft-node", draft);
+    let (target_url, draft_url) = (target.url(), draft.url());
+    nodes_at(target, &target_url, draft, &draft_url)
+}
+
+/// Nodes for a fault mid-generation: the stories pair, the target-node behind a gate that holds
+/// a verify block of the generation while the fault is injected, the draft-node behind a link
+/// that follows it when it is restarted elsewhere.
+struct Gated {
+    nodes: Nodes,
+    gate: Gate,
+    draft_link: Link,
+}
+
+async fn start_gated() -> Gated {
+    let target = start_node("target-node", &stories());
+    let proxy = FaultProxy::passing(target.addr);
+    let target_url = proxy.clone().serve().await;
+    let draft = start_node("draft-node", &stories_q8());
+    let draft_link = Link::start(draft.addr, LinkSpec::DIRECT)
+        .await
+        .expect("link");
+    Gated {
+        nodes: nodes_at(target, &target_url, draft, &draft_link.url()),
+        gate: proxy.gate,
+        draft_link,
     }
 }
 
@@ -102,46 +122,30 @@ fn local_all_in_one_generate_equals_target_only() {
     }
 }
 
-/// Streams a greedy story of `n` tokens from the coordinator, calling `after_first` once the
-/// first delta has arrived (the generation is in flight). Returns the streamed ids and the end.
-async fn generate_with(
-    nodes: &mut Nodes,
-    n: u32,
-    after_first: impl FnOnce(&mut Nodes),
-) -> (Vec<u32>, v1::GenerateDone) {
-    let mut client = v1::coordinator_client::CoordinatorClient::connect(nodes.coordinator.url())
-        .await
-        .expect("connect");
+/// A greedy story of `n` tokens, drafted 4 at a time.
+fn story(n: u32) -> v1::GenerateRequest {
     let prompt = tokenizer(&stories())
         .encode("Once upon a time")
         .expect("encode");
-    let req = request(&prompt, n, 4, &SamplingParams::greedy());
-    let mut stream = client.generate(req).await.expect("generate").into_inner();
-    let mut ids = Vec::new();
-    let mut after_first = Some(after_first);
-    loop {
-        let message = stream
-            .message()
-            .await
-            .expect("the stream goes on")
-            .expect("a message");
-        match message.kind {
-            Some(v1::generate_response::Kind::Delta(d)) => {
-                ids.extend(d.token_ids);
-                if let Some(f) = after_first.take() {
-                    f(nodes);
-                }
-            }
-            Some(v1::generate_response::Kind::Done(done)) => return (ids, done),
-            None => {}
-        }
-    }
+    request(&prompt, n, 4, &SamplingParams::greedy())
 }
 
-#[tokio::test]
+/// Streams [`story`]`(n)` from `g`'s coordinator with `fault` injected mid-generation.
+async fn generate_with(
+    g: &mut Gated,
+    n: u32,
+    fault: impl AsyncFnOnce(&mut Nodes),
+) -> (Vec<u32>, v1::GenerateDone) {
+    let url = g.nodes.coordinator.url();
+    let nodes = &mut g.nodes;
+    let (ids, done) = with_fault(&url, story(n), &g.gate, async || fault(nodes).await).await;
+    (ids, done.expect("the stream goes on"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_draft_node_mid_generation_costs_speed_not_output() {
-    let mut nodes = start_nodes(&stories(), &stories_q8());
-    let (ids, done) = generate_with(&mut nodes, 400, |n| n.draft.kill()).await;
+    let mut g = start_gated().await;
+    let (ids, done) = generate_with(&mut g, 400, async |n| n.draft.kill()).await;
     let stats = done.stats.expect("stats");
     assert!(
         stats.draft_lost,
@@ -151,22 +155,29 @@ async fn killing_the_draft_node_mid_generation_costs_speed_not_output() {
     assert_eq!(done.token_ids, ids);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_the_generation_in_flight_finish() {
-    let mut nodes = start_nodes(&stories(), &stories_q8());
-    let (ids, done) = generate_with(&mut nodes, 300, |n| {
+    let mut g = start_gated().await;
+    let (ids, done) = generate_with(&mut g, 300, async |n| {
         let pid = n.coordinator.child.id().to_string();
         let sent = Command::new("kill")
             .args(["-TERM", &pid])
             .status()
             .expect("kill");
         assert!(sent.success());
+        // Draining: it has stopped taking connections, the generation still held in flight.
+        let http = n.http[2];
+        assert!(
+            eventually(async || tokio::net::TcpStream::connect(http).await.is_err()).await,
+            "the coordinator stops listening on SIGTERM{}",
+            n.coordinator.stderr_tail()
+        );
     })
     .await;
     assert_eq!(ids.len(), 300);
     assert_eq!(done.token_ids, ids);
     assert_eq!(ids, target_only(&stories(), "Once upon a time", 300));
-    let mut coordinator = nodes.coordinator;
+    let mut coordinator = g.nodes.coordinator;
     let status = tokio::task::spawn_blocking(move || coordinator.child.wait())
         .await
         .expect("join")
@@ -308,15 +319,16 @@ async fn futures_scrape(nodes: &Nodes) -> Vec<std::collections::HashMap<String, 
     out
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draft_node_restarted_after_a_crash_drafts_again() {
-    let mut nodes = start_nodes(&stories(), &stories_q8());
-    let (_, done) = generate_with(&mut nodes, 200, |n| n.draft.kill()).await;
+    let mut g = start_gated().await;
+    let (_, done) = generate_with(&mut g, 200, async |n| n.draft.kill()).await;
     assert!(done.stats.expect("stats").draft_lost);
-    // The same machine back on the same address: the coordinator's next sessions use it.
-    nodes.draft = start_node("draft-node", &stories_q8(), nodes.draft.addr, nodes.http[1]);
-    let (ids, done) = generate_with(&mut nodes, 100, |_| {}).await;
-    let stats = done.stats.expect("stats");
+    // The same machine back (at the address its clients know): the next sessions use it.
+    g.nodes.draft = start_node("draft-node", &stories_q8());
+    g.draft_link.point_to(g.nodes.draft.addr);
+    let (ids, done) = stream(g.nodes.coordinator.url(), story(100)).await;
+    let stats = done.expect("generated").stats.expect("stats");
     assert!(!stats.draft_lost, "{}", stats.draft_lost_reason);
     assert!(stats.model_rounds > 0, "drafting resumed: {stats:?}");
     assert_eq!(ids, target_only(&stories(), "Once upon a time", 100));

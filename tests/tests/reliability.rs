@@ -3,58 +3,28 @@
 //! coordinator rebuilds the session from its log and the streamed output is target-only's. Gone
 //! for good, the client gets a clear UNAVAILABLE once `--target-retry-secs` has passed; with
 //! replicas, the generation moves to another at once.
+//!
+//! Every fault lands mid-generation by construction, not by the machine's speed: the target
+//! sits behind a gate that holds a verify block of the generation while the test injects the
+//! fault, and lets it through after.
 
-use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
-use tandem_tests::processes::{Proc, free_addr};
+use tandem_tests::faults::FaultProxy;
+use tandem_tests::gate::{Gate, rounds_until, with_fault};
+use tandem_tests::link::{Link, LinkSpec};
+use tandem_tests::processes::Proc;
 use tandem_tests::*;
 
-/// Node `name` serving `model` on `addr`.
-fn start_node(name: &str, model: &Path, addr: SocketAddr) -> Proc {
-    let (model, listen) = (model.display().to_string(), addr.to_string());
-    Proc::start(name, &["--model", &model, "--listen", &listen], addr)
+fn start_target(model: &Path) -> Proc {
+    Proc::node("target-node", model, &[])
 }
 
-fn start_target(model: &Path, addr: SocketAddr) -> Proc {
-    start_node("target-node", model, addr)
-}
-
-/// Streams `req` from the coordinator at `url`, calling `after_first` once the first delta has
-/// arrived. Returns the streamed ids and how the stream ended.
-async fn stream(
-    url: String,
-    req: v1::GenerateRequest,
-    after_first: impl FnOnce(),
-) -> (Vec<u32>, Result<v1::GenerateDone, tonic::Status>) {
-    let mut client = v1::coordinator_client::CoordinatorClient::connect(url)
-        .await
-        .expect("connect");
-    let mut stream = match client.generate(req).await {
-        Ok(response) => response.into_inner(),
-        Err(status) => return (Vec::new(), Err(status)),
-    };
-    let mut ids = Vec::new();
-    let mut after_first = Some(after_first);
-    loop {
-        match stream.message().await {
-            Ok(Some(message)) => match message.kind {
-                Some(v1::generate_response::Kind::Delta(d)) => {
-                    ids.extend(d.token_ids);
-                    if let Some(f) = after_first.take() {
-                        f();
-                    }
-                }
-                Some(v1::generate_response::Kind::Done(done)) => return (ids, Ok(done)),
-                None => {}
-            },
-            Ok(None) => panic!("the stream ended without its last message"),
-            Err(status) => return (ids, Err(status)),
-        }
-    }
+fn start_draft() -> Proc {
+    Proc::node("draft-node", &stories_q8(), &[])
 }
 
 fn story(n: u32, k: u32) -> v1::GenerateRequest {
@@ -64,51 +34,40 @@ fn story(n: u32, k: u32) -> v1::GenerateRequest {
     request(&prompt, n, k, &SamplingParams::greedy())
 }
 
-/// A target-node (which a test may kill: taken out of the mutex, it is killed on drop), a
-/// draft-node and a coordinator (with `extra` arguments) in front of them.
+/// A target-node behind a gate (a proxy whose upstream follows the node when it is restarted
+/// elsewhere), a draft-node and a coordinator (with `extra` arguments) in front of them.
 struct Three {
-    target_addr: SocketAddr,
-    target: std::sync::Mutex<Option<Proc>>,
+    target: Option<Proc>,
+    gate: FaultProxy,
     _draft: Proc,
     coordinator: Proc,
 }
 
-fn start_three(extra: &[&str]) -> Three {
-    let target_addr = free_addr();
-    let target = std::sync::Mutex::new(Some(start_target(&stories(), target_addr)));
-    let draft = start_node("draft-node", &stories_q8(), free_addr());
-    let coordinator = Proc::coordinator(
-        &format!("http://{target_addr}"),
-        &draft.url(),
-        free_addr(),
-        extra,
-        None,
-    );
+async fn start_three(extra: &[&str]) -> Three {
+    let target = start_target(&stories());
+    let gate = FaultProxy::passing(target.addr);
+    let gate_url = gate.clone().serve().await;
+    let draft = start_draft();
+    let coordinator = Proc::coordinator(&gate_url, &draft.url(), extra, None);
     Three {
-        target_addr,
-        target,
+        target: Some(target),
+        gate,
         _draft: draft,
         coordinator,
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_node_killed_and_restarted_mid_generation_loses_no_token() {
-    let Three {
-        target_addr,
-        target,
-        coordinator,
-        ..
-    } = start_three(&[]);
-    let restarted = std::sync::Mutex::new(None);
+    let mut three = start_three(&[]).await;
     for k in [4, 0] {
-        let (ids, done) = stream(coordinator.url(), story(400, k), || {
-            // SIGKILL: no goodbye on the stream; back on the same port half a second later.
-            drop(target.lock().expect("lock").take());
-            *restarted.lock().expect("lock") = Some(std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(500));
-                start_target(&stories(), target_addr)
-            }));
+        let (url, gate) = (three.coordinator.url(), three.gate.gate.clone());
+        let (ids, done) = with_fault(&url, story(400, k), &gate, async || {
+            // SIGKILL: no goodbye on the stream; back (on another port) before the block goes on.
+            drop(three.target.take());
+            let restarted = start_target(&stories());
+            three.gate.upstream.point_to(restarted.addr);
+            three.target = Some(restarted);
         })
         .await;
         let done = done.unwrap_or_else(|s| panic!("K = {k}: the generation failed: {s:?}"));
@@ -124,21 +83,17 @@ async fn a_target_node_killed_and_restarted_mid_generation_loses_no_token() {
             in_process(&stories(), None, &story(400, 0)).token_ids,
             "K = {k}: the output of an uninterrupted run"
         );
-        let handle = restarted.lock().expect("lock").take().expect("restarted");
-        *target.lock().expect("lock") = Some(handle.join().expect("restart"));
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_node_that_does_not_come_back_fails_the_generation_with_unavailable() {
-    let Three {
-        target,
-        coordinator,
-        ..
-    } = start_three(&["--target-retry-secs", "2"]);
-    let start = Instant::now();
-    let (_, done) = stream(coordinator.url(), story(400, 4), || {
-        drop(target.lock().expect("lock").take());
+    let mut three = start_three(&["--target-retry-secs", "2"]).await;
+    let mut killed = None;
+    let (url, gate) = (three.coordinator.url(), three.gate.gate.clone());
+    let (_, done) = with_fault(&url, story(400, 4), &gate, async || {
+        drop(three.target.take());
+        killed = Some(Instant::now());
     })
     .await;
     let status = done.expect_err("no target: the generation fails");
@@ -148,32 +103,30 @@ async fn a_target_node_that_does_not_come_back_fails_the_generation_with_unavail
         "the error says which node and how long it was waited for: {}",
         status.message()
     );
-    let waited = start.elapsed();
+    let waited = killed.expect("killed").elapsed();
     assert!(
         waited >= Duration::from_secs(2) && waited < Duration::from_secs(20),
         "the retry deadline bounds the wait: {waited:?}"
     );
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_coordinator_started_before_its_nodes_is_not_ready_until_they_answer() {
-    let (target_addr, draft_addr, http) = (free_addr(), free_addr(), free_addr());
-    let http_listen = http.to_string();
+    // The nodes' stable addresses (as a Service's), with nobody behind them yet.
+    let target_link = Link::unbound(LinkSpec::DIRECT).await.expect("link");
+    let draft_link = Link::unbound(LinkSpec::DIRECT).await.expect("link");
     let coordinator = Proc::coordinator_starting(
-        &format!("http://{target_addr}"),
-        &format!("http://{draft_addr}"),
-        free_addr(),
-        &["--http-listen", &http_listen],
+        &target_link.url(),
+        &draft_link.url(),
+        &["--http-listen", "127.0.0.1:0"],
         None,
     );
+    let http = coordinator.http();
     // Up, not ready: /health answers, /ready and requests say what is awaited, and why.
-    while std::net::TcpStream::connect(http).is_err() {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     assert_eq!(http_request(http, "GET", "/health", "").await.0, 200);
     let (status, body) = http_request(http, "GET", "/ready", "").await;
     assert_eq!(status, 503, "{body}");
-    assert!(body.contains(&target_addr.to_string()), "{body}");
+    assert!(body.contains(&target_link.addr.to_string()), "{body}");
     let (status, body) = http_request(
         http,
         "POST",
@@ -183,35 +136,40 @@ async fn a_coordinator_started_before_its_nodes_is_not_ready_until_they_answer()
     .await;
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("not ready"), "{body}");
-    let (_, done) = stream(coordinator.url(), story(8, 4), || {}).await;
+    let (_, done) = stream(coordinator.url(), story(8, 4)).await;
     let status = done.expect_err("not ready");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     // The nodes come up: the coordinator finds them and serves.
-    let _target = start_target(&stories(), target_addr);
-    let draft = start_node("draft-node", &stories_q8(), draft_addr);
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let target = start_target(&stories());
+    let draft = start_draft();
+    target_link.point_to(target.addr);
+    draft_link.point_to(draft.addr);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while http_request(http, "GET", "/ready", "").await.0 != 200 {
-        assert!(Instant::now() < deadline, "ready once the nodes answer");
+        assert!(
+            Instant::now() < deadline,
+            "ready once the nodes answer{}",
+            coordinator.stderr_tail()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let (ids, done) = stream(coordinator.url(), story(40, 4), || {}).await;
+    let (ids, done) = stream(coordinator.url(), story(40, 4)).await;
     done.expect("generated");
     assert_eq!(ids, in_process(&stories(), None, &story(40, 0)).token_ids);
-    drop(draft);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_api_keys_only_a_request_presenting_one_gets_in() {
-    let http = free_addr();
-    let http_listen = http.to_string();
     let three = start_three(&[
         "--api-key",
         "s3cr3t-one",
         "--api-key",
         "s3cr3t-two",
         "--http-listen",
-        &http_listen,
-    ]);
+        "127.0.0.1:0",
+    ])
+    .await;
+    let http = three.coordinator.http();
     let body = r#"{"prompt": "Once upon a time", "max_tokens": 4}"#;
     let post = async |authorization: &str| {
         let header = if authorization.is_empty() {
@@ -237,7 +195,7 @@ async fn with_api_keys_only_a_request_presenting_one_gets_in() {
     assert_eq!(http_request(http, "GET", "/health", "").await.0, 200);
     assert_eq!(http_request(http, "GET", "/ready", "").await.0, 200);
     // gRPC: UNAUTHENTICATED without the key, served with it.
-    let (_, done) = stream(three.coordinator.url(), story(8, 4), || {}).await;
+    let (_, done) = stream(three.coordinator.url(), story(8, 4)).await;
     let status = done.expect_err("no key");
     assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
     assert!(!status.message().contains("s3cr3t"));
@@ -260,19 +218,16 @@ async fn with_api_keys_only_a_request_presenting_one_gets_in() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_node_back_with_another_model_is_refused_not_used() {
-    let Three {
-        target_addr,
-        target,
-        coordinator,
-        ..
-    } = start_three(&[]);
-    let replaced = std::sync::Mutex::new(None);
-    let (_, done) = stream(coordinator.url(), story(400, 4), || {
-        drop(target.lock().expect("lock").take());
-        // Another model on the same port: the log cannot be continued there.
-        *replaced.lock().expect("lock") = Some(start_target(&stories_q8(), target_addr));
+    let mut three = start_three(&[]).await;
+    let (url, gate) = (three.coordinator.url(), three.gate.gate.clone());
+    let (_, done) = with_fault(&url, story(400, 4), &gate, async || {
+        drop(three.target.take());
+        // Another model where the target was: the log cannot be continued there.
+        let replaced = start_target(&stories_q8());
+        three.gate.upstream.point_to(replaced.addr);
+        three.target = Some(replaced);
     })
     .await;
     let status = done.expect_err("refused");
@@ -282,58 +237,58 @@ async fn a_target_node_back_with_another_model_is_refused_not_used() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_generation_whose_replica_is_lost_continues_on_another() {
-    let (a_addr, b_addr) = (free_addr(), free_addr());
-    let a = std::sync::Mutex::new(Some(start_target(&stories(), a_addr)));
-    let _b = start_target(&stories(), b_addr);
-    let draft = start_node("draft-node", &stories_q8(), free_addr());
-    let (a_url, b_url) = (format!("http://{a_addr}"), format!("http://{b_addr}"));
+    let mut a = Some(start_target(&stories()));
+    let a_gate = FaultProxy::passing(a.as_ref().expect("a").addr);
+    let a_url = a_gate.clone().serve().await;
+    let b = start_target(&stories());
+    let draft = start_draft();
     // Replicas, the first listed (the least loaded's tie-break) to be lost; a long retry time:
     // the move must not wait for it.
     let coordinator = Proc::coordinator(
         &a_url,
         &draft.url(),
-        free_addr(),
-        &["--target", &b_url, "--target-retry-secs", "60"],
+        &["--target", &b.url(), "--target-retry-secs", "60"],
         None,
     );
-    let start = Instant::now();
-    let (ids, done) = stream(coordinator.url(), story(400, 4), || {
-        drop(a.lock().expect("lock").take());
-    })
+    let mut killed = None;
+    let (ids, done) = with_fault(
+        &coordinator.url(),
+        story(400, 4),
+        &a_gate.gate,
+        async || {
+            drop(a.take());
+            killed = Some(Instant::now());
+        },
+    )
     .await;
     let done = done.expect("the generation moved to the other replica");
     assert!(done.stats.expect("stats").repairs >= 1, "rebuilt once");
     assert_eq!(ids.len(), 400, "no token lost");
     assert_eq!(done.token_ids, ids, "none repeated");
     assert_eq!(ids, in_process(&stories(), None, &story(400, 0)).token_ids);
+    let moved = killed.expect("killed").elapsed();
     assert!(
-        start.elapsed() < Duration::from_secs(30),
-        "{:?}",
-        start.elapsed()
+        moved < Duration::from_secs(30),
+        "moved without waiting out the 60 s retry time: {moved:?}"
     );
     // With the first replica gone, new generations open on the other at once.
     for k in [4, 0] {
-        let (ids, done) = stream(coordinator.url(), story(40, k), || {}).await;
+        let (ids, done) = stream(coordinator.url(), story(40, k)).await;
         done.expect("served by the replica that is left");
         assert_eq!(ids, in_process(&stories(), None, &story(40, 0)).token_ids);
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draft_node_that_comes_late_is_attached_once_it_answers() {
-    let target = start_target(&stories(), free_addr());
-    let draft_addr = free_addr();
+    let target = start_target(&stories());
+    // The draft-node's stable address, with nobody behind it yet.
+    let draft_link = Link::unbound(LinkSpec::DIRECT).await.expect("link");
     // Ready with the target alone: the draft-node is not up yet.
-    let coordinator = Proc::coordinator(
-        &target.url(),
-        &format!("http://{draft_addr}"),
-        free_addr(),
-        &[],
-        None,
-    );
-    let (ids, done) = stream(coordinator.url(), story(40, 4), || {}).await;
+    let coordinator = Proc::coordinator(&target.url(), &draft_link.url(), &[], None);
+    let (ids, done) = stream(coordinator.url(), story(40, 4)).await;
     let stats = done
         .expect("served by the target alone")
         .stats
@@ -341,12 +296,13 @@ async fn a_draft_node_that_comes_late_is_attached_once_it_answers() {
     assert_eq!(stats.drafted, 0);
     let want = in_process(&stories(), None, &story(40, 0)).token_ids;
     assert_eq!(ids, want);
-    let _draft = start_node("draft-node", &stories_q8(), draft_addr);
+    let draft = start_draft();
+    draft_link.point_to(draft.addr);
     let mut client = v1::coordinator_client::CoordinatorClient::connect(coordinator.url())
         .await
         .expect("connect");
     // Asked again with backoff (250 ms doubling to 10 s).
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while !client
         .info(v1::InfoRequest {})
         .await
@@ -354,54 +310,55 @@ async fn a_draft_node_that_comes_late_is_attached_once_it_answers() {
     {
         assert!(
             Instant::now() < deadline,
-            "the draft-node is attached once it answers"
+            "the draft-node is attached once it answers{}",
+            coordinator.stderr_tail()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let (ids, done) = stream(coordinator.url(), story(40, 4), || {}).await;
+    let (ids, done) = stream(coordinator.url(), story(40, 4)).await;
     let stats = done.expect("generated").stats.expect("stats");
     assert!(stats.drafted > 0, "the draft is used: {stats:?}");
     assert_eq!(ids, want);
 }
 
-/// A target-node, two draft-node replicas (A, which a test may kill by taking it out of the
-/// mutex, and B) and a coordinator given both, A first.
+/// A target-node behind a gate, two draft-node replicas (A, which a test may kill, and B,
+/// behind a proxy that counts its steps) and a coordinator given both, A first.
 struct TwoDrafts {
     _target: Proc,
-    draft_a: std::sync::Mutex<Option<Proc>>,
+    gate: Gate,
+    draft_a: Option<Proc>,
     _draft_b: Proc,
+    b_proxy: FaultProxy,
     coordinator: Proc,
 }
 
-fn two_drafts() -> TwoDrafts {
-    let target = start_target(&stories(), free_addr());
-    let draft_a = start_node("draft-node", &stories_q8(), free_addr());
-    let draft_b = start_node("draft-node", &stories_q8(), free_addr());
-    let coordinator = Proc::coordinator(
-        &target.url(),
-        &draft_a.url(),
-        free_addr(),
-        &["--draft", &draft_b.url()],
-        None,
-    );
+async fn two_drafts() -> TwoDrafts {
+    let target = start_target(&stories());
+    let gate = FaultProxy::passing(target.addr);
+    let target_url = gate.clone().serve().await;
+    let draft_a = start_draft();
+    let draft_b = start_draft();
+    let b_proxy = FaultProxy::passing(draft_b.addr);
+    let b_url = b_proxy.clone().serve().await;
+    let coordinator = Proc::coordinator(&target_url, &draft_a.url(), &["--draft", &b_url], None);
     TwoDrafts {
         _target: target,
-        draft_a: std::sync::Mutex::new(Some(draft_a)),
+        gate: gate.gate,
+        draft_a: Some(draft_a),
         _draft_b: draft_b,
+        b_proxy,
         coordinator,
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_draft_replica_is_skipped_for_another() {
-    // Bound whole: every process lives to the end of the test.
-    let two = two_drafts();
-    let (draft_a, coordinator) = (&two.draft_a, &two.coordinator);
+    let mut two = two_drafts().await;
     let want = in_process(&stories(), None, &story(40, 0)).token_ids;
     // The first draft replica gone: generations open their draft session on the other.
-    drop(draft_a.lock().expect("lock").take());
+    drop(two.draft_a.take());
     for _ in 0..3 {
-        let (ids, done) = stream(coordinator.url(), story(40, 4), || {}).await;
+        let (ids, done) = stream(two.coordinator.url(), story(40, 4)).await;
         let stats = done.expect("generated").stats.expect("stats");
         assert!(stats.drafted > 0, "drafted on the replica left: {stats:?}");
         assert!(!stats.draft_lost, "{stats:?}");
@@ -409,18 +366,22 @@ async fn a_lost_draft_replica_is_skipped_for_another() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draft_replica_lost_mid_generation_is_replaced_by_another() {
-    // Bound whole: every process lives to the end of the test.
-    let two = two_drafts();
-    let (draft_a, coordinator) = (&two.draft_a, &two.coordinator);
-    // The generation opens its draft on A (the first, as least loaded); A dies mid-generation.
-    let (ids, done) = stream(coordinator.url(), story(400, 4), || {
-        drop(draft_a.lock().expect("lock").take());
+    let mut two = two_drafts().await;
+    let b_steps = two.b_proxy.gate.clone();
+    // The generation opens its draft on A (the first, as least loaded); A dies mid-generation,
+    // and the generation goes on (a round at a time) until B, attached in its place, drafts.
+    let url = two.coordinator.url();
+    let gate = two.gate.clone();
+    let (ids, done) = with_fault(&url, story(400, 4), &gate, async || {
+        drop(two.draft_a.take());
+        rounds_until(&gate, "B attached and drafting", || b_steps.passed() > 0).await;
     })
     .await;
     let stats = done.expect("generated").stats.expect("stats");
     assert!(stats.draft_lost, "A was lost: {stats:?}");
     assert!(stats.draft_reattached >= 1, "attached to B: {stats:?}");
+    assert!(b_steps.passed() > 0, "B drafted");
     assert_eq!(ids, in_process(&stories(), None, &story(400, 0)).token_ids);
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use tandem_proto::tls::{ClientTlsArgs, TlsIdentity};
 use tandem_proto::v1;
 use tandem_tests::pki::{Ca, Leaf, pem_body_lines};
-use tandem_tests::processes::{Proc, binary, free_addr};
+use tandem_tests::processes::{Proc, binary};
 use tandem_tests::*;
 
 /// A channel to `addr` over TLS trusting `ca`, presenting `leaf` when given.
@@ -30,17 +30,12 @@ fn tls_endpoint(addr: SocketAddr, ca: &Path, leaf: Option<&Leaf>) -> tonic::tran
 
 /// A node serving `model` over mutual TLS with `leaf`, clients signed by `ca`; its log in `log`.
 fn tls_node(name: &str, model: &Path, leaf: &Leaf, ca: &Ca, log: &Path) -> Proc {
-    let addr = free_addr();
-    let (model, listen, client_ca) = (
-        model.display().to_string(),
-        addr.to_string(),
-        ca.cert.display().to_string(),
-    );
-    let mut args = vec!["--model", &model, "--listen", &listen];
+    let (model, client_ca) = (model.display().to_string(), ca.cert.display().to_string());
+    let mut args = vec!["--model", &model, "--listen", "127.0.0.1:0"];
     let identity = leaf.args();
     args.extend(identity.iter().map(String::as_str));
     args.extend(["--tls-client-ca", &client_ca]);
-    Proc::start_logged(name, &args, addr, &[("RUST_LOG", "debug")], log)
+    Proc::start_logged(name, &args, &[("RUST_LOG", "debug")], log)
 }
 
 /// Whether gRPC health at `endpoint` answers (any status): the TLS handshake passed.
@@ -63,12 +58,11 @@ async fn mutual_tls_everywhere_gives_target_only_text_and_logs_no_key() {
     let logs = ["target.log", "draft.log", "coordinator.log"].map(|n| dir.path().join(n));
     let target = tls_node("target-node", &stories(), &leaves[0], &ca, &logs[0]);
     let draft = tls_node("draft-node", &stories_q8(), &leaves[1], &ca, &logs[1]);
-    let addr = free_addr();
     let (target_url, draft_url) = (
         format!("https://{}", target.addr),
         format!("https://{}", draft.addr),
     );
-    let (listen, ca_path) = (addr.to_string(), ca.cert.display().to_string());
+    let ca_path = ca.cert.display().to_string();
     let mut args = vec![
         "serve",
         "--target",
@@ -76,19 +70,13 @@ async fn mutual_tls_everywhere_gives_target_only_text_and_logs_no_key() {
         "--draft",
         &draft_url,
         "--listen",
-        &listen,
+        "127.0.0.1:0",
     ];
     let identity = leaves[2].args();
     args.extend(identity.iter().map(String::as_str));
     args.extend(["--tls-client-ca", &ca_path, "--tls-ca", &ca_path]);
-    let coordinator = Proc::start_logged(
-        "coordinator",
-        &args,
-        addr,
-        &[("RUST_LOG", "debug")],
-        &logs[2],
-    );
-    let endpoint = tls_endpoint(addr, &ca.cert, Some(&leaves[3]));
+    let coordinator = Proc::start_logged("coordinator", &args, &[("RUST_LOG", "debug")], &logs[2]);
+    let endpoint = tls_endpoint(coordinator.addr, &ca.cert, Some(&leaves[3]));
     coordinator.wait_ready_at(endpoint.clone());
 
     let channel = endpoint.connect().await.expect("TLS connection");
@@ -189,20 +177,20 @@ async fn a_peer_without_a_client_certificate_or_from_another_ca_is_refused() {
     assert!(err.contains("certificate"), "{err}");
 
     // The coordinator's public API, before it has reached any node, is as strict.
-    let addr = free_addr();
-    let (listen, ca_path) = (addr.to_string(), ca.cert.display().to_string());
+    let ca_path = ca.cert.display().to_string();
     let identity = node_leaf.args();
     let mut args = vec![
         "serve",
         "--target",
         "https://127.0.0.1:1",
         "--listen",
-        &listen,
+        "127.0.0.1:0",
         "--tls-client-ca",
         &ca_path,
     ];
     args.extend(identity.iter().map(String::as_str));
-    let _coordinator = Proc::start("coordinator", &args, addr);
+    let coordinator = Proc::start("coordinator", &args);
+    let addr = coordinator.addr;
     health_answers(tls_endpoint(addr, &ca.cert, Some(&client)))
         .await
         .expect("a client with a certificate from the CA");
@@ -235,13 +223,8 @@ async fn plaintext_to_a_tls_port_fails_with_an_error_that_says_so() {
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("use https://"), "{stderr}");
     // And TLS to a plaintext port.
-    let plain_addr = free_addr();
-    let (model, listen) = (stories().display().to_string(), plain_addr.to_string());
-    let _plain = Proc::start(
-        "target-node",
-        &["--model", &model, "--listen", &listen],
-        plain_addr,
-    );
+    let plain = Proc::node("target-node", &stories(), &[]);
+    let plain_addr = plain.addr;
     let out = std::process::Command::new(binary("coordinator"))
         .args(["generate", "--max-tokens", "4", "--tls-ca"])
         .arg(&ca.cert)
@@ -254,22 +237,20 @@ async fn plaintext_to_a_tls_port_fails_with_an_error_that_says_so() {
     assert!(stderr.contains("does the server serve TLS"), "{stderr}");
 
     // A coordinator given an http:// URL for a TLS node says why it is not ready.
-    let (addr, http) = (free_addr(), free_addr());
-    let (listen, http_listen) = (addr.to_string(), http.to_string());
     let target_url = format!("http://{}", target.addr);
-    let _coordinator = Proc::start(
+    let coordinator = Proc::start(
         "coordinator",
         &[
             "serve",
             "--target",
             &target_url,
             "--listen",
-            &listen,
+            "127.0.0.1:0",
             "--http-listen",
-            &http_listen,
+            "127.0.0.1:0",
         ],
-        addr,
     );
+    let http = coordinator.http();
     let mut body = String::new();
     let ok = eventually(async || {
         body = http_request(http, "GET", "/ready", "").await.1;

@@ -13,7 +13,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
-use tandem_tests::processes::{Proc, free_addr};
+use tandem_tests::processes::Proc;
 use tandem_tests::*;
 use tonic::{Request, Response, Status};
 
@@ -66,16 +66,22 @@ async fn one_request_is_one_trace_across_the_three_services() {
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
     ];
     let node = |name: &str, model: std::path::PathBuf| {
-        let addr = free_addr();
-        let (model, listen) = (model.display().to_string(), addr.to_string());
-        Proc::start_with_env(name, &["--model", &model, "--listen", &listen], addr, &env)
+        let model = model.display().to_string();
+        Proc::start_with_env(name, &["--model", &model, "--listen", "127.0.0.1:0"], &env)
     };
     let target = node("target-node", stories());
     let draft = node("draft-node", stories_q8());
-    let addr = free_addr();
-    let (listen, t, d) = (addr.to_string(), target.url(), draft.url());
-    let args = ["serve", "--target", &t, "--draft", &d, "--listen", &listen];
-    let coordinator = Proc::start_with_env("coordinator", &args, addr, &env);
+    let (t, d) = (target.url(), draft.url());
+    let args = [
+        "serve",
+        "--target",
+        &t,
+        "--draft",
+        &d,
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    let coordinator = Proc::start_with_env("coordinator", &args, &env);
     coordinator.wait_ready();
 
     let mut client = v1::coordinator_client::CoordinatorClient::connect(coordinator.url())
@@ -126,7 +132,8 @@ async fn one_request_is_one_trace_across_the_three_services() {
     ];
     // Batches arrive every 100 ms from each process: wait for the whole trace.
     let mut names = BTreeSet::new();
-    for _ in 0..150 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while std::time::Instant::now() < deadline {
         names = complete().unwrap_or_default();
         if expected.iter().all(|e| names.contains(*e)) {
             break;

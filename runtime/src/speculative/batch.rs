@@ -1,4 +1,4 @@
-//! The work of many sequences in one forward pass (continuous batching, DESIGN.md "Batching"):
+//! The work of many sequences in one forward pass (continuous batching, docs/architecture.md "Batching"):
 //! draft steps and verify blocks of different sessions run together, each sequence's rows
 //! attending over its own cache ([`Model::forward_batch`]), each job's result what it would be
 //! alone. A job that cannot run (a block past the context) fails alone, before the forward.

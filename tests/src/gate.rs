@@ -1,0 +1,126 @@
+//! A gate on a node's work messages, for tests driven by events rather than by the clock: it
+//! lets a set number of verify blocks (or draft steps) through and holds the next one until the
+//! test releases it. A fault injected while a message is held lands mid-generation however fast
+//! or slow the machine is: the generation cannot finish before the test lets it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+/// How long a test waits for a generation to reach the gate before it fails saying so.
+const REACH: Duration = Duration::from_secs(120);
+/// The verify blocks a generation gets through before [`with_fault`] holds it.
+pub const HOLD_AT: usize = 10;
+
+#[derive(Debug, Default)]
+struct Counts {
+    /// Work messages that have reached the gate.
+    arrived: usize,
+    /// Work messages let through.
+    passed: usize,
+    /// How many may pass in all; `None`: open.
+    allowed: Option<usize>,
+}
+
+/// The gate, shared by the proxy that applies it and the test that drives it. Open when made.
+#[derive(Debug, Clone, Default)]
+pub struct Gate(Arc<watch::Sender<Counts>>);
+
+impl Gate {
+    /// Lets the next `n` work messages through, then holds.
+    pub fn hold_after(&self, n: usize) {
+        self.0.send_modify(|c| c.allowed = Some(c.passed + n));
+    }
+
+    /// Lets `n` more work messages through (after [`Self::hold_after`]).
+    pub fn release(&self, n: usize) {
+        self.0
+            .send_modify(|c| c.allowed = Some(c.allowed.unwrap_or(c.passed) + n));
+    }
+
+    /// Lets everything through from now on.
+    pub fn open(&self) {
+        self.0.send_modify(|c| c.allowed = None);
+    }
+
+    /// Work messages let through so far.
+    pub fn passed(&self) -> usize {
+        self.0.borrow().passed
+    }
+
+    /// Waits until a work message is held at the gate; panics, saying so, if none arrives in
+    /// [`REACH`] (the generation ended or stalled before it).
+    pub async fn held(&self) {
+        let mut counts = self.0.subscribe();
+        let reached = counts.wait_for(|c| c.arrived > c.passed);
+        match tokio::time::timeout(REACH, reached).await {
+            Ok(Ok(_)) => {}
+            _ => panic!(
+                "no work message reached the gate within {REACH:?} ({:?})",
+                *self.0.borrow()
+            ),
+        }
+    }
+
+    /// Called by the proxy for each work message: returns once the message may pass.
+    pub async fn pass(&self) {
+        let mut counts = self.0.subscribe();
+        self.0.send_modify(|c| c.arrived += 1);
+        loop {
+            let passed = self.0.send_if_modified(|c| {
+                let open = c.allowed.is_none_or(|a| c.passed < a);
+                if open {
+                    c.passed += 1;
+                }
+                open
+            });
+            // A change made after `subscribe` (a release) wakes this; none is missed.
+            if passed || counts.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Streams `req` from the coordinator at `url` with `fault` injected mid-generation: `gate`
+/// holds the generation's verify block number [`HOLD_AT`] + 1 while `fault` runs, then opens.
+pub async fn with_fault(
+    url: &str,
+    req: tandem_proto::v1::GenerateRequest,
+    gate: &Gate,
+    fault: impl AsyncFnOnce(),
+) -> (
+    Vec<u32>,
+    Result<tandem_proto::v1::GenerateDone, tonic::Status>,
+) {
+    gate.hold_after(HOLD_AT);
+    let generation = tokio::spawn(crate::stream(url.to_string(), req));
+    gate.held().await;
+    fault().await;
+    gate.open();
+    generation.await.expect("the generation's task")
+}
+
+/// Lets the generation held at `gate` go on one verify block at a time until `done` holds.
+/// Between blocks it gives `done` a quarter of a second to come true by itself: the
+/// coordinator's background work (a re-attachment after a backoff) runs meanwhile, and is
+/// picked up at a round's start. A slow machine costs rounds, not the test.
+pub async fn rounds_until(gate: &Gate, what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let quarter = std::time::Instant::now() + Duration::from_millis(250);
+        while std::time::Instant::now() < quarter {
+            if done() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within 120 s"
+        );
+        gate.release(1);
+        gate.held().await;
+    }
+}
