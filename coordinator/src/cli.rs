@@ -37,6 +37,10 @@ pub struct FetchArgs {
     pub models: Vec<String>,
 }
 
+/// The embedded pair the first command runs: stories260K and its Q8_0 copy.
+const DEFAULT_TARGET: &str = "fixtures/stories260K";
+const DEFAULT_DRAFT: &str = "fixtures/stories260K-q8_0.gguf";
+
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// Target model: a Hugging Face folder, a .gguf file, or a Hub reference
@@ -44,19 +48,26 @@ pub struct ModelArgs {
     #[arg(
         long,
         env = "TANDEM_TARGET_MODEL",
-        default_value = "fixtures/stories260K"
+        default_value = DEFAULT_TARGET
     )]
     pub target_model: String,
     /// Draft model sharing the target's vocabulary.
     #[arg(
         long,
         env = "TANDEM_DRAFT_MODEL",
-        default_value = "fixtures/stories260K-q8_0.gguf"
+        default_value = DEFAULT_DRAFT
     )]
     pub draft_model: String,
     /// Device for both models: cpu, or cuda:N (needs the `cuda` feature).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: String,
+}
+
+impl ModelArgs {
+    /// Whether these are the embedded pair.
+    pub fn is_default(&self) -> bool {
+        self.target_model == DEFAULT_TARGET && self.draft_model == DEFAULT_DRAFT
+    }
 }
 
 #[derive(Debug, Args)]
@@ -112,9 +123,13 @@ pub struct GenerateArgs {
     /// Text that ends the generation (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Skip the target-only run that measures the speedup.
+    /// Skip the target-only runs that measure the speedup.
     #[arg(long)]
     pub no_baseline: bool,
+    /// Target-only and speculative runs of the same request, alternated, that measure the
+    /// speedup (each this many times; the median is reported, with the pairs' spread).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u16).range(1..))]
+    pub baseline_runs: u16,
     /// Keep the model's EOS/BOS from ending the generation.
     #[arg(long)]
     pub ignore_eos: bool,
