@@ -51,10 +51,6 @@ impl NodeHandle {
             .map_err(|status| {
                 let chain = crate::error_chain(&status);
                 match tandem_proto::tls::mismatch_hint(endpoint, &chain) {
-                    // The connection failed under the call (closed, reset): say where to.
-                    "" if matches!(status.code(), Code::Unavailable | Code::Cancelled) => {
-                        unavailable(chain)
-                    }
                     "" => Error::Remote { node, status },
                     hint => unavailable(chain + hint),
                 }

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -43,27 +43,46 @@ impl LinkSpec {
 
 /// A running link; serves until the runtime it was started on ends. Its upstream may be set
 /// later or changed (the stable address of a Service whose node is not up yet, or came back
-/// elsewhere): a connection that arrives while it has none is closed at once.
+/// elsewhere): until it is first set, the port is bound but not listening, so connections are
+/// refused as by a machine where nothing listens yet.
 #[derive(Debug)]
 pub struct Link {
     pub addr: SocketAddr,
+    spec: LinkSpec,
     upstream: Arc<Mutex<Option<SocketAddr>>>,
+    /// The bound socket, until [`Self::point_to`] makes it listen.
+    socket: Mutex<Option<TcpSocket>>,
 }
 
 impl Link {
     /// Starts a link on 127.0.0.1:0 in front of `upstream` (call inside a tokio runtime).
     pub async fn start(upstream: SocketAddr, spec: LinkSpec) -> std::io::Result<Self> {
-        let link = Self::unbound(spec).await?;
+        let link = Self::unbound(spec)?;
         link.point_to(upstream);
         Ok(link)
     }
 
-    /// Starts a link on 127.0.0.1:0 with no upstream yet (see [`Self::point_to`]).
-    pub async fn unbound(spec: LinkSpec) -> std::io::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let upstream = Arc::new(Mutex::new(None));
-        let to = Arc::clone(&upstream);
+    /// A link on 127.0.0.1:0 with no upstream yet: see [`Self::point_to`].
+    pub fn unbound(spec: LinkSpec) -> std::io::Result<Self> {
+        let socket = TcpSocket::new_v4()?;
+        socket.bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+        Ok(Self {
+            addr: socket.local_addr()?,
+            spec,
+            upstream: Arc::default(),
+            socket: Mutex::new(Some(socket)),
+        })
+    }
+
+    /// Sends the connections made from now on to `upstream` (the first call starts listening;
+    /// call inside a tokio runtime).
+    pub fn point_to(&self, upstream: SocketAddr) {
+        *self.upstream.lock().expect("upstream") = Some(upstream);
+        let Some(socket) = self.socket.lock().expect("socket").take() else {
+            return;
+        };
+        let listener = socket.listen(1024).expect("listen");
+        let (to, spec) = (Arc::clone(&self.upstream), self.spec);
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Some(upstream) = *to.lock().expect("upstream") else {
@@ -76,12 +95,6 @@ impl Link {
                 });
             }
         });
-        Ok(Self { addr, upstream })
-    }
-
-    /// Sends the connections made from now on to `upstream`.
-    pub fn point_to(&self, upstream: SocketAddr) {
-        *self.upstream.lock().expect("upstream") = Some(upstream);
     }
 
     pub fn url(&self) -> String {

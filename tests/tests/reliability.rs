@@ -113,8 +113,8 @@ async fn a_target_node_that_does_not_come_back_fails_the_generation_with_unavail
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_coordinator_started_before_its_nodes_is_not_ready_until_they_answer() {
     // The nodes' stable addresses (as a Service's), with nobody behind them yet.
-    let target_link = Link::unbound(LinkSpec::DIRECT).await.expect("link");
-    let draft_link = Link::unbound(LinkSpec::DIRECT).await.expect("link");
+    let target_link = Link::unbound(LinkSpec::DIRECT).expect("link");
+    let draft_link = Link::unbound(LinkSpec::DIRECT).expect("link");
     let coordinator = Proc::coordinator_starting(
         &target_link.url(),
         &draft_link.url(),
@@ -285,7 +285,7 @@ async fn a_generation_whose_replica_is_lost_continues_on_another() {
 async fn a_draft_node_that_comes_late_is_attached_once_it_answers() {
     let target = start_target(&stories());
     // The draft-node's stable address, with nobody behind it yet.
-    let draft_link = Link::unbound(LinkSpec::DIRECT).await.expect("link");
+    let draft_link = Link::unbound(LinkSpec::DIRECT).expect("link");
     // Ready with the target alone: the draft-node is not up yet.
     let coordinator = Proc::coordinator(&target.url(), &draft_link.url(), &[], None);
     let (ids, done) = stream(coordinator.url(), story(40, 4)).await;
