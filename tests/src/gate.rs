@@ -66,14 +66,17 @@ impl Gate {
     /// Called by the proxy for each work message: returns once the message may pass.
     pub async fn pass(&self) {
         let mut counts = self.0.subscribe();
-        self.0.send_modify(|c| c.arrived += 1);
+        // Arrived and passed in one change when the gate is open: a message that is let
+        // through is never seen held.
+        let mut arriving = true;
         loop {
             let passed = self.0.send_if_modified(|c| {
                 let open = c.allowed.is_none_or(|a| c.passed < a);
+                c.arrived += usize::from(arriving);
                 if open {
                     c.passed += 1;
                 }
-                open
+                std::mem::take(&mut arriving) || open
             });
             // A change made after `subscribe` (a release) wakes this; none is missed.
             if passed || counts.changed().await.is_err() {
