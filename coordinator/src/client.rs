@@ -152,8 +152,16 @@ impl Comparison {
     }
 }
 
-/// Runs `request` `runs` times target-only and `runs` times as asked, alternating, after the
-/// run the user watched (`first`, which paid for warming up and is not counted).
+/// Alternated pairs are run until at least this long has been measured (and at least the
+/// pairs asked for): a run of a tiny model lasts milliseconds, and a few such runs on a shared
+/// machine swing by ±15 %.
+const COMPARE_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+/// At most this many pairs.
+const MAX_PAIRS: usize = 100;
+
+/// Runs `request` target-only and as asked, alternating, after the run the user watched
+/// (`first`, which paid for warming up and is not counted): `runs` pairs, and more while less
+/// than [`COMPARE_FOR`] has passed (up to [`MAX_PAIRS`]).
 async fn compare(
     client: &mut CoordinatorClient<Channel>,
     request: v1::GenerateRequest,
@@ -171,10 +179,13 @@ async fn compare(
     };
     let rate = |done: &v1::GenerateDone| done.stats.as_ref().map_or(0.0, |s| s.tokens_per_second);
     let mut comparison = Comparison {
-        pairs: Vec::with_capacity(runs),
+        pairs: Vec::new(),
         identical: true,
     };
-    for _ in 0..runs {
+    let start = std::time::Instant::now();
+    while comparison.pairs.len() < runs
+        || (start.elapsed() < COMPARE_FOR && comparison.pairs.len() < MAX_PAIRS)
+    {
         let alone = run(client, target_only.clone(), |_| {}).await?;
         let drafted = run(client, speculative.clone(), |_| {}).await?;
         comparison.identical &=

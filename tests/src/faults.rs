@@ -108,13 +108,9 @@ impl FaultProxy {
 
     /// Serves the proxy on 127.0.0.1:0; returns its URL.
     pub async fn serve(self) -> String {
-        self.serve_at(std::net::Ipv4Addr::LOCALHOST.into()).await
-    }
-
-    /// Serves the proxy on a free port of `ip` (e.g. this side of a host's link, which that
-    /// host reaches); returns its URL.
-    pub async fn serve_at(self, ip: std::net::IpAddr) -> String {
-        let listener = tokio::net::TcpListener::bind((ip, 0)).await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let url = format!("http://{}", listener.local_addr().expect("addr"));
         tokio::spawn(
             tonic::transport::Server::builder()

@@ -102,7 +102,10 @@ pub async fn with_fault(
     gate.held().await;
     fault().await;
     gate.open();
-    generation.await.expect("the generation's task")
+    match tokio::time::timeout(Duration::from_secs(300), generation).await {
+        Ok(ended) => ended.expect("the generation's task"),
+        Err(_) => panic!("the generation did not end within 300 s of the fault"),
+    }
 }
 
 /// Lets the generation held at `gate` go on one verify block at a time until `done` holds.

@@ -90,12 +90,6 @@ impl Host {
         }
     }
 
-    /// This side's address on the link to the host: what the host reaches this machine at.
-    pub fn gateway(&self) -> Ipv4Addr {
-        let o = self.ip.octets();
-        Ipv4Addr::new(o[0], o[1], o[2], 1)
-    }
-
     pub fn addr(&self, port: u16) -> SocketAddr {
         SocketAddr::from((self.ip, port))
     }

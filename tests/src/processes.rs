@@ -337,6 +337,10 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         self.kill();
+        // A failing test says what its processes said.
+        if std::thread::panicking() {
+            eprintln!("{}", self.stderr_tail());
+        }
     }
 }
 

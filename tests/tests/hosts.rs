@@ -9,8 +9,6 @@ use std::time::{Duration, Instant};
 
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
-use tandem_tests::faults::FaultProxy;
-use tandem_tests::gate::with_fault;
 use tandem_tests::netns::{self, Host};
 use tandem_tests::processes::Proc;
 use tandem_tests::*;
@@ -20,6 +18,32 @@ fn story(n: u32, k: u32) -> v1::GenerateRequest {
         .encode("Once upon a time")
         .expect("encode");
     request(&prompt, n, k, &SamplingParams::greedy())
+}
+
+/// Streams `req`, calling `after_first` once the first delta arrived; the ids and the end.
+async fn stream(
+    url: String,
+    req: v1::GenerateRequest,
+    after_first: impl FnOnce(),
+) -> (Vec<u32>, v1::GenerateDone) {
+    let mut client = v1::coordinator_client::CoordinatorClient::connect(url)
+        .await
+        .expect("connect");
+    let mut stream = client.generate(req).await.expect("generate").into_inner();
+    let (mut ids, mut after_first) = (Vec::new(), Some(after_first));
+    while let Some(message) = stream.message().await.expect("the generation goes on") {
+        match message.kind {
+            Some(v1::generate_response::Kind::Delta(d)) => {
+                ids.extend(d.token_ids);
+                if let Some(f) = after_first.take() {
+                    f();
+                }
+            }
+            Some(v1::generate_response::Kind::Done(done)) => return (ids, done),
+            None => {}
+        }
+    }
+    panic!("the stream ended without its last message")
 }
 
 fn node_on(host: &Host, name: &str, model: &std::path::Path) -> Proc {
@@ -43,7 +67,7 @@ fn hosts_available() -> bool {
     true
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn cut_and_healed_links_between_hosts_keep_the_output_exact() {
     if !hosts_available() {
         return;
@@ -52,54 +76,16 @@ async fn cut_and_healed_links_between_hosts_keep_the_output_exact() {
     let _target = node_on(&target_host, "target-node", &stories());
     let _draft = node_on(&draft_host, "draft-node", &stories_q8());
     draft_host.shape("2mbit");
-    // The draft-node is reached through a gate here, which holds one of the generation's draft
-    // steps while a link is cut: every cut lands mid-generation.
-    let draft_gate = FaultProxy::passing(draft_host.addr(50051));
-    let draft_url = draft_gate.clone().serve().await;
-    let gate = draft_gate.gate;
     let coordinator = Proc::coordinator(
         &format!("http://{}", target_host.addr(50051)),
-        &draft_url,
+        &format!("http://{}", draft_host.addr(50051)),
         &["--target-retry-secs", "60"],
         None,
     );
-    let url = coordinator.url();
     let want = in_process(&stories(), None, &story(400, 0)).token_ids;
 
-    // The target's link cut for a second, then healed: TCP delivers what was held back.
-    let mut healed = None;
-    let (ids, done) = with_fault(&url, story(400, 4), &gate, async || {
-        target_host.cut();
-        healed = Some(target_host.heal_after(Duration::from_secs(1)));
-    })
-    .await;
-    done.expect("target link cut for 1 s");
-    assert_eq!(ids, want, "target link cut for 1 s");
-    healed.take().expect("healing").join().expect("healed");
-
-    // Cut for longer than keepalive allows (5 s ping + 5 s to answer): the connection is
-    // declared dead, the session lost; once healed, it is rebuilt from the log.
-    let mut cut = None;
-    let (ids, done) = with_fault(&url, story(400, 4), &gate, async || {
-        target_host.cut();
-        cut = Some(Instant::now());
-        healed = Some(target_host.heal_after(Duration::from_secs(14)));
-    })
-    .await;
-    let done = done.expect("target link cut for 14 s");
-    assert_eq!(ids, want, "target link cut for 14 s");
-    let stats = done.stats.expect("stats");
-    assert!(stats.repairs >= 1, "the session was rebuilt: {stats:?}");
-    let back = cut.expect("cut").elapsed();
-    assert!(
-        back < Duration::from_secs(40),
-        "back soon after the link: {back:?}"
-    );
-    healed.take().expect("healing").join().expect("healed");
-
     // The draft's link cut: its step is abandoned at its deadline, the target goes on alone.
-    let (ids, done) = with_fault(&url, story(400, 4), &gate, async || draft_host.cut()).await;
-    let done = done.expect("draft link cut");
+    let (ids, done) = stream(coordinator.url(), story(400, 4), || draft_host.cut()).await;
     assert_eq!(ids, want, "draft link cut");
     assert_eq!(done.token_ids, want);
     let stats = done.stats.expect("stats");
@@ -108,9 +94,41 @@ async fn cut_and_healed_links_between_hosts_keep_the_output_exact() {
         "the silent draft was noticed: {stats:?}"
     );
     draft_host.heal();
+
+    // The target's link cut for a second, then healed: TCP delivers what was held back.
+    let healed = std::sync::Mutex::new(None);
+    let (ids, _) = stream(coordinator.url(), story(400, 4), || {
+        target_host.cut();
+        *healed.lock().expect("lock") = Some(target_host.heal_after(Duration::from_secs(1)));
+    })
+    .await;
+    assert_eq!(ids, want, "target link cut for 1 s");
+    if let Some(h) = healed.lock().expect("lock").take() {
+        h.join().expect("healed");
+    }
+
+    // Cut for longer than keepalive allows (5 s ping + 5 s to answer): the connection is
+    // declared dead, the session lost; once healed, it is rebuilt from the log.
+    let start = Instant::now();
+    let (ids, done) = stream(coordinator.url(), story(400, 4), || {
+        target_host.cut();
+        *healed.lock().expect("lock") = Some(target_host.heal_after(Duration::from_secs(14)));
+    })
+    .await;
+    assert_eq!(ids, want, "target link cut for 14 s");
+    let stats = done.stats.expect("stats");
+    assert!(stats.repairs >= 1, "the session was rebuilt: {stats:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(40),
+        "back soon after the link: {:?}",
+        start.elapsed()
+    );
+    if let Some(h) = healed.lock().expect("lock").take() {
+        h.join().expect("healed");
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn a_host_name_with_two_addresses_is_two_replicas() {
     if !hosts_available() {
         return;
@@ -120,14 +138,9 @@ async fn a_host_name_with_two_addresses_is_two_replicas() {
     let second = host.add_address();
     host.set_hosts("targets", &[host.ip, second]);
     let (a_addr, b_addr) = (host.addr(50051), SocketAddr::from((second, 50051)));
-    let mut a = Some(node_at(&host, "target-node", &stories(), a_addr));
+    let a = std::sync::Mutex::new(Some(node_at(&host, "target-node", &stories(), a_addr)));
     let _b = node_at(&host, "target-node", &stories(), b_addr);
-    // A draft-node here, behind a gate the host reaches: it holds a draft step of the
-    // generation while replica A is killed.
-    let draft = Proc::node("draft-node", &stories_q8(), &[]);
-    let draft_gate = FaultProxy::passing(draft.addr);
-    let draft_url = draft_gate.clone().serve_at(host.gateway().into()).await;
-    let listen = host.addr(50050).to_string();
+    let listen = host.addr(50050);
     let coordinator = Proc::start_on(
         &host,
         "coordinator",
@@ -135,25 +148,17 @@ async fn a_host_name_with_two_addresses_is_two_replicas() {
             "serve",
             "--target",
             "http://targets:50051",
-            "--draft",
-            &draft_url,
             "--listen",
-            &listen,
+            &listen.to_string(),
         ],
     );
     coordinator.wait_ready();
     let want = in_process(&stories(), None, &story(400, 0)).token_ids;
     // The first address is the first replica: killed mid-generation, the other goes on.
-    let (ids, done) = with_fault(
-        &coordinator.url(),
-        story(400, 4),
-        &draft_gate.gate,
-        async || {
-            drop(a.take());
-        },
-    )
+    let (ids, done) = stream(coordinator.url(), story(400, 0), || {
+        drop(a.lock().expect("lock").take());
+    })
     .await;
-    let done = done.expect("the generation goes on");
     assert_eq!(ids, want);
     let stats = done.stats.expect("stats");
     assert!(stats.repairs >= 1, "moved to the other address: {stats:?}");
