@@ -49,11 +49,11 @@ impl Gate {
         self.0.borrow().passed
     }
 
-    /// Waits until a work message is held at the gate; panics, saying so, if none arrives in
-    /// [`REACH`] (the generation ended or stalled before it).
+    /// Waits until the gate holds: all it allows have passed and a work message waits; panics,
+    /// saying so, if that does not happen in [`REACH`] (the generation ended or stalled before).
     pub async fn held(&self) {
         let mut counts = self.0.subscribe();
-        let reached = counts.wait_for(|c| c.arrived > c.passed);
+        let reached = counts.wait_for(|c| c.allowed == Some(c.passed) && c.arrived > c.passed);
         match tokio::time::timeout(REACH, reached).await {
             Ok(Ok(_)) => {}
             _ => panic!(
