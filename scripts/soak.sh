@@ -44,7 +44,7 @@ if $load; then
   echo "load: ${#loaders[@]} busy processes (one per core)"
 fi
 
-declare -A failed
+declare -A failed=()
 passed_runs=0
 for run in $(seq "$runs"); do
   log="$dir/run-$run.log"
