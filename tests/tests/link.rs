@@ -55,9 +55,11 @@ async fn the_link_adds_its_round_trip_and_caps_its_bandwidth() {
     )
     .await
     .expect("link");
+    // The delay is a floor the link guarantees; the ceiling only says it is not much more (a
+    // loaded machine may add scheduling delay, not seconds).
     let t = round_trip(&rtt, 10).await;
     assert!(
-        t >= Duration::from_millis(40) && t < Duration::from_millis(400),
+        t >= Duration::from_millis(40) && t < Duration::from_secs(4),
         "{t:?}"
     );
 

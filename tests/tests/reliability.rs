@@ -244,22 +244,20 @@ async fn a_generation_whose_replica_is_lost_continues_on_another() {
     let a_url = a_gate.clone().serve().await;
     let b = start_target(&stories());
     let draft = start_draft();
-    // Replicas, the first listed (the least loaded's tie-break) to be lost; a long retry time:
-    // the move must not wait for it.
+    // Replicas, the first listed (the least loaded's tie-break) to be lost; a retry time of an
+    // hour: a move that waited for it would run into `with_fault`'s deadline.
     let coordinator = Proc::coordinator(
         &a_url,
         &draft.url(),
-        &["--target", &b.url(), "--target-retry-secs", "60"],
+        &["--target", &b.url(), "--target-retry-secs", "3600"],
         None,
     );
-    let mut killed = None;
     let (ids, done) = with_fault(
         &coordinator.url(),
         story(400, 4),
         &a_gate.gate,
         async || {
             drop(a.take());
-            killed = Some(Instant::now());
         },
     )
     .await;
@@ -268,11 +266,6 @@ async fn a_generation_whose_replica_is_lost_continues_on_another() {
     assert_eq!(ids.len(), 400, "no token lost");
     assert_eq!(done.token_ids, ids, "none repeated");
     assert_eq!(ids, in_process(&stories(), None, &story(400, 0)).token_ids);
-    let moved = killed.expect("killed").elapsed();
-    assert!(
-        moved < Duration::from_secs(30),
-        "moved without waiting out the 60 s retry time: {moved:?}"
-    );
     // With the first replica gone, new generations open on the other at once.
     for k in [4, 0] {
         let (ids, done) = stream(coordinator.url(), story(40, k)).await;
