@@ -229,15 +229,18 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, comparison: Option<&Comp
                 "bytes_sent": st.bytes_sent,
                 "bytes_received": st.bytes_received,
             },
-            "comparison": comparison.map(|c| json!({
-                "runs": c.pairs.len(),
-                "target_only_tokens_per_second": c.target_only(),
-                "speculative_tokens_per_second": c.speculative(),
-                "speedup": c.speedup(),
-                "speedup_min": c.spread().0,
-                "speedup_max": c.spread().1,
-                "identical_output": c.identical,
-            })),
+            "comparison": comparison.map(|c| {
+                let (min, max) = c.spread();
+                json!({
+                    "runs": c.pairs.len(),
+                    "target_only_tokens_per_second": c.target_only(),
+                    "speculative_tokens_per_second": c.speculative(),
+                    "speedup": c.speedup(),
+                    "speedup_min": min,
+                    "speedup_max": max,
+                    "identical_output": c.identical,
+                })
+            }),
         });
         emit(&format!("{out}\n"));
         return;

@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -173,10 +172,9 @@ impl Proc {
         };
         let deadline = Instant::now() + START;
         let line = loop {
-            match rx.recv_timeout(Duration::from_millis(50)) {
-                Ok(line) => break line,
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {}
+            // Disconnected: stdout closed, the child is exiting (seen below).
+            if let Ok(line) = rx.recv_timeout(Duration::from_millis(50)) {
+                break line;
             }
             if let Ok(Some(status)) = proc.child.try_wait() {
                 panic!(

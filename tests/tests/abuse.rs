@@ -4,7 +4,6 @@
 //! is paused (SIGSTOP) to hold generations in flight.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
 
 use tandem_proto::v1;
 use tandem_tests::processes::Proc;
@@ -32,15 +31,14 @@ async fn complete(http: SocketAddr, key: &str) -> (u16, String, String) {
 /// Waits until the coordinator whose metrics are at `metrics` has `n` generations in flight.
 async fn in_flight(metrics: SocketAddr, n: usize) {
     let line = format!("tandem_active_generations {n}");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !http_request(metrics, "GET", "/metrics", "")
-        .await
-        .1
-        .contains(&line)
-    {
-        assert!(Instant::now() < deadline, "{n} generations in flight");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert!(
+        eventually(async || http_request(metrics, "GET", "/metrics", "")
+            .await
+            .1
+            .contains(&line))
+        .await,
+        "{n} generations in flight"
+    );
 }
 
 #[tokio::test]
