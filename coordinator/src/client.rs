@@ -143,6 +143,19 @@ impl Comparison {
         (min, max)
     }
 
+    /// A 95 % confidence interval of the median speedup, from the order statistics of the
+    /// pairs' speedups (no assumption on how the machine's noise is distributed); `None` with
+    /// too few pairs for one.
+    fn interval(&self) -> Option<(f64, f64)> {
+        let mut s = self.speedups();
+        s.sort_by(f64::total_cmp);
+        let n = s.len() as f64;
+        let half = 1.96 * n.sqrt() / 2.0;
+        let lo = (n / 2.0 - half).floor();
+        let hi = (n / 2.0 + half).ceil();
+        (lo >= 0.0 && hi < n).then(|| (s[lo as usize], s[hi as usize]))
+    }
+
     fn target_only(&self) -> f64 {
         Self::median(self.pairs.iter().map(|p| p.0).collect())
     }
@@ -152,16 +165,20 @@ impl Comparison {
     }
 }
 
-/// Alternated pairs are run until at least this long has been measured (and at least the
-/// pairs asked for): a run of a tiny model lasts milliseconds, and a few such runs on a shared
-/// machine swing by ±15 %.
-const COMPARE_FOR: std::time::Duration = std::time::Duration::from_secs(2);
-/// At most this many pairs.
-const MAX_PAIRS: usize = 100;
+/// The speedup is measured until its 95 % confidence interval is at most this wide on each
+/// side (a run of a tiny model lasts milliseconds, and on a shared machine one run in four is
+/// slowed by a quarter or more: a dozen pairs put the median anywhere from 0.95 to 1.05)...
+const PRECISION: f64 = 0.02;
+/// ...but for no less than this (a few pairs that happen to agree are not a measurement)...
+const COMPARE_MIN: std::time::Duration = std::time::Duration::from_secs(1);
+/// ...and no more than this, or this many pairs (a real pair's runs last seconds: there the
+/// pairs asked for are all that is run).
+const COMPARE_MAX: std::time::Duration = std::time::Duration::from_secs(10);
+const MAX_PAIRS: usize = 400;
 
-/// Runs `request` target-only and as asked, alternating, after the run the user watched
-/// (`first`, which paid for warming up and is not counted): `runs` pairs, and more while less
-/// than [`COMPARE_FOR`] has passed (up to [`MAX_PAIRS`]).
+/// Runs `request` target-only and as asked, alternating which goes first, after the run the
+/// user watched (`first`, which paid for warming up and is not counted): `runs` pairs, and more
+/// while the speedup is not known to [`PRECISION`] (within [`COMPARE_MIN`]..[`COMPARE_MAX`]).
 async fn compare(
     client: &mut CoordinatorClient<Channel>,
     request: v1::GenerateRequest,
@@ -183,11 +200,26 @@ async fn compare(
         identical: true,
     };
     let start = std::time::Instant::now();
-    while comparison.pairs.len() < runs
-        || (start.elapsed() < COMPARE_FOR && comparison.pairs.len() < MAX_PAIRS)
-    {
-        let alone = run(client, target_only.clone(), |_| {}).await?;
-        let drafted = run(client, speculative.clone(), |_| {}).await?;
+    loop {
+        let elapsed = start.elapsed();
+        let n = comparison.pairs.len();
+        let known = comparison
+            .interval()
+            .is_some_and(|(lo, hi)| hi - lo <= 2.0 * PRECISION * comparison.speedup());
+        if n >= runs
+            && (elapsed >= COMPARE_MAX || n >= MAX_PAIRS || (known && elapsed >= COMPARE_MIN))
+        {
+            break;
+        }
+        // Whichever runs second may find the machine warmer or busier: each goes first in
+        // every other pair.
+        let (alone, drafted) = if n.is_multiple_of(2) {
+            let alone = run(client, target_only.clone(), |_| {}).await?;
+            (alone, run(client, speculative.clone(), |_| {}).await?)
+        } else {
+            let drafted = run(client, speculative.clone(), |_| {}).await?;
+            (run(client, target_only.clone(), |_| {}).await?, drafted)
+        };
         comparison.identical &=
             alone.token_ids == first.token_ids && drafted.token_ids == first.token_ids;
         comparison.pairs.push((rate(&alone), rate(&drafted)));
@@ -231,6 +263,7 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, comparison: Option<&Comp
             },
             "comparison": comparison.map(|c| {
                 let (min, max) = c.spread();
+                let interval = c.interval();
                 json!({
                     "runs": c.pairs.len(),
                     "target_only_tokens_per_second": c.target_only(),
@@ -238,6 +271,7 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, comparison: Option<&Comp
                     "speedup": c.speedup(),
                     "speedup_min": min,
                     "speedup_max": max,
+                    "speedup_ci95": interval.map(|(lo, hi)| [lo, hi]),
                     "identical_output": c.identical,
                 })
             }),
@@ -272,9 +306,12 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, comparison: Option<&Comp
     );
     if let Some(c) = comparison {
         let (min, max) = c.spread();
+        let interval = c.interval().map_or(String::new(), |(lo, hi)| {
+            format!("95% CI {lo:.2}-{hi:.2}x, ")
+        });
         eprintln!(
             "target-only {:.0} tokens/s, speculative {:.0} tokens/s (medians of {} runs each, \
-             alternated): speedup {:.2}x (pairs {min:.2}-{max:.2}x){}",
+             alternated): speedup {:.2}x ({interval}pairs {min:.2}-{max:.2}x){}",
             c.target_only(),
             c.speculative(),
             c.pairs.len(),
@@ -292,9 +329,10 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, comparison: Option<&Comp
 }
 
 /// Why the default pair cannot go faster, and where the pairs that do are measured.
-const TINY_PAIR: &str = "stories260K decodes a token in ~0.2 ms, about what one draft round's \
-    fixed costs (a gRPC round trip, the draft's own forward) take, so K = auto decodes it with \
-    the target alone; pairs where drafting pays (1.4-3.8x) are in docs/benchmarks.md";
+const TINY_PAIR: &str = "stories260K decodes a token in ~0.2 ms: a draft round's fixed costs (a \
+    gRPC round trip, the draft's own forward) take as long, and verifying n positions costs about \
+    n single steps on a model this small, so K = auto decodes it with the target alone; pairs \
+    where drafting pays (1.4-3.8x) are in docs/benchmarks.md";
 
 #[cfg(test)]
 mod tests {
@@ -316,5 +354,28 @@ mod tests {
             identical: true,
         };
         assert_eq!(odd.speedup(), 1.0);
+    }
+
+    #[test]
+    fn the_interval_of_the_median_narrows_with_pairs_and_needs_enough_of_them() {
+        let pairs = |ratios: &[f64]| Comparison {
+            pairs: ratios.iter().map(|r| (100.0, 100.0 * r)).collect(),
+            identical: true,
+        };
+        // Too few pairs for a 95 % interval from order statistics.
+        assert_eq!(pairs(&[1.0, 1.1, 0.9]).interval(), None);
+        // 1.96 · √n / 2 ranks either side of the middle.
+        let twenty: Vec<f64> = (0..20).map(|i| 0.9 + 0.01 * f64::from(i)).collect();
+        let (lo, hi) = pairs(&twenty).interval().expect("20 pairs");
+        assert!(
+            (lo - 0.95).abs() < 1e-9 && (hi - 1.05).abs() < 1e-9,
+            "{lo} {hi}"
+        );
+        let hundred: Vec<f64> = (0..100).map(|i| 0.9 + 0.002 * f64::from(i)).collect();
+        let (lo, hi) = pairs(&hundred).interval().expect("100 pairs");
+        assert!(
+            (lo - 0.98).abs() < 1e-9 && (hi - 1.02).abs() < 1e-9,
+            "{lo} {hi}"
+        );
     }
 }

@@ -41,8 +41,13 @@ pub const MAX_REFUSED_BLOCKS: u32 = 3;
 /// Default generation length when a request names none.
 pub const DEFAULT_MAX_TOKENS: usize = 256;
 
-/// One adaptive generation in this many opens a draft that could not pay, to time it again.
+/// One adaptive generation in this many opens a draft that could not pay, to time it again (a
+/// link that got faster)...
 const RETIME_EVERY: usize = 8;
+/// ...or in this many where the draft runs on the target's cores: no link there, the costs are
+/// the machine's, and each retime's session and background steps slowed the target (on the
+/// embedded pair, one generation in 8 cost the median a per cent).
+const RETIME_EVERY_SHARING_CORES: usize = 64;
 
 /// The coordinator's view of one target and an optional draft.
 #[derive(Debug)]
@@ -56,7 +61,9 @@ pub struct Engine {
     pub default_draft_tokens: Option<usize>,
     pub metrics: CoordinatorMetrics,
     /// Whether the draft-node runs on the target's cores (the all-in-one mode): background draft
-    /// steps are then spaced out ([`crate::shadow`]).
+    /// steps are then spaced out ([`crate::shadow`]), a hopeless draft is retimed more rarely,
+    /// and K = auto does not count on drafting ahead during the verify (two models that each
+    /// use every core gain nothing by running at once).
     pub draft_shares_cores: bool,
     /// Adaptive K speculates only while at most this many generations run here: beyond, the
     /// target's batch of plain steps is already compute-bound and drafts cost it more than they
@@ -266,11 +273,12 @@ impl Engine {
                 )
             },
         );
-        policy.set_pipelining(job.pipeline);
+        policy.set_pipelining(job.pipeline && !(job.adaptive && self.draft_shares_cores));
         // A draft that could not pay at the last session's costs even if always right is left
-        // out of adaptive generations but one in [`RETIME_EVERY`], which opens it and times it
-        // again (a link that got faster): its session, its background steps and their gRPC
-        // work on the coordinator's core cost a fast target a few per cent for nothing.
+        // out of adaptive generations but one in [`RETIME_EVERY`] (or
+        // [`RETIME_EVERY_SHARING_CORES`]), which opens it and times it again: its session, its
+        // background steps and their gRPC work on the coordinator's core cost a fast target a
+        // few per cent for nothing.
         let retime = job.adaptive && !policy.model_could_pay();
         let use_draft = self.draft.get().filter(|_| {
             job.draft_tokens > 0
@@ -280,7 +288,11 @@ impl Engine {
                     || self
                         .hopeless
                         .fetch_add(1, Ordering::Relaxed)
-                        .is_multiple_of(RETIME_EVERY))
+                        .is_multiple_of(if self.draft_shares_cores {
+                            RETIME_EVERY_SHARING_CORES
+                        } else {
+                            RETIME_EVERY
+                        }))
         });
         // Each session on the least loaded replica of its node, counted there until the end.
         let (target, draft) = tokio::join!(

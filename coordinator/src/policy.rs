@@ -46,6 +46,8 @@ const PRIOR_VERIFY_SLOPE: f64 = 0.25;
 const RECENT_ROUNDS: u32 = 8;
 /// Share of the time spent without the draft that its probes may lose.
 const PROBE_BUDGET: f64 = 0.02;
+/// How far above its moving average one time sample counts ([`Ewma`]).
+const SPIKE: f64 = 2.0;
 /// Bounds on one round's measured-over-predicted time, as it enters the calibration (one round
 /// may be an outlier: a page fault, a scheduler hiccup).
 const CALIBRATION_SAMPLE: (f64, f64) = (0.25, 4.0);
@@ -80,15 +82,19 @@ impl Plan {
     };
 }
 
-/// A moving average that starts at its first sample.
+/// A moving average of a time that starts at its first sample. A sample above [`SPIKE`] times
+/// the average enters as that bound: a time's noise is one-sided (a preemption, a page fault, a
+/// packet queued adds, nothing subtracts), and on a 0.2 ms step one 4 ms hiccup unbounded moved
+/// the average 3×, enough for a draft that cannot pay to look as if it did for a whole session.
+/// A lasting slowdown still shows: each round raises the average by up to `LEARN · (SPIKE − 1)`.
 #[derive(Debug, Clone, Copy, Default)]
 struct Ewma(Option<f64>);
 
 impl Ewma {
     fn add(&mut self, x: f64) {
         self.0 = Some(match self.0 {
-            Some(v) => v + LEARN * (x - v),
-            None => x,
+            Some(v) if v > 0.0 => v + LEARN * (x.min(SPIKE * v) - v),
+            _ => x,
         });
     }
 }
