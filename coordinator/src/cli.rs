@@ -184,6 +184,11 @@ pub struct ServeArgs {
     /// with UNAVAILABLE.
     #[arg(long, env = "TANDEM_TARGET_RETRY_SECS", default_value_t = 30)]
     pub target_retry_secs: u64,
+    /// A draft step is abandoned (its round decoded by the target alone, the draft-node
+    /// re-attached) after 8 times its expected time plus this many milliseconds: raise it for a
+    /// link whose delay jitters by more.
+    #[arg(long, env = "TANDEM_DRAFT_STEP_SLACK_MS", default_value_t = 500)]
+    pub draft_step_slack_ms: u64,
     /// A key clients must present (`Authorization: Bearer KEY`; gRPC: `authorization`
     /// metadata) on the public APIs; repeatable. Unset: the APIs are open. Health, readiness and
     /// metrics stay open.

@@ -93,10 +93,11 @@ impl Proposal {
 /// First and largest wait before attaching a lost draft-node again.
 const REATTACH_FIRST: Duration = Duration::from_millis(50);
 const REATTACH_MAX: Duration = Duration::from_secs(10);
-/// A draft step is abandoned after this multiple of its expected time (plus [`DEADLINE_SLACK`]).
-/// (Generous: an abandoned step costs a re-attachment, a replay of the log on the draft-node.)
+/// A draft step is abandoned after this multiple of its expected time, plus a slack (the
+/// coordinator's `--draft-step-slack-ms`, [`DEFAULT_STEP_SLACK`] unless set). (Generous: an
+/// abandoned step costs a re-attachment, a replay of the log on the draft-node.)
 const DEADLINE_FACTOR: f64 = 8.0;
-const DEADLINE_SLACK: Duration = Duration::from_millis(500);
+pub const DEFAULT_STEP_SLACK: Duration = Duration::from_millis(500);
 /// Deadline of a draft step before any has been timed (the first steps warm the node up).
 const FIRST_DEADLINE: Duration = Duration::from_secs(10);
 
@@ -114,6 +115,8 @@ pub struct ModelDrafter {
     backoff: Duration,
     /// Sessions attached again after a loss.
     pub reattached: u32,
+    /// Added to a timed step's deadline.
+    slack: Duration,
 }
 
 /// What a background task does with the session.
@@ -169,12 +172,15 @@ fn background_deadline(tokens: usize) -> Duration {
 
 impl ModelDrafter {
     /// The draft side over `channels` (its replica first; at least one).
+    /// `slack`: added to a timed step's deadline ([`DEFAULT_STEP_SLACK`]).
     pub fn new(
         channels: Vec<Channel>,
         spec: SessionSpec,
         session: Option<NodeSession<Draft>>,
+        slack: Duration,
     ) -> Self {
         Self {
+            slack,
             channels,
             attempts: 0,
             spec,
@@ -328,7 +334,7 @@ impl ModelDrafter {
     }
 
     /// Asks the attached draft-node for `k` drafts within a deadline `expected` seconds long
-    /// times [`DEADLINE_FACTOR`] (a first step gets [`FIRST_DEADLINE`]). On failure or timeout
+    /// times [`DEADLINE_FACTOR`], plus the slack (a first step gets [`FIRST_DEADLINE`]). On failure or timeout
     /// the session is dropped and re-attachment starts; the error says which.
     pub async fn step(
         &mut self,
@@ -355,7 +361,7 @@ impl ModelDrafter {
             }));
         };
         let deadline = expected.map_or(FIRST_DEADLINE, |secs| {
-            Duration::from_secs_f64(secs * DEADLINE_FACTOR) + DEADLINE_SLACK
+            Duration::from_secs_f64(secs * DEADLINE_FACTOR) + self.slack
         });
         let start = Instant::now();
         let call = session.call(log, |committed, new_tokens| {

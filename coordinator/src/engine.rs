@@ -72,6 +72,9 @@ pub struct Engine {
     pub max_speculating: Option<usize>,
     /// How long a lost target is waited for (its session replayed) before a generation fails.
     pub target_retry: Duration,
+    /// Added to a draft step's deadline (8 times its expected time): a step later than that is
+    /// abandoned, its round decoded by the target alone.
+    pub draft_step_slack: Duration,
     /// What the last session learnt of the nodes' costs and the draft's acceptance.
     learnt: std::sync::Mutex<Option<KPolicy>>,
     /// Adaptive generations that started with a draft that could not pay.
@@ -131,6 +134,7 @@ impl Engine {
             // (docs/benchmarks/concurrency.md, unpinned and pinned).
             max_speculating: (cpu_target && shares_cores).then_some(1),
             target_retry: Duration::from_secs(30),
+            draft_step_slack: crate::drafters::DEFAULT_STEP_SLACK,
             learnt: std::sync::Mutex::new(None),
             hopeless: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
@@ -317,6 +321,7 @@ impl Engine {
                     d.fallbacks(&opened.handle),
                     spec.clone(),
                     None,
+                    self.draft_step_slack,
                 )),
                 Some((opened.session, secs)),
             ),

@@ -76,6 +76,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     );
     let max_speculating = args.max_speculating_sessions;
     let target_retry = std::time::Duration::from_secs(args.target_retry_secs);
+    let draft_step_slack = std::time::Duration::from_millis(args.draft_step_slack_ms);
     tokio::spawn(async move {
         connect_until_ready(&connecting, || async {
             let mut engine = Engine::connect(&targets, &drafts, k, &node_tls).await?;
@@ -83,6 +84,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 engine.max_speculating = (n > 0).then_some(n);
             }
             engine.target_retry = target_retry;
+            engine.draft_step_slack = draft_step_slack;
             tracing::info!(
                 target_nodes = %targets.join(", "),
                 target_model = %engine.target().info.model_name,

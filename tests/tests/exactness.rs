@@ -210,7 +210,7 @@ async fn lying_drafts_change_nothing_low_acceptance_pair() {
 async fn sampled_generation_with_repairs_equals_the_one_without() {
     let (target, draft) = (stories(), stories_q8());
     let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
-    let direct = cluster.engine(4).await.expect("engine");
+    let direct = patient_engine(&cluster, 4).await;
     let proxy = corrupting_proxy(cluster.draft_addr.expect("draft"))
         .serve()
         .await;
@@ -236,7 +236,7 @@ async fn sampled_generation_with_repairs_equals_the_one_without() {
 #[tokio::test]
 async fn unseeded_requests_differ_and_their_reported_seed_reproduces_them() {
     let cluster = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
-    let engine = cluster.engine(4).await.expect("engine");
+    let engine = patient_engine(&cluster, 4).await;
     let mut req = request(&[1, 403, 407], 40, 4, &sampled(0));
     if let Some(s) = req.sampling.as_mut() {
         s.seed = None;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
+use tandem_tests::held::Held;
 use tandem_tests::netns::{self, Host};
 use tandem_tests::processes::Proc;
 use tandem_tests::*;
@@ -18,32 +19,6 @@ fn story(n: u32, k: u32) -> v1::GenerateRequest {
         .encode("Once upon a time")
         .expect("encode");
     request(&prompt, n, k, &SamplingParams::greedy())
-}
-
-/// Streams `req`, calling `after_first` once the first delta arrived; the ids and the end.
-async fn stream(
-    url: String,
-    req: v1::GenerateRequest,
-    after_first: impl FnOnce(),
-) -> (Vec<u32>, v1::GenerateDone) {
-    let mut client = v1::coordinator_client::CoordinatorClient::connect(url)
-        .await
-        .expect("connect");
-    let mut stream = client.generate(req).await.expect("generate").into_inner();
-    let (mut ids, mut after_first) = (Vec::new(), Some(after_first));
-    while let Some(message) = stream.message().await.expect("the generation goes on") {
-        match message.kind {
-            Some(v1::generate_response::Kind::Delta(d)) => {
-                ids.extend(d.token_ids);
-                if let Some(f) = after_first.take() {
-                    f();
-                }
-            }
-            Some(v1::generate_response::Kind::Done(done)) => return (ids, done),
-            None => {}
-        }
-    }
-    panic!("the stream ended without its last message")
 }
 
 fn node_on(host: &Host, name: &str, model: &std::path::Path) -> Proc {
@@ -84,8 +59,12 @@ async fn cut_and_healed_links_between_hosts_keep_the_output_exact() {
     );
     let want = in_process(&stories(), None, &story(400, 0)).token_ids;
 
-    // The draft's link cut: its step is abandoned at its deadline, the target goes on alone.
-    let (ids, done) = stream(coordinator.url(), story(400, 4), || draft_host.cut()).await;
+    // The draft's link cut mid-generation (the client holds it after its first delta): its
+    // step is abandoned at its deadline, the target goes on alone.
+    let held = Held::start(coordinator.url(), story(400, 4)).await;
+    draft_host.cut();
+    let (ids, done) = held.finish().await;
+    let done = done.expect("the generation ends");
     assert_eq!(ids, want, "draft link cut");
     assert_eq!(done.token_ids, want);
     let stats = done.stats.expect("stats");
@@ -96,36 +75,30 @@ async fn cut_and_healed_links_between_hosts_keep_the_output_exact() {
     draft_host.heal();
 
     // The target's link cut for a second, then healed: TCP delivers what was held back.
-    let healed = std::sync::Mutex::new(None);
-    let (ids, _) = stream(coordinator.url(), story(400, 4), || {
-        target_host.cut();
-        *healed.lock().expect("lock") = Some(target_host.heal_after(Duration::from_secs(1)));
-    })
-    .await;
+    let held = Held::start(coordinator.url(), story(400, 4)).await;
+    target_host.cut();
+    let healed = target_host.heal_after(Duration::from_secs(1));
+    let (ids, done) = held.finish().await;
+    done.expect("the generation ends");
     assert_eq!(ids, want, "target link cut for 1 s");
-    if let Some(h) = healed.lock().expect("lock").take() {
-        h.join().expect("healed");
-    }
+    healed.join().expect("healed");
 
     // Cut for longer than keepalive allows (5 s ping + 5 s to answer): the connection is
     // declared dead, the session lost; once healed, it is rebuilt from the log.
+    let held = Held::start(coordinator.url(), story(400, 4)).await;
     let start = Instant::now();
-    let (ids, done) = stream(coordinator.url(), story(400, 4), || {
-        target_host.cut();
-        *healed.lock().expect("lock") = Some(target_host.heal_after(Duration::from_secs(14)));
-    })
-    .await;
+    target_host.cut();
+    let healed = target_host.heal_after(Duration::from_secs(14));
+    let (ids, done) = held.finish().await;
     assert_eq!(ids, want, "target link cut for 14 s");
-    let stats = done.stats.expect("stats");
+    let stats = done.expect("the generation ends").stats.expect("stats");
     assert!(stats.repairs >= 1, "the session was rebuilt: {stats:?}");
     assert!(
         start.elapsed() < Duration::from_secs(40),
         "back soon after the link: {:?}",
         start.elapsed()
     );
-    if let Some(h) = healed.lock().expect("lock").take() {
-        h.join().expect("healed");
-    }
+    healed.join().expect("healed");
 }
 
 #[tokio::test]
@@ -138,7 +111,7 @@ async fn a_host_name_with_two_addresses_is_two_replicas() {
     let second = host.add_address();
     host.set_hosts("targets", &[host.ip, second]);
     let (a_addr, b_addr) = (host.addr(50051), SocketAddr::from((second, 50051)));
-    let a = std::sync::Mutex::new(Some(node_at(&host, "target-node", &stories(), a_addr)));
+    let a = node_at(&host, "target-node", &stories(), a_addr);
     let _b = node_at(&host, "target-node", &stories(), b_addr);
     let listen = host.addr(50050);
     let coordinator = Proc::start_on(
@@ -155,11 +128,10 @@ async fn a_host_name_with_two_addresses_is_two_replicas() {
     coordinator.wait_ready();
     let want = in_process(&stories(), None, &story(400, 0)).token_ids;
     // The first address is the first replica: killed mid-generation, the other goes on.
-    let (ids, done) = stream(coordinator.url(), story(400, 0), || {
-        drop(a.lock().expect("lock").take());
-    })
-    .await;
+    let held = Held::start(coordinator.url(), story(400, 0)).await;
+    drop(a);
+    let (ids, done) = held.finish().await;
     assert_eq!(ids, want);
-    let stats = done.stats.expect("stats");
+    let stats = done.expect("the generation ends").stats.expect("stats");
     assert!(stats.repairs >= 1, "moved to the other address: {stats:?}");
 }

@@ -9,6 +9,7 @@ use tandem_node::LimitsArgs;
 use tandem_proto::v1::target_service_client::TargetServiceClient;
 use tandem_proto::v1::{self, draft_response, target_request, target_response};
 use tandem_runtime::{SamplingParams, TokenLog};
+use tandem_tests::held::Held;
 use tandem_tests::proxy::corrupting_proxy;
 use tandem_tests::*;
 use tokio::sync::mpsc;
@@ -409,17 +410,9 @@ async fn cancelling_a_generation_frees_the_sessions_on_both_nodes() {
         Default::default(),
         std::future::pending(),
     ));
-    let mut client = v1::coordinator_client::CoordinatorClient::connect(url)
-        .await
-        .expect("connect");
-    let req = request(&[1, 403], 400, 4, &SamplingParams::greedy());
-    let mut stream = client.generate(req).await.expect("generate").into_inner();
-    let first = stream.message().await.expect("stream").expect("a delta");
-    assert!(matches!(
-        first.kind,
-        Some(v1::generate_response::Kind::Delta(_))
-    ));
-    // The client reads no further: the generation waits for it with both sessions open.
+    // The client reads its first delta and no further: the generation waits for it with both
+    // sessions open.
+    let held = Held::start(url, request(&[1, 403], 400, 4, &SamplingParams::greedy())).await;
     let (t, d) = (cluster.target_addr, cluster.draft_addr.expect("draft"));
     for addr in [t, d] {
         let info = node_info(addr).await;
@@ -427,7 +420,7 @@ async fn cancelling_a_generation_frees_the_sessions_on_both_nodes() {
         assert!(info.kv_cache_bytes > 0);
     }
     assert_eq!(engine.active(), 1);
-    drop(stream);
+    held.cancel();
     for addr in [t, d] {
         assert!(
             eventually(async || node_info(addr).await.active_sessions == 0).await,

@@ -1,0 +1,80 @@
+//! A generation its client holds back: it reads the first delta, then nothing until the test has
+//! done what it must do mid-generation (cut a link, kill a node, cancel). The client's HTTP/2
+//! stream window is a few deltas, and the coordinator buffers a few more before its round loop
+//! waits for the client ([`tandem_coordinator`]'s stream buffer): while held, a generation
+//! commits at most a few dozen tokens past the first delta, however fast the machine, so a
+//! fault made then lands mid-generation by construction (a callback after the first delta
+//! raced the 400 tokens a tiny model decodes in 60 ms).
+
+use std::time::Duration;
+
+use tandem_proto::v1;
+use tandem_proto::v1::coordinator_client::CoordinatorClient;
+use tandem_proto::v1::generate_response::Kind;
+use tonic::transport::Endpoint;
+
+/// Bytes the coordinator may send past what the client read (its HTTP/2 stream window).
+const WINDOW: u32 = 128;
+/// How long a held generation's first delta, or the rest of it, may take.
+const DEADLINE: Duration = Duration::from_secs(300);
+
+/// A generation started and held after its first delta.
+#[derive(Debug)]
+pub struct Held {
+    stream: tonic::Streaming<v1::GenerateResponse>,
+    /// The ids streamed so far.
+    pub ids: Vec<u32>,
+}
+
+impl Held {
+    /// Starts `req` on the coordinator at `url` and reads up to its first delta.
+    pub async fn start(url: String, req: v1::GenerateRequest) -> Self {
+        let channel = Endpoint::from_shared(url)
+            .expect("coordinator URL")
+            .initial_stream_window_size(WINDOW)
+            .connect()
+            .await
+            .expect("connect to the coordinator");
+        let mut stream = CoordinatorClient::new(channel)
+            .generate(req)
+            .await
+            .expect("generate")
+            .into_inner();
+        let first = tokio::time::timeout(DEADLINE, stream.message())
+            .await
+            .expect("the first delta within 300 s")
+            .expect("the generation starts")
+            .expect("a first message");
+        let ids = match first.kind {
+            Some(Kind::Delta(d)) => d.token_ids,
+            other => panic!("the first message is a delta, not {other:?}"),
+        };
+        Self { stream, ids }
+    }
+
+    /// Reads the rest: every id streamed and how the stream ended.
+    pub async fn finish(mut self) -> (Vec<u32>, Result<v1::GenerateDone, tonic::Status>) {
+        let rest = async {
+            loop {
+                match self.stream.message().await {
+                    Ok(Some(message)) => match message.kind {
+                        Some(Kind::Delta(d)) => self.ids.extend(d.token_ids),
+                        Some(Kind::Done(done)) => return Ok(done),
+                        None => {}
+                    },
+                    Ok(None) => panic!("the stream ended without its last message"),
+                    Err(status) => return Err(status),
+                }
+            }
+        };
+        let end = tokio::time::timeout(DEADLINE, rest)
+            .await
+            .expect("the held generation ends within 300 s of its release");
+        (self.ids, end)
+    }
+
+    /// Cancels the generation as a client that goes away does.
+    pub fn cancel(self) {
+        drop(self.stream);
+    }
+}
