@@ -35,6 +35,8 @@ const TARGET_ONLY_FIRST: u32 = 2;
 /// estimates are noisy (acceptance from a few rounds, times on a shared machine), a near tie is
 /// as likely a loss as a gain, and K = 0 is safe.
 const MARGIN: f64 = 0.05;
+/// Rounds after which a session's verify costs are kept for the next session to start from.
+const EARLY_ROUNDS: u32 = 8;
 /// The prior counts as this many trials.
 const PRIOR_WEIGHT: u32 = 2;
 /// Every this many drafted rounds, one position past the best K is tried, so that the estimate
@@ -297,6 +299,11 @@ pub struct KPolicy {
     ngram_class: usize,
     /// Verify wall time by block size.
     verify: SizeCost,
+    /// `verify` as it stood after the session's first [`EARLY_ROUNDS`] rounds: what the next
+    /// session starts from ([`Self::continued`]).
+    early_verify: Option<SizeCost>,
+    /// Rounds observed in this session.
+    rounds: u32,
     /// How often the draft's guess of the bonus token is the target's, when every draft was
     /// accepted (what makes a block drafted ahead usable), and how often it was seen.
     guess: f64,
@@ -324,6 +331,8 @@ impl KPolicy {
             ngram_class: 0,
             // Sized for every K, so that sessions with other bounds share what they learn.
             verify: SizeCost::new(ADAPTIVE_MAX_K + 1, PRIOR_VERIFY_SLOPE),
+            early_verify: None,
+            rounds: 0,
             guess: PRIOR_ACCEPT,
             guesses: 0,
             idle_seconds: 0.0,
@@ -344,9 +353,13 @@ impl KPolicy {
     /// A policy for a new session that starts from what an earlier session on the same nodes
     /// learnt: its costs as they were (they are the hardware's and the link's), its acceptance
     /// as a prior worth at most [`CARRIED_TRIALS`] rounds per position (it depends on the text).
+    /// The verify's costs are those of the earlier session's first rounds, where this one
+    /// starts: a step's attention grows with the context, and on stories260K a step at position
+    /// 250 took 2.5× one at position 5, so costs from the end of a generation made target-only
+    /// look 2.5× slower than it was at the start of the next (whose model rounds then lost).
     pub fn continued(&self, max_k: usize) -> Self {
         let mut next = Self::new(max_k);
-        next.verify = self.verify.clone();
+        next.verify = self.early_verify.as_ref().unwrap_or(&self.verify).clone();
         next.guess = self.guess;
         next.guesses = self.guesses.min(CARRIED_TRIALS);
         for (to, from) in std::iter::once((&mut next.model, &self.model))
@@ -727,6 +740,10 @@ impl KPolicy {
             }
         }
         self.verify.observe(round.drafted + 1, round.verify_wall);
+        self.rounds = self.rounds.saturating_add(1);
+        if self.rounds == EARLY_ROUNDS {
+            self.early_verify = Some(self.verify.clone());
+        }
     }
 }
 

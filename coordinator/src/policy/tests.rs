@@ -320,6 +320,59 @@ fn a_new_session_starts_from_what_the_last_one_learnt() {
 }
 
 #[test]
+fn a_new_session_starts_from_the_verify_costs_of_the_last_ones_first_rounds() {
+    let target_only = |policy: &mut KPolicy, seconds: f64| {
+        policy.observe(
+            Plan::TARGET_ONLY,
+            &RoundCosts {
+                verify_wall: seconds,
+                ..RoundCosts::default()
+            },
+        );
+    };
+    // A step costs 0.1 ms at the start of a generation, 0.25 ms where it ends (attention over
+    // a longer context), rising a little each round.
+    let mut first = KPolicy::new(8);
+    for round in 0..256 {
+        target_only(&mut first, 1e-4 + 1.5e-4 * f64::from(round) / 255.0);
+    }
+    assert!(
+        first.verify_seconds(1) > 2.2e-4,
+        "{}",
+        first.verify_seconds(1)
+    );
+    let next = first.continued(8);
+    assert!(
+        next.verify_seconds(1) < 1.1e-4,
+        "{}",
+        next.verify_seconds(1)
+    );
+    // A session shorter than that passes on its costs as they end.
+    let mut short = KPolicy::new(8);
+    for _ in 0..EARLY_ROUNDS - 1 {
+        target_only(&mut short, 3e-4);
+    }
+    assert!((short.continued(8).verify_seconds(1) - 3e-4).abs() < 1e-12);
+}
+
+#[test]
+fn a_time_far_above_the_average_counts_as_twice_the_average() {
+    let mut cost = Ewma::default();
+    cost.add(1e-4);
+    // A 4 ms hiccup on a 0.1 ms step moves the average as a 0.2 ms step would.
+    cost.add(4e-3);
+    assert!((cost.0.expect("seen") - (1e-4 + LEARN * 1e-4)).abs() < 1e-15);
+    // A lasting slowdown is still followed, by at most LEARN · (SPIKE − 1) a sample.
+    for _ in 0..60 {
+        cost.add(4e-3);
+    }
+    assert!(cost.0.expect("seen") > 3.9e-3, "{:?}", cost.0);
+    // Faster samples enter as they are.
+    cost.add(1e-4);
+    assert!(cost.0.expect("seen") < 3.5e-3);
+}
+
+#[test]
 fn a_nearly_perfect_draft_reaches_the_best_long_block() {
     // Drafting then verifying on a CPU-like target (verify +30 % per position), a cheap draft:
     // tokens per second by K from the geometric model, against what the policy settles on.
