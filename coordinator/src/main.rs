@@ -7,12 +7,12 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
-use tandem_coordinator::auth::{Access, ApiKeys};
-use tandem_coordinator::cli::{Cli, Command, ServeArgs};
-use tandem_coordinator::http::{self, HttpState};
-use tandem_coordinator::late::{LateEngine, connect_until_ready};
-use tandem_coordinator::limits::ClientLimits;
-use tandem_coordinator::{Engine, client, local};
+use tandem_coordinator::api::auth::{Access, ApiKeys};
+use tandem_coordinator::api::http::{self, HttpState};
+use tandem_coordinator::api::limits::ClientLimits;
+use tandem_coordinator::cli::{Cli, Command, ServeArgs, client, local};
+use tandem_coordinator::engine::Engine;
+use tandem_coordinator::engine::late::{LateEngine, connect_until_ready};
 
 fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
@@ -138,7 +138,13 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 .store(false, std::sync::atomic::Ordering::Relaxed);
         },
         |stop| {
-            tandem_coordinator::serve(listener, engine.clone(), access.clone(), tls.clone(), stop)
+            tandem_coordinator::api::serve(
+                listener,
+                engine.clone(),
+                access.clone(),
+                tls.clone(),
+                stop,
+            )
         },
         |stop| async {
             match http {

@@ -1,17 +1,15 @@
 //! An in-process cluster: a target-node and a draft-node served on loopback gRPC
-//! (127.0.0.1, ports chosen by the OS) and an engine connected to them. The local all-in-one
+//! (127.0.0.1, ports chosen by the OS); the engine folder builds its engine. The local all-in-one
 //! `generate` runs on it, and so do the cross-node tests.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tandem_node::{NodeState, stopped};
-use tandem_proto::tls::{ClientTls, ServerTlsSetup};
+use tandem_proto::tls::ServerTlsSetup;
 use tandem_proto::{Error, Result};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-
-use crate::engine::Engine;
 
 /// Nodes served by this process; they stop when the cluster is dropped.
 #[derive(Debug)]
@@ -77,21 +75,6 @@ impl LocalCluster {
             draft,
             stop,
         })
-    }
-
-    /// An engine connected to this cluster's nodes (which share this process's cores).
-    /// `default_draft_tokens`: K of requests that name none (`None`: adaptive).
-    pub async fn engine(&self, default_draft_tokens: impl Into<Option<usize>>) -> Result<Engine> {
-        let draft = self.draft_addr.map(|a| format!("http://{a}"));
-        let mut engine = Engine::connect(
-            &[format!("http://{}", self.target_addr)],
-            draft.as_slice(),
-            default_draft_tokens.into(),
-            &ClientTls::default(),
-        )
-        .await?;
-        engine.draft_shares_cores = true;
-        Ok(engine)
     }
 }
 

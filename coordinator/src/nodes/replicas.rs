@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use tandem_proto::tls::ClientTls;
 use tandem_proto::{Error, Result};
 
-use crate::links::{NodeSession, SessionSpec, Wire};
+use crate::nodes::links::{NodeSession, SessionSpec, Wire};
 use crate::nodes::{NodeHandle, session_lost};
 use tandem_runtime::TokenLog;
 use tonic::Code;
@@ -200,7 +200,7 @@ impl Replicas {
             return Error::Unavailable {
                 node: self.node,
                 endpoint: replica.address.url.clone(),
-                reason: crate::error_chain(&e),
+                reason: tandem_proto::error_chain(&e),
             };
         }
         e
@@ -268,7 +268,7 @@ impl Replicas {
                 // Lost, unreachable or full: the next one may take it.
                 Err(e) if n > 1 && (session_lost(&e) || e.code() == Code::ResourceExhausted) => {
                     tracing::warn!(node = self.node, replica = %handle.endpoint,
-                        error = %crate::error_chain(&e), "replica unavailable: trying the next");
+                        error = %tandem_proto::error_chain(&e), "replica unavailable: trying the next");
                     self.cool(i);
                     last = Some((handle, e));
                 }

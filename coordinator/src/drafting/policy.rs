@@ -15,7 +15,7 @@
 //! loss under [`PROBE_BUDGET`] of the time spent without the draft; a draft never timed is tried
 //! the same way, its first probe's cost taken from how long its session took to open.
 
-use crate::ngram;
+use crate::drafting::ngram;
 
 /// Largest K the adaptive policy tries.
 pub const ADAPTIVE_MAX_K: usize = 8;
@@ -292,7 +292,7 @@ impl DrafterCosts {
 pub struct KPolicy {
     max_k: usize,
     model: DrafterCosts,
-    /// N-gram lookup, per class of match length ([`crate::ngram::class`]): a long match is
+    /// N-gram lookup, per class of match length ([`crate::drafting::ngram::class`]): a long match is
     /// copied text, accepted far more often than a match of two tokens.
     ngram: [DrafterCosts; ngram::CLASSES],
     /// The class of this round's n-gram match.
@@ -478,13 +478,13 @@ impl KPolicy {
     }
 
     /// Learns the draft-node's cost from a step timed in the background.
-    pub fn observe_timing(&mut self, t: &crate::drafters::Timing) {
+    pub fn observe_timing(&mut self, t: &Timing) {
         self.model.observe_costs(t.k, t.wall_secs, t.compute_secs);
     }
 
     /// Learns the draft's acceptance (and its guesses) from `k` drafts of a greedy background
     /// step that no round used, `accepted` of which were the target's tokens
-    /// ([`crate::shadow`]).
+    /// ([`crate::drafting::shadow`]).
     pub fn observe_shadow(&mut self, k: usize, accepted: usize) {
         self.model.observe_acceptance(k, accepted);
         // Greedy, each compared draft is also a guess of the target's next token after a
@@ -589,7 +589,7 @@ impl KPolicy {
         }
         // A probe: the model's best K (every other probe one longer, so that the draft's cost is
         // seen at two sizes), once the time without it pays for the probe's expected loss. Not
-        // where background steps measure the draft ([`crate::shadow`]): they learn its
+        // where background steps measure the draft ([`crate::drafting::shadow`]): they learn its
         // acceptance and its cost for free, and a probe's real cost (the round trip, the gap it
         // feeds, the steps around it) was found well above its price (the real pair's code edit
         // at 20 ms: 1.17× with probes, n-gram lookup alone 1.69×).
@@ -612,7 +612,7 @@ impl KPolicy {
     /// Whether the draft-node's model could pay at all: at its measured costs (calibrated), its
     /// best K beats target-only by the margin were every draft accepted and every guess of the
     /// bonus token right. Where it could not, what it would accept cannot change the choice: it
-    /// is not probed, and its background steps are spaced out ([`crate::shadow`]). True before
+    /// is not probed, and its background steps are spaced out ([`crate::drafting::shadow`]). True before
     /// it has been timed.
     pub fn model_could_pay(&self) -> bool {
         if !self.model.timed() {
@@ -745,6 +745,17 @@ impl KPolicy {
             self.early_verify = Some(self.verify.clone());
         }
     }
+}
+
+/// A draft step timed in the background: K, what it cost, and what it drafted past the first
+/// `from` tokens of the log.
+#[derive(Debug)]
+pub struct Timing {
+    pub k: usize,
+    pub wall_secs: f64,
+    pub compute_secs: f64,
+    pub from: usize,
+    pub tokens: Vec<u32>,
 }
 
 /// What one round cost.

@@ -1,5 +1,5 @@
-//! The public gRPC API (`tandem.v1.Coordinator`) and the conversions of the engine's results to
-//! wire messages.
+//! The public gRPC API (`tandem.v1.Coordinator`, with health): the service, its server
+//! ([`serve`]), and the conversions of the engine's results to wire messages.
 
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_server::{Coordinator, CoordinatorServer};
@@ -9,9 +9,9 @@ use tonic::{Request, Response, Status};
 
 use tandem_runtime::Commit;
 
-use crate::auth::Access;
+use crate::api::auth::Access;
+use crate::engine::late::LateEngine;
 use crate::engine::{CommitSink, Outcome};
-use crate::late::LateEngine;
 
 /// Largest public request: a prompt of a million tokens' text fits.
 pub const MAX_REQUEST_BYTES: usize = 4 << 20;
@@ -112,7 +112,7 @@ impl Coordinator for CoordinatorService {
         let peer = request.remote_addr().map(|a| a.ip());
         let permit = self
             .access
-            .admit(crate::auth::grpc_authorization(&request), peer)?;
+            .admit(crate::api::auth::grpc_authorization(&request), peer)?;
         let job = engine.prepare(request.get_ref())?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(tracing::Instrument::instrument(
@@ -145,4 +145,45 @@ impl Coordinator for CoordinatorService {
             active_generations: e.active() as u32,
         }))
     }
+}
+
+/// Serves the public gRPC API (and health) on `listener` until `shutdown` resolves. Health
+/// says NOT_SERVING, and requests are refused UNAVAILABLE, until `engine` has reached its nodes.
+/// With keys in `access`, a call must present one ([`super::auth`]), and a client has at most its
+/// limit of generations in flight; health stays open. `tls` secures the
+/// connections (mutual TLS where it names a client CA).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    engine: LateEngine,
+    access: Access,
+    tls: tandem_proto::tls::ServerTlsSetup,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    let service = "tandem.v1.Coordinator";
+    for name in ["", service] {
+        reporter
+            .set_service_status(name, tonic_health::ServingStatus::NotServing)
+            .await;
+    }
+    let (ready, keys) = (engine.clone(), access.keys.clone());
+    tokio::spawn(async move {
+        ready.wait().await;
+        for name in ["", service] {
+            reporter
+                .set_service_status(name, tonic_health::ServingStatus::Serving)
+                .await;
+        }
+    });
+    tls.server()?
+        .add_service(health)
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            CoordinatorService { engine, access }.into_server(),
+            move |request| keys.check(request),
+        ))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await
 }

@@ -1,5 +1,5 @@
 //! Where a round's drafts come from: the draft-node's model over its session stream, or n-gram
-//! lookup in the coordinator ([`crate::ngram`]). A draft-node that fails or misses its deadline
+//! lookup in the coordinator ([`crate::drafting::ngram`]). A draft-node that fails or misses its deadline
 //! is dropped for the round (never awaited) and attached again in the background, with backoff,
 //! by replaying the log into a new session; meanwhile the rounds run on n-gram drafts or the
 //! target alone.
@@ -12,8 +12,8 @@ use tandem_runtime::TokenLog;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
-use crate::links::{Draft, NodeSession, SessionSpec};
-use crate::policy::Drafter;
+use crate::drafting::policy::{Drafter, Timing};
+use crate::nodes::links::{Draft, NodeSession, SessionSpec};
 
 /// Who may draft, per request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -134,17 +134,6 @@ enum Background {
 /// length of the log it drafted past).
 type Lent = (NodeSession<Draft>, Option<(usize, Proposal)>);
 
-/// A draft step timed in the background: K, what it cost, and what it drafted past the first
-/// `from` tokens of the log.
-#[derive(Debug)]
-pub struct Timing {
-    pub k: usize,
-    pub wall_secs: f64,
-    pub compute_secs: f64,
-    pub from: usize,
-    pub tokens: Vec<u32>,
-}
-
 /// A draft step of `k` tokens after feeding `new_tokens` past `committed`.
 fn draft_step(committed: v1::Prefix, new_tokens: Vec<u32>, k: usize) -> v1::DraftRequest {
     v1::DraftRequest {
@@ -261,7 +250,7 @@ impl ModelDrafter {
     /// Lends the idle session to a background task that feeds it what was committed since it
     /// last drafted, when that is at least [`CATCH_UP_LAG`] tokens: the next draft step then
     /// drafts at once instead of first prefilling the gap. The round never waits for it. Called
-    /// when the policy expects the model soon ([`crate::policy::KPolicy::catch_up_soon`]): where
+    /// when the policy expects the model soon ([`crate::drafting::policy::KPolicy::catch_up_soon`]): where
     /// the draft shares the target's cores (the all-in-one mode) only before a probe, as
     /// catching up every few tokens would double the work.
     pub fn catch_up_in_background(&mut self, log: &TokenLog) {
@@ -432,7 +421,8 @@ impl ModelDrafter {
 /// length of the match they continue.
 pub fn ngram_proposal(log: &TokenLog, k: usize) -> (Proposal, usize) {
     let start = Instant::now();
-    let crate::ngram::Lookup { tokens, matched } = crate::ngram::propose(log.tokens(), k);
+    let crate::drafting::ngram::Lookup { tokens, matched } =
+        crate::drafting::ngram::propose(log.tokens(), k);
     let q = tokens
         .iter()
         .map(|&t| v1::Distribution {

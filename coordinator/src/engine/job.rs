@@ -6,8 +6,8 @@ use std::future::Future;
 use tandem_proto::v1;
 use tandem_runtime::{Commit, FinishReason, GenerateRequest};
 
-use crate::drafters::DrafterChoice;
-use crate::stats::Stats;
+use crate::drafting::drafters::DrafterChoice;
+use crate::engine::stats::Stats;
 
 /// Where a generation's commits go as they happen.
 pub trait CommitSink: Send {
@@ -35,7 +35,7 @@ impl CommitSink for Discard {
 pub struct Job {
     /// What to generate; with `adaptive`, `draft_tokens` is the largest K tried.
     pub request: GenerateRequest,
-    /// K chosen each round by the cost model ([`crate::policy::KPolicy`]) rather than fixed.
+    /// K chosen each round by the cost model ([`crate::drafting::policy::KPolicy`]) rather than fixed.
     pub adaptive: bool,
     pub drafter: DrafterChoice,
     /// The draft-node drafts the next block while the target verifies (docs/architecture.md "Pipelined").

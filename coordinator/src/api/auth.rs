@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tonic::{Request, Status};
 
-use crate::limits::{Client, ClientLimits, ClientPermit};
+use crate::api::limits::{Client, ClientLimits, ClientPermit};
 
 /// The keys a request may present; none: the APIs are open.
 #[derive(Clone, Default)]
@@ -82,7 +82,7 @@ pub fn http_authorization(request: &axum::extract::Request) -> Option<&str> {
 }
 
 /// Who may use the public APIs, and how much of them: the keys, and the generations each
-/// client may have in flight ([`crate::limits`]).
+/// client may have in flight ([`crate::api::limits`]).
 #[derive(Debug, Clone, Default)]
 pub struct Access {
     pub keys: ApiKeys,

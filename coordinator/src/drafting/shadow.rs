@@ -10,8 +10,7 @@
 
 use tandem_runtime::TokenLog;
 
-use crate::drafters::Timing;
-use crate::policy::KPolicy;
+use crate::drafting::policy::{KPolicy, Timing};
 
 /// Drafts per background step.
 pub const SHADOW_K: usize = 4;

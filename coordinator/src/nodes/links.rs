@@ -260,7 +260,7 @@ pub struct NodeSession<W: Wire> {
     past: Traffic,
     /// Mismatches repaired by rollback or replay.
     pub repairs: u32,
-    /// Which of its node's replicas holds it ([`crate::nodes::Targets`]; 0 for a draft).
+    /// Which of its node's replicas holds it ([`crate::nodes::Replicas`]; 0 for a draft).
     pub replica: usize,
 }
 

@@ -91,7 +91,7 @@ where
                 return;
             }
             Err(e) => {
-                let why = crate::error_chain(&e);
+                let why = tandem_proto::error_chain(&e);
                 tracing::warn!(error = %why, retry_in = ?wait, "the nodes are not reachable yet");
                 late.set_waiting(why);
                 tokio::time::sleep(wait).await;

@@ -1,13 +1,10 @@
-//! The nodes as the coordinator sees them: a [`NodeHandle`] (channel and info, with HTTP/2
-//! keepalive), a draft-node that may come late ([`LateDraft`]), and what a lost node session is: which errors mean the node may serve it again
+//! A node as the coordinator sees it: a [`NodeHandle`] (channel and info, with HTTP/2
+//! keepalive), and what a lost node session is: which errors mean the node may serve it again
 //! if it is replayed, how long a call may take, how long to wait before asking again.
 
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tandem_proto::tls::ClientTls;
-
-use crate::replicas::Replicas;
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tonic::Code;
@@ -49,7 +46,7 @@ impl NodeHandle {
             .info(v1::InfoRequest {})
             .await
             .map_err(|status| {
-                let chain = crate::error_chain(&status);
+                let chain = tandem_proto::error_chain(&status);
                 match tandem_proto::tls::mismatch_hint(endpoint, &chain) {
                     "" => Error::Remote { node, status },
                     hint => unavailable(chain + hint),
@@ -90,85 +87,10 @@ impl NodeHandle {
     }
 }
 
-/// The draft-node's replicas. Reached at start, they must share the target's vocabulary (else
-/// the coordinator refuses to start, naming both). Unreachable then, the coordinator serves with
-/// the target alone and attaches them in the background once one answers (backoff 250 ms to
-/// 10 s, vocabulary checked; a mismatch then is logged and the draft left out).
-#[derive(Debug, Clone, Default)]
-pub struct LateDraft(Arc<OnceLock<Replicas>>);
-
-impl LateDraft {
-    pub async fn connect(urls: &[String], target: &NodeHandle, tls: &ClientTls) -> Result<Self> {
-        let late = Self::default();
-        match Replicas::connect("draft-node", urls, tls).await {
-            Ok(drafts) => {
-                same_vocabulary(target, drafts.primary())?;
-                let _ = late.0.set(drafts);
-            }
-            Err(e) => {
-                tracing::warn!(error = %crate::error_chain(&e),
-                    "draft-node not reachable: serving with the target alone until it answers");
-                let (cell, urls, target, tls) = (
-                    Arc::clone(&late.0),
-                    urls.to_vec(),
-                    target.clone(),
-                    tls.clone(),
-                );
-                tokio::spawn(async move {
-                    let mut wait = Duration::from_millis(250);
-                    loop {
-                        tokio::time::sleep(wait).await;
-                        let Ok(drafts) = Replicas::connect("draft-node", &urls, &tls).await else {
-                            wait = (wait * 2).min(Duration::from_secs(10));
-                            continue;
-                        };
-                        match same_vocabulary(&target, drafts.primary()) {
-                            Ok(()) => {
-                                tracing::info!(model = %drafts.primary().info.model_name,
-                                    replicas = %drafts.endpoints(), "draft-node attached");
-                                let _ = cell.set(drafts);
-                            }
-                            Err(e) => tracing::error!(error = %e, "draft-node left out"),
-                        }
-                        return;
-                    }
-                });
-            }
-        }
-        Ok(late)
-    }
-
-    /// The draft-node's replicas, once one has answered.
-    pub fn get(&self) -> Option<&Replicas> {
-        self.0.get()
-    }
-}
-
-/// Refuses a draft whose vocabulary differs from the target's, naming both.
-fn same_vocabulary(target: &NodeHandle, draft: &NodeHandle) -> Result<()> {
-    let (t, d) = (&target.info, &draft.info);
-    if t.vocab_size == d.vocab_size && t.vocab_hash == d.vocab_hash {
-        return Ok(());
-    }
-    Err(tandem_runtime::Error::VocabularyMismatch(format!(
-        "draft-node {} serves {} ({} tokens, vocabulary hash {:016x}), target-node {} serves {} \
-         ({} tokens, vocabulary hash {:016x})",
-        draft.endpoint,
-        d.model_name,
-        d.vocab_size,
-        d.vocab_hash,
-        target.endpoint,
-        t.model_name,
-        t.vocab_size,
-        t.vocab_hash
-    ))
-    .into())
-}
-
 /// Why a connection to `endpoint` failed, or its first call: the error chain, and a word on
 /// TLS where it reads like a mismatch ([`tandem_proto::tls::mismatch_hint`]).
 pub fn connect_error(e: &(dyn std::error::Error + 'static), endpoint: &str) -> String {
-    let text = crate::error_chain(e);
+    let text = tandem_proto::error_chain(e);
     let hint = tandem_proto::tls::mismatch_hint(endpoint, &text);
     text + hint
 }

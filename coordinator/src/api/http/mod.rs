@@ -25,9 +25,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
-use crate::auth::Access;
+use crate::api::auth::Access;
+use crate::engine::late::LateEngine;
 use crate::engine::{CommitSink, Discard, Engine};
-use crate::late::LateEngine;
 use error::ApiError;
 use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
 
@@ -35,8 +35,8 @@ use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
 #[derive(Debug)]
 pub struct HttpState {
     pub engine: LateEngine,
-    /// Keys a `/v1/*` request must present ([`crate::auth`]), generations a client may have in
-    /// flight ([`crate::limits`]).
+    /// Keys a `/v1/*` request must present ([`crate::api::auth`]), generations a client may have in
+    /// flight ([`crate::api::limits`]).
     pub access: Access,
     /// The names clients may give as `model` (`--served-model-name`); the first is the one
     /// answers carry. None: the target's model name.
@@ -208,13 +208,13 @@ async fn require_key(
     if state
         .access
         .keys
-        .admits(crate::auth::http_authorization(&request))
+        .admits(crate::api::auth::http_authorization(&request))
     {
         return next.run(request).await;
     }
     ApiError {
         status: StatusCode::UNAUTHORIZED,
-        message: crate::auth::REFUSAL.into(),
+        message: crate::api::auth::REFUSAL.into(),
         param: None,
         code: Some("invalid_api_key"),
     }
@@ -228,7 +228,7 @@ async fn limit_client(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let authorization = crate::auth::http_authorization(&request);
+    let authorization = crate::api::auth::http_authorization(&request);
     let peer = request
         .extensions()
         .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()

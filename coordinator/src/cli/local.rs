@@ -9,7 +9,7 @@ use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::{Logits, Tokenizer};
 
 use crate::cli::{FetchArgs, GenerateArgs, ModelArgs, QuantizeArgs};
-use crate::cluster::LocalCluster;
+use crate::nodes::cluster::LocalCluster;
 
 /// Loads one model with its tokenizer as a node does, and warms it up.
 fn load_node(role: Role, model: &str, device: &str) -> anyhow::Result<NodeState> {
@@ -52,9 +52,9 @@ pub async fn start_local(
     let engine = cluster.engine(draft_tokens).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
-    tokio::spawn(crate::serve(
+    tokio::spawn(crate::api::serve(
         listener,
-        crate::late::LateEngine::ready(Arc::new(engine)),
+        crate::engine::late::LateEngine::ready(Arc::new(engine)),
         Default::default(),
         Default::default(),
         std::future::pending(),
@@ -71,7 +71,7 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     )
     .await?;
     tracing::info!(%url, "local cluster ready");
-    crate::client::generate(&url, args).await
+    crate::cli::client::generate(&url, args).await
 }
 
 /// `coordinator fetch`: each model made local, its path on stdout.

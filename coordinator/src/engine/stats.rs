@@ -3,9 +3,9 @@
 
 use tandem_runtime::GenerationStats;
 
-use crate::drafters::{ModelDrafter, StepFailure};
-use crate::links::{NodeSession, Traffic, Wire};
-use crate::policy::KPolicy;
+use crate::drafting::drafters::{ModelDrafter, StepFailure};
+use crate::drafting::policy::KPolicy;
+use crate::nodes::links::{NodeSession, Traffic, Wire};
 
 /// Statistics of a distributed generation.
 #[derive(Debug, Clone, Default, PartialEq)]

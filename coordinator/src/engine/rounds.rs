@@ -21,19 +21,21 @@ use tandem_runtime::{
 };
 use tracing::Instrument;
 
-use crate::drafters::{DrafterChoice, ModelDrafter, Proposal, fixed_drafter, ngram_proposal};
-pub use crate::job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
-use crate::links::{Draft, NodeSession, SessionSpec, Target};
-use crate::metrics::CoordinatorMetrics;
+use crate::drafting::drafters::{
+    DrafterChoice, ModelDrafter, Proposal, fixed_drafter, ngram_proposal,
+};
+use crate::drafting::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
+use crate::drafting::shadow::{Shadow, shadow_len};
+pub use crate::engine::job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
+use crate::engine::metrics::CoordinatorMetrics;
+pub use crate::engine::stats::Stats;
 pub use crate::nodes::NodeHandle;
+use crate::nodes::links::{Draft, NodeSession, SessionSpec, Target};
+use crate::nodes::replicas::Replicas;
 use crate::nodes::{
     CALL_FLOOR, LateDraft, TARGET_BACKOFF, TARGET_BACKOFF_MAX, call_deadline, jittered,
     session_lost,
 };
-use crate::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
-use crate::replicas::Replicas;
-use crate::shadow::{Shadow, shadow_len};
-pub use crate::stats::Stats;
 
 /// Refused blocks after which a generation detaches its draft.
 pub const MAX_REFUSED_BLOCKS: u32 = 3;
@@ -61,14 +63,14 @@ pub struct Engine {
     pub default_draft_tokens: Option<usize>,
     pub metrics: CoordinatorMetrics,
     /// Whether the draft-node runs on the target's cores (the all-in-one mode): background draft
-    /// steps are then spaced out ([`crate::shadow`]), a hopeless draft is retimed more rarely,
+    /// steps are then spaced out ([`crate::drafting::shadow`]), a hopeless draft is retimed more rarely,
     /// and K = auto does not count on drafting ahead during the verify (two models that each
     /// use every core gain nothing by running at once).
     pub draft_shares_cores: bool,
     /// Adaptive K speculates only while at most this many generations run here: beyond, the
     /// target's batch of plain steps is already compute-bound and drafts cost it more than they
     /// save (vLLM's disable-by-batch-size). `None`: no limit. Default: 1 for a CPU target whose
-    /// draft-node runs on its cores ([`crate::shares_cores`]), else none.
+    /// draft-node runs on its cores ([`crate::nodes::shares_cores`]), else none.
     pub max_speculating: Option<usize>,
     /// How long a lost target is waited for (its session replayed) before a generation fails.
     pub target_retry: Duration,
@@ -102,9 +104,9 @@ impl Engine {
         // What the nodes say of their machine and CPUs where the draft answered; else the URLs.
         let shares_cores = match (draft.get(), drafts.first()) {
             (_, None) => true,
-            (Some(d), Some(url)) => crate::shares_cores(&target.info, &d.primary().info)
-                .unwrap_or_else(|| crate::same_machine(&target.endpoint, url)),
-            (None, Some(url)) => crate::same_machine(&target.endpoint, url),
+            (Some(d), Some(url)) => crate::nodes::shares_cores(&target.info, &d.primary().info)
+                .unwrap_or_else(|| crate::nodes::same_machine(&target.endpoint, url)),
+            (None, Some(url)) => crate::nodes::same_machine(&target.endpoint, url),
         };
         let reply = v1::node_service_client::NodeServiceClient::new(target.channel.clone())
             .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
@@ -134,7 +136,7 @@ impl Engine {
             // (docs/benchmarks/concurrency.md, unpinned and pinned).
             max_speculating: (cpu_target && shares_cores).then_some(1),
             target_retry: Duration::from_secs(30),
-            draft_step_slack: crate::drafters::DEFAULT_STEP_SLACK,
+            draft_step_slack: crate::drafting::drafters::DEFAULT_STEP_SLACK,
             learnt: std::sync::Mutex::new(None),
             hopeless: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
@@ -743,11 +745,11 @@ impl Engine {
                         "the session was lost and the node did not come back within {} s \
                          (--target-retry-secs): {}",
                         self.target_retry.as_secs(),
-                        crate::error_chain(&error)
+                        tandem_proto::error_chain(&error)
                     ),
                 });
             }
-            tracing::warn!(error = %crate::error_chain(&error), attempt, retry_in = ?wait,
+            tracing::warn!(error = %tandem_proto::error_chain(&error), attempt, retry_in = ?wait,
                 "target session lost: replaying the log");
             target.repairs += 1;
             tokio::time::sleep(wait).await;

@@ -198,7 +198,7 @@ pub struct ServeArgs {
         value_delimiter = ',',
         hide_env_values = true
     )]
-    pub api_keys: Vec<crate::auth::Secret>,
+    pub api_keys: Vec<crate::api::auth::Secret>,
     /// A name clients give as `model` on the HTTP API, and answers carry (the first);
     /// repeatable. Unset: the target's model name.
     #[arg(

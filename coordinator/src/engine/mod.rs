@@ -1,0 +1,18 @@
+//! The round loop ([`rounds`]): one generation's rounds of drafting, verifying and committing,
+//! with the requests it runs ([`job`]), their statistics ([`stats`]) and the coordinator's
+//! metrics ([`metrics`]); an engine that may still be connecting ([`late`]), and the engine of
+//! the in-process cluster ([`local`]).
+//!
+//! Uses [`crate::drafting`] and [`crate::nodes`]; the APIs above it use it.
+
+pub mod job;
+pub mod late;
+pub mod local;
+pub mod metrics;
+pub mod rounds;
+pub mod stats;
+
+pub use job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
+pub use late::LateEngine;
+pub use rounds::{DEFAULT_MAX_TOKENS, Engine, MAX_REFUSED_BLOCKS};
+pub use stats::Stats;
