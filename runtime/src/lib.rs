@@ -2,15 +2,12 @@
 //! verification, sampling and the lossless speculative acceptance rule. Model code here knows
 //! nothing of gRPC.
 
-pub mod acceptance;
-pub mod draft_check;
 mod error;
 pub mod generator;
 pub mod kernels;
 pub mod kv_cache;
 pub mod model;
 pub mod quantize;
-pub mod rng;
 pub mod sampling;
 pub mod speculative;
 pub mod synthetic;
@@ -18,8 +15,6 @@ pub mod token_log;
 pub mod tokenizer;
 pub mod transcript;
 
-pub use acceptance::{Verdict, verify};
-pub use draft_check::{DraftRefusal, RefusalReason};
 pub use error::{Error, Result};
 pub use generator::{
     FinishReason, GenerateRequest, Generation, GenerationStats, RequestLimits,
@@ -27,8 +22,10 @@ pub use generator::{
 };
 pub use kv_cache::KvCache;
 pub use model::{LoadOptions, Logits, Model, ModelConfig};
-pub use rng::{Draws, Rng};
+pub use sampling::rng::{Draws, Rng};
 pub use sampling::{Distribution, SamplingParams};
+pub use speculative::acceptance::{Verdict, verify};
+pub use speculative::draft_check::{self, DraftRefusal, RefusalReason};
 pub use speculative::{Drafter, Proposal, Verified, Verifier};
 pub use token_log::{Prefix, TokenLog};
 pub use tokenizer::Tokenizer;

@@ -8,7 +8,7 @@ use std::path::Path;
 use candle_core::{Device, Tensor};
 use serde_json::json;
 
-use crate::rng::Rng;
+use crate::sampling::rng::Rng;
 use crate::{Error, Result};
 
 /// The shape and seed of a random-weight model.

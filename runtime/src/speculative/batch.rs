@@ -4,11 +4,11 @@
 //! alone. A job that cannot run (a block past the context) fails alone, before the forward.
 
 use super::{CachedSequence, Drafter, Proposal, SequenceState, Verified, Verifier};
-use crate::acceptance;
-use crate::draft_check::{BlockRules, DraftRefusal, check_block};
 use crate::model::{Logits, Model};
-use crate::rng::SAMPLE_DRAW;
+use crate::sampling::rng::SAMPLE_DRAW;
 use crate::sampling::{Distribution, distribution, draft_support, logprobs};
+use crate::speculative::acceptance;
+use crate::speculative::draft_check::{BlockRules, DraftRefusal, check_block};
 use crate::{Error, Result};
 
 /// One block of a batch of verifies ([`Verifier::verify_batch`]).

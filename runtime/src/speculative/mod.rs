@@ -2,16 +2,20 @@
 //! the nodes: a [`Drafter`] proposes K tokens with their distributions q, a [`Verifier`] scores
 //! them in one forward pass and applies the acceptance rule. Both keep a KV cache in step with a
 //! canonical token log they are handed: what they cached beyond the log's common prefix is
-//! truncated, never recomputed.
+//! truncated, never recomputed. The acceptance rule itself is [`acceptance`], and what a
+//! verifier refuses of a draft's block is [`draft_check`].
+
+pub mod acceptance;
+pub mod draft_check;
 
 use std::time::Instant;
 
-use crate::acceptance::Verdict;
-use crate::draft_check::DraftRefusal;
 use crate::kv_cache::KvCache;
 use crate::model::{Logits, Model};
-use crate::rng::Draws;
+use crate::sampling::rng::Draws;
 use crate::sampling::{Distribution, SamplingParams, TokenLogprobs};
+use crate::speculative::acceptance::Verdict;
+use crate::speculative::draft_check::DraftRefusal;
 use crate::{Error, Result};
 
 mod batch;
@@ -207,7 +211,7 @@ impl Verifier {
         self.0.logprobs = top;
     }
 
-    /// Checks the drafted block ([`crate::draft_check::check_block`]: at most `max_drafts`,
+    /// Checks the drafted block ([`crate::speculative::draft_check::check_block`]: at most `max_drafts`,
     /// valid q) and scores `[uncached tail of log, drafts…]` in one forward pass with the acceptance rule. A block
     /// that fails the checks is not scored: the round is one plain target step and the refusal
     /// says why. Afterwards the cache holds the log plus the accepted drafts: everything

@@ -8,7 +8,7 @@
 //! test, [`SAMPLE_DRAW`] for the token sampled there), so verifying the same block at the same
 //! position again gives the same verdict.
 
-use crate::rng::{ACCEPT_DRAW, Draws, SAMPLE_DRAW};
+use crate::sampling::rng::{ACCEPT_DRAW, Draws, SAMPLE_DRAW};
 use crate::sampling::{Distribution, sample_weights};
 
 /// Outcome of verifying one drafted block.
@@ -93,7 +93,7 @@ fn residual(p: &Distribution, q: &Distribution, u: f64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::Rng;
+    use crate::sampling::rng::Rng;
     use Distribution::{Dense, OneHot};
 
     fn draws() -> Draws {

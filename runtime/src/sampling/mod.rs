@@ -1,7 +1,9 @@
 //! Logits → the probability distribution that sampling uses. One function,
 //! [`distribution`], serves the draft (q) and the target (p), so both see the same transform:
 //! repetition, presence and frequency penalties, temperature, top-k, top-p, min-p,
-//! normalisation.
+//! normalisation. The draws that pick a token from it are [`rng`]'s, keyed by position.
+
+pub mod rng;
 
 use crate::{Error, Result};
 
