@@ -1,75 +1,22 @@
-//! Prometheus metrics without a registry crate: atomic counters, labelled counters and
-//! histograms, written in the Prometheus text format (version 0.0.4). The node's own metrics
-//! are [`NodeMetrics`]; the coordinator builds its set from the same pieces.
+//! Prometheus metrics on the `prometheus-client` crate: the node's own ([`NodeMetrics`]), and the
+//! pieces the coordinator builds its set from (a counter per value of one label, latency
+//! histograms, the text page). Counters are registered without their `_total`, which the
+//! encoder appends.
 
-use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 
-/// Prometheus' text content type.
-pub const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
-/// A monotonically increasing count.
-#[derive(Debug, Default)]
-pub struct Counter(AtomicU64);
+/// Prometheus' text content type (version 0.0.4).
+pub const PROMETHEUS_TEXT: &str = prometheus_text::CONTENT_TYPE;
 
-impl Counter {
-    pub fn add(&self, n: u64) {
-        self.0.fetch_add(n, Ordering::Relaxed);
-    }
-
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
-/// Counts by one label value.
-#[derive(Debug, Default)]
-pub struct LabeledCounter(Mutex<BTreeMap<String, u64>>);
-
-impl LabeledCounter {
-    pub fn add(&self, label: &str, n: u64) {
-        let mut m = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *m.entry(label.to_string()).or_default() += n;
-    }
-
-    /// The count of one label value.
-    pub fn get(&self, label: &str) -> u64 {
-        self.snapshot().get(label).copied().unwrap_or(0)
-    }
-
-    fn snapshot(&self) -> BTreeMap<String, u64> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
-}
-
-/// Counts by position 1..=N in a block, without allocating on the hot path.
-#[derive(Debug)]
-pub struct PositionCounter(Vec<Counter>);
-
-impl Default for PositionCounter {
-    /// One counter per position of the largest block a round may draft.
-    fn default() -> Self {
-        let positions = tandem_runtime::generator::MAX_DRAFT_TOKENS;
-        Self((0..positions).map(|_| Counter::default()).collect())
-    }
-}
-
-impl PositionCounter {
-    /// Counts one at each of the positions 1..=n.
-    pub fn add_first(&self, n: usize) {
-        for c in self.0.iter().take(n) {
-            c.add(1);
-        }
-    }
-}
+/// A gauge of a fraction or a size too large for an integer.
+pub type FloatGauge = Gauge<f64, AtomicU64>;
 
 /// Latency buckets in seconds, 100 µs to 10 s.
 pub const LATENCY_BUCKETS: [f64; 14] = [
@@ -77,94 +24,86 @@ pub const LATENCY_BUCKETS: [f64; 14] = [
 ];
 
 /// A histogram over [`LATENCY_BUCKETS`].
-#[derive(Debug, Default)]
-pub struct Histogram {
-    buckets: [AtomicU64; LATENCY_BUCKETS.len()],
-    count: AtomicU64,
-    /// Sum in nanoseconds.
-    sum_nanos: AtomicU64,
+pub fn latency() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
 }
 
-impl Histogram {
-    pub fn observe(&self, seconds: f64) {
-        let seconds = seconds.max(0.0);
-        if let Some(i) = LATENCY_BUCKETS.iter().position(|&b| seconds <= b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_nanos
-            .fetch_add((seconds * 1e9) as u64, Ordering::Relaxed);
-    }
+/// The registry's metrics in the Prometheus text format.
+pub fn encode(registry: &Registry) -> String {
+    let mut text = String::new();
+    // Writing to a String does not fail.
+    let _ = prometheus_text::encode(&mut text, registry);
+    text
 }
 
-/// Writes metric families in the Prometheus text format.
-#[derive(Debug, Default)]
-pub struct Exposition(String);
+/// A counter per value of one label (`kind`, `reason`, `position`).
+#[derive(Debug, Clone)]
+pub struct LabeledCounter {
+    label: &'static str,
+    family: Family<[(&'static str, String); 1], Counter>,
+}
 
-impl Exposition {
-    fn head(&mut self, name: &str, help: &str, kind: &str) {
-        let _ = writeln!(self.0, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    }
-
-    pub fn counter(&mut self, name: &str, help: &str, value: u64) -> &mut Self {
-        self.head(name, help, "counter");
-        let _ = writeln!(self.0, "{name} {value}");
-        self
-    }
-
-    pub fn gauge(&mut self, name: &str, help: &str, value: f64) -> &mut Self {
-        self.head(name, help, "gauge");
-        let _ = writeln!(self.0, "{name} {value}");
-        self
-    }
-
-    pub fn labeled(
-        &mut self,
-        name: &str,
-        help: &str,
-        label: &str,
-        c: &LabeledCounter,
-    ) -> &mut Self {
-        self.head(name, help, "counter");
-        for (value, n) in c.snapshot() {
-            let value = value.replace('\\', "\\\\").replace('"', "\\\"");
-            let _ = writeln!(self.0, "{name}{{{label}=\"{value}\"}} {n}");
+impl LabeledCounter {
+    pub fn new(label: &'static str) -> Self {
+        Self {
+            label,
+            family: Family::default(),
         }
-        self
     }
 
-    /// A counter by position; positions never counted are left out.
-    pub fn positions(&mut self, name: &str, help: &str, c: &PositionCounter) -> &mut Self {
-        self.head(name, help, "counter");
-        for (i, n) in c.0.iter().map(Counter::get).enumerate() {
-            if n > 0 {
-                let _ = writeln!(self.0, "{name}{{position=\"{}\"}} {n}", i + 1);
-            }
+    /// With a series of 0 for each of `values` from the start (Prometheus' advice for label
+    /// values known in advance: a query over them sees 0, not nothing).
+    pub fn with_values<'a>(label: &'static str, values: impl IntoIterator<Item = &'a str>) -> Self {
+        let counter = Self::new(label);
+        for value in values {
+            counter.add(value, 0);
         }
-        self
+        counter
     }
 
-    pub fn histogram(&mut self, name: &str, help: &str, h: &Histogram) -> &mut Self {
-        self.head(name, help, "histogram");
-        let mut cumulative = 0;
-        for (bound, n) in LATENCY_BUCKETS.iter().zip(&h.buckets) {
-            cumulative += n.load(Ordering::Relaxed);
-            let _ = writeln!(self.0, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+    /// Drafted blocks refused, by reason: every reason listed from the start.
+    pub fn refusals() -> Self {
+        Self::with_values(
+            "reason",
+            tandem_runtime::RefusalReason::ALL.map(tandem_runtime::RefusalReason::as_str),
+        )
+    }
+
+    /// Failures by gRPC code (`kind`): every code but OK listed from the start.
+    pub fn errors() -> Self {
+        let codes: Vec<String> = (1..=16)
+            .map(|c| format!("{:?}", tonic::Code::from_i32(c)))
+            .collect();
+        Self::with_values("kind", codes.iter().map(String::as_str))
+    }
+
+    pub fn add(&self, value: &str, n: u64) {
+        self.family
+            .get_or_create(&[(self.label, value.to_string())])
+            .inc_by(n);
+    }
+
+    /// The count of one label value.
+    pub fn get(&self, value: &str) -> u64 {
+        self.family
+            .get(&[(self.label, value.to_string())])
+            .map_or(0, |c| c.get())
+    }
+
+    /// Counts one at each of the positions 1..=n (the label is a position in a block).
+    pub fn add_first(&self, n: usize) {
+        for position in 1..=n {
+            self.add(&position.to_string(), 1);
         }
-        let count = h.count.load(Ordering::Relaxed);
-        let sum = h.sum_nanos.load(Ordering::Relaxed) as f64 * 1e-9;
-        let _ = writeln!(self.0, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(self.0, "{name}_sum {sum}\n{name}_count {count}");
-        self
     }
 
-    pub fn finish(self) -> String {
-        self.0
+    pub fn register(&self, registry: &mut Registry, name: &str, help: &str) {
+        registry.register(name, help, self.family.clone());
     }
 }
 
-/// What a node counts.
-#[derive(Debug, Default)]
+/// What a node counts, and the registry that writes it.
+#[derive(Debug)]
 pub struct NodeMetrics {
     pub sessions_opened: Counter,
     /// Chunks of prompts prefilled (a prompt longer than --prefill-chunk takes several).
@@ -183,6 +122,120 @@ pub struct NodeMetrics {
     /// mean batch size).
     pub batches: Counter,
     pub batched_requests: Counter,
+    /// The session table as it stands, set when the page is written.
+    pub sessions_active: Gauge,
+    pub kv_cache_bytes: Gauge,
+    pub kv_cache_reserved_bytes: Gauge,
+    pub kv_cache_budget_bytes: Gauge,
+    pub kv_cache_usage_perc: FloatGauge,
+    registry: Registry,
+}
+
+impl Default for NodeMetrics {
+    fn default() -> Self {
+        let mut m = Self {
+            sessions_opened: Counter::default(),
+            prefill_chunks: Counter::default(),
+            requests: Counter::default(),
+            tokens: Counter::default(),
+            compute: latency(),
+            errors: LabeledCounter::errors(),
+            draft_blocks_refused: LabeledCounter::refusals(),
+            repeated_blocks: Counter::default(),
+            batches: Counter::default(),
+            batched_requests: Counter::default(),
+            sessions_active: Gauge::default(),
+            kv_cache_bytes: Gauge::default(),
+            kv_cache_reserved_bytes: Gauge::default(),
+            kv_cache_budget_bytes: Gauge::default(),
+            kv_cache_usage_perc: FloatGauge::default(),
+            registry: Registry::default(),
+        };
+        let r = &mut m.registry;
+        r.register(
+            "tandem_node_sessions_active",
+            "Sessions open on this node",
+            m.sessions_active.clone(),
+        );
+        r.register(
+            "tandem_node_kv_cache_bytes",
+            "KV-cache bytes held by open sessions",
+            m.kv_cache_bytes.clone(),
+        );
+        r.register(
+            "tandem_node_kv_cache_reserved_bytes",
+            "KV-cache bytes open sessions may grow to (what admission counts)",
+            m.kv_cache_reserved_bytes.clone(),
+        );
+        r.register(
+            "tandem_node_kv_cache_budget_bytes",
+            "KV-cache bytes all sessions together may grow to (--kv-cache-bytes)",
+            m.kv_cache_budget_bytes.clone(),
+        );
+        r.register(
+            "tandem_node_kv_cache_usage_perc",
+            "Fraction of the KV-cache budget that open sessions may grow to (1 = full)",
+            m.kv_cache_usage_perc.clone(),
+        );
+        r.register(
+            "tandem_node_sessions_opened",
+            "Sessions opened",
+            m.sessions_opened.clone(),
+        );
+        r.register(
+            "tandem_node_prefill_chunks",
+            "Chunks of prompts prefilled (other sessions' work runs between two chunks)",
+            m.prefill_chunks.clone(),
+        );
+        r.register(
+            "tandem_node_requests",
+            "Draft steps or verify blocks answered",
+            m.requests.clone(),
+        );
+        r.register(
+            "tandem_node_tokens",
+            "Tokens proposed (draft-node) or committed (target-node)",
+            m.tokens.clone(),
+        );
+        r.register(
+            "tandem_node_compute_seconds",
+            "Model time per draft step or verify block",
+            m.compute.clone(),
+        );
+        m.errors.register(
+            r,
+            "tandem_node_errors",
+            "Refused or failed requests by gRPC code",
+        );
+        r.register(
+            "tandem_node_repeated_blocks",
+            "Verify blocks that repeated the last one, answered without a forward pass",
+            m.repeated_blocks.clone(),
+        );
+        r.register(
+            "tandem_node_batches",
+            "Batches of sessions' work run as one forward pass (continuous batching)",
+            m.batches.clone(),
+        );
+        r.register(
+            "tandem_node_batched_requests",
+            "Requests run in those batches (over batches: the mean batch size)",
+            m.batched_requests.clone(),
+        );
+        m.draft_blocks_refused.register(
+            r,
+            "tandem_node_draft_blocks_refused",
+            "Drafted blocks the target-node refused (run as plain target steps), by reason",
+        );
+        m
+    }
+}
+
+impl NodeMetrics {
+    /// The page, in the Prometheus text format.
+    pub fn encode(&self) -> String {
+        encode(&self.registry)
+    }
 }
 
 #[cfg(test)]
@@ -191,37 +244,31 @@ mod tests {
 
     #[test]
     fn histograms_are_cumulative_and_labels_escaped() {
-        let h = Histogram::default();
+        let mut registry = Registry::default();
+        let h = latency();
         for s in [0.0002, 0.003, 0.003, 20.0] {
             h.observe(s);
         }
-        let errors = LabeledCounter::default();
+        registry.register("t_seconds", "help", h);
+        let errors = LabeledCounter::new("kind");
         errors.add("invalid \"k\"", 2);
-        let mut e = Exposition::default();
-        let at = PositionCounter::default();
+        errors.register(&mut registry, "t_errors", "help");
+        let at = LabeledCounter::new("position");
         at.add_first(2);
         at.add_first(1);
-        e.positions("t_at_total", "help", &at);
-        e.histogram("t_seconds", "help", &h)
-            .labeled("t_errors_total", "help", "kind", &errors);
-        let text = e.finish();
-        assert!(
-            text.contains("t_seconds_bucket{le=\"0.00025\"} 1\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("t_seconds_bucket{le=\"0.005\"} 3\n"),
-            "{text}"
-        );
-        assert!(text.contains("t_seconds_bucket{le=\"+Inf\"} 4\n"), "{text}");
-        assert!(text.contains("t_seconds_count 4\n"), "{text}");
-        assert!(
-            text.contains("t_at_total{position=\"1\"} 2\nt_at_total{position=\"2\"} 1\n# HELP"),
-            "{text}"
-        );
-        assert!(
-            text.contains("t_errors_total{kind=\"invalid \\\"k\\\"\"} 2\n"),
-            "{text}"
-        );
+        at.register(&mut registry, "t_at", "help");
+        assert_eq!((at.get("1"), at.get("2"), at.get("3")), (2, 1, 0));
+        let text = encode(&registry);
+        for line in [
+            "t_seconds_bucket{le=\"0.00025\"} 1\n",
+            "t_seconds_bucket{le=\"0.005\"} 3\n",
+            "t_seconds_bucket{le=\"+Inf\"} 4\n",
+            "t_seconds_count 4\n",
+            "t_at_total{position=\"1\"} 2\n",
+            "t_at_total{position=\"2\"} 1\n",
+            "t_errors_total{kind=\"invalid \\\"k\\\"\"} 2\n",
+        ] {
+            assert!(text.contains(line), "{line:?} in {text}");
+        }
     }
 }

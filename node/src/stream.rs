@@ -121,7 +121,7 @@ async fn run<S: Session>(
                     let (back, done) = (state.worker)
                         .run(move || {
                             let done = span.in_scope(|| s.prefill_chunk(chunk));
-                            st.metrics.prefill_chunks.add(1);
+                            st.metrics.prefill_chunks.inc_by(1);
                             (s, done)
                         })
                         .await?;
@@ -130,7 +130,7 @@ async fn run<S: Session>(
                         break;
                     }
                 }
-                state.metrics.sessions_opened.add(1);
+                state.metrics.sessions_opened.inc_by(1);
                 slot.set_kv_bytes(s.kv_bytes());
                 let reply = S::opened(v1::Opened {
                     committed: Some(prefix_to_wire(s.held())),
@@ -155,8 +155,8 @@ async fn run<S: Session>(
                 let m = &state.metrics;
                 let reply = match result {
                     Ok(reply) => {
-                        m.requests.add(1);
-                        m.tokens.add(S::tokens(&reply) as u64);
+                        m.requests.inc_by(1);
+                        m.tokens.inc_by(S::tokens(&reply) as u64);
                         m.compute.observe(start.elapsed().as_secs_f64());
                         reply
                     }
@@ -201,8 +201,8 @@ impl<S: Session> Batch for Handle<S> {
             .map(|(s, work, _, span)| (s, (work, span)))
             .unzip();
         let (works, spans): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
-        state.metrics.batches.add(1);
-        state.metrics.batched_requests.add(sessions.len() as u64);
+        state.metrics.batches.inc_by(1);
+        state.metrics.batched_requests.inc_by(sessions.len() as u64);
         let results = {
             // Each session's span covers the whole batch it waited for.
             let mut entered: Vec<_> = spans.iter().map(tracing::Span::enter).collect();

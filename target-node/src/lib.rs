@@ -177,7 +177,7 @@ impl TargetSession {
             && last.block == *block
             && last.held == self.log.prefix()
         {
-            state.metrics.repeated_blocks.add(1);
+            state.metrics.repeated_blocks.inc_by(1);
             return Ok(Planned::Repeat(last.reply.clone()));
         }
         let committed = prefix_from_wire(block.committed)?;

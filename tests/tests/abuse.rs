@@ -30,7 +30,7 @@ async fn complete(http: SocketAddr, key: &str) -> (u16, String, String) {
 
 /// Waits until the coordinator whose metrics are at `metrics` has `n` generations in flight.
 async fn in_flight(metrics: SocketAddr, n: usize) {
-    let line = format!("tandem_active_generations {n}");
+    let line = format!("tandem_num_requests_running {n}");
     assert!(
         eventually(async || http_request(metrics, "GET", "/metrics", "")
             .await
@@ -67,7 +67,7 @@ async fn a_client_at_its_limit_gets_429_while_others_are_served() {
     assert_eq!(http_request(http, "GET", "/metrics", "").await.0, 404);
     let (status, text) = http_request(metrics, "GET", "/metrics", "").await;
     assert_eq!(status, 200);
-    assert!(text.contains("tandem_active_generations 0"), "{text}");
+    assert!(text.contains("tandem_num_requests_running 0"), "{text}");
 
     // The target paused: k1's generation stays in flight.
     signal(&target, "-STOP");

@@ -213,6 +213,57 @@ fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
     serde_json::from_slice(&out.stdout).expect("json")
 }
 
+/// The metric families of a Prometheus text page, parsed by the reference parser, named as
+/// docs/metrics.md names them (a counter with its `_total`).
+fn families(text: &str) -> std::collections::HashSet<String> {
+    let python = tandem_tests::python::python_with(&[("prometheus_client", "prometheus-client")]);
+    let script = "import sys, json\nfrom prometheus_client.parser import text_string_to_metric_families as p\n\
+                  print(json.dumps([f.name + ('_total' if f.type == 'counter' else '') \
+                  for f in p(sys.stdin.read())]))";
+    let mut child = Command::new(python)
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write");
+    let out = child.wait_with_output().expect("parse");
+    assert!(out.status.success(), "not Prometheus text:\n{text}");
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+/// The metric names docs/metrics.md documents: the coordinator's, then the nodes'.
+fn documented() -> (Vec<String>, Vec<String>) {
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/metrics.md"),
+    )
+    .expect("docs/metrics.md");
+    let (coordinator, nodes) = doc
+        .split_once("## Target-node and draft-node")
+        .expect("a section for the nodes");
+    let names = |section: &str| -> Vec<String> {
+        section
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `tandem_"))
+            .filter_map(|rest| rest.split_once('`'))
+            .map(|(name, _)| format!("tandem_{name}"))
+            .collect()
+    };
+    (names(coordinator), names(nodes))
+}
+
+async fn page(addr: SocketAddr) -> String {
+    let (status, body) = http_request(addr, "GET", "/metrics", "").await;
+    assert_eq!(status, 200);
+    body
+}
+
 async fn scrape(addr: SocketAddr) -> std::collections::HashMap<String, f64> {
     let (status, body) = http_request(addr, "GET", "/metrics", "").await;
     assert_eq!(status, 200);
@@ -245,31 +296,73 @@ async fn metrics_on_every_node_move_by_what_a_request_did() {
         |i: usize, key: &str| get(&after[i], key) - before[i].get(key).copied().unwrap_or(0.0);
     let (t, d, c) = (0, 1, 2);
     assert_eq!(delta(c, "tandem_requests_total{}"), 1.0);
-    assert_eq!(delta(c, "tandem_generated_tokens_total{}"), 50.0);
     assert_eq!(
-        delta(c, "tandem_drafted_tokens_total{}"),
+        delta(c, "tandem_prompt_tokens_total{}"),
+        prompt.len() as f64
+    );
+    assert_eq!(delta(c, "tandem_generation_tokens_total{}"), 50.0);
+    assert_eq!(
+        delta(
+            c,
+            "tandem_request_success_total{\"finished_reason\": \"length\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        delta(c, "tandem_spec_decode_num_draft_tokens_total{}"),
         f64::from(st.drafted)
     );
     assert_eq!(
-        delta(c, "tandem_accepted_tokens_total{}"),
+        delta(c, "tandem_spec_decode_num_accepted_tokens_total{}"),
         f64::from(st.accepted)
     );
-    assert_eq!(delta(c, "tandem_rounds_total{}"), f64::from(st.rounds));
+    let drafted_rounds = st.model_rounds + st.ngram_rounds;
+    assert_eq!(
+        delta(c, "tandem_spec_decode_num_drafts_total{}"),
+        f64::from(drafted_rounds)
+    );
+    // Rounds by who drafted them (a drafter with no round has no sample).
+    let by = |drafter: &str| {
+        let key = format!("tandem_rounds_total{{\"drafter\": \"{drafter}\"}}");
+        after[c].get(&key).copied().unwrap_or(0.0) - before[c].get(&key).copied().unwrap_or(0.0)
+    };
+    assert_eq!(by("model"), f64::from(st.model_rounds));
+    assert_eq!(by("ngram"), f64::from(st.ngram_rounds));
+    assert_eq!(by("none"), f64::from(st.target_only_rounds));
     assert_eq!(
         delta(c, "tandem_round_seconds_count{}"),
         f64::from(st.rounds)
     );
     assert_eq!(
-        delta(c, "tandem_drafted_at_position_total{\"position\": \"1\"}"),
-        f64::from(st.model_rounds + st.ngram_rounds)
+        delta(c, "tandem_round_part_seconds_count{\"part\": \"verify\"}"),
+        f64::from(st.rounds)
+    );
+    assert_eq!(
+        delta(
+            c,
+            "tandem_spec_decode_num_draft_tokens_per_pos_total{\"position\": \"1\"}"
+        ),
+        f64::from(drafted_rounds)
     );
     assert!(
         get(
             &after[c],
-            "tandem_accepted_at_position_total{\"position\": \"1\"}"
+            "tandem_spec_decode_num_accepted_tokens_per_pos_total{\"position\": \"1\"}"
         ) > 0.0
     );
-    assert_eq!(get(&after[c], "tandem_active_generations{}"), 0.0);
+    // One first token, and one latency for each token after the first commit (which holds at
+    // most K + 1 = 5 of the 50).
+    assert_eq!(delta(c, "tandem_time_to_first_token_seconds_count{}"), 1.0);
+    let later = delta(c, "tandem_inter_token_latency_seconds_count{}");
+    assert!((45.0..=49.0).contains(&later), "{later}");
+    assert_eq!(delta(c, "tandem_e2e_request_latency_seconds_count{}"), 1.0);
+    assert_eq!(delta(c, "tandem_request_prefill_time_seconds_count{}"), 1.0);
+    assert_eq!(
+        delta(c, "tandem_wire_bytes_total{\"direction\": \"sent\"}"),
+        st.bytes_sent as f64
+    );
+    assert_eq!(get(&after[c], "tandem_num_requests_running{}"), 0.0);
+    assert_eq!(get(&after[c], "tandem_num_requests_waiting{}"), 0.0);
     assert_eq!(
         delta(d, "tandem_node_tokens_total{}"),
         f64::from(st.draft_node_tokens)
@@ -294,6 +387,9 @@ async fn metrics_on_every_node_move_by_what_a_request_did() {
             )
             .await
         );
+        let page = scrape(nodes.http[i]).await;
+        assert!(page["tandem_node_kv_cache_budget_bytes{}"] > 0.0);
+        assert_eq!(page["tandem_node_kv_cache_usage_perc{}"], 0.0);
     }
     // A refused request is counted by its code.
     let bad = request(&[], 5, 4, &SamplingParams::greedy());
@@ -309,6 +405,22 @@ async fn metrics_on_every_node_move_by_what_a_request_did() {
         ),
         1.0
     );
+    // Every name docs/metrics.md documents is on the page it says (a labelled counter once it
+    // has a series: the error above gave the coordinator's errors one).
+    let (coordinator_names, node_names) = documented();
+    assert!(coordinator_names.len() > 20 && node_names.len() > 10);
+    for (i, names) in [(c, &coordinator_names), (t, &node_names), (d, &node_names)] {
+        let body = page(nodes.http[i]).await;
+        let found = tokio::task::spawn_blocking(move || families(&body))
+            .await
+            .expect("join");
+        for name in names {
+            assert!(
+                found.contains(name),
+                "{name} is documented but not served: {found:?}"
+            );
+        }
+    }
 }
 
 async fn futures_scrape(nodes: &Nodes) -> Vec<std::collections::HashMap<String, f64>> {

@@ -1,131 +1,345 @@
-//! What the coordinator counts, exposed at `/metrics` on its HTTP port.
+//! What the coordinator counts, exposed at `/metrics` on its HTTP port: the request and
+//! speculative-decoding metrics named as vLLM names them (`vllm:x` is `tandem_x` here), then
+//! Tandem's own (rounds by drafter, where a round's time goes, bytes on the wire, the draft's
+//! losses, stalls and re-attachments). docs/metrics.md lists them all.
 
-use tandem_node::metrics::{Counter, Exposition, Histogram, LabeledCounter, PositionCounter};
+use std::time::Instant;
 
-/// Counters and round-latency histograms of the coordinator.
-#[derive(Debug, Default)]
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tandem_node::metrics::{LabeledCounter, encode, latency};
+
+use super::job::Outcome;
+use crate::drafting::policy::Drafter;
+
+/// Token-latency buckets in seconds: 1 ms to 60 s (a first token waits for a prefill).
+const REQUEST_BUCKETS: [f64; 16] = [
+    1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0,
+];
+
+fn request_latency() -> Histogram {
+    Histogram::new(REQUEST_BUCKETS)
+}
+
+/// The coordinator's metrics and the registry that writes them.
+#[derive(Debug)]
 pub struct CoordinatorMetrics {
+    /// Generations started, and those that finished, by why.
     pub requests: Counter,
-    pub generated_tokens: Counter,
-    pub drafted_tokens: Counter,
-    pub accepted_tokens: Counter,
-    /// Drafts and acceptances by position in the block (1 = first draft token).
-    pub drafted_at: PositionCounter,
-    pub accepted_at: PositionCounter,
-    pub rounds: Counter,
+    pub request_success: LabeledCounter,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    /// Generations in flight (set when the page is written), and those among them still
+    /// opening their sessions: waiting for a target-node to admit them and prefill.
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub time_to_first_token: Histogram,
+    /// Per token after the first commit: the wait for its commit over the tokens it held.
+    pub inter_token_latency: Histogram,
+    pub e2e_latency: Histogram,
+    /// From the request to both sessions open (the prompt prefilled on the nodes).
+    pub prefill_time: Histogram,
+    /// Rounds that verified drafts, the drafts, those accepted, and both by position in the
+    /// block (1 = first draft token).
+    pub num_drafts: Counter,
+    pub num_draft_tokens: Counter,
+    pub num_accepted_tokens: Counter,
+    pub draft_tokens_per_pos: LabeledCounter,
+    pub accepted_tokens_per_pos: LabeledCounter,
+    /// Rounds by who drafted them (`model`, `ngram`, `none`: the target alone).
+    pub rounds: LabeledCounter,
     pub round_seconds: Histogram,
-    pub draft_seconds: Histogram,
-    pub verify_seconds: Histogram,
-    /// Round time outside the nodes' compute: network, serialisation, scheduling.
-    pub network_seconds: Histogram,
+    /// A round's time by part: the draft-node's compute, the target-node's, and the rest
+    /// (network, serialisation, scheduling).
+    pub round_part_seconds: Family<[(&'static str, &'static str); 1], Histogram>,
+    /// Bytes of node session messages, `sent` and `received`.
+    pub wire_bytes: LabeledCounter,
     pub repairs: Counter,
     pub drafts_lost: Counter,
+    pub draft_reattaches: Counter,
+    pub draft_stalls: Counter,
     /// Drafted blocks refused (by the target-node, or here for more drafts than asked), by reason.
     pub draft_blocks_refused: LabeledCounter,
     pub errors: LabeledCounter,
+    registry: Registry,
+}
+
+impl Default for CoordinatorMetrics {
+    fn default() -> Self {
+        let mut m = Self {
+            requests: Counter::default(),
+            request_success: LabeledCounter::with_values("finished_reason", ["length", "stop"]),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            time_to_first_token: request_latency(),
+            inter_token_latency: request_latency(),
+            e2e_latency: request_latency(),
+            prefill_time: request_latency(),
+            num_drafts: Counter::default(),
+            num_draft_tokens: Counter::default(),
+            num_accepted_tokens: Counter::default(),
+            draft_tokens_per_pos: LabeledCounter::new("position"),
+            accepted_tokens_per_pos: LabeledCounter::new("position"),
+            rounds: LabeledCounter::with_values("drafter", ["model", "ngram", "none"]),
+            round_seconds: latency(),
+            round_part_seconds: Family::new_with_constructor(latency),
+            wire_bytes: LabeledCounter::with_values("direction", ["sent", "received"]),
+            repairs: Counter::default(),
+            drafts_lost: Counter::default(),
+            draft_reattaches: Counter::default(),
+            draft_stalls: Counter::default(),
+            draft_blocks_refused: LabeledCounter::refusals(),
+            errors: LabeledCounter::errors(),
+            registry: Registry::default(),
+        };
+        m.register();
+        m
+    }
 }
 
 impl CoordinatorMetrics {
-    /// Records one round: `drafted` proposed, `accepted` of them accepted, and its times.
-    pub fn round(&self, drafted: usize, accepted: usize, wall: f64, draft: f64, verify: f64) {
-        self.rounds.add(1);
-        self.drafted_tokens.add(drafted as u64);
-        self.accepted_tokens.add(accepted as u64);
-        self.drafted_at.add_first(drafted);
-        self.accepted_at.add_first(accepted);
-        self.round_seconds.observe(wall);
-        if drafted > 0 {
-            self.draft_seconds.observe(draft);
+    fn register(&mut self) {
+        let r = &mut self.registry;
+        let counters = [
+            ("tandem_requests", "Generations started", &self.requests),
+            (
+                "tandem_prompt_tokens",
+                "Prompt tokens of the generations started",
+                &self.prompt_tokens,
+            ),
+            (
+                "tandem_generation_tokens",
+                "Tokens generated (streamed to clients)",
+                &self.generation_tokens,
+            ),
+            (
+                "tandem_spec_decode_num_drafts",
+                "Rounds that verified a drafted block",
+                &self.num_drafts,
+            ),
+            (
+                "tandem_spec_decode_num_draft_tokens",
+                "Draft tokens proposed",
+                &self.num_draft_tokens,
+            ),
+            (
+                "tandem_spec_decode_num_accepted_tokens",
+                "Draft tokens accepted by the target",
+                &self.num_accepted_tokens,
+            ),
+            (
+                "tandem_prefix_repairs",
+                "Node prefix mismatches repaired by rollback or replay",
+                &self.repairs,
+            ),
+            (
+                "tandem_drafts_lost",
+                "Generations that lost their draft-node and went on target-only",
+                &self.drafts_lost,
+            ),
+            (
+                "tandem_draft_reattaches",
+                "Draft-node sessions attached again after a loss or a stall",
+                &self.draft_reattaches,
+            ),
+            (
+                "tandem_draft_stalls",
+                "Draft steps abandoned at their deadline",
+                &self.draft_stalls,
+            ),
+        ];
+        for (name, help, counter) in counters {
+            r.register(name, help, counter.clone());
         }
-        self.verify_seconds.observe(verify);
-        self.network_seconds.observe(wall - draft - verify);
+        let gauges = [
+            (
+                "tandem_num_requests_running",
+                "Generations in flight",
+                &self.running,
+            ),
+            (
+                "tandem_num_requests_waiting",
+                "Generations in flight still opening their node sessions (admission and prefill \
+                 on the nodes): the queue to scale target-nodes on",
+                &self.waiting,
+            ),
+        ];
+        for (name, help, gauge) in gauges {
+            r.register(name, help, gauge.clone());
+        }
+        let histograms = [
+            (
+                "tandem_time_to_first_token_seconds",
+                "From the request to its first token streamed",
+                &self.time_to_first_token,
+            ),
+            (
+                "tandem_inter_token_latency_seconds",
+                "Per token after the first commit: the wait for its commit over the tokens it held",
+                &self.inter_token_latency,
+            ),
+            (
+                "tandem_e2e_request_latency_seconds",
+                "From the request to its last token",
+                &self.e2e_latency,
+            ),
+            (
+                "tandem_request_prefill_time_seconds",
+                "From the request to both node sessions open, the prompt prefilled",
+                &self.prefill_time,
+            ),
+            (
+                "tandem_round_seconds",
+                "Wall time of a draft-verify round",
+                &self.round_seconds,
+            ),
+        ];
+        for (name, help, histogram) in histograms {
+            r.register(name, help, histogram.clone());
+        }
+        r.register(
+            "tandem_round_part_seconds",
+            "A round's time by part: draft (draft-node compute), verify (target-node compute), \
+             network (the rest: network, serialisation, scheduling)",
+            self.round_part_seconds.clone(),
+        );
+        let labeled = [
+            (
+                "tandem_request_success",
+                "Generations finished, by why (length, stop)",
+                &self.request_success,
+            ),
+            (
+                "tandem_spec_decode_num_draft_tokens_per_pos",
+                "Draft tokens proposed by position in the block",
+                &self.draft_tokens_per_pos,
+            ),
+            (
+                "tandem_spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted by position in the block",
+                &self.accepted_tokens_per_pos,
+            ),
+            (
+                "tandem_rounds",
+                "Draft-verify rounds by who drafted them (model, ngram, none)",
+                &self.rounds,
+            ),
+            (
+                "tandem_wire_bytes",
+                "Bytes of node session messages (sent, received)",
+                &self.wire_bytes,
+            ),
+            (
+                "tandem_draft_blocks_refused",
+                "Drafted blocks refused and run as plain target steps, by reason",
+                &self.draft_blocks_refused,
+            ),
+            (
+                "tandem_errors",
+                "Failed requests by gRPC code",
+                &self.errors,
+            ),
+        ];
+        for (name, help, counter) in labeled {
+            counter.register(r, name, help);
+        }
     }
 
-    /// The Prometheus text, with `active` generations in flight.
+    /// Records one round: who drafted it (`None`: the target alone), `drafted` proposed,
+    /// `accepted` of them accepted, and its times.
+    pub fn round(
+        &self,
+        drafter: Option<Drafter>,
+        (drafted, accepted): (usize, usize),
+        wall: f64,
+        draft: f64,
+        verify: f64,
+    ) {
+        let by = match drafter {
+            Some(Drafter::Model) => "model",
+            Some(Drafter::Ngram) => "ngram",
+            None => "none",
+        };
+        self.rounds.add(by, 1);
+        if drafted > 0 {
+            self.num_drafts.inc();
+            self.round_part_seconds
+                .get_or_create(&[("part", "draft")])
+                .observe(draft);
+        }
+        self.num_draft_tokens.inc_by(drafted as u64);
+        self.num_accepted_tokens.inc_by(accepted as u64);
+        self.draft_tokens_per_pos.add_first(drafted);
+        self.accepted_tokens_per_pos.add_first(accepted);
+        self.round_seconds.observe(wall);
+        self.round_part_seconds
+            .get_or_create(&[("part", "verify")])
+            .observe(verify);
+        self.round_part_seconds
+            .get_or_create(&[("part", "network")])
+            .observe((wall - draft - verify).max(0.0));
+    }
+
+    /// Records a generation that ended well.
+    pub fn finished(&self, o: &Outcome, seconds: f64) {
+        self.request_success.add(o.finish_reason.as_str(), 1);
+        self.generation_tokens.inc_by(o.token_ids.len() as u64);
+        self.e2e_latency.observe(seconds);
+        let s = &o.stats;
+        self.repairs.inc_by(u64::from(s.repairs));
+        self.drafts_lost.inc_by(u64::from(s.draft_lost));
+        self.draft_reattaches.inc_by(u64::from(s.draft_reattached));
+        self.draft_stalls.inc_by(u64::from(s.draft_stalls));
+        self.wire_bytes.add("sent", s.traffic.sent);
+        self.wire_bytes.add("received", s.traffic.received);
+    }
+
+    /// A commit of `tokens` streamed: the generation's first token (since `start`), or the
+    /// wait since the last commit shared among its tokens.
+    pub fn streamed(&self, last: &mut Option<Instant>, start: Instant, tokens: usize) {
+        if tokens == 0 {
+            return;
+        }
+        let now = Instant::now();
+        match *last {
+            None => self
+                .time_to_first_token
+                .observe((now - start).as_secs_f64()),
+            Some(at) => {
+                let each = (now - at).as_secs_f64() / tokens as f64;
+                for _ in 0..tokens {
+                    self.inter_token_latency.observe(each);
+                }
+            }
+        }
+        *last = Some(now);
+    }
+
+    /// The page in the Prometheus text format, with `active` generations in flight.
     pub fn exposition(&self, active: usize) -> String {
-        let mut e = Exposition::default();
-        e.counter(
-            "tandem_requests_total",
-            "Generations started.",
-            self.requests.get(),
-        )
-        .gauge(
-            "tandem_active_generations",
-            "Generations in flight.",
-            active as f64,
-        )
-        .counter(
-            "tandem_generated_tokens_total",
-            "Tokens streamed to clients.",
-            self.generated_tokens.get(),
-        )
-        .counter(
-            "tandem_drafted_tokens_total",
-            "Draft tokens proposed.",
-            self.drafted_tokens.get(),
-        )
-        .counter(
-            "tandem_accepted_tokens_total",
-            "Draft tokens accepted by the target.",
-            self.accepted_tokens.get(),
-        )
-        .positions(
-            "tandem_drafted_at_position_total",
-            "Draft tokens proposed by position in the block.",
-            &self.drafted_at,
-        )
-        .positions(
-            "tandem_accepted_at_position_total",
-            "Draft tokens accepted by position in the block.",
-            &self.accepted_at,
-        )
-        .counter(
-            "tandem_rounds_total",
-            "Draft-verify rounds.",
-            self.rounds.get(),
-        )
-        .histogram(
-            "tandem_round_seconds",
-            "Wall time of a round.",
-            &self.round_seconds,
-        )
-        .histogram(
-            "tandem_round_draft_seconds",
-            "Draft-node compute per round.",
-            &self.draft_seconds,
-        )
-        .histogram(
-            "tandem_round_verify_seconds",
-            "Target-node compute per round.",
-            &self.verify_seconds,
-        )
-        .histogram(
-            "tandem_round_network_seconds",
-            "Round time outside the nodes' compute (network, serialisation, scheduling).",
-            &self.network_seconds,
-        )
-        .counter(
-            "tandem_prefix_repairs_total",
-            "Node prefix mismatches repaired by rollback or replay.",
-            self.repairs.get(),
-        )
-        .counter(
-            "tandem_drafts_lost_total",
-            "Generations that lost their draft-node and went on target-only.",
-            self.drafts_lost.get(),
-        )
-        .labeled(
-            "tandem_draft_blocks_refused_total",
-            "Drafted blocks refused and run as plain target steps, by reason.",
-            "reason",
-            &self.draft_blocks_refused,
-        )
-        .labeled(
-            "tandem_errors_total",
-            "Failed requests by gRPC code.",
-            "kind",
-            &self.errors,
-        );
-        e.finish()
+        self.running.set(i64::try_from(active).unwrap_or(i64::MAX));
+        encode(&self.registry)
+    }
+}
+
+/// One more in a gauge while it lives.
+#[derive(Debug)]
+pub struct Counted(Gauge);
+
+impl Counted {
+    pub fn new(gauge: &Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }

@@ -27,7 +27,7 @@ use crate::drafting::drafters::{
 use crate::drafting::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
 use crate::drafting::shadow::{Shadow, shadow_len};
 pub use crate::engine::job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
-use crate::engine::metrics::CoordinatorMetrics;
+use crate::engine::metrics::{CoordinatorMetrics, Counted};
 pub use crate::engine::stats::Stats;
 pub use crate::nodes::NodeHandle;
 use crate::nodes::links::{Draft, NodeSession, SessionSpec, Target};
@@ -238,14 +238,12 @@ impl Engine {
         k = job.draft_tokens,
     ))]
     pub async fn generate(&self, job: &Job, sink: &mut impl CommitSink) -> Result<Outcome> {
-        self.metrics.requests.add(1);
+        self.metrics.requests.inc();
+        self.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
+        let start = Instant::now();
         let outcome = self.run(job, sink).await;
         match &outcome {
-            Ok(o) => {
-                self.metrics.generated_tokens.add(o.token_ids.len() as u64);
-                self.metrics.repairs.add(u64::from(o.stats.repairs));
-                self.metrics.drafts_lost.add(u64::from(o.stats.draft_lost));
-            }
+            Ok(o) => self.metrics.finished(o, start.elapsed().as_secs_f64()),
             Err(e) => self.count_error(e),
         }
         outcome
@@ -301,6 +299,7 @@ impl Engine {
                         }))
         });
         // Each session on the least loaded replica of its node, counted there until the end.
+        let opening = Counted::new(&self.metrics.waiting);
         let (target, draft) = tokio::join!(
             self.targets
                 .open::<Target>(self.targets.pick(), &spec, &log),
@@ -311,6 +310,7 @@ impl Engine {
                 Some((opened, start.elapsed().as_secs_f64()))
             }
         );
+        drop(opening);
         let mut target = target.session?;
         let _lease = self.targets.lease(target.replica);
         let _draft_lease = draft.as_ref().zip(use_draft).and_then(|((o, _), d)| {
@@ -351,6 +351,10 @@ impl Engine {
             _ => {}
         }
         stats.base.prefill_seconds = prefill_start.elapsed().as_secs_f64();
+        self.metrics
+            .prefill_time
+            .observe(stats.base.prefill_seconds);
+        let mut last_commit: Option<Instant> = None;
 
         let mut shadow = Shadow::new(
             job.adaptive && job.sampling.is_greedy(),
@@ -546,8 +550,13 @@ impl Engine {
             );
             stats.base.record_round(drafts.len(), accepted);
             let wall = round_start.elapsed().as_secs_f64();
-            self.metrics
-                .round(drafts.len(), accepted, wall, draft_secs, verify_secs);
+            self.metrics.round(
+                drafter,
+                (drafts.len(), accepted),
+                wall,
+                draft_secs,
+                verify_secs,
+            );
             let round = Verdict {
                 accepted,
                 next: verdict.next_token,
@@ -577,6 +586,8 @@ impl Engine {
             if !sink.send(&commit, &verdict.logprobs[..n]).await {
                 break Err(Error::Cancelled);
             }
+            self.metrics
+                .streamed(&mut last_commit, prefill_start, commit.tokens.len());
         };
         stats.base.decode_seconds = decode_start.elapsed().as_secs_f64();
         // Fixed-K sessions measure the same costs and acceptance: every session teaches.

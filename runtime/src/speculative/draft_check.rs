@@ -38,6 +38,19 @@ pub enum RefusalReason {
 }
 
 impl RefusalReason {
+    /// Every reason, as a metric's label values are listed before any is counted.
+    pub const ALL: [Self; 9] = [
+        Self::TooManyDrafts,
+        Self::QCount,
+        Self::UnknownToken,
+        Self::MalformedQ,
+        Self::NonFiniteQ,
+        Self::NegativeQ,
+        Self::QSum,
+        Self::NoMassOnDraft,
+        Self::NotOneHot,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::TooManyDrafts => "too_many_drafts",
