@@ -191,37 +191,42 @@ async fn sigterm_lets_the_generation_in_flight_finish() {
 /// Every sample of a Prometheus text page, parsed by the reference parser (prometheus_client):
 /// `name{label="v",...}` → value.
 fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
-    let python = tandem_tests::python::python_with(&[("prometheus_client", "prometheus-client")]);
-    let script = "import sys, json\nfrom prometheus_client.parser import text_string_to_metric_families as p\n\
-                  print(json.dumps({s.name + json.dumps(s.labels, sort_keys=True): s.value \
-                  for f in p(sys.stdin.read()) for s in f.samples}))";
-    let mut child = Command::new(python)
-        .args(["-c", script])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("python");
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(text.as_bytes())
-        .expect("write");
-    let out = child.wait_with_output().expect("parse");
-    assert!(out.status.success(), "not Prometheus text:\n{text}");
-    serde_json::from_slice(&out.stdout).expect("json")
+    let samples = reference_parser(
+        text,
+        "print(json.dumps({s.name + json.dumps(s.labels, sort_keys=True): s.value \
+                  for f in p(sys.stdin.read()) for s in f.samples}))",
+    );
+    let samples = samples.as_object().expect("samples by name");
+    samples
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_f64().expect("a sample's value")))
+        .collect()
 }
 
 /// The metric families of a Prometheus text page, parsed by the reference parser, named as
 /// docs/metrics.md names them (a counter with its `_total`).
 fn families(text: &str) -> std::collections::HashSet<String> {
+    let names = reference_parser(
+        text,
+        "print(json.dumps([f.name + ('_total' if f.type == 'counter' else '') \
+                  for f in p(sys.stdin.read())]))",
+    );
+    let names = names.as_array().expect("family names");
+    names
+        .iter()
+        .map(|n| n.as_str().expect("a name").to_string())
+        .collect()
+}
+
+/// `text` parsed by Prometheus' reference parser (prometheus_client's, as `p`), what `print`
+/// writes as JSON.
+fn reference_parser(text: &str, print: &str) -> serde_json::Value {
     let python = tandem_tests::python::python_with(&[("prometheus_client", "prometheus-client")]);
-    let script = "import sys, json\nfrom prometheus_client.parser import text_string_to_metric_families as p\n\
-                  print(json.dumps([f.name + ('_total' if f.type == 'counter' else '') \
-                  for f in p(sys.stdin.read())]))";
+    let script = format!(
+        "import sys, json\nfrom prometheus_client.parser import text_string_to_metric_families as p\n{print}"
+    );
     let mut child = Command::new(python)
-        .args(["-c", script])
+        .args(["-c", &script])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
