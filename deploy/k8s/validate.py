@@ -2,8 +2,10 @@
 Kubernetes OpenAPI schemas (kubernetes-validate), offline.
 
 The renderer covers what these manifests use: `resources` (files and directories),
-`components`, `namespace`, `labels`, and strategic-merge `patches` (maps merge, `null` deletes a key, lists of
-named items merge by name, other lists are replaced).
+`components` (their resources and patches), `namespace`, `labels`, and strategic-merge `patches`
+(maps merge, `null` deletes a key, lists of named items merge by name, other lists are replaced).
+A kind Kubernetes does not define (the Prometheus operator's ServiceMonitor) is checked against
+its schema in schemas/ (jsonschema).
 
 usage: validate.py [K8S_DIR]        exits non-zero and names the file and field on any error
 """
@@ -12,6 +14,9 @@ import copy
 import pathlib
 import sys
 
+import json
+
+import jsonschema
 import kubernetes_validate
 import yaml
 
@@ -57,8 +62,7 @@ def apply_patches(docs, directory: pathlib.Path, kustomization):
         docs[i] = (merge(docs[i][0], p), docs[i][1])
 
 
-def render(directory: pathlib.Path):
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+def resources(directory: pathlib.Path, kustomization):
     docs = []
     for entry in kustomization.get("resources", []):
         path = directory / entry
@@ -66,9 +70,17 @@ def render(directory: pathlib.Path):
             docs.extend(render(path))
         else:
             docs.extend((d, path) for d in yaml.safe_load_all(path.read_text()) if d)
+    return docs
+
+
+def render(directory: pathlib.Path):
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    docs = resources(directory, kustomization)
     for component in kustomization.get("components", []):
         path = directory / component
-        apply_patches(docs, path, yaml.safe_load((path / "kustomization.yaml").read_text()))
+        component_kustomization = yaml.safe_load((path / "kustomization.yaml").read_text())
+        docs.extend(resources(path, component_kustomization))
+        apply_patches(docs, path, component_kustomization)
     apply_patches(docs, directory, kustomization)
     for doc, _ in docs:
         if "namespace" in kustomization and doc["kind"] not in CLUSTER_SCOPED:
@@ -78,8 +90,23 @@ def render(directory: pathlib.Path):
     return docs
 
 
+def custom_schemas(root: pathlib.Path):
+    """Schemas of the kinds Kubernetes does not define, by kind."""
+    return {"ServiceMonitor": json.loads((root / "schemas" / "servicemonitor.json").read_text())}
+
+
+def check(doc, version, custom):
+    """Raises a ValidationError (with `path` and `message`) where `doc` breaks its schema."""
+    schema = custom.get(doc["kind"])
+    if schema is None:
+        kubernetes_validate.validate(doc, version, strict=True)
+    else:
+        jsonschema.validate(doc, schema)
+
+
 def main():
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).parent)
+    custom = custom_schemas(root)
     version = "1.30.0"
     targets = [root / "base"] + sorted(p for p in (root / "overlays").iterdir() if p.is_dir())
     failures, count = 0, 0
@@ -87,8 +114,8 @@ def main():
         for doc, source in render(target):
             count += 1
             try:
-                kubernetes_validate.validate(doc, version, strict=True)
-            except kubernetes_validate.ValidationError as e:
+                check(doc, version, custom)
+            except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as e:
                 failures += 1
                 where = ".".join(str(p) for p in e.path)
                 print(f"{target.name}: {source.name}: {doc['kind']}/{doc['metadata']['name']}: {where}: {e.message}")

@@ -35,7 +35,8 @@ async fn metrics(State(state): State<Arc<NodeState>>) -> impl IntoResponse {
     )
 }
 
-/// Ready once the model is loaded (the server starts after it is), until draining starts.
+/// Ready once the model is loaded and has run a first forward (the server starts after both),
+/// whether or not any other node is up, until draining starts.
 async fn ready(State(state): State<Arc<NodeState>>) -> axum::response::Response {
     if state.draining.load(std::sync::atomic::Ordering::Relaxed) {
         (axum::http::StatusCode::SERVICE_UNAVAILABLE, "draining").into_response()

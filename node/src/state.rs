@@ -70,6 +70,11 @@ impl NodeState {
         let path = hub::resolve(&source.model)?;
         let model = Model::load(&path, &options)?;
         let tokenizer = Tokenizer::for_model(&path)?;
+        // A real one-token forward before the node serves (so before it is ready): a device
+        // that cannot run the model fails here, naming why, not at the first request; and the
+        // first forward's start-up costs (thread pools, page faults, kernels loaded) are not a
+        // session's.
+        model.forward(&[0], &mut model.new_cache(), tandem_runtime::Logits::Last)?;
         Ok(Self::new(role, model, tokenizer, &source.device, limits))
     }
 

@@ -1,6 +1,8 @@
 //! The Kubernetes manifests in deploy/k8s: the base and every overlay render and validate
-//! against the Kubernetes schemas (kubernetes-validate, offline), and a broken manifest fails;
-//! the mutual-TLS component's certificate script makes certificates the nodes accept.
+//! against the Kubernetes schemas (kubernetes-validate, offline; the Prometheus operator's
+//! ServiceMonitor against deploy/k8s/schemas), and a broken manifest fails; the mutual-TLS
+//! component's certificate script makes certificates the nodes accept; the Grafana dashboard and
+//! the autoscaler query only metrics docs/metrics.md documents.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -45,7 +47,7 @@ fn manifests_validate_against_the_kubernetes_schemas() {
         "{text}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for target in ["base", "gpu", "cpu", "cpu-hub", "edge-mtls"] {
+    for target in ["base", "gpu", "cpu", "cpu-hub", "edge-mtls", "monitoring"] {
         assert!(
             text.contains(&format!("{target}: rendered and checked")),
             "{text}"
@@ -68,6 +70,85 @@ fn a_broken_manifest_is_caught_and_named() {
         text.contains("HorizontalPodAutoscaler/coordinator: spec.minReplicas"),
         "{text}"
     );
+
+    // A misspelt field of a ServiceMonitor (a kind Kubernetes does not define) too.
+    copy_dir(&k8s_dir(), scratch.path());
+    let monitors = scratch
+        .path()
+        .join("components/monitoring/servicemonitors.yaml");
+    let text = std::fs::read_to_string(&monitors).expect("read");
+    std::fs::write(&monitors, text.replacen("port: http", "prot: http", 1)).expect("write");
+    let out = validate(scratch.path());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains(
+            "monitoring: servicemonitors.yaml: ServiceMonitor/coordinator: spec.endpoints.0"
+        ),
+        "{text}"
+    );
+}
+
+/// Every `tandem_*` metric name in `text`, a histogram's series (`_bucket`, `_sum`, `_count`)
+/// named by their histogram.
+fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("tandem_"))
+        .map(|w| {
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| w.strip_suffix(s).filter(|h| h.ends_with("_seconds")))
+                .unwrap_or(w)
+                .to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn the_dashboard_and_the_autoscaler_query_only_documented_metrics() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let doc = std::fs::read_to_string(root.join("docs/metrics.md")).expect("docs/metrics.md");
+    let documented = metric_names(&doc);
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("deploy/grafana/tandem.json")).expect("dashboard"),
+    )
+    .expect("the dashboard is JSON");
+    let panels = dashboard["panels"].as_array().expect("panels");
+    let mut queried = std::collections::BTreeSet::new();
+    for panel in panels.iter().filter(|p| p["type"] != "row") {
+        let targets = panel["targets"].as_array().expect("a panel's queries");
+        assert!(!targets.is_empty(), "{panel}");
+        for target in targets {
+            let expr = target["expr"].as_str().expect("a PromQL query");
+            let names = metric_names(expr);
+            assert!(!names.is_empty(), "{expr} queries no Tandem metric");
+            queried.extend(names);
+        }
+    }
+    let autoscaler = std::fs::read_to_string(
+        root.join("deploy/k8s/components/monitoring/target-node-autoscaler.yaml"),
+    )
+    .expect("autoscaler");
+    let scaled_on = metric_names(&autoscaler);
+    assert_eq!(
+        scaled_on.iter().collect::<Vec<_>>(),
+        ["tandem_num_requests_waiting"]
+    );
+    queried.extend(scaled_on);
+    let undocumented: Vec<_> = queried.difference(&documented).collect();
+    assert!(
+        undocumented.is_empty(),
+        "not in docs/metrics.md: {undocumented:?}"
+    );
+    // The dashboard shows the speculative metrics users read first.
+    for name in [
+        "tandem_spec_decode_num_accepted_tokens_total",
+        "tandem_time_to_first_token_seconds",
+        "tandem_round_part_seconds",
+        "tandem_node_kv_cache_usage_perc",
+    ] {
+        assert!(queried.contains(name), "{name}");
+    }
 }
 
 #[tokio::test]

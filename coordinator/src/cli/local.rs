@@ -5,26 +5,21 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use tandem_node::{LimitsArgs, ModelSource, NodeState, Role};
+use tandem_runtime::Tokenizer;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
-use tandem_runtime::{Logits, Tokenizer};
 
 use crate::cli::{FetchArgs, GenerateArgs, ModelArgs, QuantizeArgs};
 use crate::nodes::cluster::LocalCluster;
 
-/// Loads one model with its tokenizer as a node does, and warms it up.
+/// Loads one model with its tokenizer as a node does (warmed up by a first forward).
 fn load_node(role: Role, model: &str, device: &str) -> anyhow::Result<NodeState> {
     let source = ModelSource {
         model: model.to_string(),
         device: device.to_string(),
         max_context: None,
     };
-    let state = NodeState::load(role, &source, &LimitsArgs::default())
-        .with_context(|| format!("loading the {} model", role.as_str()))?;
-    // First forwards pay for thread-pool start-up and page faults: keep them out of the timings
-    // that the speedup compares.
-    let model = &state.model;
-    model.forward(&[0], &mut model.new_cache(), Logits::Last)?;
-    Ok(state)
+    NodeState::load(role, &source, &LimitsArgs::default())
+        .with_context(|| format!("loading the {} model", role.as_str()))
 }
 
 /// Starts a target-node, a draft-node and a coordinator in this process on loopback gRPC.
