@@ -249,7 +249,14 @@ async fn a_generation_whose_replica_is_lost_continues_on_another() {
     let coordinator = Proc::coordinator(
         &a_url,
         &draft.url(),
-        &["--target", &b.url(), "--target-retry-secs", "3600"],
+        &[
+            "--target",
+            &b.url(),
+            "--target-retry-secs",
+            "3600",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
         None,
     );
     let (ids, done) = with_fault(
@@ -266,6 +273,14 @@ async fn a_generation_whose_replica_is_lost_continues_on_another() {
     assert_eq!(ids.len(), 400, "no token lost");
     assert_eq!(done.token_ids, ids, "none repeated");
     assert_eq!(ids, in_process(&stories(), None, &story(400, 0)).token_ids);
+    // Counted as a failover: replayed on the other replica, after the lost one refused.
+    let (_, page) = http_request(coordinator.listening("metrics"), "GET", "/metrics", "").await;
+    for line in [
+        "tandem_target_replays_total{replica=\"other\"} 1\n",
+        "tandem_target_replays_total{replica=\"same\"} 0\n",
+    ] {
+        assert!(page.contains(line), "{line:?} in {page}");
+    }
     // With the first replica gone, new generations open on the other at once.
     for k in [4, 0] {
         let (ids, done) = stream(coordinator.url(), story(40, k)).await;

@@ -58,6 +58,9 @@ pub struct CoordinatorMetrics {
     /// Bytes of node session messages, `sent` and `received`.
     pub wire_bytes: LabeledCounter,
     pub repairs: Counter,
+    /// Lost target sessions rebuilt by replaying the log, on the `same` replica (back) or an
+    /// `other` one (a failover).
+    pub target_replays: LabeledCounter,
     pub drafts_lost: Counter,
     pub draft_reattaches: Counter,
     pub draft_stalls: Counter,
@@ -90,6 +93,7 @@ impl Default for CoordinatorMetrics {
             round_part_seconds: Family::new_with_constructor(latency),
             wire_bytes: LabeledCounter::with_values("direction", ["sent", "received"]),
             repairs: Counter::default(),
+            target_replays: LabeledCounter::with_values("replica", ["same", "other"]),
             drafts_lost: Counter::default(),
             draft_reattaches: Counter::default(),
             draft_stalls: Counter::default(),
@@ -228,6 +232,11 @@ impl CoordinatorMetrics {
                 "tandem_rounds",
                 "Draft-verify rounds by who drafted them (model, ngram, none)",
                 &self.rounds,
+            ),
+            (
+                "tandem_target_replays",
+                "Lost target sessions rebuilt by replaying the log, on the same replica or another (a failover)",
+                &self.target_replays,
             ),
             (
                 "tandem_wire_bytes",

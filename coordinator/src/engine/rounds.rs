@@ -733,6 +733,8 @@ impl Engine {
                         target.replay(log).await
                     };
                     moved.await.map_err(|e| self.targets.failed(replica, e))?;
+                    let to = if replica == home { "same" } else { "other" };
+                    self.metrics.target_replays.add(to, 1);
                 }
                 target.call(log, make).await
             };
