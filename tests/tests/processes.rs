@@ -410,6 +410,19 @@ async fn metrics_on_every_node_move_by_what_a_request_did() {
         ),
         1.0
     );
+    // The round trip to each node, measured in the background (an Info call every 5 s).
+    for node in ["target-node", "draft-node"] {
+        let label = format!("\"node\": \"{node}\"");
+        let measured = async || {
+            scrape(nodes.http[c]).await.iter().any(|(k, &s)| {
+                k.starts_with("tandem_link_rtt_seconds{")
+                    && k.contains(&label)
+                    && s > 0.0
+                    && s < 10.0
+            })
+        };
+        assert!(eventually(measured).await, "a round trip to the {node}");
+    }
     // Every name docs/metrics.md documents is on the page it says (a labelled counter once it
     // has a series: the error above gave the coordinator's errors one).
     let (coordinator_names, node_names) = documented();

@@ -10,7 +10,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use tandem_node::metrics::{LabeledCounter, encode, latency};
+use tandem_node::metrics::{FloatGauge, LabeledCounter, encode, latency};
 
 use super::job::Outcome;
 use crate::drafting::policy::Drafter;
@@ -67,6 +67,9 @@ pub struct CoordinatorMetrics {
     /// Drafted blocks refused (by the target-node, or here for more drafts than asked), by reason.
     pub draft_blocks_refused: LabeledCounter,
     pub errors: LabeledCounter,
+    /// The last round trip measured to each node replica (an `Info` call every 5 s), by `node`
+    /// and `endpoint`; set when the page is written.
+    pub link_rtt: Family<[(&'static str, String); 2], FloatGauge>,
     registry: Registry,
 }
 
@@ -99,6 +102,7 @@ impl Default for CoordinatorMetrics {
             draft_stalls: Counter::default(),
             draft_blocks_refused: LabeledCounter::refusals(),
             errors: LabeledCounter::errors(),
+            link_rtt: Family::default(),
             registry: Registry::default(),
         };
         m.register();
@@ -206,6 +210,11 @@ impl CoordinatorMetrics {
         for (name, help, histogram) in histograms {
             r.register(name, help, histogram.clone());
         }
+        r.register(
+            "tandem_link_rtt_seconds",
+            "The last round trip measured to each node replica (an Info call every 5 s), by node and endpoint",
+            self.link_rtt.clone(),
+        );
         r.register(
             "tandem_round_part_seconds",
             "A round's time by part: draft (draft-node compute), verify (target-node compute), \
@@ -329,9 +338,20 @@ impl CoordinatorMetrics {
         *last = Some(now);
     }
 
-    /// The page in the Prometheus text format, with `active` generations in flight.
-    pub fn exposition(&self, active: usize) -> String {
+    /// The page in the Prometheus text format, with `active` generations in flight and the
+    /// round trips to the node replicas as last measured (`(node, endpoint, seconds)`).
+    pub fn exposition(&self, active: usize, round_trips: &[(&'static str, String, f64)]) -> String {
         self.running.set(i64::try_from(active).unwrap_or(i64::MAX));
+        // Replicas come and go: only those measured now have a series.
+        self.link_rtt.clear();
+        for (node, endpoint, seconds) in round_trips {
+            self.link_rtt
+                .get_or_create(&[
+                    ("node", (*node).to_string()),
+                    ("endpoint", endpoint.clone()),
+                ])
+                .set(*seconds);
+        }
         encode(&self.registry)
     }
 }

@@ -150,6 +150,19 @@ impl Engine {
     }
 
     /// Generations running now.
+    /// The coordinator's `/metrics` page.
+    pub fn exposition(&self) -> String {
+        let mut round_trips = Vec::new();
+        let nodes = std::iter::once(("target-node", &self.targets))
+            .chain(self.draft.get().map(|d| ("draft-node", d)));
+        for (node, replicas) in nodes {
+            for (endpoint, rtt) in replicas.round_trips() {
+                round_trips.extend(rtt.map(|seconds| (node, endpoint, seconds)));
+            }
+        }
+        self.metrics.exposition(self.active(), &round_trips)
+    }
+
     pub fn active(&self) -> usize {
         self.active.load(Ordering::Relaxed)
     }

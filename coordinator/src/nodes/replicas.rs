@@ -8,11 +8,12 @@
 //! others are reached lazily and their info is checked against it before their first session.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use tandem_proto::tls::ClientTls;
+use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 
 use crate::nodes::links::{NodeSession, SessionSpec, Wire};
@@ -22,6 +23,10 @@ use tonic::Code;
 
 /// How often host names are resolved again.
 pub const REFRESH: Duration = Duration::from_secs(10);
+/// How often each replica's round trip is measured (an `Info` call), and how long one may take
+/// before the replica's round trip is unknown.
+pub const PROBE: Duration = Duration::from_secs(5);
+const PROBE_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Where to reach one replica: a URL, and the host name its address came from (TLS checks the
 /// certificate against it).
@@ -42,6 +47,8 @@ struct Replica {
     /// When it last failed to open or keep a session: for [`COOLDOWN`] it is picked only if
     /// every replica failed.
     failed: std::sync::Mutex<Option<Instant>>,
+    /// The last round trip measured to it, in microseconds (0: none, or its probe failed).
+    rtt_micros: AtomicU64,
 }
 
 /// How long a replica that failed is passed over by [`Replicas::pick`].
@@ -127,6 +134,7 @@ impl Replicas {
             let (weak, urls, tls) = (Arc::downgrade(&replicas), urls.to_vec(), tls.clone());
             tokio::spawn(refresh(node, weak, model.clone(), urls, tls));
         }
+        tokio::spawn(probe(Arc::downgrade(&replicas)));
         Ok(Self {
             node,
             model,
@@ -144,6 +152,21 @@ impl Replicas {
     /// The replica whose info is the model's.
     pub fn primary(&self) -> &NodeHandle {
         &self.model
+    }
+
+    /// Each replica's endpoint and the last round trip measured to it, in seconds (`None`: not
+    /// measured yet, or its last probe got no answer).
+    pub fn round_trips(&self) -> Vec<(String, Option<f64>)> {
+        self.snapshot()
+            .iter()
+            .map(|r| {
+                let micros = r.rtt_micros.load(Ordering::Relaxed);
+                (
+                    r.address.url.clone(),
+                    (micros > 0).then_some(micros as f64 * 1e-6),
+                )
+            })
+            .collect()
     }
 
     pub fn len(&self) -> usize {
@@ -326,7 +349,38 @@ fn replica(
         load: AtomicUsize::new(0),
         checked: AtomicBool::new(checked),
         failed: std::sync::Mutex::new(None),
+        rtt_micros: AtomicU64::new(0),
     }))
+}
+
+/// Measures each replica's round trip every [`PROBE`] (an `Info` call, which the node answers
+/// from memory) until the replicas are dropped.
+async fn probe(replicas: Weak<RwLock<Vec<Arc<Replica>>>>) {
+    loop {
+        let Some(current) = replicas
+            .upgrade()
+            .map(|r| r.read().unwrap_or_else(|e| e.into_inner()).clone())
+        else {
+            return;
+        };
+        for r in current {
+            let start = Instant::now();
+            let mut client =
+                v1::node_service_client::NodeServiceClient::new(r.handle.channel.clone());
+            let answered = tokio::time::timeout(PROBE_DEADLINE, client.info(v1::InfoRequest {}))
+                .await
+                .is_ok_and(|reply| reply.is_ok());
+            let micros = if answered {
+                u64::try_from(start.elapsed().as_micros())
+                    .unwrap_or(u64::MAX)
+                    .max(1)
+            } else {
+                0
+            };
+            r.rtt_micros.store(micros, Ordering::Relaxed);
+        }
+        tokio::time::sleep(PROBE).await;
+    }
 }
 
 /// Resolves the host names of `urls` again every [`REFRESH`] until the replicas are dropped:
@@ -462,6 +516,7 @@ mod tests {
                     load: AtomicUsize::new(0),
                     checked: AtomicBool::new(i == 0),
                     failed: std::sync::Mutex::new(None),
+                    rtt_micros: AtomicU64::new(0),
                 })
             })
             .collect();

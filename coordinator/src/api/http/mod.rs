@@ -457,7 +457,7 @@ async fn exposition(State(state): State<Arc<HttpState>>) -> Response {
         Ok(e) => e,
         Err(not_ready) => return ApiError::from(not_ready).into_response(),
     };
-    let text = e.metrics.exposition(e.active());
+    let text = e.exposition();
     (
         [(
             axum::http::header::CONTENT_TYPE,
