@@ -112,19 +112,24 @@ async fn run<S: Session>(
                 tracing::Span::current().record("session_id", open.session_id.as_str());
                 let slot = state.sessions.acquire(state.session_room(&open).1)?;
                 let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());
+                let arrived = std::time::Instant::now();
                 let mut s = S::open(state, open)?;
                 // Chunked prefill: each chunk is its own job on the model thread, so the
-                // batches of other sessions run between two chunks of a long prompt.
+                // batches of other sessions run between two chunks of a long prompt. The wait
+                // for the first is the open's queue time.
+                let mut queued = None;
                 loop {
                     let (st, span) = (Arc::clone(state), span.clone());
                     let chunk = state.limits.prefill_chunk;
-                    let (back, done) = (state.worker)
+                    let (back, done, began) = (state.worker)
                         .run(move || {
+                            let began = arrived.elapsed();
                             let done = span.in_scope(|| s.prefill_chunk(chunk));
                             st.metrics.prefill_chunks.inc_by(1);
-                            (s, done)
+                            (s, done, began)
                         })
                         .await?;
+                    queued.get_or_insert(began);
                     s = back;
                     if done? {
                         break;
@@ -134,6 +139,8 @@ async fn run<S: Session>(
                 slot.set_kv_bytes(s.kv_bytes());
                 let reply = S::opened(v1::Opened {
                     committed: Some(prefix_to_wire(s.held())),
+                    queued_micros: queued
+                        .map_or(0, |q| u64::try_from(q.as_micros()).unwrap_or(u64::MAX)),
                 });
                 session = Some((s, slot));
                 tracing::debug!("opened");

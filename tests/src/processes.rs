@@ -18,28 +18,29 @@ pub fn profile_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// The path of binary `name`, built first if this test run has not built it.
+/// The path of binary `name`, brought up to date by cargo once per test process: `cargo test`
+/// builds only the binaries of the packages whose tests use them, and a binary left from an
+/// earlier build would run the code as it was then.
 pub fn binary(name: &str) -> PathBuf {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = LOCK
+    static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut built = BUILT
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = profile_dir();
-    let path = dir.join(name);
-    if !path.exists() {
-        // `cargo test` builds only the binaries of the packages whose tests use them.
+    if !built.iter().any(|b| b == name) {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut build = Command::new(cargo);
         build
-            .args(["build", "--workspace", "--bin", name])
+            .args(["build", "--quiet", "--workspace", "--bin", name])
             .current_dir(env!("CARGO_MANIFEST_DIR"));
         if dir.file_name().is_some_and(|n| n == "release") {
             build.arg("--release");
         }
         let status = build.status().expect("run cargo build");
         assert!(status.success(), "cargo build --bin {name} failed");
+        built.push(name.to_string());
     }
-    path
+    dir.join(name)
 }
 
 /// How long a process may take to load its model and listen.

@@ -362,6 +362,7 @@ async fn metrics_on_every_node_move_by_what_a_request_did() {
     assert!((45.0..=49.0).contains(&later), "{later}");
     assert_eq!(delta(c, "tandem_e2e_request_latency_seconds_count{}"), 1.0);
     assert_eq!(delta(c, "tandem_request_prefill_time_seconds_count{}"), 1.0);
+    assert_eq!(delta(c, "tandem_request_queue_time_seconds_count{}"), 1.0);
     assert_eq!(
         delta(c, "tandem_wire_bytes_total{\"direction\": \"sent\"}"),
         st.bytes_sent as f64

@@ -42,6 +42,8 @@ pub struct CoordinatorMetrics {
     pub e2e_latency: Histogram,
     /// From the request to both sessions open (the prompt prefilled on the nodes).
     pub prefill_time: Histogram,
+    /// How long the target-node's open waited for its model thread before the prefill began.
+    pub queue_time: Histogram,
     /// Rounds that verified drafts, the drafts, those accepted, and both by position in the
     /// block (1 = first draft token).
     pub num_drafts: Counter,
@@ -86,6 +88,7 @@ impl Default for CoordinatorMetrics {
             inter_token_latency: request_latency(),
             e2e_latency: request_latency(),
             prefill_time: request_latency(),
+            queue_time: request_latency(),
             num_drafts: Counter::default(),
             num_draft_tokens: Counter::default(),
             num_accepted_tokens: Counter::default(),
@@ -200,6 +203,11 @@ impl CoordinatorMetrics {
                 "tandem_request_prefill_time_seconds",
                 "From the request to both node sessions open, the prompt prefilled",
                 &self.prefill_time,
+            ),
+            (
+                "tandem_request_queue_time_seconds",
+                "How long the target-node's open waited for its model thread (other sessions' work) before the prefill began",
+                &self.queue_time,
             ),
             (
                 "tandem_round_seconds",

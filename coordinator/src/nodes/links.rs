@@ -6,6 +6,7 @@
 
 use prost::Message;
 use std::future::Future;
+use std::time::Duration;
 use tandem_proto::v1::draft_service_client::DraftServiceClient;
 use tandem_proto::v1::target_service_client::TargetServiceClient;
 use tandem_proto::v1::{self, draft_request, draft_response, target_request, target_response};
@@ -119,7 +120,7 @@ fn repair(log: &TokenLog, rejection: &v1::Rejection) -> Option<Prefix> {
 /// What a reply on a session stream is.
 #[derive(Debug)]
 pub enum Reply<A> {
-    Opened(Option<v1::Prefix>),
+    Opened(v1::Opened),
     Answer(A),
     Rejected(v1::Rejection),
     Closed,
@@ -169,7 +170,7 @@ impl Wire for Draft {
     fn classify(resp: v1::DraftResponse) -> Option<Reply<v1::Proposal>> {
         use draft_response::Kind;
         Some(match resp.kind? {
-            Kind::Opened(o) => Reply::Opened(o.committed),
+            Kind::Opened(o) => Reply::Opened(o),
             Kind::Proposal(p) => Reply::Answer(p),
             Kind::Rejected(r) => Reply::Rejected(r),
             Kind::Closed(_) => Reply::Closed,
@@ -216,7 +217,7 @@ impl Wire for Target {
     fn classify(resp: v1::TargetResponse) -> Option<Reply<v1::VerdictReply>> {
         use target_response::Kind;
         Some(match resp.kind? {
-            Kind::Opened(o) => Reply::Opened(o.committed),
+            Kind::Opened(o) => Reply::Opened(o),
             Kind::Verdict(v) => Reply::Answer(v),
             Kind::Rejected(r) => Reply::Rejected(r),
             Kind::Closed(_) => Reply::Closed,
@@ -262,20 +263,23 @@ pub struct NodeSession<W: Wire> {
     pub repairs: u32,
     /// Which of its node's replicas holds it ([`crate::nodes::Replicas`]; 0 for a draft).
     pub replica: usize,
+    /// How long its last open waited for the node's model thread (the node's queue).
+    pub queued: Duration,
 }
 
 impl<W: Wire> NodeSession<W> {
     /// Opens a session holding `log` (the prompt, or everything committed on a replay).
     pub async fn open(channel: Channel, spec: SessionSpec, log: &TokenLog) -> Result<Self> {
-        let (link, held) = Self::start(&channel, &spec, log).await?;
+        let (link, opened) = Self::start(&channel, &spec, log).await?;
         Ok(Self {
             channel,
             spec,
             link,
-            held,
+            held: prefix_from_wire(opened.committed)?,
             past: Traffic::default(),
             repairs: 0,
             replica: 0,
+            queued: Duration::from_micros(opened.queued_micros),
         })
     }
 
@@ -289,7 +293,7 @@ impl<W: Wire> NodeSession<W> {
         channel: &Channel,
         spec: &SessionSpec,
         log: &TokenLog,
-    ) -> Result<(SessionLink<W::Req, W::Resp>, Prefix)> {
+    ) -> Result<(SessionLink<W::Req, W::Resp>, v1::Opened)> {
         let (tx, rx) = mpsc::channel(2);
         let rx = W::connect(channel.clone(), ReceiverStream::new(rx))
             .await
@@ -305,7 +309,7 @@ impl<W: Wire> NodeSession<W> {
         };
         let reply = link.call(W::open(spec.open(log))).await?;
         match W::classify(reply) {
-            Some(Reply::Opened(held)) => Ok((link, prefix_from_wire(held)?)),
+            Some(Reply::Opened(opened)) => Ok((link, opened)),
             Some(Reply::Rejected(r)) => Err(rejected(W::NODE, r)),
             _ => Err(unexpected(W::NODE, "opened")),
         }
@@ -314,11 +318,12 @@ impl<W: Wire> NodeSession<W> {
     /// Replays `log` into a new session, replacing this one.
     #[tracing::instrument(skip_all, fields(node = W::NODE, len = log.len()))]
     pub async fn replay(&mut self, log: &TokenLog) -> Result<()> {
-        let (link, held) = Self::start(&self.channel, &self.spec, log).await?;
+        let (link, opened) = Self::start(&self.channel, &self.spec, log).await?;
         let old = std::mem::replace(&mut self.link, link);
         old.close(W::close());
         self.past += old.traffic;
-        self.held = held;
+        self.held = prefix_from_wire(opened.committed)?;
+        self.queued = Duration::from_micros(opened.queued_micros);
         Ok(())
     }
 
