@@ -28,6 +28,16 @@ pub fn latency() -> Histogram {
     Histogram::new(LATENCY_BUCKETS)
 }
 
+/// Registers each `(name, help, metric)`: a table of metrics of one kind.
+pub fn register_all<M>(registry: &mut Registry, metrics: &[(&str, &str, &M)])
+where
+    M: prometheus_client::registry::Metric + Clone,
+{
+    for (name, help, metric) in metrics {
+        registry.register(*name, *help, (*metric).clone());
+    }
+}
+
 /// The registry's metrics in the Prometheus text format.
 pub fn encode(registry: &Registry) -> String {
     let mut text = String::new();
@@ -152,51 +162,72 @@ impl Default for NodeMetrics {
             registry: Registry::default(),
         };
         let r = &mut m.registry;
-        r.register(
-            "tandem_node_sessions_active",
-            "Sessions open on this node",
-            m.sessions_active.clone(),
-        );
-        r.register(
-            "tandem_node_kv_cache_bytes",
-            "KV-cache bytes held by open sessions",
-            m.kv_cache_bytes.clone(),
-        );
-        r.register(
-            "tandem_node_kv_cache_reserved_bytes",
-            "KV-cache bytes open sessions may grow to (what admission counts)",
-            m.kv_cache_reserved_bytes.clone(),
-        );
-        r.register(
-            "tandem_node_kv_cache_budget_bytes",
-            "KV-cache bytes all sessions together may grow to (--kv-cache-bytes)",
-            m.kv_cache_budget_bytes.clone(),
-        );
+        let gauges = [
+            (
+                "tandem_node_sessions_active",
+                "Sessions open on this node",
+                &m.sessions_active,
+            ),
+            (
+                "tandem_node_kv_cache_bytes",
+                "KV-cache bytes held by open sessions",
+                &m.kv_cache_bytes,
+            ),
+            (
+                "tandem_node_kv_cache_reserved_bytes",
+                "KV-cache bytes open sessions may grow to (what admission counts)",
+                &m.kv_cache_reserved_bytes,
+            ),
+            (
+                "tandem_node_kv_cache_budget_bytes",
+                "KV-cache bytes all sessions together may grow to (--kv-cache-bytes)",
+                &m.kv_cache_budget_bytes,
+            ),
+        ];
+        register_all(r, &gauges);
         r.register(
             "tandem_node_kv_cache_usage_perc",
             "Fraction of the KV-cache budget that open sessions may grow to (1 = full)",
             m.kv_cache_usage_perc.clone(),
         );
-        r.register(
-            "tandem_node_sessions_opened",
-            "Sessions opened",
-            m.sessions_opened.clone(),
-        );
-        r.register(
-            "tandem_node_prefill_chunks",
-            "Chunks of prompts prefilled (other sessions' work runs between two chunks)",
-            m.prefill_chunks.clone(),
-        );
-        r.register(
-            "tandem_node_requests",
-            "Draft steps or verify blocks answered",
-            m.requests.clone(),
-        );
-        r.register(
-            "tandem_node_tokens",
-            "Tokens proposed (draft-node) or committed (target-node)",
-            m.tokens.clone(),
-        );
+        let counters = [
+            (
+                "tandem_node_sessions_opened",
+                "Sessions opened",
+                &m.sessions_opened,
+            ),
+            (
+                "tandem_node_prefill_chunks",
+                "Chunks of prompts prefilled (other sessions' work runs between two chunks)",
+                &m.prefill_chunks,
+            ),
+            (
+                "tandem_node_requests",
+                "Draft steps or verify blocks answered",
+                &m.requests,
+            ),
+            (
+                "tandem_node_tokens",
+                "Tokens proposed (draft-node) or committed (target-node)",
+                &m.tokens,
+            ),
+            (
+                "tandem_node_repeated_blocks",
+                "Verify blocks that repeated the last one, answered without a forward pass",
+                &m.repeated_blocks,
+            ),
+            (
+                "tandem_node_batches",
+                "Batches of sessions' work run as one forward pass (continuous batching)",
+                &m.batches,
+            ),
+            (
+                "tandem_node_batched_requests",
+                "Requests run in those batches (over batches: the mean batch size)",
+                &m.batched_requests,
+            ),
+        ];
+        register_all(r, &counters);
         r.register(
             "tandem_node_compute_seconds",
             "Model time per draft step or verify block",
@@ -206,21 +237,6 @@ impl Default for NodeMetrics {
             r,
             "tandem_node_errors",
             "Refused or failed requests by gRPC code",
-        );
-        r.register(
-            "tandem_node_repeated_blocks",
-            "Verify blocks that repeated the last one, answered without a forward pass",
-            m.repeated_blocks.clone(),
-        );
-        r.register(
-            "tandem_node_batches",
-            "Batches of sessions' work run as one forward pass (continuous batching)",
-            m.batches.clone(),
-        );
-        r.register(
-            "tandem_node_batched_requests",
-            "Requests run in those batches (over batches: the mean batch size)",
-            m.batched_requests.clone(),
         );
         m.draft_blocks_refused.register(
             r,

@@ -10,7 +10,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use tandem_node::metrics::{FloatGauge, LabeledCounter, encode, latency};
+use tandem_node::metrics::{FloatGauge, LabeledCounter, encode, latency, register_all};
 
 use super::job::Outcome;
 use crate::drafting::policy::Drafter;
@@ -164,9 +164,7 @@ impl CoordinatorMetrics {
                 &self.draft_stalls,
             ),
         ];
-        for (name, help, counter) in counters {
-            r.register(name, help, counter.clone());
-        }
+        register_all(r, &counters);
         let gauges = [
             (
                 "tandem_num_requests_running",
@@ -180,9 +178,7 @@ impl CoordinatorMetrics {
                 &self.waiting,
             ),
         ];
-        for (name, help, gauge) in gauges {
-            r.register(name, help, gauge.clone());
-        }
+        register_all(r, &gauges);
         let histograms = [
             (
                 "tandem_time_to_first_token_seconds",
@@ -215,9 +211,7 @@ impl CoordinatorMetrics {
                 &self.round_seconds,
             ),
         ];
-        for (name, help, histogram) in histograms {
-            r.register(name, help, histogram.clone());
-        }
+        register_all(r, &histograms);
         r.register(
             "tandem_link_rtt_seconds",
             "The last round trip measured to each node replica (an Info call every 5 s), by node and endpoint",
