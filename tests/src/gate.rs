@@ -70,12 +70,16 @@ impl Gate {
         // through is never seen held.
         let mut arriving = true;
         loop {
-            let passed = self.0.send_if_modified(|c| {
+            let mut passed = false;
+            // Watchers are told of an arrival and of a pass; the message goes on only when it
+            // passed (an arrival at a closed gate waits for a release).
+            self.0.send_if_modified(|c| {
                 let open = c.allowed.is_none_or(|a| c.passed < a);
                 c.arrived += usize::from(arriving);
                 if open {
                     c.passed += 1;
                 }
+                passed = open;
                 std::mem::take(&mut arriving) || open
             });
             // A change made after `subscribe` (a release) wakes this; none is missed.
