@@ -134,3 +134,29 @@ pub async fn rounds_until(gate: &Gate, what: &str, mut done: impl FnMut() -> boo
         gate.held().await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_message_at_a_closed_gate_waits_until_it_is_released() {
+        let gate = Gate::default();
+        gate.hold_after(1);
+        gate.pass().await;
+        let g = gate.clone();
+        let mut waiting = tokio::spawn(async move { g.pass().await });
+        gate.held().await;
+        // However long it is given, the held message does not pass by itself.
+        let early = tokio::time::timeout(Duration::from_millis(200), &mut waiting).await;
+        assert!(early.is_err(), "a message passed a closed gate");
+        assert_eq!(gate.passed(), 1);
+        gate.release(1);
+        waiting.await.expect("the released message's task");
+        assert_eq!(gate.passed(), 2);
+        // Open: everything passes.
+        gate.open();
+        gate.pass().await;
+        assert_eq!(gate.passed(), 3);
+    }
+}
