@@ -106,10 +106,9 @@ pub async fn with_fault(
     gate.held().await;
     fault().await;
     gate.open();
-    match tokio::time::timeout(Duration::from_secs(300), generation).await {
-        Ok(ended) => ended.expect("the generation's task"),
-        Err(_) => panic!("the generation did not end within 300 s of the fault"),
-    }
+    crate::within("the end of the generation after the fault", generation)
+        .await
+        .expect("the generation's task")
 }
 
 /// Lets the generation held at `gate` go on one verify block at a time until `done` holds.

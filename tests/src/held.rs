@@ -6,7 +6,6 @@
 //! fault made then lands mid-generation by construction (a callback after the first delta
 //! raced the 400 tokens a tiny model decodes in 60 ms).
 
-use std::time::Duration;
 
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
@@ -15,8 +14,6 @@ use tonic::transport::Endpoint;
 
 /// Bytes the coordinator may send past what the client read (its HTTP/2 stream window).
 const WINDOW: u32 = 128;
-/// How long a held generation's first delta, or the rest of it, may take.
-const DEADLINE: Duration = Duration::from_secs(300);
 
 /// A generation started and held after its first delta.
 #[derive(Debug)]
@@ -40,9 +37,8 @@ impl Held {
             .await
             .expect("generate")
             .into_inner();
-        let first = tokio::time::timeout(DEADLINE, stream.message())
+        let first = crate::within("the held generation's first delta", stream.message())
             .await
-            .expect("the first delta within 300 s")
             .expect("the generation starts")
             .expect("a first message");
         let ids = match first.kind {
@@ -67,9 +63,7 @@ impl Held {
                 }
             }
         };
-        let end = tokio::time::timeout(DEADLINE, rest)
-            .await
-            .expect("the held generation ends within 300 s of its release");
+        let end = crate::within("the end of the held generation after its release", rest).await;
         (self.ids, end)
     }
 

@@ -201,10 +201,12 @@ pub fn in_process_with(
 /// Runs a request on `engine` to the end (no streaming).
 pub async fn generate(engine: &Engine, req: &v1::GenerateRequest) -> Outcome {
     let job = engine.prepare(req).expect("valid request");
-    engine
-        .generate(&job, &mut Discard)
-        .await
-        .expect("generation")
+    within(
+        "a generation on the engine",
+        engine.generate(&job, &mut Discard),
+    )
+    .await
+    .expect("generation")
 }
 
 /// Runs all `requests` at once on `engine`; their outcomes in order.
@@ -248,13 +250,16 @@ pub async fn serve_http(engine: std::sync::Arc<Engine>) -> std::net::SocketAddr 
 
 /// Node info over gRPC.
 pub async fn node_info(addr: std::net::SocketAddr) -> v1::NodeInfo {
-    v1::node_service_client::NodeServiceClient::connect(format!("http://{addr}"))
-        .await
-        .expect("connect")
-        .info(v1::InfoRequest {})
-        .await
-        .expect("info")
-        .into_inner()
+    within(&format!("the node info of {addr}"), async {
+        v1::node_service_client::NodeServiceClient::connect(format!("http://{addr}"))
+            .await
+            .expect("connect")
+            .info(v1::InfoRequest {})
+            .await
+            .expect("info")
+            .into_inner()
+    })
+    .await
 }
 
 /// Streams `req` from the coordinator at `url`. Returns the streamed ids and how the stream
@@ -263,25 +268,40 @@ pub async fn stream(
     url: String,
     req: v1::GenerateRequest,
 ) -> (Vec<u32>, Result<v1::GenerateDone, tonic::Status>) {
-    let mut client = v1::coordinator_client::CoordinatorClient::connect(url)
-        .await
-        .expect("connect");
-    let mut stream = match client.generate(req).await {
-        Ok(response) => response.into_inner(),
-        Err(status) => return (Vec::new(), Err(status)),
-    };
-    let mut ids = Vec::new();
-    loop {
-        match stream.message().await {
-            Ok(Some(message)) => match message.kind {
-                Some(v1::generate_response::Kind::Delta(d)) => ids.extend(d.token_ids),
-                Some(v1::generate_response::Kind::Done(done)) => return (ids, Ok(done)),
-                None => {}
-            },
-            Ok(None) => panic!("the stream ended without its last message"),
-            Err(status) => return (ids, Err(status)),
+    let what = format!("a generation streamed from {url}");
+    within(&what, async {
+        let mut client = v1::coordinator_client::CoordinatorClient::connect(url)
+            .await
+            .expect("connect");
+        let mut stream = match client.generate(req).await {
+            Ok(response) => response.into_inner(),
+            Err(status) => return (Vec::new(), Err(status)),
+        };
+        let mut ids = Vec::new();
+        loop {
+            match stream.message().await {
+                Ok(Some(message)) => match message.kind {
+                    Some(v1::generate_response::Kind::Delta(d)) => ids.extend(d.token_ids),
+                    Some(v1::generate_response::Kind::Done(done)) => return (ids, Ok(done)),
+                    None => {}
+                },
+                Ok(None) => panic!("the stream ended without its last message"),
+                Err(status) => return (ids, Err(status)),
+            }
         }
-    }
+    })
+    .await
+}
+
+/// How long a test waits for anything (a generation, a reply, a process) before it calls it a
+/// hang: minutes, for a loaded 2-core machine is slow, not wrong.
+pub const HANG: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Awaits `fut`, or panics naming `what` it was waiting for once [`HANG`] has passed.
+pub async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(HANG, fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer within {} s", HANG.as_secs()))
 }
 
 /// Polls until `f` holds, for up to a minute (a loaded machine is slow, not wrong).
@@ -337,15 +357,19 @@ pub async fn http_exchange_with(
     body: &str,
 ) -> (u16, String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let request = format!(
         "{method} {path} HTTP/1.1\r\nHost: tandem\r\nContent-Type: application/json\r\n\
          {headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-    stream.write_all(request.as_bytes()).await.expect("write");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.expect("read");
+    let response = within(&format!("{method} {path} on {addr}"), async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        stream.write_all(request.as_bytes()).await.expect("write");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.expect("read");
+        response
+    })
+    .await;
     let status = response
         .get(9..12)
         .and_then(|s| s.parse().ok())
