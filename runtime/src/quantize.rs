@@ -217,10 +217,7 @@ fn permute_for_interleaved_rope(w: &Tensor, heads: usize) -> Result<Tensor> {
 }
 
 fn model_metadata(config: &ModelConfig, quant: QuantType, dir: &Path) -> Vec<(String, Value)> {
-    let a = match config.architecture {
-        Architecture::Llama => "llama",
-        Architecture::Qwen2 => "qwen2",
-    };
+    let a = config.architecture.gguf_name();
     let name = dir
         .file_name()
         .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned());
@@ -253,6 +250,8 @@ fn model_metadata(config: &ModelConfig, quant: QuantType, dir: &Path) -> Vec<(St
             Value::F32(config.rope_theta as f32),
         ),
         (format!("{a}.rope.dimension_count"), u(config.head_dim)),
+        (format!("{a}.attention.key_length"), u(config.head_dim)),
+        (format!("{a}.attention.value_length"), u(config.head_dim)),
     ];
     if let RopeScaling::Linear { factor } = config.rope_scaling {
         m.push((

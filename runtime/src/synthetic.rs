@@ -1,4 +1,4 @@
-//! Random-weight Llama checkpoints, written deterministically from a seed as a Hugging Face
+//! Random-weight Llama-family checkpoints (Llama, Qwen2, Qwen3), written deterministically from a seed as a Hugging Face
 //! folder. Tests use tiny ones; benchmarks build pairs of realistic cost (the stories110M shape)
 //! without downloading anything.
 
@@ -8,6 +8,7 @@ use std::path::Path;
 use candle_core::{Device, Tensor};
 use serde_json::json;
 
+use crate::model::Architecture;
 use crate::sampling::rng::Rng;
 use crate::{Error, Result};
 
@@ -22,8 +23,10 @@ pub struct SyntheticSpec {
     pub max_context: usize,
     /// Standard deviation of embedding entries; larger gives peakier next-token distributions.
     pub embed_std: f32,
-    /// Write a Qwen2 checkpoint (q/k/v biases) instead of a Llama one.
-    pub qwen2: bool,
+    /// A head's width; `None`: hidden_size / num_heads.
+    pub head_dim: Option<usize>,
+    /// Llama; Qwen2 adds q/k/v biases; Qwen3 an RMSNorm over each head of q and k.
+    pub architecture: Architecture,
     pub seed: u64,
 }
 
@@ -38,7 +41,8 @@ impl SyntheticSpec {
             num_kv_heads: 2,
             max_context: 512,
             embed_std: 0.5,
-            qwen2: false,
+            head_dim: None,
+            architecture: Architecture::Llama,
             seed,
         }
     }
@@ -53,7 +57,8 @@ impl SyntheticSpec {
             num_kv_heads: 12,
             max_context: 1024,
             embed_std: 0.5,
-            qwen2: false,
+            head_dim: None,
+            architecture: Architecture::Llama,
             seed,
         }
     }
@@ -88,8 +93,8 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
     let tokenizer = crate::tokenizer::Tokenizer::for_model(dir)?;
     let vocab = tokenizer.vocab_size();
     let (h, i) = (spec.hidden_size, spec.intermediate_size);
-    let head_dim = h / spec.num_heads;
-    let kv = spec.num_kv_heads * head_dim;
+    let head_dim = spec.head_dim.unwrap_or(h / spec.num_heads);
+    let (q, kv) = (spec.num_heads * head_dim, spec.num_kv_heads * head_dim);
     let mut rng = Rng::new(spec.seed);
     let mut tensors = HashMap::new();
     let mut add = |name: String, t: Tensor| {
@@ -109,7 +114,7 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
         let p = format!("model.layers.{l}");
         add(
             format!("{p}.self_attn.q_proj.weight"),
-            linear(&mut rng, h, h)?,
+            linear(&mut rng, q, h)?,
         );
         add(
             format!("{p}.self_attn.k_proj.weight"),
@@ -121,14 +126,24 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
         );
         add(
             format!("{p}.self_attn.o_proj.weight"),
-            linear(&mut rng, h, h)?,
+            linear(&mut rng, h, q)?,
         );
-        if spec.qwen2 {
-            for (name, size) in [("q_proj", h), ("k_proj", kv), ("v_proj", kv)] {
-                add(
-                    format!("{p}.self_attn.{name}.bias"),
-                    normal(&mut rng, &[size], 0.1)?,
-                );
+        match spec.architecture {
+            Architecture::Llama => {}
+            Architecture::Qwen2 => {
+                for (name, size) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                    add(
+                        format!("{p}.self_attn.{name}.bias"),
+                        normal(&mut rng, &[size], 0.1)?,
+                    );
+                }
+            }
+            // Weights around 1, as trained ones are: each head's norm matters, not its scale.
+            Architecture::Qwen3 => {
+                for name in ["q_norm", "k_norm"] {
+                    let w = (normal(&mut rng, &[head_dim], 0.2)? + 1.0)?;
+                    add(format!("{p}.self_attn.{name}.weight"), w);
+                }
             }
         }
         add(format!("{p}.mlp.gate_proj.weight"), linear(&mut rng, i, h)?);
@@ -141,10 +156,16 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
             );
         }
     }
+    let (class, model_type) = match spec.architecture {
+        Architecture::Llama => ("LlamaForCausalLM", "llama"),
+        Architecture::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+        Architecture::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+    };
     let config = json!({
-        "architectures": [if spec.qwen2 { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
-        "model_type": if spec.qwen2 { "qwen2" } else { "llama" },
+        "architectures": [class],
+        "model_type": model_type,
         "hidden_size": h,
+        "head_dim": head_dim,
         "intermediate_size": i,
         "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads,

@@ -33,23 +33,6 @@ fn stories260k_reproduces_reference_greedy_story() {
     );
 }
 
-/// Tokens of a real story: the positions the anchors below compare.
-fn story_tokens() -> Vec<u32> {
-    tokenizer().encode(REFERENCE_STORY).expect("encode")
-}
-
-/// Logits of every position of `tokens` from an empty cache in one block.
-fn fresh_logits(model: &tandem_runtime::Model, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut cache = model.new_cache();
-    model
-        .forward(tokens, &mut cache, Logits::All)
-        .expect("forward")
-}
-
-/// Tolerance for logits computed along different paths (block shapes change the gemm
-/// summation order); logits of these models are O(1)–O(10).
-const TOL: f32 = 1e-4;
-
 fn assert_truncate_then_reforward(model: &tandem_runtime::Model) {
     let tokens = story_tokens();
     let fresh = fresh_logits(model, &tokens);
@@ -80,36 +63,6 @@ fn truncate_then_reforward_equals_fresh_forward_safetensors() {
 #[test]
 fn truncate_then_reforward_equals_fresh_forward_gguf() {
     assert_truncate_then_reforward(&load(&stories_gguf(QuantType::Q8_0)));
-}
-
-/// After the story's first 10 tokens, its next 8 as one block and one by one on another cache:
-/// each position's (block row, single-token row).
-fn block_and_single_rows(model: &tandem_runtime::Model) -> Vec<(Vec<f32>, Vec<f32>)> {
-    let tokens = story_tokens();
-    let (prefix, block) = (&tokens[..10], &tokens[10..18]);
-    let mut block_cache = model.new_cache();
-    model
-        .forward(prefix, &mut block_cache, Logits::Last)
-        .expect("prefix");
-    let rows = model
-        .forward(block, &mut block_cache, Logits::All)
-        .expect("block");
-    assert_eq!(rows.len(), block.len());
-    let mut single_cache = model.new_cache();
-    model
-        .forward(prefix, &mut single_cache, Logits::Last)
-        .expect("prefix");
-    let singles: Vec<Vec<f32>> = block
-        .iter()
-        .map(|&t| {
-            let mut single = model
-                .forward(&[t], &mut single_cache, Logits::Last)
-                .expect("single");
-            single.remove(0)
-        })
-        .collect();
-    assert_eq!(block_cache.len(), single_cache.len());
-    rows.into_iter().zip(singles).collect()
 }
 
 #[test]
@@ -355,7 +308,7 @@ fn qwen2_biases_load_and_gguf_matches_safetensors() {
     let dir = tempfile::tempdir().expect("tmp");
     let model_dir = dir.path().join("qwen2");
     let spec = tandem_runtime::synthetic::SyntheticSpec {
-        qwen2: true,
+        architecture: tandem_runtime::model::Architecture::Qwen2,
         ..tandem_runtime::synthetic::SyntheticSpec::tiny(9)
     };
     tandem_runtime::synthetic::write_random_llama(&model_dir, &spec, &stories_dir())

@@ -6,7 +6,6 @@
 //! fault made then lands mid-generation by construction (a callback after the first delta
 //! raced the 400 tokens a tiny model decodes in 60 ms).
 
-
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_proto::v1::generate_response::Kind;

@@ -14,20 +14,32 @@ pub enum Architecture {
     Llama,
     /// Qwen2 / Qwen2.5: Llama with q/k/v biases.
     Qwen2,
+    /// Qwen3 (dense): Llama with an RMSNorm over each head of q and k, before rope.
+    Qwen3,
 }
 
-pub(crate) const SUPPORTED: &str = "llama, mistral, qwen2 (and their GGUF equivalents)";
+pub(crate) const SUPPORTED: &str = "llama, mistral, qwen2, qwen3 (and their GGUF equivalents)";
 
 impl Architecture {
     pub(crate) fn parse(name: &str, path: &Path) -> Result<Self> {
         match name {
             "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM" => Ok(Self::Llama),
             "qwen2" | "Qwen2ForCausalLM" => Ok(Self::Qwen2),
+            "qwen3" | "Qwen3ForCausalLM" => Ok(Self::Qwen3),
             other => Err(Error::UnsupportedArchitecture {
                 path: path.to_path_buf(),
                 found: other.to_string(),
                 supported: SUPPORTED,
             }),
+        }
+    }
+
+    /// Its name in GGUF metadata (`general.architecture`, and the prefix of its keys).
+    pub(crate) fn gguf_name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
         }
     }
 }
@@ -73,6 +85,8 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Bias on the output projection (Llama with `attention_bias`).
     pub o_bias: bool,
+    /// An RMSNorm over each head of q and of k, before rope (Qwen3).
+    pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -210,6 +224,7 @@ impl ModelConfig {
             tie_word_embeddings: hf.tie_word_embeddings,
             qkv_bias: architecture == Architecture::Qwen2 || attention_bias,
             o_bias: attention_bias,
+            qk_norm: architecture == Architecture::Qwen3,
             bos_token_id,
             eos_token_ids,
         };
@@ -342,6 +357,7 @@ mod tests {
             tie_word_embeddings: false,
             qkv_bias: false,
             o_bias: false,
+            qk_norm: false,
             bos_token_id: None,
             eos_token_ids: vec![],
         }

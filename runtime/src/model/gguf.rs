@@ -79,8 +79,11 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
         num_kv_heads: meta
             .opt_usize(&format!("{a}.attention.head_count_kv"))
             .unwrap_or(num_heads),
+        // A head's width: Qwen3's is not hidden / heads, and its files say so as the key
+        // length (llama.cpp rotates all of it).
         head_dim: meta
-            .opt_usize(&format!("{a}.rope.dimension_count"))
+            .opt_usize(&format!("{a}.attention.key_length"))
+            .or_else(|| meta.opt_usize(&format!("{a}.rope.dimension_count")))
             .unwrap_or(hidden_size / num_heads.max(1)),
         vocab_size,
         max_context: meta.usize(&format!("{a}.context_length"))?,
@@ -89,11 +92,13 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
             .opt_f64(&format!("{a}.rope.freq_base"))
             .unwrap_or(10_000.0),
         rope_scaling,
-        // llama.cpp permutes llama q/k rows for interleaved rope; qwen2 keeps the halves layout.
+        // llama.cpp permutes llama q/k rows for interleaved rope; qwen2 and qwen3 keep the
+        // halves layout.
         rope_interleaved: architecture == Architecture::Llama,
         tie_word_embeddings: !tensors.contains_key("output.weight"),
         qkv_bias: tensors.contains_key("blk.0.attn_q.bias"),
         o_bias: tensors.contains_key("blk.0.attn_output.bias"),
+        qk_norm: tensors.contains_key("blk.0.attn_q_norm.weight"),
         bos_token_id: meta
             .opt_usize("tokenizer.ggml.bos_token_id")
             .map(|v| v as u32),

@@ -1,4 +1,4 @@
-//! The Llama-family forward pass (Llama 1/2/3, Mistral, TinyLlama, SmolLM, Qwen2) over a
+//! The Llama-family forward pass (Llama 1/2/3, Mistral, TinyLlama, SmolLM, Qwen2, Qwen3) over a
 //! truncatable [`KvCache`], returning logits for every position of a block or only the last.
 
 use candle_core::{DType, Device, Tensor};
@@ -58,6 +58,8 @@ struct Attention {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    /// Qwen3's RMSNorm over each head of q and of k (weights of one head's width).
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -74,6 +76,14 @@ impl Attention {
             k_proj: Linear::load(vb.pp("k_proj"), kv_dim, h, cfg.qkv_bias)?,
             v_proj: Linear::load(vb.pp("v_proj"), kv_dim, h, cfg.qkv_bias)?,
             o_proj: Linear::load(vb.pp("o_proj"), h, q_dim, cfg.o_bias)?,
+            qk_norm: if cfg.qk_norm {
+                Some((
+                    RmsNorm::load(vb.pp("q_norm"), d, cfg.rms_norm_eps)?,
+                    RmsNorm::load(vb.pp("k_norm"), d, cfg.rms_norm_eps)?,
+                ))
+            } else {
+                None
+            },
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: d,
@@ -81,13 +91,22 @@ impl Attention {
         })
     }
 
-    /// Splits (1, n, heads * d) into (1, heads, n, d) and applies rope.
-    fn heads(&self, xs: Tensor, heads: usize, rope: Option<&Rope>) -> Result<Tensor> {
+    /// Splits (1, n, heads * d) into (1, heads, n, d), normalises each head with `norm` and
+    /// applies rope.
+    fn heads(
+        &self,
+        xs: Tensor,
+        heads: usize,
+        norm: Option<&RmsNorm>,
+        rope: Option<&Rope>,
+    ) -> Result<Tensor> {
         let n = xs.dim(1)?;
-        let xs = xs
-            .reshape((1, n, heads, self.head_dim))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let xs = xs.reshape((1, n, heads, self.head_dim))?;
+        let xs = match norm {
+            Some(norm) => norm.forward(&xs)?,
+            None => xs,
+        };
+        let xs = xs.transpose(1, 2)?.contiguous()?;
         match rope {
             None => Ok(xs),
             Some(r) if self.interleaved => Ok(candle_nn::rotary_emb::rope_i(&xs, &r.cos, &r.sin)?),
@@ -109,9 +128,10 @@ impl Attention {
         let (mut on_cpu, mut out) = (Vec::new(), Vec::new());
         for seq in seqs {
             let rows = |t: &Tensor| t.narrow(1, seq.offset, seq.n);
-            let q = self.heads(rows(&q_all)?, self.num_heads, Some(&seq.rope))?;
-            let k = self.heads(rows(&k_all)?, self.num_kv_heads, Some(&seq.rope))?;
-            let v = self.heads(rows(&v_all)?, self.num_kv_heads, None)?;
+            let (q_norm, k_norm) = self.qk_norm.as_ref().map(|(q, k)| (q, k)).unzip();
+            let q = self.heads(rows(&q_all)?, self.num_heads, q_norm, Some(&seq.rope))?;
+            let k = self.heads(rows(&k_all)?, self.num_kv_heads, k_norm, Some(&seq.rope))?;
+            let v = self.heads(rows(&v_all)?, self.num_kv_heads, None, None)?;
             let (k, v) = seq.cache.append(layer, &k, &v)?;
             if cpu {
                 on_cpu.push((q, k, v));

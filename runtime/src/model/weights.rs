@@ -152,13 +152,15 @@ impl<'a> Vb<'a> {
 
 /// Maps a Hugging Face tensor name to llama.cpp's GGUF name.
 pub(crate) fn gguf_name(hf: &str) -> String {
-    const LAYER_PARTS: [(&str, &str); 9] = [
+    const LAYER_PARTS: [(&str, &str); 11] = [
         ("input_layernorm", "attn_norm"),
         ("post_attention_layernorm", "ffn_norm"),
         ("self_attn.q_proj", "attn_q"),
         ("self_attn.k_proj", "attn_k"),
         ("self_attn.v_proj", "attn_v"),
         ("self_attn.o_proj", "attn_output"),
+        ("self_attn.q_norm", "attn_q_norm"),
+        ("self_attn.k_norm", "attn_k_norm"),
         ("mlp.gate_proj", "ffn_gate"),
         ("mlp.up_proj", "ffn_up"),
         ("mlp.down_proj", "ffn_down"),
@@ -227,6 +229,10 @@ mod tests {
         assert_eq!(
             gguf_name("model.layers.0.post_attention_layernorm.weight"),
             "blk.0.ffn_norm.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.2.self_attn.k_norm.weight"),
+            "blk.2.attn_k_norm.weight"
         );
     }
 }

@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
-use tandem_runtime::{LoadOptions, Model, Tokenizer};
+use tandem_runtime::{LoadOptions, Logits, Model, Tokenizer};
 
 pub const REFERENCE_STORY: &str = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball. She wanted to play with it, but it was too high.";
 
@@ -64,4 +64,51 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
+}
+
+/// Tokens of a real story: the positions the anchors below compare.
+pub fn story_tokens() -> Vec<u32> {
+    tokenizer().encode(REFERENCE_STORY).expect("encode")
+}
+
+/// Logits of every position of `tokens` from an empty cache in one block.
+pub fn fresh_logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache();
+    model
+        .forward(tokens, &mut cache, Logits::All)
+        .expect("forward")
+}
+
+/// Tolerance for logits computed along different paths (block shapes change the gemm
+/// summation order); logits of these models are O(1)–O(10).
+pub const TOL: f32 = 1e-4;
+
+/// After the story's first 10 tokens, its next 8 as one block and one by one on another cache:
+/// each position's (block row, single-token row).
+pub fn block_and_single_rows(model: &Model) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let tokens = story_tokens();
+    let (prefix, block) = (&tokens[..10], &tokens[10..18]);
+    let mut block_cache = model.new_cache();
+    model
+        .forward(prefix, &mut block_cache, Logits::Last)
+        .expect("prefix");
+    let rows = model
+        .forward(block, &mut block_cache, Logits::All)
+        .expect("block");
+    assert_eq!(rows.len(), block.len());
+    let mut single_cache = model.new_cache();
+    model
+        .forward(prefix, &mut single_cache, Logits::Last)
+        .expect("prefix");
+    let singles: Vec<Vec<f32>> = block
+        .iter()
+        .map(|&t| {
+            let mut single = model
+                .forward(&[t], &mut single_cache, Logits::Last)
+                .expect("single");
+            single.remove(0)
+        })
+        .collect();
+    assert_eq!(block_cache.len(), single_cache.len());
+    rows.into_iter().zip(singles).collect()
 }

@@ -47,12 +47,16 @@ fn content_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Err
     }
 }
 
-/// Renders `messages` with `template`, ending with the assistant's turn.
+/// Renders `messages` with `template`, ending with the assistant's turn. `kwargs` are the
+/// request's `chat_template_kwargs` (vLLM's name), more variables for the template, as
+/// `apply_chat_template`'s keyword arguments are: Qwen3's `enable_thinking`, say. They cannot
+/// replace the messages, the special tokens or the generation prompt.
 pub fn render(
     template: Option<&str>,
     messages: &[Message],
     bos_token: &str,
     eos_token: &str,
+    kwargs: &serde_json::Map<String, serde_json::Value>,
 ) -> Result<String, ApiError> {
     let template = template.ok_or_else(|| {
         ApiError::invalid(
@@ -93,6 +97,7 @@ pub fn render(
                 bos_token => bos_token,
                 eos_token => eos_token,
                 add_generation_prompt => true,
+                ..minijinja::Value::from_serialize(kwargs)
             })
         })
         .map_err(bad)
@@ -126,19 +131,23 @@ mod tests {
 
     #[test]
     fn renders_with_the_generation_prompt_and_refuses_a_missing_template() {
+        let none = serde_json::Map::new();
         let msgs = vec![Message {
             role: "user".into(),
             content: "Hi".into(),
         }];
-        let text = render(Some(ZEPHYR), &msgs, "<s>", "</s>").expect("render");
+        let text = render(Some(ZEPHYR), &msgs, "<s>", "</s>", &none).expect("render");
         assert_eq!(text, "<|user|>\nHi</s>\n<|assistant|>\n");
-        let err = render(None, &msgs, "<s>", "</s>").expect_err("no template");
+        let err = render(None, &msgs, "<s>", "</s>", &none).expect_err("no template");
         assert!(err.message.contains("no chat template"), "{}", err.message);
         let pythonic = "{% for m in messages %}{% if m.content.strip().startswith('H') %}\
                         {{ m.content.split('i')[0] | upper }}{% endif %}{% endfor %}";
-        assert_eq!(render(Some(pythonic), &msgs, "", "").expect("render"), "H");
+        assert_eq!(
+            render(Some(pythonic), &msgs, "", "", &none).expect("render"),
+            "H"
+        );
         let strict = "{{ raise_exception('only user turns') }}";
-        let err = render(Some(strict), &msgs, "<s>", "</s>").expect_err("raised");
+        let err = render(Some(strict), &msgs, "<s>", "</s>", &none).expect_err("raised");
         assert!(err.message.contains("only user turns"), "{}", err.message);
     }
 
@@ -146,6 +155,7 @@ mod tests {
     /// chat gets the default system prompt and the assistant's turn.
     #[test]
     fn qwen_template_from_gguf_metadata_renders_a_plain_chat() {
+        let none = serde_json::Map::new();
         let gguf = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../fixtures/qwen2.5-vocab/qwen2.5-vocab.gguf");
         let tok = tandem_runtime::Tokenizer::for_model(&gguf).expect("tokenizer");
@@ -153,7 +163,7 @@ mod tests {
             role: "user".into(),
             content: "Write hello world in Rust.".into(),
         }];
-        let text = render(tok.chat_template(), &msgs, "", "<|im_end|>").expect("render");
+        let text = render(tok.chat_template(), &msgs, "", "<|im_end|>", &none).expect("render");
         assert_eq!(
             text,
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful \
@@ -167,10 +177,45 @@ mod tests {
             },
             msgs[0].clone(),
         ];
-        let text = render(tok.chat_template(), &with_system, "", "").expect("render");
+        let text = render(tok.chat_template(), &with_system, "", "", &none).expect("render");
         assert!(
             text.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n"),
             "{text}"
+        );
+    }
+
+    /// `chat_template_kwargs` reach the template, as Qwen3's thinking switch does (its template
+    /// closes an empty think block when `enable_thinking` is false), and cannot replace the
+    /// variables the server sets.
+    #[test]
+    fn chat_template_kwargs_are_the_templates_variables() {
+        let qwen3_tail = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}\
+                          <|im_end|>\n{% endfor %}{% if add_generation_prompt %}\
+                          <|im_start|>assistant\n{% if enable_thinking is defined and \
+                          enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
+        let msgs = vec![Message {
+            role: "user".into(),
+            content: "Hi".into(),
+        }];
+        let kwargs = |v: serde_json::Value| v.as_object().cloned().expect("an object");
+        let thinking =
+            render(Some(qwen3_tail), &msgs, "", "", &serde_json::Map::new()).expect("render");
+        assert_eq!(
+            thinking,
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let off = kwargs(serde_json::json!({"enable_thinking": false}));
+        let quiet = render(Some(qwen3_tail), &msgs, "", "", &off).expect("render");
+        assert_eq!(quiet, format!("{thinking}<think>\n\n</think>\n\n"));
+        let on = kwargs(serde_json::json!({"enable_thinking": true}));
+        assert_eq!(
+            render(Some(qwen3_tail), &msgs, "", "", &on).expect("render"),
+            thinking
+        );
+        let sneaky = kwargs(serde_json::json!({"messages": [], "add_generation_prompt": false}));
+        assert_eq!(
+            render(Some(qwen3_tail), &msgs, "", "", &sneaky).expect("render"),
+            thinking
         );
     }
 }

@@ -322,6 +322,7 @@ async fn chat_completions(
             &req.messages,
             &special(tok.bos_id()),
             &special(tok.eos_id()),
+            &req.chat_template_kwargs,
         )?;
         let request = v1::GenerateRequest {
             prompt_tokens: tok.encode_raw(&text).map_err(tandem_proto::Error::from)?,

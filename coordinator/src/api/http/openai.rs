@@ -116,6 +116,9 @@ pub struct CompletionRequest {
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<Message>,
+    /// More variables for the model's chat template (vLLM's `chat_template_kwargs`).
+    #[serde(default)]
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 /// OpenAI's default length of a completion; chat completions default to [`CHAT_MAX_TOKENS`].

@@ -1,0 +1,105 @@
+//! The model families beside Llama (issue 28): each from a Hugging Face folder and from a GGUF
+//! file written by `coordinator quantize`, on the batch-invariant kernels, exact under greedy
+//! speculation with a draft of the same family.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use tandem_runtime::model::Architecture;
+use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
+use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
+use tandem_runtime::{GenerateRequest, SamplingParams, SpeculativeGenerator};
+
+/// A tiny Qwen3: heads 32 wide (q is 128 wide over a hidden size of 64, as Qwen3's heads are
+/// wider than hidden / heads), an RMSNorm over each head of q and k.
+fn qwen3(dir: &Path, seed: u64) -> PathBuf {
+    let spec = SyntheticSpec {
+        head_dim: Some(32),
+        architecture: Architecture::Qwen3,
+        ..SyntheticSpec::tiny(seed)
+    };
+    let model_dir = dir.join(format!("qwen3-{seed}"));
+    write_random_llama(&model_dir, &spec, &stories_dir()).expect("write");
+    model_dir
+}
+
+fn gguf(dir: &Path, quant: QuantType) -> PathBuf {
+    let out = dir.with_extension(format!("{quant:?}.gguf"));
+    quantize_to_gguf(dir, &out, quant).expect("quantize");
+    out
+}
+
+#[test]
+fn qwen3_loads_from_both_forms_with_its_head_norms() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = qwen3(tmp.path(), 11);
+    let dense = load(&dir);
+    let c = dense.config();
+    assert_eq!(c.architecture, Architecture::Qwen3);
+    assert!(c.qk_norm && !c.qkv_bias && !c.o_bias);
+    assert_eq!((c.head_dim, c.num_heads, c.hidden_size), (32, 4, 64));
+    let file = load(&gguf(&dir, QuantType::F32));
+    let g = file.config();
+    assert_eq!(g.architecture, Architecture::Qwen3);
+    assert!(g.qk_norm && !g.rope_interleaved, "{g:?}");
+    assert_eq!(g.head_dim, 32, "the key length in the metadata");
+    let tokens = story_tokens();
+    let (a, b) = (fresh_logits(&dense, &tokens), fresh_logits(&file, &tokens));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(max_diff(x, y) < TOL, "position {i}: {}", max_diff(x, y));
+    }
+    // The head norms matter: read as a Llama (which has none), the logits change.
+    let config_path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).expect("read")).expect("json");
+    config["model_type"] = "llama".into();
+    std::fs::write(&config_path, config.to_string()).expect("write");
+    let plain = fresh_logits(&load(&dir), &tokens);
+    assert!(max_diff(&plain[3], &a[3]) > 1e-3);
+}
+
+#[test]
+fn qwen3_block_forwards_equal_single_token_forwards() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = qwen3(tmp.path(), 12);
+    for path in [dir.clone(), gguf(&dir, QuantType::Q8_0)] {
+        for (i, (rows, single)) in block_and_single_rows(&load(&path)).iter().enumerate() {
+            assert_eq!(
+                single,
+                rows,
+                "{}: block position {i}: max |Δlogit| = {}",
+                path.display(),
+                max_diff(single, rows)
+            );
+        }
+    }
+}
+
+#[test]
+fn greedy_speculation_with_a_qwen3_draft_equals_the_qwen3_target_alone() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let target = load(&qwen3(tmp.path(), 13));
+    // A draft of the same family that mostly agrees: the target's own weights, quantized.
+    let draft = load(&gguf(&tmp.path().join("qwen3-13"), QuantType::Q8_0));
+    let tok = tokenizer();
+    let request = |k: usize| GenerateRequest {
+        prompt: tok.encode("Once upon a time").expect("encode"),
+        max_new_tokens: 64,
+        sampling: SamplingParams::greedy(),
+        draft_tokens: k,
+        stop_token_ids: vec![],
+        stop_strings: vec![],
+    };
+    let alone = SpeculativeGenerator::new(&target, None, &tok)
+        .expect("generator")
+        .generate(&request(0), |_| {})
+        .expect("target alone");
+    let drafted = SpeculativeGenerator::new(&target, Some(&draft), &tok).expect("generator");
+    for k in [1, 4, 8] {
+        let out = drafted.generate(&request(k), |_| {}).expect("speculative");
+        assert_eq!(out.token_ids, alone.token_ids, "K = {k}");
+        assert!(out.stats.accepted > 0, "K = {k}: the draft is used");
+    }
+}
