@@ -253,15 +253,44 @@ fn model_metadata(config: &ModelConfig, quant: QuantType, dir: &Path) -> Vec<(St
         (format!("{a}.attention.key_length"), u(config.head_dim)),
         (format!("{a}.attention.value_length"), u(config.head_dim)),
     ];
-    if let RopeScaling::Linear { factor } = config.rope_scaling {
-        m.push((
-            format!("{a}.rope.scaling.type"),
-            Value::String("linear".into()),
-        ));
-        m.push((
-            format!("{a}.rope.scaling.factor"),
-            Value::F32(factor as f32),
-        ));
+    match config.rope_scaling {
+        RopeScaling::Linear { factor } => {
+            m.push((
+                format!("{a}.rope.scaling.type"),
+                Value::String("linear".into()),
+            ));
+            m.push((
+                format!("{a}.rope.scaling.factor"),
+                Value::F32(factor as f32),
+            ));
+        }
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+        } => {
+            let f = |v: f64| Value::F32(v as f32);
+            m.extend([
+                (
+                    format!("{a}.rope.scaling.type"),
+                    Value::String("yarn".into()),
+                ),
+                (format!("{a}.rope.scaling.factor"), f(factor)),
+                (
+                    format!("{a}.rope.scaling.original_context_length"),
+                    u(original_max_position_embeddings),
+                ),
+                (format!("{a}.rope.scaling.yarn_beta_fast"), f(beta_fast)),
+                (format!("{a}.rope.scaling.yarn_beta_slow"), f(beta_slow)),
+                (
+                    format!("{a}.rope.scaling.yarn_attn_factor"),
+                    f(attention_factor / RopeScaling::yarn_mscale(factor)),
+                ),
+            ]);
+        }
+        _ => {}
     }
     if let Some(bos) = config.bos_token_id {
         m.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(bos)));

@@ -51,11 +51,7 @@ fn qwen3_loads_from_both_forms_with_its_head_norms() {
         assert!(max_diff(x, y) < TOL, "position {i}: {}", max_diff(x, y));
     }
     // The head norms matter: read as a Llama (which has none), the logits change.
-    let config_path = dir.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).expect("read")).expect("json");
-    config["model_type"] = "llama".into();
-    std::fs::write(&config_path, config.to_string()).expect("write");
+    set_config(&dir, "model_type", "llama".into());
     let plain = fresh_logits(&load(&dir), &tokens);
     assert!(max_diff(&plain[3], &a[3]) > 1e-3);
 }
@@ -102,4 +98,42 @@ fn greedy_speculation_with_a_qwen3_draft_equals_the_qwen3_target_alone() {
         assert_eq!(out.token_ids, alone.token_ids, "K = {k}");
         assert!(out.stats.accepted > 0, "K = {k}: the draft is used");
     }
+}
+
+/// Rewrites one field of a written checkpoint's config.json.
+fn set_config(dir: &Path, key: &str, value: serde_json::Value) {
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+    config[key] = value;
+    std::fs::write(&path, config.to_string()).expect("write");
+}
+
+/// YaRN (Qwen2.5 and Qwen3 long context) from config.json, carried into a GGUF file in
+/// llama.cpp's keys: both forms agree, and the scaling changes the logits.
+#[test]
+fn yarn_scaling_loads_from_both_forms() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = qwen3(tmp.path(), 14);
+    let tokens = story_tokens();
+    let plain = fresh_logits(&load(&dir), &tokens);
+    // An original context of 64 positions, 4× longer: the story's positions are past it.
+    set_config(
+        &dir,
+        "rope_scaling",
+        serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    );
+    set_config(&dir, "max_position_embeddings", 64.into());
+    let dense = load(&dir);
+    assert_eq!(dense.config().max_context, 256);
+    let file = load(&gguf(&dir, QuantType::F32));
+    assert_eq!(file.config().rope_scaling, dense.config().rope_scaling);
+    let (a, b) = (fresh_logits(&dense, &tokens), fresh_logits(&file, &tokens));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(max_diff(x, y) < TOL, "position {i}: {}", max_diff(x, y));
+    }
+    assert!(
+        max_diff(&plain[30], &a[30]) > 1e-3,
+        "YaRN changes the logits"
+    );
 }

@@ -60,6 +60,56 @@ pub enum RopeScaling {
     },
     /// Per-frequency divisors stored with the model (GGUF `rope_freqs.weight`).
     Factors(Vec<f32>),
+    /// YaRN (Qwen2.5 and Qwen3 long context): frequencies that turn fewer than `beta_slow` times
+    /// over the original context are divided by `factor`, those that turn more than `beta_fast`
+    /// times are kept, a linear ramp between; cos and sin are scaled by `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: f64,
+    },
+}
+
+impl RopeScaling {
+    /// YaRN with the defaults of transformers and llama.cpp: β 32 and 1, and the attention
+    /// factor [`Self::yarn_mscale`].
+    pub fn yarn(
+        factor: f64,
+        original_max_position_embeddings: usize,
+        beta: Option<(f64, f64)>,
+        attention_factor: Option<f64>,
+    ) -> Self {
+        let (beta_fast, beta_slow) = beta.unwrap_or((32.0, 1.0));
+        Self::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            attention_factor: attention_factor.unwrap_or_else(|| Self::yarn_mscale(factor)),
+        }
+    }
+
+    /// YaRN's default attention factor, 0.1 · ln(factor) + 1 (llama.cpp's `rope.scaling.
+    /// attn_factor` multiplies it).
+    pub(crate) fn yarn_mscale(factor: f64) -> f64 {
+        if factor <= 1.0 {
+            1.0
+        } else {
+            0.1 * factor.ln() + 1.0
+        }
+    }
+
+    /// What cos and sin are multiplied by.
+    pub(crate) fn attention_factor(&self) -> f64 {
+        match self {
+            Self::Yarn {
+                attention_factor, ..
+            } => *attention_factor,
+            _ => 1.0,
+        }
+    }
 }
 
 /// Normalised hyper-parameters of a Llama-family model.
@@ -112,6 +162,9 @@ struct HfRopeScaling {
     #[serde(alias = "type")]
     rope_type: String,
     factor: Option<f64>,
+    beta_fast: Option<f64>,
+    beta_slow: Option<f64>,
+    attention_factor: Option<f64>,
     low_freq_factor: Option<f64>,
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<usize>,
@@ -192,7 +245,7 @@ impl ModelConfig {
         }
         let rope_scaling = match hf.rope_scaling {
             None => RopeScaling::None,
-            Some(s) => rope_scaling_from_hf(s, &path)?,
+            Some(s) => rope_scaling_from_hf(s, hf.max_position_embeddings, &path)?,
         };
         let mut bos_token_id = hf.bos_token_id;
         let mut eos_token_ids = hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default();
@@ -216,7 +269,18 @@ impl ModelConfig {
                 .head_dim
                 .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
             vocab_size: hf.vocab_size,
-            max_context: hf.max_position_embeddings,
+            // With YaRN the context is the original one times the factor (vLLM reads it so; a
+            // Qwen2.5 config.json keeps 32768 beside a factor of 4).
+            max_context: match rope_scaling {
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings,
+                    ..
+                } => hf
+                    .max_position_embeddings
+                    .max((original_max_position_embeddings as f64 * factor) as usize),
+                _ => hf.max_position_embeddings,
+            },
             rms_norm_eps: hf.rms_norm_eps,
             rope_theta: hf.rope_theta,
             rope_scaling,
@@ -299,12 +363,44 @@ impl ModelConfig {
                     })
                     .collect()
             }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                ..
+            } => {
+                // The dimension (of d) whose frequency turns `turns` times over the original
+                // context; the ramp runs between those of β fast and β slow, whole dimensions.
+                let dim_of = |turns: f64| {
+                    d as f64
+                        * (*original_max_position_embeddings as f64
+                            / (turns * 2.0 * std::f64::consts::PI))
+                            .ln()
+                        / (2.0 * self.rope_theta.ln())
+                };
+                let low = dim_of(*beta_fast).floor().max(0.0);
+                let high = dim_of(*beta_slow).ceil().min(d as f64 - 1.0);
+                let span = if high == low { 0.001 } else { high - low };
+                base.iter()
+                    .enumerate()
+                    .map(|(i, &f)| {
+                        // 1: kept (extrapolated), 0: divided by the factor (interpolated).
+                        let keep = 1.0 - ((i as f64 - low) / span).clamp(0.0, 1.0);
+                        f / factor * (1.0 - keep) + f * keep
+                    })
+                    .collect()
+            }
         };
         scaled.into_iter().map(|f| f as f32).collect()
     }
 }
 
-fn rope_scaling_from_hf(s: HfRopeScaling, path: &Path) -> Result<RopeScaling> {
+fn rope_scaling_from_hf(
+    s: HfRopeScaling,
+    max_position_embeddings: usize,
+    path: &Path,
+) -> Result<RopeScaling> {
     let missing = |field: &str| Error::InvalidFile {
         path: path.to_path_buf(),
         reason: format!("rope_scaling of type `{}` needs `{field}`", s.rope_type),
@@ -314,6 +410,13 @@ fn rope_scaling_from_hf(s: HfRopeScaling, path: &Path) -> Result<RopeScaling> {
         "linear" => Ok(RopeScaling::Linear {
             factor: s.factor.ok_or_else(|| missing("factor"))?,
         }),
+        "yarn" => Ok(RopeScaling::yarn(
+            s.factor.ok_or_else(|| missing("factor"))?,
+            s.original_max_position_embeddings
+                .unwrap_or(max_position_embeddings),
+            s.beta_fast.zip(s.beta_slow),
+            s.attention_factor,
+        )),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: s.factor.ok_or_else(|| missing("factor"))?,
             low_freq_factor: s
@@ -329,7 +432,8 @@ fn rope_scaling_from_hf(s: HfRopeScaling, path: &Path) -> Result<RopeScaling> {
         other => Err(Error::InvalidFile {
             path: path.to_path_buf(),
             reason: format!(
-                "rope_scaling type `{other}` is not supported; supported: default, linear, llama3"
+                "rope_scaling type `{other}` is not supported; supported: default, linear, \
+                 llama3, yarn"
             ),
         }),
     }
@@ -415,13 +519,73 @@ mod tests {
             (c.eos_token_ids.clone(), c.bos_token_id, c.head_dim),
             (vec![2, 7], Some(1), 16)
         );
-        let bad = cfg.to_string().replace("llama3", "yarn");
+        let bad = cfg.to_string().replace("llama3", "dynamic");
         std::fs::write(dir.path().join("config.json"), bad).expect("write");
-        let e = ModelConfig::from_hf_dir(dir.path()).expect_err("yarn");
+        let e = ModelConfig::from_hf_dir(dir.path()).expect_err("dynamic");
         assert!(
             e.to_string()
-                .contains("rope_scaling type `yarn` is not supported"),
+                .contains("rope_scaling type `dynamic` is not supported"),
             "{e}"
+        );
+    }
+
+    /// YaRN as transformers and llama.cpp compute it (Qwen2.5's 4× over 32768, head 128,
+    /// base 10⁶): the dimensions that turn more than 32 times over the original context keep
+    /// their frequency, those that turn less than once are divided by 4, a linear ramp between
+    /// whole dimensions; cos and sin are scaled by 0.1 · ln 4 + 1.
+    #[test]
+    fn yarn_rope_scaling() {
+        let qwen = |scaling| ModelConfig {
+            head_dim: 128,
+            rope_theta: 1_000_000.0,
+            rope_scaling: scaling,
+            ..config(RopeScaling::None)
+        };
+        let plain = qwen(RopeScaling::None).inv_freq();
+        let yarn = RopeScaling::yarn(4.0, 32768, None, None);
+        assert!((yarn.attention_factor() - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        let scaled = qwen(yarn).inv_freq();
+        // Turns over 32768 positions: 32768 · f / 2π.
+        let turns = |f: f32| 32768.0 * f64::from(f) / (2.0 * std::f64::consts::PI);
+        for (i, (&p, &s)) in plain.iter().zip(&scaled).enumerate() {
+            if turns(p) > 32.0 * 1.2 {
+                assert_eq!(s, p, "dimension {i} turns {} times: kept", turns(p));
+            } else if turns(p) < 1.0 / 1.2 {
+                assert!(
+                    (s - p / 4.0).abs() <= 1e-6 * p,
+                    "dimension {i}: divided by 4"
+                );
+            } else {
+                assert!(
+                    s <= p && s >= p / 4.0 * (1.0 - 1e-6),
+                    "dimension {i}: between"
+                );
+            }
+        }
+        // The ramp's ends, whole dimensions: ⌊d · ln(32768 / 2π·32) / 2 ln 10⁶⌋ = ⌊23.6⌋ and
+        // ⌈d · ln(32768 / 2π) / 2 ln 10⁶⌉ = ⌈39.7⌉.
+        assert_eq!(scaled[23], plain[23]);
+        assert!(scaled[24] < plain[24] && scaled[39] > plain[39] / 4.0);
+        assert!((scaled[40] - plain[40] / 4.0).abs() <= 1e-6 * plain[40]);
+        assert_eq!(RopeScaling::None.attention_factor(), 1.0);
+    }
+
+    #[test]
+    fn hf_config_reads_yarn_and_extends_the_context() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let cfg = serde_json::json!({
+            "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 100, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+        });
+        std::fs::write(dir.path().join("config.json"), cfg.to_string()).expect("write");
+        let c = ModelConfig::from_hf_dir(dir.path()).expect("config");
+        assert_eq!(c.rope_scaling, RopeScaling::yarn(4.0, 32768, None, None));
+        assert_eq!(
+            c.max_context, 131_072,
+            "the original context times the factor"
         );
     }
 }

@@ -63,12 +63,27 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
     };
     let rope_scaling = if let Ok(freqs) = tensors.get_no_shape("rope_freqs.weight") {
         RopeScaling::Factors(freqs.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
-    } else if meta.opt_string(&format!("{a}.rope.scaling.type")) == Some("linear") {
-        RopeScaling::Linear {
-            factor: meta.f64(&format!("{a}.rope.scaling.factor"))?,
-        }
     } else {
-        RopeScaling::None
+        match meta.opt_string(&format!("{a}.rope.scaling.type")) {
+            Some("linear") => RopeScaling::Linear {
+                factor: meta.f64(&format!("{a}.rope.scaling.factor"))?,
+            },
+            // llama.cpp's keys: its attention factor multiplies YaRN's own.
+            Some("yarn") => {
+                let factor = meta.f64(&format!("{a}.rope.scaling.factor"))?;
+                let times = meta
+                    .opt_f64(&format!("{a}.rope.scaling.yarn_attn_factor"))
+                    .unwrap_or(1.0);
+                RopeScaling::yarn(
+                    factor,
+                    meta.usize(&format!("{a}.rope.scaling.original_context_length"))?,
+                    meta.opt_f64(&format!("{a}.rope.scaling.yarn_beta_fast"))
+                        .zip(meta.opt_f64(&format!("{a}.rope.scaling.yarn_beta_slow"))),
+                    Some(times * RopeScaling::yarn_mscale(factor)),
+                )
+            }
+            _ => RopeScaling::None,
+        }
     };
     let config = ModelConfig {
         architecture,

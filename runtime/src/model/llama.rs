@@ -302,13 +302,14 @@ impl Llama {
             .to_dtype(DType::F32)?
             .reshape((cfg.max_context, 1))?;
         let freqs = positions.broadcast_mul(&inv_freq)?;
+        let scale = cfg.rope_scaling.attention_factor();
         Ok(Self {
             embed_tokens,
             layers,
             norm,
             lm_head,
-            cos: freqs.cos()?.to_dtype(dtype)?,
-            sin: freqs.sin()?.to_dtype(dtype)?,
+            cos: (freqs.cos()? * scale)?.to_dtype(dtype)?,
+            sin: (freqs.sin()? * scale)?.to_dtype(dtype)?,
             dtype,
         })
     }
