@@ -124,14 +124,18 @@ pub fn quantize_to_gguf(dir: &Path, out: &Path, quant: QuantType) -> Result<Quan
         if name.ends_with("rotary_emb.inv_freq") {
             continue;
         }
-        let gguf = gguf_name(name);
+        let gguf = gguf_name(name, config.architecture);
         let mut t = tensors[name].to_dtype(DType::F32)?;
-        if config.architecture == Architecture::Llama {
-            if name.contains("q_proj") {
+        match config.architecture {
+            Architecture::Llama if name.contains("q_proj") => {
                 t = permute_for_interleaved_rope(&t, config.num_heads)?;
-            } else if name.contains("k_proj") {
+            }
+            Architecture::Llama if name.contains("k_proj") => {
                 t = permute_for_interleaved_rope(&t, config.num_kv_heads)?;
             }
+            // Gemma's norms scale by 1 + w: llama.cpp stores 1 + w.
+            Architecture::Gemma3 if name.ends_with("norm.weight") => t = (t + 1.0)?,
+            _ => {}
         }
         let wanted = if t.rank() == 2 {
             quant.for_tensor(&gguf)
@@ -253,6 +257,12 @@ fn model_metadata(config: &ModelConfig, quant: QuantType, dir: &Path) -> Vec<(St
         (format!("{a}.attention.key_length"), u(config.head_dim)),
         (format!("{a}.attention.value_length"), u(config.head_dim)),
     ];
+    if !config.local_layers.is_empty() {
+        m.push((
+            format!("{a}.attention.sliding_window"),
+            u(config.sliding_window),
+        ));
+    }
     match config.rope_scaling {
         RopeScaling::Linear { factor } => {
             m.push((

@@ -25,8 +25,10 @@ pub struct SyntheticSpec {
     pub embed_std: f32,
     /// A head's width; `None`: hidden_size / num_heads.
     pub head_dim: Option<usize>,
-    /// Llama; Qwen2 adds q/k/v biases; Qwen3 an RMSNorm over each head of q and k.
+    /// Llama; Qwen2 adds q/k/v biases; Qwen3 an RMSNorm over each head of q and k; Gemma 3
+    /// its norms, GeGLU and local layers (five in six) of `sliding_window` positions.
     pub architecture: Architecture,
+    pub sliding_window: usize,
     pub seed: u64,
 }
 
@@ -43,6 +45,7 @@ impl SyntheticSpec {
             embed_std: 0.5,
             head_dim: None,
             architecture: Architecture::Llama,
+            sliding_window: 8,
             seed,
         }
     }
@@ -59,6 +62,7 @@ impl SyntheticSpec {
             embed_std: 0.5,
             head_dim: None,
             architecture: Architecture::Llama,
+            sliding_window: 512,
             seed,
         }
     }
@@ -145,6 +149,16 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
                     add(format!("{p}.self_attn.{name}.weight"), w);
                 }
             }
+            // Gemma's norms scale by 1 + w: w around 0.
+            Architecture::Gemma3 => {
+                for name in ["q_norm", "k_norm"] {
+                    let w = normal(&mut rng, &[head_dim], 0.2)?;
+                    add(format!("{p}.self_attn.{name}.weight"), w);
+                }
+                for name in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                    add(format!("{p}.{name}.weight"), normal(&mut rng, &[h], 0.1)?);
+                }
+            }
         }
         add(format!("{p}.mlp.gate_proj.weight"), linear(&mut rng, i, h)?);
         add(format!("{p}.mlp.up_proj.weight"), linear(&mut rng, i, h)?);
@@ -160,6 +174,7 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
         Architecture::Llama => ("LlamaForCausalLM", "llama"),
         Architecture::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
         Architecture::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+        Architecture::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
     };
     let config = json!({
         "architectures": [class],
@@ -179,6 +194,20 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
         "bos_token_id": tokenizer.bos_id(),
         "eos_token_id": tokenizer.eos_id(),
     });
+    let mut config = config;
+    if spec.architecture == Architecture::Gemma3 {
+        let gemma = json!({
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": head_dim,
+            "sliding_window": spec.sliding_window,
+            "sliding_window_pattern": 6,
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+        });
+        if let (Some(c), Some(g)) = (config.as_object_mut(), gemma.as_object()) {
+            c.extend(g.clone());
+        }
+    }
     let config_path = dir.join("config.json");
     std::fs::write(
         &config_path,

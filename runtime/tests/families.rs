@@ -137,3 +137,101 @@ fn yarn_scaling_loads_from_both_forms() {
         "YaRN changes the logits"
     );
 }
+
+/// A tiny Gemma 3: six layers, five local ones attending to the last 8 positions and a global
+/// one, heads 32 wide, one kv head.
+fn gemma3(dir: &Path, seed: u64) -> PathBuf {
+    let spec = SyntheticSpec {
+        num_layers: 6,
+        num_kv_heads: 1,
+        head_dim: Some(32),
+        architecture: Architecture::Gemma3,
+        ..SyntheticSpec::tiny(seed)
+    };
+    let model_dir = dir.join(format!("gemma3-{seed}"));
+    write_random_llama(&model_dir, &spec, &stories_dir()).expect("write");
+    model_dir
+}
+
+#[test]
+fn gemma3_loads_from_both_forms_with_its_local_layers() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = gemma3(tmp.path(), 21);
+    let dense = load(&dir);
+    let c = dense.config();
+    assert_eq!(c.architecture, Architecture::Gemma3);
+    assert_eq!(
+        c.local_layers,
+        [true, true, true, true, true, false],
+        "five local layers, then a global one"
+    );
+    assert_eq!((c.sliding_window, c.head_dim), (8, 32));
+    assert!(c.qk_norm);
+    // llama.cpp's form: norms stored as 1 + w, the local layers and window in its keys.
+    let file = load(&gguf(&dir, QuantType::F32));
+    let g = file.config();
+    assert_eq!(
+        (&g.local_layers, g.sliding_window, g.attention_scale),
+        (&c.local_layers, 8, c.attention_scale)
+    );
+    let tokens = story_tokens();
+    assert!(tokens.len() > 40, "the story is longer than the window");
+    let (a, b) = (fresh_logits(&dense, &tokens), fresh_logits(&file, &tokens));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(max_diff(x, y) < TOL, "position {i}: {}", max_diff(x, y));
+    }
+    // The window matters: past it, attending to every position changes the logits; before
+    // it, nothing changes.
+    set_config(&dir, "sliding_window", 4096.into());
+    let wide = fresh_logits(&load(&dir), &tokens);
+    assert!(max_diff(&wide[5], &a[5]) < TOL);
+    assert!(max_diff(&wide[30], &a[30]) > 1e-3);
+}
+
+/// Block forwards equal single-token ones bit for bit, and a rollback into the window (and past
+/// it: 6 wrong tokens after 20) leaves the cache as a fresh forward's.
+#[test]
+fn gemma3_block_forwards_equal_single_forwards_and_roll_back() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = gemma3(tmp.path(), 22);
+    for path in [dir.clone(), gguf(&dir, QuantType::Q8_0)] {
+        let model = load(&path);
+        for (i, (rows, single)) in block_and_single_rows(&model).iter().enumerate() {
+            assert_eq!(
+                single,
+                rows,
+                "{}: block position {i}: max |Δlogit| = {}",
+                path.display(),
+                max_diff(single, rows)
+            );
+        }
+        assert_truncate_then_reforward(&model);
+    }
+}
+
+#[test]
+fn greedy_speculation_with_a_gemma3_draft_equals_the_gemma3_target_alone() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = gemma3(tmp.path(), 23);
+    let target = load(&dir);
+    let draft = load(&gguf(&dir, QuantType::Q8_0));
+    let tok = tokenizer();
+    let request = |k: usize| GenerateRequest {
+        prompt: tok.encode("Once upon a time").expect("encode"),
+        max_new_tokens: 64,
+        sampling: SamplingParams::greedy(),
+        draft_tokens: k,
+        stop_token_ids: vec![],
+        stop_strings: vec![],
+    };
+    let alone = SpeculativeGenerator::new(&target, None, &tok)
+        .expect("generator")
+        .generate(&request(0), |_| {})
+        .expect("target alone");
+    let drafted = SpeculativeGenerator::new(&target, Some(&draft), &tok).expect("generator");
+    for k in [1, 4, 8] {
+        let out = drafted.generate(&request(k), |_| {}).expect("speculative");
+        assert_eq!(out.token_ids, alone.token_ids, "K = {k}");
+        assert!(out.stats.accepted > 0, "K = {k}: the draft is used");
+    }
+}

@@ -26,12 +26,20 @@ pub(crate) struct AttentionShape {
     pub kv_stride: usize,
 }
 
+/// How a layer's query rows attend: the scale of q·k, and how many of the latest positions a
+/// row sees, its own included (`usize::MAX`: all; a sliding window otherwise).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Span {
+    pub scale: f32,
+    pub window: usize,
+}
+
 /// The attention of the sequences of a batch, each `(q, k, v)`: `q` (1, heads, n, d), `k` and
-/// `v` (1, kv_heads, pos + n, d), f32 on the CPU. Returns (1, Σ n, heads · d): every sequence's
+/// `v` (1, kv_heads, pos + n, d), f32 on the CPU, under `span`. Returns (1, Σ n, heads · d): every sequence's
 /// rows in turn, as their concatenation. The rows of all sequences are split across the threads
 /// together (one sequence's decode row alone is too little work for two). Views whose rows are
 /// contiguous (those of a preallocated cache) are read in place; others are copied first.
-pub(crate) fn attention_cpu(seqs: &[(Tensor, Tensor, Tensor)]) -> Result<Tensor> {
+pub(crate) fn attention_cpu(seqs: &[(Tensor, Tensor, Tensor)], span: Span) -> Result<Tensor> {
     let rows = |t: &Tensor| -> Result<Tensor> {
         let contiguous_rows = t.stride()[3] == 1 && t.stride()[2] == t.dim(3)?;
         Ok(if contiguous_rows {
@@ -80,7 +88,7 @@ pub(crate) fn attention_cpu(seqs: &[(Tensor, Tensor, Tensor)]) -> Result<Tensor>
         calls.push(Call { q, k, v, s });
         rows_out += n;
     }
-    let ys = attention(&calls);
+    let ys = attention(&calls, span);
     let device = seqs
         .first()
         .map_or(&candle_core::Device::Cpu, |(q, ..)| q.device());
@@ -122,7 +130,7 @@ struct Call<'a> {
 
 /// Every call's (n, heads · d) rows, one call after the other (the calls share `heads` and
 /// `head_dim`).
-fn attention(calls: &[Call<'_>]) -> Vec<f32> {
+fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
     let Some(first) = calls.first() else {
         return Vec::new();
     };
@@ -137,7 +145,7 @@ fn attention(calls: &[Call<'_>]) -> Vec<f32> {
         })
         .collect();
     let total: usize = calls.iter().map(|c| c.s.n * heads).sum();
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = span.scale;
     let mut out = vec![0f32; total * d];
     #[cfg(target_arch = "x86_64")]
     let fused = Path::detect() != Path::Portable;
@@ -150,9 +158,10 @@ fn attention(calls: &[Call<'_>]) -> Vec<f32> {
         let q_row = &q[h * s.q_stride + i * d..][..d];
         let kv = h / (heads / s.kv_heads);
         let seen = s.pos + i + 1;
+        let first = seen.saturating_sub(span.window);
         let rows = Rows {
-            keys: &k[kv * s.kv_stride..][..seen * d],
-            values: &v[kv * s.kv_stride..][..seen * d],
+            keys: &k[kv * s.kv_stride + first * d..][..(seen - first) * d],
+            values: &v[kv * s.kv_stride + first * d..][..(seen - first) * d],
             d,
             scale,
         };

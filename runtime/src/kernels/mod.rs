@@ -58,7 +58,7 @@ trait DecodePair {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<T> DecodePair for T {}
 
-pub(crate) use attention::attention_cpu;
+pub(crate) use attention::{Span, attention_cpu};
 pub(crate) use matmul::Matmul;
 
 /// Gives back the calling thread's kernel scratch past what a verify block needs: called after

@@ -287,7 +287,13 @@ fn blocks_past_a_tile_split_across_threads_keep_each_rows_bits() {
 
 /// Causal attention in f64: (n, heads · d) for queries `q` (heads, n, d) at positions
 /// `pos..pos + n` over keys and values (kv_heads, pos + n, d).
-fn attention_reference(q: &[f32], k: &[f32], v: &[f32], dims: [usize; 5]) -> Vec<f64> {
+fn attention_reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: [usize; 5],
+    span: super::Span,
+) -> Vec<f64> {
     let [heads, kv_heads, n, pos, d] = dims;
     let seen_all = pos + n;
     let mut out = vec![0f64; n * heads * d];
@@ -295,20 +301,21 @@ fn attention_reference(q: &[f32], k: &[f32], v: &[f32], dims: [usize; 5]) -> Vec
         let kv = h / (heads / kv_heads);
         for i in 0..n {
             let qr = &q[(h * n + i) * d..][..d];
-            let scores: Vec<f64> = (0..=pos + i)
+            let first = (pos + i + 1).saturating_sub(span.window);
+            let scores: Vec<f64> = (first..=pos + i)
                 .map(|j| {
                     let kr = &k[(kv * seen_all + j) * d..][..d];
                     qr.iter()
                         .zip(kr)
                         .map(|(a, b)| f64::from(*a) * f64::from(*b))
                         .sum::<f64>()
-                        / (d as f64).sqrt()
+                        * f64::from(span.scale)
                 })
                 .collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let sum: f64 = weights.iter().sum();
-            for (j, w) in weights.iter().enumerate() {
+            for (j, w) in (first..).zip(&weights) {
                 for c in 0..d {
                     let value = f64::from(v[(kv * seen_all + j) * d + c]);
                     out[(i * heads + h) * d + c] += w / sum * value;
@@ -322,13 +329,24 @@ fn attention_reference(q: &[f32], k: &[f32], v: &[f32], dims: [usize; 5]) -> Vec
 #[test]
 fn attention_reads_the_cache_in_place_and_matches_the_reference() {
     // A cache allocated for 40 positions holding 23 (20 before a block of 3), and one long
-    // enough for the rows to be split across threads; 4 query heads sharing 2 kv heads of 16.
-    for (capacity, pos) in [(40, 20), (1600, 1400)] {
-        attention_case(capacity, pos);
+    // enough for the rows to be split across threads; 4 query heads sharing 2 kv heads of 16;
+    // every position seen, or a sliding window (Gemma's local layers) with another scale.
+    let all = super::Span {
+        scale: 0.25,
+        window: usize::MAX,
+    };
+    let window = |window| super::Span { scale: 0.2, window };
+    for (capacity, pos, span) in [
+        (40, 20, all),
+        (1600, 1400, all),
+        (40, 20, window(7)),
+        (1600, 1400, window(300)),
+    ] {
+        attention_case(capacity, pos, span);
     }
 }
 
-fn attention_case(capacity: usize, pos: usize) {
+fn attention_case(capacity: usize, pos: usize, span: super::Span) {
     let (heads, kv_heads, d, n) = (4, 2, 16, 3);
     let seen = pos + n;
     let (kv, qv) = data(2 * kv_heads * capacity, d, heads * n);
@@ -342,10 +360,16 @@ fn attention_case(capacity: usize, pos: usize) {
     };
     let (k, v) = (view(0), view(1));
     let q = Tensor::from_slice(&qv, (1, heads, n, d), &device).expect("q");
-    let got = super::attention_cpu(&[(q.clone(), k.clone(), v.clone())]).expect("attention");
+    let got = super::attention_cpu(&[(q.clone(), k.clone(), v.clone())], span).expect("attention");
     let got: Vec<f32> = got.flatten_all().and_then(|t| t.to_vec1()).expect("vec");
     let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().and_then(|t| t.to_vec1()).expect("vec") };
-    let reference = attention_reference(&qv, &flat(&k), &flat(&v), [heads, kv_heads, n, pos, d]);
+    let reference = attention_reference(
+        &qv,
+        &flat(&k),
+        &flat(&v),
+        [heads, kv_heads, n, pos, d],
+        span,
+    );
     for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
         assert!(
             (f64::from(*a) - b).abs() < 1e-5,
@@ -363,7 +387,7 @@ fn attention_case(capacity: usize, pos: usize) {
         })
         .collect();
     for (i, step) in steps.iter().enumerate() {
-        let alone = super::attention_cpu(std::slice::from_ref(step)).expect("attention");
+        let alone = super::attention_cpu(std::slice::from_ref(step), span).expect("attention");
         let alone: Vec<f32> = alone.flatten_all().and_then(|t| t.to_vec1()).expect("vec");
         let in_block = &got[i * heads * d..][..heads * d];
         assert!(
@@ -371,7 +395,7 @@ fn attention_case(capacity: usize, pos: usize) {
             "row {i} alone differs from row {i} of the block"
         );
     }
-    let batched = super::attention_cpu(&steps).expect("attention");
+    let batched = super::attention_cpu(&steps, span).expect("attention");
     let batched: Vec<f32> = batched
         .flatten_all()
         .and_then(|t| t.to_vec1())

@@ -16,9 +16,14 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3 (dense): Llama with an RMSNorm over each head of q and k, before rope.
     Qwen3,
+    /// Gemma 3 (text): embeddings scaled by √hidden, RMSNorms of (1 + w) before and after
+    /// attention and the MLP, GeGLU (tanh GELU), q/k head norms, sliding-window local layers
+    /// with a rope base of their own between global ones.
+    Gemma3,
 }
 
-pub(crate) const SUPPORTED: &str = "llama, mistral, qwen2, qwen3 (and their GGUF equivalents)";
+pub(crate) const SUPPORTED: &str =
+    "llama, mistral, qwen2, qwen3, gemma3 (text) (and their GGUF equivalents)";
 
 impl Architecture {
     pub(crate) fn parse(name: &str, path: &Path) -> Result<Self> {
@@ -26,6 +31,7 @@ impl Architecture {
             "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM" => Ok(Self::Llama),
             "qwen2" | "Qwen2ForCausalLM" => Ok(Self::Qwen2),
             "qwen3" | "Qwen3ForCausalLM" => Ok(Self::Qwen3),
+            "gemma3" | "gemma3_text" | "Gemma3ForCausalLM" => Ok(Self::Gemma3),
             other => Err(Error::UnsupportedArchitecture {
                 path: path.to_path_buf(),
                 found: other.to_string(),
@@ -40,6 +46,7 @@ impl Architecture {
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Gemma3 => "gemma3",
         }
     }
 }
@@ -112,6 +119,15 @@ impl RopeScaling {
     }
 }
 
+/// The MLP's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU (Llama, Qwen).
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma).
+    GeluTanh,
+}
+
 /// Normalised hyper-parameters of a Llama-family model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -135,8 +151,16 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Bias on the output projection (Llama with `attention_bias`).
     pub o_bias: bool,
-    /// An RMSNorm over each head of q and of k, before rope (Qwen3).
+    /// An RMSNorm over each head of q and of k, before rope (Qwen3, Gemma 3).
     pub qk_norm: bool,
+    pub activation: Activation,
+    /// What q·k is multiplied by: 1/√head_dim, or Gemma's 1/√query_pre_attn_scalar.
+    pub attention_scale: f64,
+    /// Which layers attend only to the last `sliding_window` positions (their own included),
+    /// with rope base `rope_local_theta` and no scaling (Gemma 3's local layers); empty: none.
+    pub local_layers: Vec<bool>,
+    pub sliding_window: usize,
+    pub rope_local_theta: f64,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -192,6 +216,13 @@ struct HfConfig {
     tie_word_embeddings: bool,
     attention_bias: Option<bool>,
     hidden_act: Option<String>,
+    /// Gemma's name for the activation.
+    hidden_activation: Option<String>,
+    query_pre_attn_scalar: Option<f64>,
+    sliding_window: Option<usize>,
+    sliding_window_pattern: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    rope_local_base_freq: Option<f64>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<TokenIds>,
 }
@@ -201,6 +232,9 @@ struct HfGenerationConfig {
     bos_token_id: Option<u32>,
     eos_token_id: Option<TokenIds>,
 }
+
+/// Gemma 3's layers: five local ones, then a global one.
+pub(crate) const GEMMA3_PATTERN: usize = 6;
 
 fn default_context() -> usize {
     2048
@@ -230,19 +264,54 @@ impl ModelConfig {
                 what: "a Hugging Face model folder needs config.json",
             });
         }
-        let hf: HfConfig = read_json(&path)?;
+        let json: serde_json::Value = read_json(&path)?;
+        if json.get("text_config").is_some() {
+            return Err(Error::InvalidFile {
+                path,
+                reason: "a multimodal checkpoint (its text model under `text_config`): serve \
+                         its text-only form (Gemma3ForCausalLM) or a GGUF file of it"
+                    .into(),
+            });
+        }
+        let hf: HfConfig = serde_json::from_value(json).map_err(|e| Error::InvalidFile {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
         let arch_name = hf
             .model_type
             .clone()
             .or_else(|| hf.architectures.as_ref().and_then(|a| a.first().cloned()))
             .unwrap_or_default();
         let architecture = Architecture::parse(&arch_name, &path)?;
-        if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
-            return Err(Error::InvalidFile {
-                path,
-                reason: format!("hidden_act `{act}` is not supported; supported: silu"),
-            });
-        }
+        let activation = match hf.hidden_activation.as_deref().or(hf.hidden_act.as_deref()) {
+            None if architecture == Architecture::Gemma3 => Activation::GeluTanh,
+            None | Some("silu") => Activation::Silu,
+            Some("gelu_pytorch_tanh") => Activation::GeluTanh,
+            Some(act) => {
+                return Err(Error::InvalidFile {
+                    path,
+                    reason: format!(
+                        "hidden_act `{act}` is not supported; supported: silu, gelu_pytorch_tanh"
+                    ),
+                });
+            }
+        };
+        let head_dim = hf
+            .head_dim
+            .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1));
+        // Gemma 3's local layers: `layer_types`, or every layer but each `pattern`-th.
+        let local_layers = match (architecture, &hf.layer_types, hf.sliding_window_pattern) {
+            (Architecture::Gemma3, Some(types), _) => {
+                types.iter().map(|t| t == "sliding_attention").collect()
+            }
+            (Architecture::Gemma3, None, pattern) => {
+                let pattern = pattern.unwrap_or(GEMMA3_PATTERN);
+                (0..hf.num_hidden_layers)
+                    .map(|i| !(i + 1).is_multiple_of(pattern))
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
         let rope_scaling = match hf.rope_scaling {
             None => RopeScaling::None,
             Some(s) => rope_scaling_from_hf(s, hf.max_position_embeddings, &path)?,
@@ -265,9 +334,7 @@ impl ModelConfig {
             num_layers: hf.num_hidden_layers,
             num_heads: hf.num_attention_heads,
             num_kv_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
-            head_dim: hf
-                .head_dim
-                .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
+            head_dim,
             vocab_size: hf.vocab_size,
             // With YaRN the context is the original one times the factor (vLLM reads it so; a
             // Qwen2.5 config.json keeps 32768 beside a factor of 4).
@@ -288,7 +355,12 @@ impl ModelConfig {
             tie_word_embeddings: hf.tie_word_embeddings,
             qkv_bias: architecture == Architecture::Qwen2 || attention_bias,
             o_bias: attention_bias,
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3),
+            activation,
+            attention_scale: 1.0 / hf.query_pre_attn_scalar.unwrap_or(head_dim as f64).sqrt(),
+            sliding_window: hf.sliding_window.unwrap_or(usize::MAX),
+            local_layers,
+            rope_local_theta: hf.rope_local_base_freq.unwrap_or(10_000.0),
             bos_token_id,
             eos_token_ids,
         };
@@ -318,6 +390,13 @@ impl ModelConfig {
         }
         if !self.head_dim.is_multiple_of(2) {
             return fail(format!("head_dim {} must be even for rope", self.head_dim));
+        }
+        if !self.local_layers.is_empty() && self.local_layers.len() != self.num_layers {
+            return fail(format!(
+                "{} layer types for {} layers",
+                self.local_layers.len(),
+                self.num_layers
+            ));
         }
         if self.vocab_size == 0 || self.max_context == 0 {
             return fail("vocab_size and max_position_embeddings must be positive".into());
@@ -462,6 +541,11 @@ mod tests {
             qkv_bias: false,
             o_bias: false,
             qk_norm: false,
+            activation: Activation::Silu,
+            attention_scale: 1.0 / 128f64.sqrt(),
+            local_layers: Vec::new(),
+            sliding_window: usize::MAX,
+            rope_local_theta: 10_000.0,
             bos_token_id: None,
             eos_token_ids: vec![],
         }

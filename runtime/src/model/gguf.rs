@@ -8,7 +8,7 @@ use candle_core::Device;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_transformers::quantized_var_builder::VarBuilder as QVarBuilder;
 
-use super::config::{Architecture, ModelConfig, RopeScaling};
+use super::config::{Activation, Architecture, GEMMA3_PATTERN, ModelConfig, RopeScaling};
 use super::weights::Weights;
 use crate::{Error, Result};
 
@@ -85,21 +85,31 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
             _ => RopeScaling::None,
         }
     };
+    let num_layers = meta.usize(&format!("{a}.block_count"))?;
+    let head_dim = meta
+        .opt_usize(&format!("{a}.attention.key_length"))
+        .or_else(|| meta.opt_usize(&format!("{a}.rope.dimension_count")))
+        .unwrap_or(hidden_size / num_heads.max(1));
+    let gemma = architecture == Architecture::Gemma3;
+    // llama.cpp's Gemma 3: the 27B model (62 layers) scales q·k by 1/√(hidden / heads), the
+    // others by 1/√head_dim (their query_pre_attn_scalar, which the files do not carry).
+    let attention_scale = if gemma && num_layers == 62 {
+        1.0 / ((hidden_size / num_heads.max(1)) as f64).sqrt()
+    } else {
+        1.0 / (head_dim as f64).sqrt()
+    };
     let config = ModelConfig {
         architecture,
         hidden_size,
         intermediate_size: meta.usize(&format!("{a}.feed_forward_length"))?,
-        num_layers: meta.usize(&format!("{a}.block_count"))?,
+        num_layers,
         num_heads,
         num_kv_heads: meta
             .opt_usize(&format!("{a}.attention.head_count_kv"))
             .unwrap_or(num_heads),
-        // A head's width: Qwen3's is not hidden / heads, and its files say so as the key
-        // length (llama.cpp rotates all of it).
-        head_dim: meta
-            .opt_usize(&format!("{a}.attention.key_length"))
-            .or_else(|| meta.opt_usize(&format!("{a}.rope.dimension_count")))
-            .unwrap_or(hidden_size / num_heads.max(1)),
+        // A head's width: Qwen3's and Gemma's are not hidden / heads, and their files say so
+        // as the key length (llama.cpp rotates all of it).
+        head_dim,
         vocab_size,
         max_context: meta.usize(&format!("{a}.context_length"))?,
         rms_norm_eps: meta.f64(&format!("{a}.attention.layer_norm_rms_epsilon"))?,
@@ -114,6 +124,24 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
         qkv_bias: tensors.contains_key("blk.0.attn_q.bias"),
         o_bias: tensors.contains_key("blk.0.attn_output.bias"),
         qk_norm: tensors.contains_key("blk.0.attn_q_norm.weight"),
+        activation: if gemma {
+            Activation::GeluTanh
+        } else {
+            Activation::Silu
+        },
+        attention_scale,
+        // Gemma 3's layers in llama.cpp: five local, one global; the local rope base fixed.
+        local_layers: if gemma {
+            (0..num_layers)
+                .map(|i| !(i + 1).is_multiple_of(GEMMA3_PATTERN))
+                .collect()
+        } else {
+            Vec::new()
+        },
+        sliding_window: meta
+            .opt_usize(&format!("{a}.attention.sliding_window"))
+            .unwrap_or(usize::MAX),
+        rope_local_theta: 10_000.0,
         bos_token_id: meta
             .opt_usize("tokenizer.ggml.bos_token_id")
             .map(|v| v as u32),
@@ -128,6 +156,7 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
         weights: Weights::Gguf {
             path: path.to_path_buf(),
             tensors,
+            architecture,
         },
     })
 }

@@ -1,12 +1,13 @@
-//! The Llama-family forward pass (Llama 1/2/3, Mistral, TinyLlama, SmolLM, Qwen2, Qwen3) over a
-//! truncatable [`KvCache`], returning logits for every position of a block or only the last.
+//! The Llama-family forward pass (Llama 1/2/3, Mistral, TinyLlama, SmolLM, Qwen2, Qwen3,
+//! Gemma 3) over a truncatable [`KvCache`], returning logits for every position of a block or
+//! only the last.
 
 use candle_core::{DType, Device, Tensor};
 
-use super::config::ModelConfig;
+use super::config::{Activation, Architecture, ModelConfig, RopeScaling};
 use super::weights::Vb;
 use crate::Result;
-use crate::kernels::{Matmul, attention_cpu};
+use crate::kernels::{Matmul, Span, attention_cpu};
 use crate::kv_cache::KvCache;
 
 /// A linear layer whose weight may be quantized, with an optional bias.
@@ -41,10 +42,18 @@ struct RmsNorm {
 }
 
 impl RmsNorm {
-    fn load(vb: Vb, size: usize, eps: f64) -> Result<Self> {
+    /// A norm of `cfg`'s model: Gemma's scale by 1 + w, which llama.cpp's files store as such
+    /// (a Hugging Face checkpoint stores w).
+    fn load(vb: Vb, size: usize, cfg: &ModelConfig) -> Result<Self> {
+        let weight = vb.tensor("weight", &[size])?;
+        let weight = if cfg.architecture == Architecture::Gemma3 && !vb.is_gguf() {
+            (weight + 1.0)?
+        } else {
+            weight
+        };
         Ok(Self {
-            weight: vb.tensor("weight", &[size])?,
-            eps: eps as f32,
+            weight,
+            eps: cfg.rms_norm_eps as f32,
         })
     }
 
@@ -58,8 +67,11 @@ struct Attention {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
-    /// Qwen3's RMSNorm over each head of q and of k (weights of one head's width).
+    /// Qwen3's and Gemma's RMSNorm over each head of q and of k (weights of one head's width).
     qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// Which rope table and span the layer uses: a local (sliding-window) layer's, or not.
+    local: bool,
+    span: Span,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -67,7 +79,7 @@ struct Attention {
 }
 
 impl Attention {
-    fn load(vb: Vb, cfg: &ModelConfig) -> Result<Self> {
+    fn load(vb: Vb, cfg: &ModelConfig, local: bool) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let q_dim = cfg.num_heads * d;
         let kv_dim = cfg.num_kv_heads * d;
@@ -78,11 +90,20 @@ impl Attention {
             o_proj: Linear::load(vb.pp("o_proj"), h, q_dim, cfg.o_bias)?,
             qk_norm: if cfg.qk_norm {
                 Some((
-                    RmsNorm::load(vb.pp("q_norm"), d, cfg.rms_norm_eps)?,
-                    RmsNorm::load(vb.pp("k_norm"), d, cfg.rms_norm_eps)?,
+                    RmsNorm::load(vb.pp("q_norm"), d, cfg)?,
+                    RmsNorm::load(vb.pp("k_norm"), d, cfg)?,
                 ))
             } else {
                 None
+            },
+            local,
+            span: Span {
+                scale: cfg.attention_scale as f32,
+                window: if local {
+                    cfg.sliding_window
+                } else {
+                    usize::MAX
+                },
             },
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
@@ -129,18 +150,19 @@ impl Attention {
         for seq in seqs {
             let rows = |t: &Tensor| t.narrow(1, seq.offset, seq.n);
             let (q_norm, k_norm) = self.qk_norm.as_ref().map(|(q, k)| (q, k)).unzip();
-            let q = self.heads(rows(&q_all)?, self.num_heads, q_norm, Some(&seq.rope))?;
-            let k = self.heads(rows(&k_all)?, self.num_kv_heads, k_norm, Some(&seq.rope))?;
+            let rope = &seq.rope[usize::from(self.local)];
+            let q = self.heads(rows(&q_all)?, self.num_heads, q_norm, Some(rope))?;
+            let k = self.heads(rows(&k_all)?, self.num_kv_heads, k_norm, Some(rope))?;
             let v = self.heads(rows(&v_all)?, self.num_kv_heads, None, None)?;
             let (k, v) = seq.cache.append(layer, &k, &v)?;
             if cpu {
                 on_cpu.push((q, k, v));
             } else {
-                out.push(self.attend(&q, &k, &v, seq.mask.as_ref())?);
+                out.push(self.attend(&q, &k, &v, seq.masks[usize::from(self.local)].as_ref())?);
             }
         }
         let ys = if cpu {
-            attention_cpu(&on_cpu)?
+            attention_cpu(&on_cpu, self.span)?
         } else if out.len() == 1 {
             out.pop().expect("one sequence")
         } else {
@@ -158,8 +180,7 @@ impl Attention {
         // are stacked along the row axis, (1, kv_heads, group * n, d).
         let group = self.num_heads / self.num_kv_heads;
         let q = q.reshape((1, self.num_kv_heads, group * n, self.head_dim))?;
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let att = (q.matmul(&k.t()?)? * scale)?;
+        let att = (q.matmul(&k.t()?)? * f64::from(self.span.scale))?;
         let att = match mask {
             None => att,
             Some(mask) => att
@@ -180,6 +201,7 @@ struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
+    activation: Activation,
 }
 
 impl Mlp {
@@ -189,42 +211,70 @@ impl Mlp {
             gate_proj: Linear::load(vb.pp("gate_proj"), i, h, false)?,
             up_proj: Linear::load(vb.pp("up_proj"), i, h, false)?,
             down_proj: Linear::load(vb.pp("down_proj"), h, i, false)?,
+            activation: cfg.activation,
         })
     }
 
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(xs)?.silu()?;
+        let gate = self.gate_proj.forward(xs)?;
+        let gate = match self.activation {
+            Activation::Silu => gate.silu()?,
+            // candle's `gelu` is the tanh approximation.
+            Activation::GeluTanh => gate.gelu()?,
+        };
         self.down_proj.forward(&(gate * self.up_proj.forward(xs)?)?)
     }
 }
 
+/// A decoder layer: a norm before attention and one before the MLP, and Gemma's norms after
+/// each (`sandwich`).
 struct Block {
-    input_layernorm: RmsNorm,
+    attn_norm: RmsNorm,
     self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
+    mlp_norm: RmsNorm,
     mlp: Mlp,
+    sandwich: Option<(RmsNorm, RmsNorm)>,
 }
 
 impl Block {
-    fn load(vb: Vb, cfg: &ModelConfig) -> Result<Self> {
-        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+    fn load(vb: Vb, cfg: &ModelConfig, layer: usize) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let norm = |name: &str| RmsNorm::load(vb.pp(name), h, cfg);
+        let local = cfg.local_layers.get(layer).copied().unwrap_or(false);
+        let gemma = cfg.architecture == Architecture::Gemma3;
         Ok(Self {
-            input_layernorm: RmsNorm::load(vb.pp("input_layernorm"), h, eps)?,
-            self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
-            post_attention_layernorm: RmsNorm::load(vb.pp("post_attention_layernorm"), h, eps)?,
+            attn_norm: norm("input_layernorm")?,
+            self_attn: Attention::load(vb.pp("self_attn"), cfg, local)?,
+            // Llama's `post_attention_layernorm` precedes the MLP; Gemma's follows attention.
+            mlp_norm: norm(if gemma {
+                "pre_feedforward_layernorm"
+            } else {
+                "post_attention_layernorm"
+            })?,
             mlp: Mlp::load(vb.pp("mlp"), cfg)?,
+            sandwich: if gemma {
+                Some((
+                    norm("post_attention_layernorm")?,
+                    norm("post_feedforward_layernorm")?,
+                ))
+            } else {
+                None
+            },
         })
     }
 
     fn forward(&self, xs: &Tensor, layer: usize, seqs: &[SeqRows<'_>]) -> Result<Tensor> {
+        let after = |norm: Option<&RmsNorm>, ys: Tensor| match norm {
+            Some(norm) => norm.forward(&ys),
+            None => Ok(ys),
+        };
+        let (post_attn, post_mlp) = self.sandwich.as_ref().map(|(a, m)| (a, m)).unzip();
         let attn = self
             .self_attn
-            .forward(&self.input_layernorm.forward(xs)?, layer, seqs)?;
-        let xs = (xs + attn)?;
-        let mlp = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&xs)?)?;
-        Ok((xs + mlp)?)
+            .forward(&self.attn_norm.forward(xs)?, layer, seqs)?;
+        let xs = (xs + after(post_attn, attn)?)?;
+        let mlp = self.mlp.forward(&self.mlp_norm.forward(&xs)?)?;
+        Ok((xs + after(post_mlp, mlp)?)?)
     }
 }
 
@@ -245,8 +295,9 @@ struct Rope {
 struct SeqRows<'a> {
     offset: usize,
     n: usize,
-    rope: Rope,
-    mask: Option<Tensor>,
+    /// The global layers' rotary embeddings and mask, then the local layers' (if any).
+    rope: Vec<Rope>,
+    masks: Vec<Option<Tensor>>,
     cache: &'a KvCache,
 }
 
@@ -269,12 +320,32 @@ pub enum Logits {
 
 pub(crate) struct Llama {
     embed_tokens: Tensor,
+    /// What embeddings are multiplied by (Gemma: √hidden).
+    embed_scale: Option<f64>,
     layers: Vec<Block>,
     norm: RmsNorm,
     lm_head: Matmul,
-    cos: Tensor,
-    sin: Tensor,
+    /// cos and sin of every position: the global layers' table, then the local layers' (their
+    /// own base, no scaling) where the model has local layers, with their window.
+    tables: Vec<Rope>,
+    windows: Vec<usize>,
     dtype: DType,
+}
+
+/// cos/sin of every position up to `cfg.max_context`, scaled by the rope's attention factor.
+fn rope_table(cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Rope> {
+    let inv_freq = cfg.inv_freq();
+    let half = inv_freq.len();
+    let inv_freq = Tensor::from_vec(inv_freq, (1, half), device)?;
+    let positions = Tensor::arange(0u32, cfg.max_context as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((cfg.max_context, 1))?;
+    let freqs = positions.broadcast_mul(&inv_freq)?;
+    let scale = cfg.rope_scaling.attention_factor();
+    Ok(Rope {
+        cos: (freqs.cos()? * scale)?.to_dtype(dtype)?,
+        sin: (freqs.sin()? * scale)?.to_dtype(dtype)?,
+    })
 }
 
 impl Llama {
@@ -285,9 +356,9 @@ impl Llama {
             .tensor("weight", &[cfg.vocab_size, cfg.hidden_size])?
             .to_dtype(dtype)?;
         let layers = (0..cfg.num_layers)
-            .map(|i| Block::load(m.pp("layers").pp(i), cfg))
+            .map(|i| Block::load(m.pp("layers").pp(i), cfg, i))
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(m.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
+        let norm = RmsNorm::load(m.pp("norm"), cfg.hidden_size, cfg)?;
         // Tied embeddings reuse the embedding matrix, kept quantized in GGUF files.
         let lm_head = if cfg.tie_word_embeddings {
             m.pp("embed_tokens")
@@ -295,21 +366,27 @@ impl Llama {
         } else {
             vb.pp("lm_head").matmul(cfg.vocab_size, cfg.hidden_size)?
         };
-        let inv_freq = cfg.inv_freq();
-        let half = inv_freq.len();
-        let inv_freq = Tensor::from_vec(inv_freq, (1, half), device)?;
-        let positions = Tensor::arange(0u32, cfg.max_context as u32, device)?
-            .to_dtype(DType::F32)?
-            .reshape((cfg.max_context, 1))?;
-        let freqs = positions.broadcast_mul(&inv_freq)?;
-        let scale = cfg.rope_scaling.attention_factor();
+        let mut tables = vec![rope_table(cfg, dtype, device)?];
+        let mut windows = vec![usize::MAX];
+        if cfg.local_layers.contains(&true) {
+            let local = ModelConfig {
+                rope_theta: cfg.rope_local_theta,
+                rope_scaling: RopeScaling::None,
+                ..cfg.clone()
+            };
+            tables.push(rope_table(&local, dtype, device)?);
+            windows.push(cfg.sliding_window);
+        }
+        let gemma = cfg.architecture == Architecture::Gemma3;
         Ok(Self {
             embed_tokens,
+            // Gemma scales by √hidden rounded to the model's dtype, as its reference does.
+            embed_scale: gemma.then(|| f64::from((cfg.hidden_size as f32).sqrt())),
             layers,
             norm,
             lm_head,
-            cos: (freqs.cos()? * scale)?.to_dtype(dtype)?,
-            sin: (freqs.sin()? * scale)?.to_dtype(dtype)?,
+            tables,
+            windows,
             dtype,
         })
     }
@@ -329,24 +406,40 @@ impl Llama {
             .collect();
         let ids = Tensor::new(ids.as_slice(), device)?;
         let mut xs = self.embed_tokens.index_select(&ids, 0)?.unsqueeze(0)?;
+        if let Some(scale) = self.embed_scale {
+            xs = (xs * scale)?;
+        }
         let mut offset = 0;
         let mut seqs = Vec::with_capacity(items.len());
         for item in items.iter() {
             let (n, pos) = (item.tokens.len(), item.cache.len());
-            // The CPU attention kernel masks by construction; candle's attention needs a mask.
-            let mask = if n > 1 && !cpu_kernel(device, self.dtype) {
-                Some(causal_mask(n, pos, self.dtype, device)?)
-            } else {
-                None
-            };
+            // The CPU attention kernel masks by construction; candle's attention needs a mask
+            // (a decode row of a windowed layer too).
+            let masks = self
+                .windows
+                .iter()
+                .map(|&window| {
+                    let needed = (n > 1 || pos + n > window) && !cpu_kernel(device, self.dtype);
+                    needed
+                        .then(|| causal_mask(n, pos, window, self.dtype, device))
+                        .transpose()
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let rope = self
+                .tables
+                .iter()
+                .map(|t| {
+                    Ok(Rope {
+                        cos: t.cos.narrow(0, pos, n)?,
+                        sin: t.sin.narrow(0, pos, n)?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
             seqs.push(SeqRows {
                 offset,
                 n,
-                rope: Rope {
-                    cos: self.cos.narrow(0, pos, n)?,
-                    sin: self.sin.narrow(0, pos, n)?,
-                },
-                mask,
+                rope,
+                masks,
                 cache: &*item.cache,
             });
             offset += n;
@@ -392,11 +485,26 @@ impl Llama {
     }
 }
 
-/// (n, pos + n) additive mask: row i sees the `pos` cached positions and block positions ≤ i.
-fn causal_mask(n: usize, pos: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+/// (n, pos + n) additive mask: row i sees the `pos` cached positions and block positions ≤ i,
+/// the last `window` of them.
+fn causal_mask(
+    n: usize,
+    pos: usize,
+    window: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
     let total = pos + n;
     let mask: Vec<f32> = (0..n)
-        .flat_map(|i| (0..total).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 }))
+        .flat_map(|i| {
+            (0..total).map(move |j| {
+                if j > pos + i || pos + i - j >= window {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
         .collect();
     Ok(Tensor::from_vec(mask, (n, total), device)?.to_dtype(dtype)?)
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 
-pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use config::{Activation, Architecture, ModelConfig, RopeScaling};
 pub use llama::Logits;
 
 use crate::kv_cache::{CacheShape, KvCache};

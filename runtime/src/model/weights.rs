@@ -8,6 +8,7 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
 
+use super::config::Architecture;
 use crate::kernels::Matmul;
 use crate::{Error, Result};
 
@@ -20,6 +21,8 @@ pub(crate) enum Weights {
     Gguf {
         path: PathBuf,
         tensors: candle_transformers::quantized_var_builder::VarBuilder,
+        /// Whose tensor names (llama.cpp names a few per architecture).
+        architecture: Architecture,
     },
 }
 
@@ -53,7 +56,7 @@ impl Weights {
     fn missing(&self, name: &str) -> Error {
         let name = match self {
             Self::Dense { .. } => name.to_string(),
-            Self::Gguf { .. } => gguf_name(name),
+            Self::Gguf { architecture, .. } => gguf_name(name, *architecture),
         };
         Error::MissingTensor {
             path: self.path().to_path_buf(),
@@ -72,10 +75,15 @@ impl Weights {
     }
 
     fn qtensor(&self, name: &str, shape: &[usize]) -> Result<Arc<QTensor>> {
-        let Self::Gguf { tensors, .. } = self else {
+        let Self::Gguf {
+            tensors,
+            architecture,
+            ..
+        } = self
+        else {
             unreachable!("qtensor is only called on GGUF weights")
         };
-        let gguf = gguf_name(name);
+        let gguf = gguf_name(name, *architecture);
         if !tensors.contains_key(&gguf) {
             return Err(self.missing(name));
         }
@@ -129,6 +137,11 @@ impl<'a> Vb<'a> {
         }
     }
 
+    /// Whether the tensors come from a GGUF file (whose Gemma norms llama.cpp stored as 1 + w).
+    pub(crate) fn is_gguf(&self) -> bool {
+        matches!(self.weights, Weights::Gguf { .. })
+    }
+
     fn name(&self, leaf: &str) -> String {
         format!("{}.{leaf}", self.prefix)
     }
@@ -150,8 +163,15 @@ impl<'a> Vb<'a> {
     }
 }
 
-/// Maps a Hugging Face tensor name to llama.cpp's GGUF name.
-pub(crate) fn gguf_name(hf: &str) -> String {
+/// Maps a Hugging Face tensor name of an `architecture` model to llama.cpp's GGUF name.
+pub(crate) fn gguf_name(hf: &str, architecture: Architecture) -> String {
+    // Gemma's norms around attention and the MLP: its `post_attention_layernorm` follows the
+    // attention, where Llama's precedes the MLP.
+    const GEMMA_PARTS: [(&str, &str); 3] = [
+        ("post_attention_layernorm", "post_attention_norm"),
+        ("pre_feedforward_layernorm", "ffn_norm"),
+        ("post_feedforward_layernorm", "post_ffw_norm"),
+    ];
     const LAYER_PARTS: [(&str, &str); 11] = [
         ("input_layernorm", "attn_norm"),
         ("post_attention_layernorm", "ffn_norm"),
@@ -174,7 +194,12 @@ pub(crate) fn gguf_name(hf: &str) -> String {
     if let Some(rest) = hf.strip_prefix("model.layers.")
         && let Some((layer, part)) = rest.split_once('.')
         && let Some((module, leaf)) = part.rsplit_once('.')
-        && let Some((_, gguf)) = LAYER_PARTS.iter().find(|(h, _)| *h == module)
+        && let Some((_, gguf)) = (architecture == Architecture::Gemma3)
+            .then_some(&GEMMA_PARTS[..])
+            .into_iter()
+            .chain([&LAYER_PARTS[..]])
+            .flatten()
+            .find(|(h, _)| *h == module)
     {
         return format!("blk.{layer}.{gguf}.{leaf}");
     }
@@ -214,25 +239,45 @@ pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 #[cfg(test)]
 mod tests {
     use super::gguf_name;
+    use crate::model::Architecture::{Gemma3, Llama};
 
     #[test]
     fn maps_hf_names_to_gguf() {
-        assert_eq!(gguf_name("model.embed_tokens.weight"), "token_embd.weight");
         assert_eq!(
-            gguf_name("model.layers.3.self_attn.q_proj.bias"),
+            gguf_name("model.embed_tokens.weight", Llama),
+            "token_embd.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.3.self_attn.q_proj.bias", Llama),
             "blk.3.attn_q.bias"
         );
         assert_eq!(
-            gguf_name("model.layers.11.mlp.down_proj.weight"),
+            gguf_name("model.layers.11.mlp.down_proj.weight", Llama),
             "blk.11.ffn_down.weight"
         );
         assert_eq!(
-            gguf_name("model.layers.0.post_attention_layernorm.weight"),
+            gguf_name("model.layers.0.post_attention_layernorm.weight", Llama),
             "blk.0.ffn_norm.weight"
         );
         assert_eq!(
-            gguf_name("model.layers.2.self_attn.k_norm.weight"),
+            gguf_name("model.layers.2.self_attn.k_norm.weight", Llama),
             "blk.2.attn_k_norm.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.post_attention_layernorm.weight", Gemma3),
+            "blk.0.post_attention_norm.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.4.pre_feedforward_layernorm.weight", Gemma3),
+            "blk.4.ffn_norm.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.4.post_feedforward_layernorm.weight", Gemma3),
+            "blk.4.post_ffw_norm.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.1.mlp.up_proj.weight", Gemma3),
+            "blk.1.ffn_up.weight"
         );
     }
 }

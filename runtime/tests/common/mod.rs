@@ -112,3 +112,27 @@ pub fn block_and_single_rows(model: &Model) -> Vec<(Vec<f32>, Vec<f32>)> {
     assert_eq!(block_cache.len(), single_cache.len());
     rows.into_iter().zip(singles).collect()
 }
+
+/// Feeds a wrong continuation after 20 tokens of the story (as a rejected draft block would),
+/// rolls it back and feeds the story: every row as a fresh forward's.
+pub fn assert_truncate_then_reforward(model: &Model) {
+    let tokens = story_tokens();
+    let fresh = fresh_logits(model, &tokens);
+    let keep = 20;
+    let mut cache = model.new_cache();
+    // Feed a wrong continuation (as a rejected draft block would), then roll it back.
+    let mut wrong = tokens[..keep].to_vec();
+    wrong.extend([7u32, 8, 9, 10, 11, 12]);
+    model
+        .forward(&wrong, &mut cache, Logits::All)
+        .expect("forward");
+    cache.truncate(keep).expect("truncate");
+    assert_eq!(cache.len(), keep);
+    let again = model
+        .forward(&tokens[keep..], &mut cache, Logits::All)
+        .expect("forward");
+    for (i, row) in again.iter().enumerate() {
+        let d = max_diff(row, &fresh[keep + i]);
+        assert!(d < TOL, "position {}: max |Δlogit| = {d}", keep + i);
+    }
+}
