@@ -169,6 +169,16 @@ pub fn quantize_to_gguf(dir: &Path, out: &Path, quant: QuantType) -> Result<Quan
             QTensor::quantize(&t, GgmlDType::F32)?,
         ));
     }
+    // Phi-3's LongRoPE factors, both sets, as llama.cpp's tensors.
+    if let RopeScaling::LongRope { short, long, .. } = &config.rope_scaling {
+        for (name, factors) in [("rope_factors_short", short), ("rope_factors_long", long)] {
+            let t = Tensor::from_slice(factors, factors.len(), &Device::Cpu)?;
+            qtensors.push((
+                format!("{name}.weight"),
+                QTensor::quantize(&t, GgmlDType::F32)?,
+            ));
+        }
+    }
     let mut metadata = model_metadata(&config, quant, dir);
     let tokenizer_path = dir.join("tokenizer.json");
     if tokenizer_path.exists()
@@ -253,7 +263,7 @@ fn model_metadata(config: &ModelConfig, quant: QuantType, dir: &Path) -> Vec<(St
             format!("{a}.rope.freq_base"),
             Value::F32(config.rope_theta as f32),
         ),
-        (format!("{a}.rope.dimension_count"), u(config.head_dim)),
+        (format!("{a}.rope.dimension_count"), u(config.rotary_dim)),
         (format!("{a}.attention.key_length"), u(config.head_dim)),
         (format!("{a}.attention.value_length"), u(config.head_dim)),
     ];
@@ -300,6 +310,20 @@ fn model_metadata(config: &ModelConfig, quant: QuantType, dir: &Path) -> Vec<(St
                 ),
             ]);
         }
+        RopeScaling::LongRope {
+            original,
+            attention_factor,
+            ..
+        } => m.extend([
+            (
+                format!("{a}.rope.scaling.original_context_length"),
+                u(original),
+            ),
+            (
+                format!("{a}.rope.scaling.attn_factor"),
+                Value::F32(attention_factor as f32),
+            ),
+        ]),
         _ => {}
     }
     if let Some(bos) = config.bos_token_id {

@@ -84,6 +84,21 @@ fn normal(rng: &mut Rng, dims: &[usize], std: f32) -> Result<Tensor> {
     Ok(Tensor::from_vec(values, dims, &Device::Cpu)?)
 }
 
+/// Replaces the layer `parts` of block `p` by one layer `fused` whose rows are theirs in turn.
+fn fuse(
+    tensors: &mut HashMap<String, Tensor>,
+    p: &str,
+    fused: &str,
+    parts: &[String],
+) -> Result<()> {
+    let weights: Vec<Tensor> = parts
+        .iter()
+        .filter_map(|part| tensors.remove(&format!("{p}.{part}.weight")))
+        .collect();
+    tensors.insert(format!("{p}.{fused}.weight"), Tensor::cat(&weights, 0)?);
+    Ok(())
+}
+
 /// Writes `config.json`, `model.safetensors` (f32) and the tokenizer files of `tokenizer_dir`
 /// into `dir`: a random-weight model with that tokenizer's vocabulary.
 pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path) -> Result<()> {
@@ -133,7 +148,8 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
             linear(&mut rng, h, q)?,
         );
         match spec.architecture {
-            Architecture::Llama => {}
+            // Phi-3 fuses q, k and v into one layer, and the MLP's gate and up (below).
+            Architecture::Llama | Architecture::Phi3 => {}
             Architecture::Qwen2 => {
                 for (name, size) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
                     add(
@@ -170,11 +186,21 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
             );
         }
     }
+    if spec.architecture == Architecture::Phi3 {
+        for l in 0..spec.num_layers {
+            let p = format!("model.layers.{l}");
+            let parts = ["q_proj", "k_proj", "v_proj"].map(|n| format!("self_attn.{n}"));
+            fuse(&mut tensors, &p, "self_attn.qkv_proj", &parts)?;
+            let parts = ["gate_proj", "up_proj"].map(|n| format!("mlp.{n}"));
+            fuse(&mut tensors, &p, "mlp.gate_up_proj", &parts)?;
+        }
+    }
     let (class, model_type) = match spec.architecture {
         Architecture::Llama => ("LlamaForCausalLM", "llama"),
         Architecture::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
         Architecture::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
         Architecture::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+        Architecture::Phi3 => ("Phi3ForCausalLM", "phi3"),
     };
     let config = json!({
         "architectures": [class],
@@ -206,6 +232,25 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
         });
         if let (Some(c), Some(g)) = (config.as_object_mut(), gemma.as_object()) {
             c.extend(g.clone());
+        }
+    }
+    if spec.architecture == Architecture::Phi3 {
+        // Phi-4-mini's rope over 3/4 of each head, and LongRoPE over a context 4× the
+        // original (the long factors, rising with the wavelength, as trained ones do).
+        let rotary = head_dim * 3 / 4;
+        let factors =
+            |step: f64| -> Vec<f64> { (0..rotary / 2).map(|i| 1.0 + step * i as f64).collect() };
+        let phi = json!({
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": spec.max_context / 4,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": factors(0.01),
+                "long_factor": factors(0.5),
+            },
+        });
+        if let (Some(c), Some(f)) = (config.as_object_mut(), phi.as_object()) {
+            c.extend(f.clone());
         }
     }
     let config_path = dir.join("config.json");

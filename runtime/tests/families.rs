@@ -7,7 +7,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use tandem_runtime::model::Architecture;
+use tandem_runtime::model::{Architecture, RopeScaling};
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
 use tandem_runtime::{GenerateRequest, SamplingParams, SpeculativeGenerator};
@@ -215,6 +215,91 @@ fn greedy_speculation_with_a_gemma3_draft_equals_the_gemma3_target_alone() {
     let dir = gemma3(tmp.path(), 23);
     let target = load(&dir);
     let draft = load(&gguf(&dir, QuantType::Q8_0));
+    let tok = tokenizer();
+    let request = |k: usize| GenerateRequest {
+        prompt: tok.encode("Once upon a time").expect("encode"),
+        max_new_tokens: 64,
+        sampling: SamplingParams::greedy(),
+        draft_tokens: k,
+        stop_token_ids: vec![],
+        stop_strings: vec![],
+    };
+    let alone = SpeculativeGenerator::new(&target, None, &tok)
+        .expect("generator")
+        .generate(&request(0), |_| {})
+        .expect("target alone");
+    let drafted = SpeculativeGenerator::new(&target, Some(&draft), &tok).expect("generator");
+    for k in [1, 4, 8] {
+        let out = drafted.generate(&request(k), |_| {}).expect("speculative");
+        assert_eq!(out.token_ids, alone.token_ids, "K = {k}");
+        assert!(out.stats.accepted > 0, "K = {k}: the draft is used");
+    }
+}
+
+/// A tiny Phi-3 in Phi-4-mini's shape: fused qkv and gate/up projections, rope over 12 of
+/// each head's 16 dimensions, LongRoPE over a context 4× the original.
+fn phi3(dir: &Path, seed: u64) -> PathBuf {
+    let spec = SyntheticSpec {
+        architecture: Architecture::Phi3,
+        ..SyntheticSpec::tiny(seed)
+    };
+    let model_dir = dir.join(format!("phi3-{seed}"));
+    write_random_llama(&model_dir, &spec, &stories_dir()).expect("write");
+    model_dir
+}
+
+#[test]
+fn phi3_loads_from_both_forms_with_fused_layers_partial_rope_and_longrope() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = phi3(tmp.path(), 31);
+    let dense = load(&dir);
+    let c = dense.config();
+    assert_eq!(c.architecture, Architecture::Phi3);
+    assert_eq!((c.head_dim, c.rotary_dim), (16, 12));
+    let RopeScaling::LongRope {
+        long,
+        original,
+        attention_factor,
+        ..
+    } = &c.rope_scaling
+    else {
+        panic!("LongRoPE: {:?}", c.rope_scaling)
+    };
+    assert_eq!((long.len(), *original), (6, 128));
+    assert!((attention_factor - (1.0 + 4f64.ln() / 128f64.ln()).sqrt()).abs() < 1e-12);
+    let file = load(&gguf(&dir, QuantType::F32));
+    let g = file.config();
+    assert_eq!((g.head_dim, g.rotary_dim), (16, 12));
+    assert!(
+        matches!(&g.rope_scaling, RopeScaling::LongRope { long: l, original: 128, attention_factor: a, .. }
+            if l == long && (a - attention_factor).abs() < 1e-6),
+        "{:?}",
+        g.rope_scaling
+    );
+    let tokens = story_tokens();
+    let (a, b) = (fresh_logits(&dense, &tokens), fresh_logits(&file, &tokens));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(max_diff(x, y) < TOL, "position {i}: {}", max_diff(x, y));
+    }
+    // Turning every dimension instead changes the logits.
+    set_config(&dir, "partial_rotary_factor", 1.0.into());
+    set_config(&dir, "rope_scaling", serde_json::Value::Null);
+    let whole = fresh_logits(&load(&dir), &tokens);
+    assert!(max_diff(&whole[10], &a[10]) > 1e-3);
+}
+
+#[test]
+fn phi3_block_forwards_equal_single_forwards_and_speculation_is_exact() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = phi3(tmp.path(), 32);
+    let target = load(&dir);
+    let draft = load(&gguf(&dir, QuantType::Q8_0));
+    for model in [&target, &draft] {
+        for (i, (rows, single)) in block_and_single_rows(model).iter().enumerate() {
+            assert_eq!(single, rows, "block position {i}");
+        }
+        assert_truncate_then_reforward(model);
+    }
     let tok = tokenizer();
     let request = |k: usize| GenerateRequest {
         prompt: tok.encode("Once upon a time").expect("encode"),

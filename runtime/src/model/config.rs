@@ -20,10 +20,13 @@ pub enum Architecture {
     /// attention and the MLP, GeGLU (tanh GELU), q/k head norms, sliding-window local layers
     /// with a rope base of their own between global ones.
     Gemma3,
+    /// Phi-3 / Phi-4-mini: fused qkv and gate/up projections, rope over part of each head
+    /// (Phi-4-mini: 3/4), LongRoPE factors.
+    Phi3,
 }
 
-pub(crate) const SUPPORTED: &str =
-    "llama, mistral, qwen2, qwen3, gemma3 (text) (and their GGUF equivalents)";
+pub(crate) const SUPPORTED: &str = "llama, mistral, qwen2, qwen3, gemma3 (text), phi3 (Phi-3, Phi-4-mini) (and their GGUF \
+     equivalents)";
 
 impl Architecture {
     pub(crate) fn parse(name: &str, path: &Path) -> Result<Self> {
@@ -32,6 +35,7 @@ impl Architecture {
             "qwen2" | "Qwen2ForCausalLM" => Ok(Self::Qwen2),
             "qwen3" | "Qwen3ForCausalLM" => Ok(Self::Qwen3),
             "gemma3" | "gemma3_text" | "Gemma3ForCausalLM" => Ok(Self::Gemma3),
+            "phi3" | "Phi3ForCausalLM" => Ok(Self::Phi3),
             other => Err(Error::UnsupportedArchitecture {
                 path: path.to_path_buf(),
                 found: other.to_string(),
@@ -47,6 +51,7 @@ impl Architecture {
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
             Self::Gemma3 => "gemma3",
+            Self::Phi3 => "phi3",
         }
     }
 }
@@ -67,6 +72,14 @@ pub enum RopeScaling {
     },
     /// Per-frequency divisors stored with the model (GGUF `rope_freqs.weight`).
     Factors(Vec<f32>),
+    /// Phi-3's LongRoPE: per-frequency divisors, the long ones where the context served is
+    /// longer than `original` (as llama.cpp chooses), cos and sin scaled by `attention_factor`.
+    LongRope {
+        short: Vec<f32>,
+        long: Vec<f32>,
+        original: usize,
+        attention_factor: f64,
+    },
     /// YaRN (Qwen2.5 and Qwen3 long context): frequencies that turn fewer than `beta_slow` times
     /// over the original context are divided by `factor`, those that turn more than `beta_fast`
     /// times are kept, a linear ramp between; cos and sin are scaled by `attention_factor`.
@@ -113,6 +126,9 @@ impl RopeScaling {
         match self {
             Self::Yarn {
                 attention_factor, ..
+            }
+            | Self::LongRope {
+                attention_factor, ..
             } => *attention_factor,
             _ => 1.0,
         }
@@ -138,6 +154,8 @@ pub struct ModelConfig {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The leading dimensions of each head that rope turns (head_dim, or Phi-4-mini's 3/4).
+    pub rotary_dim: usize,
     pub vocab_size: usize,
     /// Longest sequence (prompt plus generated tokens) the model accepts.
     pub max_context: usize,
@@ -189,6 +207,8 @@ struct HfRopeScaling {
     beta_fast: Option<f64>,
     beta_slow: Option<f64>,
     attention_factor: Option<f64>,
+    short_factor: Option<Vec<f32>>,
+    long_factor: Option<Vec<f32>>,
     low_freq_factor: Option<f64>,
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<usize>,
@@ -223,6 +243,8 @@ struct HfConfig {
     sliding_window_pattern: Option<usize>,
     layer_types: Option<Vec<String>>,
     rope_local_base_freq: Option<f64>,
+    partial_rotary_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<TokenIds>,
 }
@@ -314,7 +336,12 @@ impl ModelConfig {
         };
         let rope_scaling = match hf.rope_scaling {
             None => RopeScaling::None,
-            Some(s) => rope_scaling_from_hf(s, hf.max_position_embeddings, &path)?,
+            Some(s) => rope_scaling_from_hf(
+                s,
+                hf.max_position_embeddings,
+                hf.original_max_position_embeddings,
+                &path,
+            )?,
         };
         let mut bos_token_id = hf.bos_token_id;
         let mut eos_token_ids = hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default();
@@ -335,6 +362,7 @@ impl ModelConfig {
             num_heads: hf.num_attention_heads,
             num_kv_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
             head_dim,
+            rotary_dim: (head_dim as f64 * hf.partial_rotary_factor.unwrap_or(1.0)) as usize,
             vocab_size: hf.vocab_size,
             // With YaRN the context is the original one times the factor (vLLM reads it so; a
             // Qwen2.5 config.json keeps 32768 beside a factor of 4).
@@ -388,8 +416,11 @@ impl ModelConfig {
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if !self.head_dim.is_multiple_of(2) {
-            return fail(format!("head_dim {} must be even for rope", self.head_dim));
+        if !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
+            return fail(format!(
+                "rope turns {} of the head's {} dimensions: it must be an even number of them",
+                self.rotary_dim, self.head_dim
+            ));
         }
         if !self.local_layers.is_empty() && self.local_layers.len() != self.num_layers {
             return fail(format!(
@@ -406,13 +437,27 @@ impl ModelConfig {
 
     /// Inverse rope frequencies, one per pair of head dimensions, with scaling applied.
     pub(crate) fn inv_freq(&self) -> Vec<f32> {
-        let d = self.head_dim;
+        let d = self.rotary_dim;
         let base: Vec<f64> = (0..d / 2)
             .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d as f64))
             .collect();
         let scaled: Vec<f64> = match &self.rope_scaling {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+            RopeScaling::LongRope {
+                short,
+                long,
+                original,
+                ..
+            } => base
+                .iter()
+                .zip(if self.max_context > *original {
+                    long
+                } else {
+                    short
+                })
+                .map(|(f, s)| f / f64::from(*s))
+                .collect(),
             RopeScaling::Factors(factors) => base
                 .iter()
                 .zip(factors.iter().chain(std::iter::repeat(&1.0)))
@@ -478,6 +523,7 @@ impl ModelConfig {
 fn rope_scaling_from_hf(
     s: HfRopeScaling,
     max_position_embeddings: usize,
+    original: Option<usize>,
     path: &Path,
 ) -> Result<RopeScaling> {
     let missing = |field: &str| Error::InvalidFile {
@@ -489,6 +535,28 @@ fn rope_scaling_from_hf(
         "linear" => Ok(RopeScaling::Linear {
             factor: s.factor.ok_or_else(|| missing("factor"))?,
         }),
+        // Phi-3's LongRoPE ("su" in its first configs), as transformers computes it: the factor
+        // is the context's growth over the original.
+        "longrope" | "su" => {
+            let original = original.unwrap_or(max_position_embeddings);
+            let growth = max_position_embeddings as f64 / original as f64;
+            Ok(RopeScaling::LongRope {
+                short: s
+                    .short_factor
+                    .clone()
+                    .ok_or_else(|| missing("short_factor"))?,
+                long: s
+                    .long_factor
+                    .clone()
+                    .ok_or_else(|| missing("long_factor"))?,
+                original,
+                attention_factor: s.attention_factor.unwrap_or(if growth <= 1.0 {
+                    1.0
+                } else {
+                    (1.0 + growth.ln() / (original as f64).ln()).sqrt()
+                }),
+            })
+        }
         "yarn" => Ok(RopeScaling::yarn(
             s.factor.ok_or_else(|| missing("factor"))?,
             s.original_max_position_embeddings
@@ -512,7 +580,7 @@ fn rope_scaling_from_hf(
             path: path.to_path_buf(),
             reason: format!(
                 "rope_scaling type `{other}` is not supported; supported: default, linear, \
-                 llama3, yarn"
+                 llama3, yarn, longrope"
             ),
         }),
     }
@@ -531,6 +599,7 @@ mod tests {
             num_heads: 32,
             num_kv_heads: 8,
             head_dim: 128,
+            rotary_dim: 128,
             vocab_size: 128_256,
             max_context: 8192,
             rms_norm_eps: 1e-5,

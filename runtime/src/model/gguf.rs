@@ -61,7 +61,35 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
             });
         }
     };
-    let rope_scaling = if let Ok(freqs) = tensors.get_no_shape("rope_freqs.weight") {
+    let factors = |name: &str| -> Result<Option<Vec<f32>>> {
+        match tensors.get_no_shape(name) {
+            Ok(t) => Ok(Some(t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)),
+            Err(_) => Ok(None),
+        }
+    };
+    let context = meta.usize(&format!("{a}.context_length"))?;
+    let rope_scaling = if let (Some(short), Some(long)) = (
+        factors("rope_factors_short.weight")?,
+        factors("rope_factors_long.weight")?,
+    ) {
+        // Phi-3's LongRoPE, in llama.cpp's tensors and keys.
+        let original = meta
+            .opt_usize(&format!("{a}.rope.scaling.original_context_length"))
+            .unwrap_or(context);
+        let growth = context as f64 / original as f64;
+        RopeScaling::LongRope {
+            short,
+            long,
+            original,
+            attention_factor: meta
+                .opt_f64(&format!("{a}.rope.scaling.attn_factor"))
+                .unwrap_or(if growth <= 1.0 {
+                    1.0
+                } else {
+                    (1.0 + growth.ln() / (original as f64).ln()).sqrt()
+                }),
+        }
+    } else if let Ok(freqs) = tensors.get_no_shape("rope_freqs.weight") {
         RopeScaling::Factors(freqs.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
     } else {
         match meta.opt_string(&format!("{a}.rope.scaling.type")) {
@@ -86,9 +114,11 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
         }
     };
     let num_layers = meta.usize(&format!("{a}.block_count"))?;
+    // Phi-4-mini turns 3/4 of each head: its rope dimension count is not the head's width.
+    let rotary = meta.opt_usize(&format!("{a}.rope.dimension_count"));
     let head_dim = meta
         .opt_usize(&format!("{a}.attention.key_length"))
-        .or_else(|| meta.opt_usize(&format!("{a}.rope.dimension_count")))
+        .or(rotary.filter(|_| architecture != Architecture::Phi3))
         .unwrap_or(hidden_size / num_heads.max(1));
     let gemma = architecture == Architecture::Gemma3;
     // llama.cpp's Gemma 3: the 27B model (62 layers) scales q·k by 1/√(hidden / heads), the
@@ -110,8 +140,9 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
         // A head's width: Qwen3's and Gemma's are not hidden / heads, and their files say so
         // as the key length (llama.cpp rotates all of it).
         head_dim,
+        rotary_dim: rotary.unwrap_or(head_dim),
         vocab_size,
-        max_context: meta.usize(&format!("{a}.context_length"))?,
+        max_context: context,
         rms_norm_eps: meta.f64(&format!("{a}.attention.layer_norm_rms_epsilon"))?,
         rope_theta: meta
             .opt_f64(&format!("{a}.rope.freq_base"))

@@ -36,6 +36,65 @@ impl Linear {
     }
 }
 
+/// Projections that read the same input: one linear layer each, or Phi-3's one fused layer
+/// whose output columns are theirs in turn.
+enum Projections<const N: usize> {
+    Separate([Linear; N]),
+    Fused(Linear, [usize; N]),
+}
+
+impl<const N: usize> Projections<N> {
+    /// `names` and output widths `dims`, or the `fused` layer where the model has it.
+    fn load(
+        vb: &Vb,
+        fused: Option<&str>,
+        names: [&str; N],
+        dims: [usize; N],
+        in_dim: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        if let Some(fused) = fused {
+            let total = dims.iter().sum();
+            return Ok(Self::Fused(
+                Linear::load(vb.pp(fused), total, in_dim, bias)?,
+                dims,
+            ));
+        }
+        let mut layers = Vec::with_capacity(N);
+        for (name, dim) in names.into_iter().zip(dims) {
+            layers.push(Linear::load(vb.pp(name), dim, in_dim, bias)?);
+        }
+        Ok(Self::Separate(
+            layers
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("one layer per name")),
+        ))
+    }
+
+    fn forward(&self, xs: &Tensor) -> Result<[Tensor; N]> {
+        let outputs = match self {
+            Self::Separate(layers) => layers
+                .iter()
+                .map(|l| l.forward(xs))
+                .collect::<Result<Vec<_>>>()?,
+            Self::Fused(layer, dims) => {
+                let ys = layer.forward(xs)?;
+                let mut start = 0;
+                dims.iter()
+                    .map(|&dim| {
+                        let part = ys.narrow(2, start, dim)?;
+                        start += dim;
+                        Ok(part)
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+        };
+        Ok(outputs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per projection")))
+    }
+}
+
 struct RmsNorm {
     weight: Tensor,
     eps: f32,
@@ -63,9 +122,7 @@ impl RmsNorm {
 }
 
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv: Projections<3>,
     o_proj: Linear,
     /// Qwen3's and Gemma's RMSNorm over each head of q and of k (weights of one head's width).
     qk_norm: Option<(RmsNorm, RmsNorm)>,
@@ -75,6 +132,8 @@ struct Attention {
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
+    /// The leading dimensions of a head that rope turns.
+    rotary_dim: usize,
     interleaved: bool,
 }
 
@@ -84,9 +143,14 @@ impl Attention {
         let q_dim = cfg.num_heads * d;
         let kv_dim = cfg.num_kv_heads * d;
         Ok(Self {
-            q_proj: Linear::load(vb.pp("q_proj"), q_dim, h, cfg.qkv_bias)?,
-            k_proj: Linear::load(vb.pp("k_proj"), kv_dim, h, cfg.qkv_bias)?,
-            v_proj: Linear::load(vb.pp("v_proj"), kv_dim, h, cfg.qkv_bias)?,
+            qkv: Projections::load(
+                &vb,
+                (cfg.architecture == Architecture::Phi3).then_some("qkv_proj"),
+                ["q_proj", "k_proj", "v_proj"],
+                [q_dim, kv_dim, kv_dim],
+                h,
+                cfg.qkv_bias,
+            )?,
             o_proj: Linear::load(vb.pp("o_proj"), h, q_dim, cfg.o_bias)?,
             qk_norm: if cfg.qk_norm {
                 Some((
@@ -108,6 +172,7 @@ impl Attention {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: d,
+            rotary_dim: cfg.rotary_dim,
             interleaved: cfg.rope_interleaved,
         })
     }
@@ -128,21 +193,29 @@ impl Attention {
             None => xs,
         };
         let xs = xs.transpose(1, 2)?.contiguous()?;
-        match rope {
-            None => Ok(xs),
-            Some(r) if self.interleaved => Ok(candle_nn::rotary_emb::rope_i(&xs, &r.cos, &r.sin)?),
-            Some(r) => Ok(candle_nn::rotary_emb::rope(&xs, &r.cos, &r.sin)?),
+        let Some(r) = rope else {
+            return Ok(xs);
+        };
+        let turn = |xs: &Tensor| -> Result<Tensor> {
+            Ok(if self.interleaved {
+                candle_nn::rotary_emb::rope_i(xs, &r.cos, &r.sin)?
+            } else {
+                candle_nn::rotary_emb::rope(xs, &r.cos, &r.sin)?
+            })
+        };
+        if self.rotary_dim == self.head_dim {
+            return turn(&xs);
         }
+        // Rope turns the head's leading dimensions; the rest pass through (Phi-4-mini).
+        let turned = turn(&xs.narrow(3, 0, self.rotary_dim)?.contiguous()?)?;
+        let kept = xs.narrow(3, self.rotary_dim, self.head_dim - self.rotary_dim)?;
+        Ok(Tensor::cat(&[turned, kept], 3)?.contiguous()?)
     }
 
     /// The attention of every sequence of a batch: one projection over all rows, then each
     /// sequence's rows against its own cache.
     fn forward(&self, xs: &Tensor, layer: usize, seqs: &[SeqRows<'_>]) -> Result<Tensor> {
-        let (q_all, k_all, v_all) = (
-            self.q_proj.forward(xs)?,
-            self.k_proj.forward(xs)?,
-            self.v_proj.forward(xs)?,
-        );
+        let [q_all, k_all, v_all] = self.qkv.forward(xs)?;
         // On the CPU the attention of all sequences runs as one call (their rows split across
         // the threads together); elsewhere sequence by sequence.
         let cpu = cpu_kernel(xs.device(), xs.dtype());
@@ -198,8 +271,7 @@ impl Attention {
 }
 
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    gate_up: Projections<2>,
     down_proj: Linear,
     activation: Activation,
 }
@@ -208,21 +280,27 @@ impl Mlp {
     fn load(vb: Vb, cfg: &ModelConfig) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
-            gate_proj: Linear::load(vb.pp("gate_proj"), i, h, false)?,
-            up_proj: Linear::load(vb.pp("up_proj"), i, h, false)?,
+            gate_up: Projections::load(
+                &vb,
+                (cfg.architecture == Architecture::Phi3).then_some("gate_up_proj"),
+                ["gate_proj", "up_proj"],
+                [i, i],
+                h,
+                false,
+            )?,
             down_proj: Linear::load(vb.pp("down_proj"), h, i, false)?,
             activation: cfg.activation,
         })
     }
 
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(xs)?;
+        let [gate, up] = self.gate_up.forward(xs)?;
         let gate = match self.activation {
             Activation::Silu => gate.silu()?,
             // candle's `gelu` is the tanh approximation.
             Activation::GeluTanh => gate.gelu()?,
         };
-        self.down_proj.forward(&(gate * self.up_proj.forward(xs)?)?)
+        self.down_proj.forward(&(gate * up)?)
     }
 }
 

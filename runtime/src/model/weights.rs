@@ -172,13 +172,15 @@ pub(crate) fn gguf_name(hf: &str, architecture: Architecture) -> String {
         ("pre_feedforward_layernorm", "ffn_norm"),
         ("post_feedforward_layernorm", "post_ffw_norm"),
     ];
-    const LAYER_PARTS: [(&str, &str); 11] = [
+    const LAYER_PARTS: [(&str, &str); 13] = [
         ("input_layernorm", "attn_norm"),
         ("post_attention_layernorm", "ffn_norm"),
         ("self_attn.q_proj", "attn_q"),
         ("self_attn.k_proj", "attn_k"),
         ("self_attn.v_proj", "attn_v"),
         ("self_attn.o_proj", "attn_output"),
+        ("self_attn.qkv_proj", "attn_qkv"),
+        ("mlp.gate_up_proj", "ffn_up"),
         ("self_attn.q_norm", "attn_q_norm"),
         ("self_attn.k_norm", "attn_k_norm"),
         ("mlp.gate_proj", "ffn_gate"),
