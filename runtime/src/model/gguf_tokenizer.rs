@@ -195,24 +195,38 @@ fn sentencepiece(meta: &Meta, vocab: &Vocab) -> Json {
         .opt_usize("tokenizer.ggml.unknown_token_id")
         .and_then(|id| tokens.get(id).copied())
         .unwrap_or("<unk>");
+    // Llama's SentencePiece puts a space before the text (and strips it when decoding);
+    // Gemma's does not (`add_space_prefix` false).
+    let space_prefix = !matches!(
+        meta.metadata.get("tokenizer.ggml.add_space_prefix"),
+        Some(Value::Bool(false))
+    );
+    let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+    let normalizer = if space_prefix {
+        json!({"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u{2581}"}, replace
+        ]})
+    } else {
+        replace
+    };
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if space_prefix {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
     json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
         // Token 0 (<unk>) is special too, as in the models' own tokenizer.json.
         "added_tokens": vocab.added(|id| id == 0),
-        "normalizer": {"type": "Sequence", "normalizers": [
-            {"type": "Prepend", "prepend": "\u{2581}"},
-            {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}
-        ]},
+        "normalizer": normalizer,
         "pre_tokenizer": null,
         "post_processor": post_processor(meta, vocab, true),
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
-            {"type": "ByteFallback"},
-            {"type": "Fuse"},
-            {"type": "Strip", "content": " ", "start": 1, "stop": 0}
-        ]},
+        "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {
             "type": "BPE", "dropout": null, "unk_token": unk,
             "continuing_subword_prefix": null, "end_of_word_suffix": null,
@@ -283,4 +297,41 @@ fn byte_level_bpe(meta: &Meta, vocab: &Vocab) -> Result<Json> {
             "vocab": vocab.map(), "merges": merges
         }
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::str::FromStr as _;
+
+    /// A SentencePiece vocabulary with or without Llama's space before the text (Gemma's has
+    /// none: `add_space_prefix` false).
+    #[test]
+    fn sentencepiece_adds_the_space_prefix_unless_told_not_to() {
+        let pieces = ["<unk>", "<s>", "</s>", "\u{2581}", "H", "i", "Hi", "\u{2581}Hi"];
+        let mut metadata = HashMap::from([
+            ("tokenizer.ggml.model".to_string(), Value::String("llama".into())),
+            (
+                "tokenizer.ggml.tokens".to_string(),
+                Value::Array(pieces.iter().map(|p| Value::String((*p).into())).collect()),
+            ),
+            (
+                "tokenizer.ggml.scores".to_string(),
+                Value::Array((0..pieces.len()).map(|i| Value::F32(i as f32)).collect()),
+            ),
+            ("tokenizer.ggml.add_bos_token".to_string(), Value::Bool(false)),
+        ]);
+        let encode = |metadata: &HashMap<String, Value>| {
+            let json = tokenizer_json(Path::new("t.gguf"), metadata).expect("json");
+            let tok = tokenizers::Tokenizer::from_str(&json).expect("tokenizer");
+            let ids = tok.encode("Hi", false).expect("encode").get_ids().to_vec();
+            (ids.clone(), tok.decode(&ids, false).expect("decode"))
+        };
+        assert_eq!(encode(&metadata), (vec![7], "Hi".to_string()));
+        metadata.insert(
+            "tokenizer.ggml.add_space_prefix".to_string(),
+            Value::Bool(false),
+        );
+        assert_eq!(encode(&metadata), (vec![6], "Hi".to_string()));
+    }
 }
