@@ -308,9 +308,21 @@ mod tests {
     /// none: `add_space_prefix` false).
     #[test]
     fn sentencepiece_adds_the_space_prefix_unless_told_not_to() {
-        let pieces = ["<unk>", "<s>", "</s>", "\u{2581}", "H", "i", "Hi", "\u{2581}Hi"];
+        let pieces = [
+            "<unk>",
+            "<s>",
+            "</s>",
+            "\u{2581}",
+            "H",
+            "i",
+            "Hi",
+            "\u{2581}Hi",
+        ];
         let mut metadata = HashMap::from([
-            ("tokenizer.ggml.model".to_string(), Value::String("llama".into())),
+            (
+                "tokenizer.ggml.model".to_string(),
+                Value::String("llama".into()),
+            ),
             (
                 "tokenizer.ggml.tokens".to_string(),
                 Value::Array(pieces.iter().map(|p| Value::String((*p).into())).collect()),
@@ -319,7 +331,10 @@ mod tests {
                 "tokenizer.ggml.scores".to_string(),
                 Value::Array((0..pieces.len()).map(|i| Value::F32(i as f32)).collect()),
             ),
-            ("tokenizer.ggml.add_bos_token".to_string(), Value::Bool(false)),
+            (
+                "tokenizer.ggml.add_bos_token".to_string(),
+                Value::Bool(false),
+            ),
         ]);
         let encode = |metadata: &HashMap<String, Value>| {
             let json = tokenizer_json(Path::new("t.gguf"), metadata).expect("json");
