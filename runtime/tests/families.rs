@@ -10,7 +10,31 @@ use common::*;
 use tandem_runtime::model::{Architecture, RopeScaling};
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
-use tandem_runtime::{GenerateRequest, SamplingParams, SpeculativeGenerator};
+use tandem_runtime::{GenerateRequest, Model, SamplingParams, SpeculativeGenerator};
+
+/// Greedy speculation with `draft` equals `target` alone, 64 tokens at K = 1, 4 and 8, and the
+/// draft is used.
+fn assert_speculation_is_exact(target: &Model, draft: &Model) {
+    let tok = tokenizer();
+    let request = |k: usize| GenerateRequest {
+        prompt: tok.encode("Once upon a time").expect("encode"),
+        max_new_tokens: 64,
+        sampling: SamplingParams::greedy(),
+        draft_tokens: k,
+        stop_token_ids: vec![],
+        stop_strings: vec![],
+    };
+    let alone = SpeculativeGenerator::new(target, None, &tok)
+        .expect("generator")
+        .generate(&request(0), |_| {})
+        .expect("target alone");
+    let drafted = SpeculativeGenerator::new(target, Some(draft), &tok).expect("generator");
+    for k in [1, 4, 8] {
+        let out = drafted.generate(&request(k), |_| {}).expect("speculative");
+        assert_eq!(out.token_ids, alone.token_ids, "K = {k}");
+        assert!(out.stats.accepted > 0, "K = {k}: the draft is used");
+    }
+}
 
 /// A tiny Qwen3: heads 32 wide (q is 128 wide over a hidden size of 64, as Qwen3's heads are
 /// wider than hidden / heads), an RMSNorm over each head of q and k.
@@ -61,15 +85,7 @@ fn qwen3_block_forwards_equal_single_token_forwards() {
     let tmp = tempfile::tempdir().expect("tmp");
     let dir = qwen3(tmp.path(), 12);
     for path in [dir.clone(), gguf(&dir, QuantType::Q8_0)] {
-        for (i, (rows, single)) in block_and_single_rows(&load(&path)).iter().enumerate() {
-            assert_eq!(
-                single,
-                rows,
-                "{}: block position {i}: max |Δlogit| = {}",
-                path.display(),
-                max_diff(single, rows)
-            );
-        }
+        assert_block_equals_singles(&load(&path), &path.display().to_string());
     }
 }
 
@@ -79,25 +95,7 @@ fn greedy_speculation_with_a_qwen3_draft_equals_the_qwen3_target_alone() {
     let target = load(&qwen3(tmp.path(), 13));
     // A draft of the same family that mostly agrees: the target's own weights, quantized.
     let draft = load(&gguf(&tmp.path().join("qwen3-13"), QuantType::Q8_0));
-    let tok = tokenizer();
-    let request = |k: usize| GenerateRequest {
-        prompt: tok.encode("Once upon a time").expect("encode"),
-        max_new_tokens: 64,
-        sampling: SamplingParams::greedy(),
-        draft_tokens: k,
-        stop_token_ids: vec![],
-        stop_strings: vec![],
-    };
-    let alone = SpeculativeGenerator::new(&target, None, &tok)
-        .expect("generator")
-        .generate(&request(0), |_| {})
-        .expect("target alone");
-    let drafted = SpeculativeGenerator::new(&target, Some(&draft), &tok).expect("generator");
-    for k in [1, 4, 8] {
-        let out = drafted.generate(&request(k), |_| {}).expect("speculative");
-        assert_eq!(out.token_ids, alone.token_ids, "K = {k}");
-        assert!(out.stats.accepted > 0, "K = {k}: the draft is used");
-    }
+    assert_speculation_is_exact(&target, &draft);
 }
 
 /// Rewrites one field of a written checkpoint's config.json.
@@ -196,15 +194,7 @@ fn gemma3_block_forwards_equal_single_forwards_and_roll_back() {
     let dir = gemma3(tmp.path(), 22);
     for path in [dir.clone(), gguf(&dir, QuantType::Q8_0)] {
         let model = load(&path);
-        for (i, (rows, single)) in block_and_single_rows(&model).iter().enumerate() {
-            assert_eq!(
-                single,
-                rows,
-                "{}: block position {i}: max |Δlogit| = {}",
-                path.display(),
-                max_diff(single, rows)
-            );
-        }
+        assert_block_equals_singles(&model, &path.display().to_string());
         assert_truncate_then_reforward(&model);
     }
 }
@@ -215,25 +205,7 @@ fn greedy_speculation_with_a_gemma3_draft_equals_the_gemma3_target_alone() {
     let dir = gemma3(tmp.path(), 23);
     let target = load(&dir);
     let draft = load(&gguf(&dir, QuantType::Q8_0));
-    let tok = tokenizer();
-    let request = |k: usize| GenerateRequest {
-        prompt: tok.encode("Once upon a time").expect("encode"),
-        max_new_tokens: 64,
-        sampling: SamplingParams::greedy(),
-        draft_tokens: k,
-        stop_token_ids: vec![],
-        stop_strings: vec![],
-    };
-    let alone = SpeculativeGenerator::new(&target, None, &tok)
-        .expect("generator")
-        .generate(&request(0), |_| {})
-        .expect("target alone");
-    let drafted = SpeculativeGenerator::new(&target, Some(&draft), &tok).expect("generator");
-    for k in [1, 4, 8] {
-        let out = drafted.generate(&request(k), |_| {}).expect("speculative");
-        assert_eq!(out.token_ids, alone.token_ids, "K = {k}");
-        assert!(out.stats.accepted > 0, "K = {k}: the draft is used");
-    }
+    assert_speculation_is_exact(&target, &draft);
 }
 
 /// A tiny Phi-3 in Phi-4-mini's shape: fused qkv and gate/up projections, rope over 12 of
@@ -295,28 +267,8 @@ fn phi3_block_forwards_equal_single_forwards_and_speculation_is_exact() {
     let target = load(&dir);
     let draft = load(&gguf(&dir, QuantType::Q8_0));
     for model in [&target, &draft] {
-        for (i, (rows, single)) in block_and_single_rows(model).iter().enumerate() {
-            assert_eq!(single, rows, "block position {i}");
-        }
+        assert_block_equals_singles(model, "phi3");
         assert_truncate_then_reforward(model);
     }
-    let tok = tokenizer();
-    let request = |k: usize| GenerateRequest {
-        prompt: tok.encode("Once upon a time").expect("encode"),
-        max_new_tokens: 64,
-        sampling: SamplingParams::greedy(),
-        draft_tokens: k,
-        stop_token_ids: vec![],
-        stop_strings: vec![],
-    };
-    let alone = SpeculativeGenerator::new(&target, None, &tok)
-        .expect("generator")
-        .generate(&request(0), |_| {})
-        .expect("target alone");
-    let drafted = SpeculativeGenerator::new(&target, Some(&draft), &tok).expect("generator");
-    for k in [1, 4, 8] {
-        let out = drafted.generate(&request(k), |_| {}).expect("speculative");
-        assert_eq!(out.token_ids, alone.token_ids, "K = {k}");
-        assert!(out.stats.accepted > 0, "K = {k}: the draft is used");
-    }
+    assert_speculation_is_exact(&target, &draft);
 }

@@ -48,17 +48,7 @@ fn block_forward_equals_single_token_forwards() {
     for path in [stories_dir(), stories_gguf(QuantType::Q8_0), tiny_random(3)] {
         let model = load(&path);
         let tokens = story_tokens();
-        for (i, (rows, single)) in block_and_single_rows(&model).iter().enumerate() {
-            // Bit-identical, not merely close: greedy speculative decoding equals target-only
-            // decoding only if a block row and a single forward agree exactly.
-            assert_eq!(
-                single,
-                rows,
-                "{}: block position {i}: max |Δlogit| = {}",
-                path.display(),
-                max_diff(single, rows)
-            );
-        }
+        assert_block_equals_singles(&model, &path.display().to_string());
         // Logits::Last is the last row of Logits::All.
         let last = model
             .forward(&tokens[..12], &mut model.new_cache(), Logits::Last)

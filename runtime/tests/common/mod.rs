@@ -136,3 +136,17 @@ pub fn assert_truncate_then_reforward(model: &Model) {
         assert!(d < TOL, "position {}: max |Δlogit| = {d}", keep + i);
     }
 }
+
+/// Asserts that each of [`block_and_single_rows`] agrees bit for bit: greedy speculative
+/// decoding equals target-only decoding only if a block row and a single forward agree
+/// exactly, not merely closely.
+pub fn assert_block_equals_singles(model: &Model, what: &str) {
+    for (i, (rows, single)) in block_and_single_rows(model).iter().enumerate() {
+        assert_eq!(
+            single,
+            rows,
+            "{what}: block position {i}: max |Δlogit| = {}",
+            max_diff(single, rows)
+        );
+    }
+}
