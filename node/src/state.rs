@@ -55,8 +55,9 @@ pub struct NodeState {
     pub draining: std::sync::atomic::AtomicBool,
     vocab_hash: u64,
     stop_token_ids: Vec<u32>,
-    /// KV-cache bytes of one position of one session.
-    kv_bytes_per_position: usize,
+    /// An empty cache of the model (no memory): what a session of so many positions needs
+    /// ([`tandem_runtime::KvCache::bytes_for`]: sliding-window layers hold their window only).
+    kv_sizing: tandem_runtime::KvCache,
 }
 
 impl NodeState {
@@ -105,7 +106,7 @@ impl NodeState {
                 prefill_chunk: limits.prefill_chunk.max(1),
             },
             sessions: SessionTable::new(limits.max_sessions, kv_cache_bytes),
-            kv_bytes_per_position: model.new_cache().bytes_per_position(),
+            kv_sizing: model.new_cache(),
             device: device.to_string(),
             metrics: crate::metrics::NodeMetrics::default(),
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -187,7 +188,7 @@ impl NodeState {
         let positions = (open.prompt.len() + open.max_new_tokens as usize)
             .saturating_add(self.limits.max_draft_tokens + 1)
             .min(self.limits.max_session_tokens);
-        (positions, positions * self.kv_bytes_per_position)
+        (positions, self.kv_sizing.bytes_for(positions))
     }
 
     /// Checks a step before it changes anything: K within the limit, known tokens, and room in

@@ -60,6 +60,15 @@ pub enum Error {
     #[error("cannot truncate the kv cache to {requested}: it holds {len} entries")]
     TruncateBeyondLength { requested: usize, len: usize },
     #[error(
+        "cannot truncate the kv cache to {requested}: its sliding-window layers keep positions \
+         from {held_from} on, and a row at {requested} sees {window} before it"
+    )]
+    TruncateBeyondWindow {
+        requested: usize,
+        held_from: usize,
+        window: usize,
+    },
+    #[error(
         "committed prefix mismatch: the request assumes {expected}, this sequence holds {held}"
     )]
     PrefixMismatch {

@@ -10,7 +10,7 @@ use common::*;
 use tandem_runtime::model::{Architecture, RopeScaling};
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
-use tandem_runtime::{GenerateRequest, Model, SamplingParams, SpeculativeGenerator};
+use tandem_runtime::{GenerateRequest, Logits, Model, SamplingParams, SpeculativeGenerator};
 
 /// Greedy speculation with `draft` equals `target` alone, 64 tokens at K = 1, 4 and 8, and the
 /// draft is used.
@@ -271,4 +271,66 @@ fn phi3_block_forwards_equal_single_forwards_and_speculation_is_exact() {
         assert_truncate_then_reforward(model);
     }
     assert_speculation_is_exact(&target, &draft);
+}
+
+/// A Gemma 3 session far longer than its window: the local layers keep the window and a slack
+/// for rollbacks (their memory stops growing), every row still equals a one-block forward's bit
+/// for bit, a rollback within the slack re-runs exactly, and one past it is refused.
+#[test]
+fn gemma3_local_layers_keep_their_window_and_stay_exact() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let spec = SyntheticSpec {
+        num_layers: 6,
+        num_kv_heads: 1,
+        head_dim: Some(32),
+        max_context: 2048,
+        architecture: Architecture::Gemma3,
+        ..SyntheticSpec::tiny(24)
+    };
+    let dir = tmp.path().join("gemma3-long");
+    write_random_llama(&dir, &spec, &stories_dir()).expect("write");
+    let model = load(&dir);
+    let story = story_tokens();
+    let tokens: Vec<u32> = story.iter().copied().cycle().take(1200).collect();
+    // One block: every position held, the window applied by the attention alone.
+    let reference = fresh_logits(&model, &tokens);
+    let mut cache = model.new_cache();
+    let step = |cache: &mut tandem_runtime::KvCache, t: u32| {
+        model
+            .forward(&[t], cache, Logits::Last)
+            .expect("forward")
+            .remove(0)
+    };
+    for (i, &t) in tokens.iter().enumerate() {
+        assert_eq!(step(&mut cache, t), reference[i], "position {i}");
+    }
+    // Per layer and position; the global layer holds every position (its storage doubled to
+    // 2048), each local one at most twice its window and slack.
+    let per_layer = model.new_cache().bytes_per_position() / 6;
+    let local = 2 * (8 - 1 + tandem_runtime::kv_cache::WINDOW_SLACK);
+    assert!(cache.base() > 0, "the local layers dropped old positions");
+    assert!(
+        cache.bytes() <= per_layer * (2048 + 5 * local),
+        "{} bytes held, {} at most",
+        cache.bytes(),
+        per_layer * (2048 + 5 * local)
+    );
+    assert_eq!(
+        model.new_cache().bytes_for(tokens.len()),
+        per_layer * (tokens.len() + 5 * local),
+        "admission counts what each layer holds"
+    );
+    // A rollback of 200 positions (within the slack) and the same tokens again.
+    let back = tokens.len() - 200;
+    cache.truncate(back).expect("within the slack");
+    for (i, &t) in tokens.iter().enumerate().skip(back) {
+        assert_eq!(
+            step(&mut cache, t),
+            reference[i],
+            "position {i} after the rollback"
+        );
+    }
+    // Past the slack: the local layers no longer hold what the rows would see.
+    let e = cache.truncate(cache.base()).expect_err("past the window");
+    assert!(e.to_string().contains("sliding-window layers"), "{e}");
 }

@@ -497,9 +497,15 @@ impl Llama {
                 .windows
                 .iter()
                 .map(|&window| {
-                    let needed = (n > 1 || pos + n > window) && !cpu_kernel(device, self.dtype);
+                    // A windowed layer's keys start at the cache's base.
+                    let held = if window == usize::MAX {
+                        pos
+                    } else {
+                        pos - item.cache.base()
+                    };
+                    let needed = (n > 1 || held + n > window) && !cpu_kernel(device, self.dtype);
                     needed
-                        .then(|| causal_mask(n, pos, window, self.dtype, device))
+                        .then(|| causal_mask(n, held, window, self.dtype, device))
                         .transpose()
                 })
                 .collect::<Result<Vec<_>>>()?;

@@ -184,6 +184,11 @@ impl Model {
             max_len: self.config.max_context,
             dtype: self.dtype,
             device: self.device.clone(),
+            window: self
+                .config
+                .local_layers
+                .contains(&true)
+                .then(|| (self.config.sliding_window, self.config.local_layers.clone())),
         })
     }
 
