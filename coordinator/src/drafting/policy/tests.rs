@@ -148,6 +148,22 @@ fn a_useless_draft_or_a_slow_link_settles_on_target_only_with_rare_probes() {
     }
 }
 
+/// Drafted rounds measured far faster than their parts (on a loaded machine, the target-only
+/// rounds' verifies slowed and the drafted ones ran in a lull): the calibration falls to its
+/// floor, yet a draft never accepted cannot beat the target alone, as a round takes at least
+/// its own verify.
+#[test]
+fn a_useless_draft_in_rounds_faster_than_their_parts_stays_out() {
+    let lull = Pair {
+        hidden: -0.02,
+        ..pair(0.0, 0.004, 0.0, 0.02, 0.25)
+    };
+    let plans = simulate(lull, 400);
+    assert_eq!(settled_k(&plans), 0);
+    let drafted = plans[200..].iter().filter(|p| p.k > 0).count();
+    assert!(drafted <= 12, "{drafted} drafted rounds in 200");
+}
+
 #[test]
 fn a_cost_the_parts_do_not_show_is_learnt_from_the_rounds() {
     // α = 0.8 with a cheap draft pays (see below), unless each drafted round also loses
