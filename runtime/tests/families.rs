@@ -334,3 +334,55 @@ fn gemma3_local_layers_keep_their_window_and_stay_exact() {
     let e = cache.truncate(cache.base()).expect_err("past the window");
     assert!(e.to_string().contains("sliding-window layers"), "{e}");
 }
+
+/// In half precision the attention runs on candle's ops with a mask (as on a GPU): the local
+/// layers' mask must follow the window, also once the cache has dropped old positions (its
+/// keys then start at the cache's base). Each row of a long f16 session tracks the f32 one far
+/// closer than the f32 model without windows does.
+#[test]
+fn gemma3_half_precision_masks_follow_the_window() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let spec = SyntheticSpec {
+        num_layers: 6,
+        num_kv_heads: 1,
+        head_dim: Some(32),
+        max_context: 2048,
+        architecture: Architecture::Gemma3,
+        ..SyntheticSpec::tiny(25)
+    };
+    let dir = tmp.path().join("gemma3-f16");
+    write_random_llama(&dir, &spec, &stories_dir()).expect("write");
+    let tokens: Vec<u32> = story_tokens().into_iter().cycle().take(700).collect();
+    let steps = |model: &Model| -> Vec<Vec<f32>> {
+        let mut cache = model.new_cache();
+        let rows = tokens
+            .iter()
+            .map(|&t| {
+                model
+                    .forward(&[t], &mut cache, Logits::Last)
+                    .expect("forward")
+                    .remove(0)
+            })
+            .collect();
+        assert!(cache.base() > 0, "the local layers dropped old positions");
+        rows
+    };
+    let f32_rows = steps(&load(&dir));
+    let half = tandem_runtime::LoadOptions {
+        dtype: Some(candle_core::DType::F16),
+        ..Default::default()
+    };
+    let f16_rows = steps(&Model::load(&dir, &half).expect("f16"));
+    set_config(&dir, "sliding_window", 4096.into());
+    let unwindowed = fresh_logits(&load(&dir), &tokens);
+    for i in [20, 300, 699] {
+        let (noise, window) = (
+            max_diff(&f16_rows[i], &f32_rows[i]),
+            max_diff(&unwindowed[i], &f32_rows[i]),
+        );
+        assert!(
+            noise * 4.0 < window,
+            "position {i}: f16 is {noise} from f32, the unwindowed model {window}"
+        );
+    }
+}
