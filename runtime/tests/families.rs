@@ -139,16 +139,21 @@ fn yarn_scaling_loads_from_both_forms() {
 /// A tiny Gemma 3: six layers, five local ones attending to the last 8 positions and a global
 /// one, heads 32 wide, one kv head.
 fn gemma3(dir: &Path, seed: u64) -> PathBuf {
-    let spec = SyntheticSpec {
+    let model_dir = dir.join(format!("gemma3-{seed}"));
+    write_random_llama(&model_dir, &gemma3_spec(seed, 512), &stories_dir()).expect("write");
+    model_dir
+}
+
+/// The tiny Gemma 3's shape, for sessions of up to `max_context` positions.
+fn gemma3_spec(seed: u64, max_context: usize) -> SyntheticSpec {
+    SyntheticSpec {
         num_layers: 6,
         num_kv_heads: 1,
         head_dim: Some(32),
+        max_context,
         architecture: Architecture::Gemma3,
         ..SyntheticSpec::tiny(seed)
-    };
-    let model_dir = dir.join(format!("gemma3-{seed}"));
-    write_random_llama(&model_dir, &spec, &stories_dir()).expect("write");
-    model_dir
+    }
 }
 
 #[test]
@@ -279,14 +284,7 @@ fn phi3_block_forwards_equal_single_forwards_and_speculation_is_exact() {
 #[test]
 fn gemma3_local_layers_keep_their_window_and_stay_exact() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let spec = SyntheticSpec {
-        num_layers: 6,
-        num_kv_heads: 1,
-        head_dim: Some(32),
-        max_context: 2048,
-        architecture: Architecture::Gemma3,
-        ..SyntheticSpec::tiny(24)
-    };
+    let spec = gemma3_spec(24, 2048);
     let dir = tmp.path().join("gemma3-long");
     write_random_llama(&dir, &spec, &stories_dir()).expect("write");
     let model = load(&dir);
@@ -342,14 +340,7 @@ fn gemma3_local_layers_keep_their_window_and_stay_exact() {
 #[test]
 fn gemma3_half_precision_masks_follow_the_window() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let spec = SyntheticSpec {
-        num_layers: 6,
-        num_kv_heads: 1,
-        head_dim: Some(32),
-        max_context: 2048,
-        architecture: Architecture::Gemma3,
-        ..SyntheticSpec::tiny(25)
-    };
+    let spec = gemma3_spec(25, 2048);
     let dir = tmp.path().join("gemma3-f16");
     write_random_llama(&dir, &spec, &stories_dir()).expect("write");
     let tokens: Vec<u32> = story_tokens().into_iter().cycle().take(700).collect();
