@@ -15,8 +15,17 @@ use tandem_coordinator::engine::Engine;
 use tandem_coordinator::engine::late::{LateEngine, connect_until_ready};
 
 fn main() -> anyhow::Result<()> {
-    tandem_runtime::init_cpu_threads();
     let cli = Cli::parse();
+    if let Command::Generate(args) = &cli.command
+        && args.endpoint.is_none()
+        && local::fits_one_core(&args.models)
+    {
+        // Before any thread exists: every thread inherits it.
+        if let Err(e) = tandem_runtime::confine_to_current_cpu() {
+            eprintln!("warning: cannot keep the local mode's tiny models on one core: {e}");
+        }
+    }
+    tandem_runtime::init_cpu_threads();
     let default_level = match cli.command {
         Command::Serve(_) => "info",
         _ => "warn",

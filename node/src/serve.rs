@@ -7,7 +7,6 @@ use tandem_proto::tls::ServerTlsSetup;
 use tandem_proto::v1;
 use tandem_proto::v1::node_service_server::{NodeService, NodeServiceServer};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::server::Router;
 use tonic::{Request, Response, Status};
 
@@ -68,7 +67,7 @@ pub async fn serve(
         }
     };
     add(router)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), draining)
+        .serve_with_incoming_shutdown(tandem_proto::tls::incoming(listener), draining)
         .await
 }
 

@@ -131,7 +131,6 @@ impl ServerTlsSetup {
     /// A server builder with Tandem's transport settings and this TLS.
     pub fn server(&self) -> Result<Server, tonic::transport::Error> {
         let builder = Server::builder()
-            .tcp_nodelay(true)
             .http2_keepalive_interval(Some(crate::KEEPALIVE_INTERVAL))
             .http2_keepalive_timeout(Some(crate::KEEPALIVE_TIMEOUT));
         match &self.config {
@@ -139,6 +138,14 @@ impl ServerTlsSetup {
             None => Ok(builder),
         }
     }
+}
+
+/// The connections `listener` accepts, for a server of [`ServerTlsSetup::server`], with
+/// TCP_NODELAY set (tonic's own setting reaches only the listeners it binds itself): without
+/// it, a small message written after another still unacknowledged waits for the peer's delayed
+/// ACK, measured as 40 ms stalls in one run of the local mode in four.
+pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
 /// A client's TLS, loaded: applied to `https://` URLs.
@@ -221,5 +228,28 @@ pub fn mismatch_hint(url: &str, error: &str) -> &'static str {
          --tls-ca and name this host?)"
     } else {
         " (the URL is http://: if the server serves TLS (--tls-cert), use https://)"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_stream::StreamExt;
+
+    #[tokio::test]
+    async fn accepted_connections_send_small_messages_at_once() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let address = listener.local_addr().expect("address");
+        let mut incoming = super::incoming(listener);
+        let _client = tokio::net::TcpStream::connect(address)
+            .await
+            .expect("connect");
+        let accepted = incoming
+            .next()
+            .await
+            .expect("a connection")
+            .expect("accept");
+        assert!(accepted.nodelay().expect("nodelay"));
     }
 }

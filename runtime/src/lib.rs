@@ -52,6 +52,37 @@ pub fn init_cpu_threads() {
     }
 }
 
+/// Confines this process to the CPU it is running on, and returns it. Threads inherit it: call
+/// before [`init_cpu_threads`] (which then sizes the pools to one core) and before any other
+/// thread exists.
+#[cfg(target_os = "linux")]
+#[allow(
+    unsafe_code,
+    reason = "sched_getcpu and sched_setaffinity are C functions"
+)]
+pub fn confine_to_current_cpu() -> std::io::Result<usize> {
+    // SAFETY: sched_getcpu has no arguments; a negative value is an error, read from errno.
+    let cpu = usize::try_from(unsafe { libc::sched_getcpu() })
+        .map_err(|_| std::io::Error::last_os_error())?;
+    // SAFETY: an all-zero cpu_set_t is the empty set; CPU_SET writes inside it for any cpu
+    // below CPU_SETSIZE (sched_getcpu's answer is); sched_setaffinity reads `set` for its size.
+    let done = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    match done {
+        0 => Ok(cpu),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
+/// [`confine_to_current_cpu`] where there is no affinity to set.
+#[cfg(not(target_os = "linux"))]
+pub fn confine_to_current_cpu() -> std::io::Result<usize> {
+    Err(std::io::ErrorKind::Unsupported.into())
+}
+
 #[allow(unsafe_code, reason = "std::env::set_var is unsafe in edition 2024")]
 fn set_env(var: &str, value: &str) {
     // SAFETY: called at start-up before threads that read the environment exist.
@@ -63,4 +94,30 @@ fn set_env(var: &str, value: &str) {
 fn single_malloc_arena() {
     // SAFETY: mallopt only changes allocator tuning; called before other threads exist.
     unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    /// On a thread of its own (affinity is a thread's, inherited by the threads it starts).
+    #[test]
+    fn a_confined_thread_and_those_it_starts_see_one_cpu() {
+        std::thread::spawn(|| {
+            let cpu = super::confine_to_current_cpu().expect("confine");
+            let seen = || {
+                (
+                    std::thread::available_parallelism().map(|n| n.get()).ok(),
+                    // SAFETY: sched_getcpu has no arguments.
+                    #[allow(unsafe_code, reason = "sched_getcpu is a C function")]
+                    unsafe {
+                        libc::sched_getcpu()
+                    },
+                )
+            };
+            assert_eq!(seen(), (Some(1), cpu as i32));
+            let child = std::thread::spawn(seen).join().expect("child");
+            assert_eq!(child, (Some(1), cpu as i32));
+        })
+        .join()
+        .expect("confined thread");
+    }
 }

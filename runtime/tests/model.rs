@@ -357,7 +357,22 @@ fn sharded_safetensors_load() {
         fresh_logits(&load(dir.path()), &tokens),
     );
     assert_eq!(a, b);
-    std::fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).expect("rm");
+    // The weights on disk are the shards', not the other files'.
+    let size = |path: std::path::PathBuf| std::fs::metadata(path).expect("size").len();
+    let shards = [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ];
+    assert_eq!(
+        tandem_runtime::model::weight_bytes(dir.path()).expect("bytes"),
+        shards.iter().map(|s| size(dir.path().join(s))).sum::<u64>()
+    );
+    assert_eq!(
+        tandem_runtime::model::weight_bytes(&stories_dir()).expect("bytes"),
+        size(stories_dir().join("model.safetensors"))
+    );
+    std::fs::remove_file(dir.path().join(shards[1])).expect("rm");
+    assert!(tandem_runtime::model::weight_bytes(dir.path()).is_err());
     let e =
         tandem_runtime::Model::load(dir.path(), &Default::default()).expect_err("missing shard");
     assert!(

@@ -117,7 +117,7 @@ impl FaultProxy {
                 .add_service(NodeForward(self.upstream.clone()).into_server())
                 .add_service(TargetServiceServer::new(self.clone()))
                 .add_service(DraftServiceServer::new(self))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+                .serve_with_incoming(tandem_proto::tls::incoming(listener)),
         );
         url
     }

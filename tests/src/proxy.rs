@@ -83,7 +83,7 @@ impl DraftProxy {
             tonic::transport::Server::builder()
                 .add_service(NodeForward(self.upstream.clone()).into_server())
                 .add_service(DraftServiceServer::new(self))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+                .serve_with_incoming(tandem_proto::tls::incoming(listener)),
         );
         url
     }

@@ -59,7 +59,7 @@ async fn one_request_is_one_trace_across_the_three_services() {
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(TraceServiceServer::new(collector.clone()))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            .serve_with_incoming(tandem_proto::tls::incoming(listener)),
     );
     let env = [
         ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),

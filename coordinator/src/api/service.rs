@@ -181,9 +181,6 @@ pub async fn serve(
             CoordinatorService { engine, access }.into_server(),
             move |request| keys.check(request),
         ))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
+        .serve_with_incoming_shutdown(tandem_proto::tls::incoming(listener), shutdown)
         .await
 }

@@ -354,8 +354,9 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, comparison: Option<&Comp
 }
 
 /// Why the default pair cannot go faster, and where the pairs that do are measured.
-const TINY_PAIR: &str = "stories260K decodes a token in ~0.2 ms: a draft round's fixed costs (a \
-    gRPC round trip, the draft's own forward) take as long, and verifying n positions costs about \
+const TINY_PAIR: &str = "stories260K decodes a token in ~0.2 ms on one core (where this process \
+    keeps models this small): a draft round's fixed costs (a gRPC round trip, the draft's own \
+    forward) take as long, and verifying n positions costs about \
     n single steps on a model this small, so K = auto decodes it with the target alone; pairs \
     where drafting pays (1.4-3.8x) are in docs/benchmarks.md";
 

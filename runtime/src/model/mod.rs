@@ -91,6 +91,26 @@ impl std::fmt::Debug for Model {
     }
 }
 
+/// The bytes of a model's weights on disk: a `.gguf` file, or a folder's safetensors files.
+pub fn weight_bytes(path: &Path) -> Result<u64> {
+    let files = if path.is_dir() {
+        weights::safetensors_files(path)?
+    } else {
+        vec![path.to_path_buf()]
+    };
+    files
+        .iter()
+        .map(|file| {
+            std::fs::metadata(file)
+                .map(|m| m.len())
+                .map_err(|source| Error::Io {
+                    path: file.clone(),
+                    source,
+                })
+        })
+        .sum()
+}
+
 impl Model {
     /// Loads a Hugging Face folder (`config.json` + safetensors) or a `.gguf` file.
     pub fn load(path: &Path, options: &LoadOptions) -> Result<Self> {
