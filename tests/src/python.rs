@@ -1,5 +1,6 @@
 //! A Python with the packages a test needs (the `openai` client), in a virtual environment under
-//! the target directory, created and filled from PyPI on first use.
+//! the target directory, created and filled from PyPI on first use; files of a package's source
+//! distribution from PyPI (llama.cpp's tokenizer fixtures).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -42,3 +43,67 @@ pub fn python_with(packages: &[(&str, &str)]) -> PathBuf {
     }
     python
 }
+
+/// The llama-cpp-python release whose vendored llama.cpp is the reference of the model families
+/// and their tokenizers (the same pin as in tests/requirements.txt), as pip names it...
+pub const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
+/// ...and as its project and version.
+pub const LLAMA_CPP_PYTHON_RELEASE: (&str, &str) = ("llama-cpp-python", "0.3.36");
+
+/// Files of the source distribution of `project` at `version` from PyPI (or `PIP_INDEX_URL`: the
+/// simple index's JSON form, the archive checked against the digest listed; `pip download`
+/// would build the package's metadata first, minutes for one with a CMake build), unpacked once under the target
+/// directory: `members` are paths inside the archive below its top folder. Returns the folder
+/// that holds them in the archive's layout.
+pub fn source_files(project: &str, version: &str, members: &[&str]) -> PathBuf {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let python = python_with(&[]);
+    let _guard = LOCK.lock().expect("sources lock");
+    let dir = crate::processes::profile_dir()
+        .join("tandem-test-sources")
+        .join(format!("{project}-{version}"));
+    if members.iter().all(|m| dir.join(m).exists()) {
+        return dir;
+    }
+    let out = Command::new(&python)
+        .args(["-c", FETCH_SOURCE, project, version])
+        .arg(&dir)
+        .args(members)
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "the source of {project} {version} from PyPI (it must be reachable): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dir
+}
+
+/// Downloads a release's source archive from the package index and copies the named members (paths below
+/// its top folder) into a folder, failing on any that is missing.
+const FETCH_SOURCE: &str = r#"
+import hashlib, io, json, os, pathlib, sys, tarfile, urllib.parse, urllib.request
+project, version, out, wanted = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]), set(sys.argv[4:])
+index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+listing = urllib.request.Request(
+    f"{index}/{project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+)
+with urllib.request.urlopen(listing) as r:
+    files = json.load(r)["files"]
+sdist = next(f for f in files if f["filename"].endswith(f"-{version}.tar.gz"))
+with urllib.request.urlopen(urllib.parse.urljoin(f"{index}/{project}/", sdist["url"])) as r:
+    data = r.read()
+if hashlib.sha256(data).hexdigest() != sdist["hashes"]["sha256"]:
+    sys.exit(f"{sdist['url']}: sha256 differs from the index's")
+with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+    for member in tar.getmembers():
+        name = member.name.split("/", 1)[-1]
+        if name in wanted and member.isfile():
+            path = out / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_name(path.name + ".part")
+            part.write_bytes(tar.extractfile(member).read())
+            part.replace(path)
+            wanted.discard(name)
+sys.exit(f"not in {sdist['url']}: {sorted(wanted)}" if wanted else 0)
+"#;

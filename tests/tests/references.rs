@@ -12,11 +12,9 @@ use tandem_runtime::model::Architecture;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
 use tandem_runtime::{GenerateRequest, Logits, SamplingParams, SpeculativeGenerator};
-use tandem_tests::python::python_with;
+use tandem_tests::python::{LLAMA_CPP_PYTHON, python_with};
 use tandem_tests::*;
 
-/// The llama-cpp-python release whose vendored llama.cpp is the reference.
-const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
 /// Largest |Δlogit| allowed between Tandem and llama.cpp on one f32 file, relative to the
 /// largest |logit| (the two sum in different orders).
 const TOLERANCE: f64 = 2e-4;

@@ -28,6 +28,9 @@ const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 /// Llama 3's split: as Qwen2's, digits in runs of up to three.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// The special tokens of Phi-3's vocabulary that keep the whitespace after them.
+const PHI3_KEEPS_SPACE: [&str; 3] = ["<unk>", "<s>", "<|endoftext|>"];
+
 /// Rebuilds the tokenizer.json of a GGUF file's vocabulary.
 pub(crate) fn tokenizer_json(path: &Path, metadata: &HashMap<String, Value>) -> Result<String> {
     let meta = Meta { path, metadata };
@@ -90,8 +93,9 @@ impl<'a> Vocab<'a> {
     }
 
     /// Control tokens (special, skipped when decoding), user-defined ones (matched whole in
-    /// text, kept when decoding), and whatever `extra` says must be special too.
-    fn added(&self, extra: impl Fn(usize) -> bool) -> Vec<Json> {
+    /// text, kept when decoding), and whatever `extra` says must be special too; those `rstrip`
+    /// names swallow the whitespace after them.
+    fn added(&self, extra: impl Fn(usize) -> bool, rstrip: impl Fn(&str) -> bool) -> Vec<Json> {
         self.tokens
             .iter()
             .enumerate()
@@ -100,7 +104,7 @@ impl<'a> Vocab<'a> {
                 let special = kind == TOKEN_CONTROL || extra(id);
                 (special || kind == TOKEN_USER_DEFINED).then(|| {
                     json!({"id": id, "content": t, "single_word": false, "lstrip": false,
-                           "rstrip": false, "normalized": false, "special": special})
+                           "rstrip": rstrip(t), "normalized": false, "special": special})
                 })
             })
             .collect()
@@ -201,6 +205,12 @@ fn sentencepiece(meta: &Meta, vocab: &Vocab) -> Json {
         meta.metadata.get("tokenizer.ggml.add_space_prefix"),
         Some(Value::Bool(false))
     );
+    // Phi-3's markup tokens strip the whitespace after them in its tokenizer.json (`<|user|>\nHi`
+    // is `<|user|>`, `▁Hi`); llama.cpp knows such a file by its name, Tandem by its architecture
+    // as well.
+    let name = meta.opt_string("general.name").unwrap_or("").to_lowercase();
+    let phi3 = meta.opt_string("general.architecture") == Some("phi3")
+        || ["phi3", "phi-3"].iter().any(|p| name.contains(p));
     let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
     let normalizer = if space_prefix {
         json!({"type": "Sequence", "normalizers": [
@@ -222,7 +232,7 @@ fn sentencepiece(meta: &Meta, vocab: &Vocab) -> Json {
         "truncation": null,
         "padding": null,
         // Token 0 (<unk>) is special too, as in the models' own tokenizer.json.
-        "added_tokens": vocab.added(|id| id == 0),
+        "added_tokens": vocab.added(|id| id == 0, |token| phi3 && !PHI3_KEEPS_SPACE.contains(&token)),
         "normalizer": normalizer,
         "pre_tokenizer": null,
         "post_processor": post_processor(meta, vocab, true),
@@ -285,7 +295,7 @@ fn byte_level_bpe(meta: &Meta, vocab: &Vocab) -> Result<Json> {
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": vocab.added(|_| false),
+        "added_tokens": vocab.added(|_| false, |_| false),
         "normalizer": normalizer,
         "pre_tokenizer": pre_tokenizer,
         "post_processor": post_processor(meta, vocab, false),

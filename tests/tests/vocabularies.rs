@@ -1,0 +1,142 @@
+//! The tokenizers Tandem rebuilds from GGUF metadata alone (issue 28), against the references on
+//! the vocabulary files llama.cpp tests its own tokenizer with: `models/ggml-vocab-NAME.gguf`
+//! from llama-cpp-python's source distribution on PyPI (the pinned release), each with the
+//! hard strings of llama.cpp's `convert_hf_to_gguf_update.py` (`.inp`: whitespace runs, digits
+//! up to nine, CJK, Khmer, Cyrillic, emoji sequences, code) and the ids Hugging Face's tokenizer
+//! gave them (`.out`, `add_special_tokens=False`); then chat markup, whose special tokens are
+//! compared with llama.cpp's own tokenizer on the same file.
+
+use std::path::Path;
+use std::process::Command;
+
+use tandem_runtime::Tokenizer;
+use tandem_tests::python::{LLAMA_CPP_PYTHON, LLAMA_CPP_PYTHON_RELEASE, python_with, source_files};
+
+/// A vocabulary of the families Tandem runs, as llama.cpp names its file, with text in its chat
+/// markup and one special token of that markup.
+struct Vocabulary {
+    name: &'static str,
+    families: &'static str,
+    chat: &'static str,
+    special: &'static str,
+}
+
+const VOCABULARIES: [Vocabulary; 5] = [
+    Vocabulary {
+        name: "llama-spm",
+        families: "Llama 2, Mistral",
+        chat: "<s>[INST] Hi there [/INST] Hello</s>",
+        special: "</s>",
+    },
+    Vocabulary {
+        name: "phi-3",
+        families: "Phi-3",
+        chat: "<|user|>\nWrite 12 lines<|end|>\n<|assistant|>\nSure:<|end|><|endoftext|>",
+        special: "<|assistant|>",
+    },
+    Vocabulary {
+        name: "llama-bpe",
+        families: "Llama 3",
+        chat: "<|start_header_id|>user<|end_header_id|>\n\n1+1?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+        special: "<|eot_id|>",
+    },
+    Vocabulary {
+        name: "qwen2",
+        families: "Qwen2, Qwen2.5, Qwen3",
+        chat: "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n  x = 42 ?<|im_end|>\n<|im_start|>assistant\n",
+        special: "<|im_start|>",
+    },
+    Vocabulary {
+        name: "gpt-2",
+        families: "GPT-2's byte-level BPE",
+        chat: "<|endoftext|>Hello<|endoftext|>",
+        special: "<|endoftext|>",
+    },
+];
+
+fn file(name: &str, suffix: &str) -> String {
+    format!("vendor/llama.cpp/models/ggml-vocab-{name}.gguf{suffix}")
+}
+
+/// The fixtures' cases as llama.cpp's test-tokenizer-0 reads them: texts split by its separator,
+/// and one line of ids per text.
+fn cases(dir: &Path, name: &str) -> Vec<(String, Vec<u32>)> {
+    let read = |suffix| std::fs::read_to_string(dir.join(file(name, suffix))).expect("fixture");
+    let (inputs, outputs) = (read(".inp"), read(".out"));
+    let mut texts: Vec<&str> = inputs.split("\n__ggml_vocab_test__\n").collect();
+    if texts.last() == Some(&"") {
+        texts.pop();
+    }
+    let ids: Vec<Vec<u32>> = outputs
+        .lines()
+        .map(|l| {
+            l.split_whitespace()
+                .map(|x| x.parse().expect("id"))
+                .collect()
+        })
+        .collect();
+    assert_eq!(texts.len(), ids.len(), "{name}: texts and id lines");
+    texts.into_iter().map(String::from).zip(ids).collect()
+}
+
+fn llama_cpp_ids(gguf: &Path, texts: &[&str]) -> Vec<Vec<u32>> {
+    let python = python_with(&[("llama_cpp", LLAMA_CPP_PYTHON)]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("references/llama_cpp_tokenize.py");
+    let out = Command::new(python)
+        .arg(script)
+        .arg(gguf)
+        .arg(serde_json::to_string(texts).expect("JSON"))
+        .output()
+        .expect("run llama_cpp_tokenize.py");
+    assert!(
+        out.status.success(),
+        "llama.cpp on {}: {}",
+        gguf.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("ids")
+}
+
+#[test]
+fn each_vocabulary_encodes_hard_strings_and_chat_markup_as_its_references_do() {
+    let members: Vec<String> = VOCABULARIES
+        .iter()
+        .flat_map(|v| ["", ".inp", ".out"].map(|suffix| file(v.name, suffix)))
+        .collect();
+    let members: Vec<&str> = members.iter().map(String::as_str).collect();
+    let (project, version) = LLAMA_CPP_PYTHON_RELEASE;
+    let dir = source_files(project, version, &members);
+    let mut failures = Vec::new();
+    for v in VOCABULARIES {
+        let gguf = dir.join(file(v.name, ""));
+        let tokenizer = Tokenizer::for_model(&gguf)
+            .unwrap_or_else(|e| panic!("{} ({}): {e}", v.name, v.families));
+        let cases = cases(&dir, v.name);
+        assert!(cases.len() > 40, "{}: {} cases", v.name, cases.len());
+        for (text, want) in &cases {
+            let got = tokenizer.encode_raw(text).expect("encode");
+            if &got != want {
+                failures.push(format!(
+                    "{}: {text:?}: {got:?}, Hugging Face {want:?}",
+                    v.name
+                ));
+            }
+        }
+        let want = llama_cpp_ids(&gguf, &[v.chat]).remove(0);
+        let got = tokenizer.encode_raw(v.chat).expect("encode");
+        let special = tokenizer.encode_raw(v.special).expect("encode");
+        assert!(
+            special.len() == 1 && want.contains(&special[0]),
+            "{}: {} is one token ({special:?}) of llama.cpp's {want:?}",
+            v.name,
+            v.special
+        );
+        if got != want {
+            failures.push(format!(
+                "{}: {:?}: {got:?}, llama.cpp {want:?}",
+                v.name, v.chat
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
