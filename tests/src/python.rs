@@ -2,7 +2,7 @@
 //! the target directory, created and filled from PyPI on first use; files of a package's source
 //! distribution from PyPI (llama.cpp's tokenizer fixtures).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The venv's python, with `packages` importable (`(import name, pip requirement)`).
@@ -49,6 +49,33 @@ pub fn python_with(packages: &[(&str, &str)]) -> PathBuf {
 pub const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
 /// ...and as its project and version.
 pub const LLAMA_CPP_PYTHON_RELEASE: (&str, &str) = ("llama-cpp-python", "0.3.36");
+
+/// The JSON that `tests/references/SCRIPT` prints for `gguf` and `request`, run by the venv's
+/// python with llama-cpp-python (and numpy) importable.
+pub fn llama_cpp_answer(
+    script: &str,
+    gguf: &Path,
+    request: &serde_json::Value,
+) -> serde_json::Value {
+    let python = python_with(&[("llama_cpp", LLAMA_CPP_PYTHON), ("numpy", "numpy")]);
+    let out = Command::new(python)
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("references")
+                .join(script),
+        )
+        .arg(gguf)
+        .arg(request.to_string())
+        .output()
+        .unwrap_or_else(|e| panic!("run {script}: {e}"));
+    assert!(
+        out.status.success(),
+        "llama.cpp ({script}) on {}: {}",
+        gguf.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script}'s JSON: {e}"))
+}
 
 /// Files of the source distribution of `project` at `version` from PyPI (or `PIP_INDEX_URL`: the
 /// simple index's JSON form, the archive checked against the digest listed; `pip download`

@@ -6,13 +6,12 @@
 //! near-tie.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use tandem_runtime::model::Architecture;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
 use tandem_runtime::{GenerateRequest, Logits, SamplingParams, SpeculativeGenerator};
-use tandem_tests::python::{LLAMA_CPP_PYTHON, python_with};
+use tandem_tests::python::llama_cpp_answer;
 use tandem_tests::*;
 
 /// Largest |Δlogit| allowed between Tandem and llama.cpp on one f32 file, relative to the
@@ -31,22 +30,8 @@ struct Reference {
 }
 
 fn llama_cpp(gguf: &Path, tokens: &[u32], n_ctx: usize) -> Reference {
-    let python = python_with(&[("llama_cpp", LLAMA_CPP_PYTHON), ("numpy", "numpy")]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("references/llama_cpp_logits.py");
     let request = serde_json::json!({"tokens": tokens, "greedy": GREEDY, "n_ctx": n_ctx});
-    let out = Command::new(python)
-        .arg(script)
-        .arg(gguf)
-        .arg(request.to_string())
-        .output()
-        .expect("run llama_cpp_logits.py");
-    assert!(
-        out.status.success(),
-        "llama.cpp on {}: {}",
-        gguf.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let answer = llama_cpp_answer("llama_cpp_logits.py", gguf, &request);
     let rows = |v: &serde_json::Value| -> Vec<Vec<f64>> {
         serde_json::from_value(v.clone()).expect("logit rows")
     };

@@ -7,10 +7,9 @@
 //! compared with llama.cpp's own tokenizer on the same file.
 
 use std::path::Path;
-use std::process::Command;
 
 use tandem_runtime::Tokenizer;
-use tandem_tests::python::{LLAMA_CPP_PYTHON, LLAMA_CPP_PYTHON_RELEASE, python_with, source_files};
+use tandem_tests::python::{LLAMA_CPP_PYTHON_RELEASE, llama_cpp_answer, source_files};
 
 /// A vocabulary of the families Tandem runs, as llama.cpp names its file, with text in its chat
 /// markup and one special token of that markup.
@@ -80,21 +79,8 @@ fn cases(dir: &Path, name: &str) -> Vec<(String, Vec<u32>)> {
 }
 
 fn llama_cpp_ids(gguf: &Path, texts: &[&str]) -> Vec<Vec<u32>> {
-    let python = python_with(&[("llama_cpp", LLAMA_CPP_PYTHON)]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("references/llama_cpp_tokenize.py");
-    let out = Command::new(python)
-        .arg(script)
-        .arg(gguf)
-        .arg(serde_json::to_string(texts).expect("JSON"))
-        .output()
-        .expect("run llama_cpp_tokenize.py");
-    assert!(
-        out.status.success(),
-        "llama.cpp on {}: {}",
-        gguf.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("ids")
+    let answer = llama_cpp_answer("llama_cpp_tokenize.py", gguf, &serde_json::json!(texts));
+    serde_json::from_value(answer).expect("ids")
 }
 
 #[test]
