@@ -69,10 +69,10 @@ const ONE_CORE_BELOW: u64 = 4 << 20;
 /// than [`ONE_CORE_BELOW`]. Reads only file sizes (a model still to fetch, or missing, is left
 /// for loading to fetch or report).
 pub fn fits_one_core(models: &ModelArgs) -> bool {
+    // A path that is not there (a Hub reference still to fetch) has no size: not small.
     let small = |spec: &str| {
-        std::path::Path::new(spec).exists()
-            && tandem_runtime::model::weight_bytes(std::path::Path::new(spec))
-                .is_ok_and(|bytes| bytes < ONE_CORE_BELOW)
+        tandem_runtime::model::weight_bytes(std::path::Path::new(spec))
+            .is_ok_and(|bytes| bytes < ONE_CORE_BELOW)
     };
     models.device == "cpu" && small(&models.target_model) && small(&models.draft_model)
 }
