@@ -44,11 +44,9 @@ pub fn python_with(packages: &[(&str, &str)]) -> PathBuf {
     python
 }
 
-/// The llama-cpp-python release whose vendored llama.cpp is the reference of the model families
-/// and their tokenizers (the same pin as in tests/requirements.txt), as pip names it...
-pub const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
-/// ...and as its project and version.
-pub const LLAMA_CPP_PYTHON_RELEASE: (&str, &str) = ("llama-cpp-python", "0.3.36");
+/// The llama-cpp-python release (project, version) whose vendored llama.cpp is the reference of
+/// the model families and their tokenizers (the same pin as in tests/requirements.txt).
+pub const LLAMA_CPP_PYTHON: (&str, &str) = ("llama-cpp-python", "0.3.36");
 
 /// The JSON that `tests/references/SCRIPT` prints for `gguf` and `request`, run by the venv's
 /// python with llama-cpp-python (and numpy) importable.
@@ -57,7 +55,9 @@ pub fn llama_cpp_answer(
     gguf: &Path,
     request: &serde_json::Value,
 ) -> serde_json::Value {
-    let python = python_with(&[("llama_cpp", LLAMA_CPP_PYTHON), ("numpy", "numpy")]);
+    let (project, version) = LLAMA_CPP_PYTHON;
+    let requirement = format!("{project}=={version}");
+    let python = python_with(&[("llama_cpp", &requirement), ("numpy", "numpy")]);
     let out = Command::new(python)
         .arg(
             Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -77,11 +77,11 @@ pub fn llama_cpp_answer(
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script}'s JSON: {e}"))
 }
 
-/// Files of the source distribution of `project` at `version` from PyPI (or `PIP_INDEX_URL`: the
-/// simple index's JSON form, the archive checked against the digest listed; `pip download`
-/// would build the package's metadata first, minutes for one with a CMake build), unpacked once under the target
-/// directory: `members` are paths inside the archive below its top folder. Returns the folder
-/// that holds them in the archive's layout.
+/// Files of the source distribution of `project` at `version` from PyPI (or `PIP_INDEX_URL`:
+/// the simple index's JSON form, the archive checked against the digest listed; `pip download`
+/// would build the package's metadata first, minutes for one with a CMake build), unpacked once
+/// under the target directory: `members` are paths inside the archive below its top folder.
+/// Returns the folder that holds them in the archive's layout.
 pub fn source_files(project: &str, version: &str, members: &[&str]) -> PathBuf {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let python = python_with(&[]);
@@ -106,8 +106,8 @@ pub fn source_files(project: &str, version: &str, members: &[&str]) -> PathBuf {
     dir
 }
 
-/// Downloads a release's source archive from the package index and copies the named members (paths below
-/// its top folder) into a folder, failing on any that is missing.
+/// Downloads a release's source archive from the package index and copies the named members
+/// (paths below its top folder) into a folder, failing on any that is missing.
 const FETCH_SOURCE: &str = r#"
 import hashlib, io, json, os, pathlib, sys, tarfile, urllib.parse, urllib.request
 project, version, out, wanted = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]), set(sys.argv[4:])

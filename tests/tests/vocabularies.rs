@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use tandem_runtime::Tokenizer;
-use tandem_tests::python::{LLAMA_CPP_PYTHON_RELEASE, llama_cpp_answer, source_files};
+use tandem_tests::python::{LLAMA_CPP_PYTHON, llama_cpp_answer, source_files};
 
 /// A vocabulary of the families Tandem runs, as llama.cpp names its file, with text in its chat
 /// markup and one special token of that markup.
@@ -90,7 +90,7 @@ fn each_vocabulary_encodes_hard_strings_and_chat_markup_as_its_references_do() {
         .flat_map(|v| ["", ".inp", ".out"].map(|suffix| file(v.name, suffix)))
         .collect();
     let members: Vec<&str> = members.iter().map(String::as_str).collect();
-    let (project, version) = LLAMA_CPP_PYTHON_RELEASE;
+    let (project, version) = LLAMA_CPP_PYTHON;
     let dir = source_files(project, version, &members);
     let mut failures = Vec::new();
     for v in VOCABULARIES {
