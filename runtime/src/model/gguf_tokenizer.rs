@@ -11,6 +11,7 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::Value;
 use serde_json::{Value as Json, json};
 
+use super::config::Architecture;
 use super::gguf::{Meta, as_u64, invalid};
 use crate::Result;
 
@@ -209,7 +210,10 @@ fn sentencepiece(meta: &Meta, vocab: &Vocab) -> Json {
     // is `<|user|>`, `▁Hi`); llama.cpp knows such a file by its name, Tandem by its architecture
     // as well.
     let name = meta.opt_string("general.name").unwrap_or("").to_lowercase();
-    let phi3 = meta.opt_string("general.architecture") == Some("phi3")
+    let phi3 = meta
+        .opt_string("general.architecture")
+        .and_then(|a| Architecture::parse(a, meta.path).ok())
+        == Some(Architecture::Phi3)
         || ["phi3", "phi-3"].iter().any(|p| name.contains(p));
     let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
     let normalizer = if space_prefix {
