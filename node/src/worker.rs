@@ -226,24 +226,49 @@ mod tests {
         queued_batch(&worker, 0..items).await
     }
 
-    /// Items `items` sent while the thread is busy, answered.
+    type Call = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(u32, usize)>>>>;
+
+    /// Polls `call` once, without a waker.
+    fn poll_once(call: &mut Call) -> std::task::Poll<Result<(u32, usize)>> {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        call.as_mut().poll(&mut cx)
+    }
+
+    /// Sends `item` to the model thread now (an unpolled [`ModelThread::batch`] sends nothing):
+    /// polls the call once and returns it, to be awaited for its answer.
+    fn sent(worker: &std::sync::Arc<ModelThread>, item: u32) -> Call {
+        let worker = std::sync::Arc::clone(worker);
+        let mut call: Call = Box::pin(async move { worker.batch::<Sizes>(item).await });
+        match poll_once(&mut call) {
+            std::task::Poll::Ready(answer) => Box::pin(std::future::ready(answer)),
+            std::task::Poll::Pending => call,
+        }
+    }
+
+    /// Items `items` sent while the thread is busy (a job it has started, which ends once they
+    /// are all queued), answered.
     async fn queued_batch(
         worker: &std::sync::Arc<ModelThread>,
         items: std::ops::Range<u32>,
     ) -> Vec<(u32, usize)> {
+        let (started, running) = std::sync::mpsc::channel::<()>();
         let (release, wait) = std::sync::mpsc::channel::<()>();
         let busy = {
             let worker = std::sync::Arc::clone(worker);
-            tokio::spawn(async move { worker.run(move || wait.recv()).await })
-        };
-        let calls: Vec<_> = items
-            .map(|i| {
-                let worker = std::sync::Arc::clone(worker);
-                tokio::spawn(async move { worker.batch::<Sizes>(i).await })
+            tokio::spawn(async move {
+                worker
+                    .run(move || {
+                        started.send(()).expect("started");
+                        wait.recv()
+                    })
+                    .await
             })
-            .collect();
-        // Every item is queued behind the busy job before it ends.
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        };
+        tokio::task::spawn_blocking(move || running.recv())
+            .await
+            .expect("join")
+            .expect("the busy job started");
+        let calls: Vec<_> = items.map(|i| sent(worker, i)).collect();
         release.send(()).expect("release");
         busy.await
             .expect("join")
@@ -251,7 +276,7 @@ mod tests {
             .expect("released");
         let mut out = Vec::new();
         for call in calls {
-            out.push(call.await.expect("join").expect("batched"));
+            out.push(call.await.expect("batched"));
         }
         out.sort_unstable();
         out
@@ -272,27 +297,28 @@ mod tests {
 
     #[tokio::test]
     async fn a_batch_waits_briefly_for_the_sessions_the_last_one_held() {
-        // After a batch of 3, an item that arrives alone waits (up to 2 s here) for two more
-        // that come 50 ms later, and the three run together; with no wait it would run alone.
-        for (wait, expected) in [(Duration::from_secs(2), 3), (Duration::ZERO, 1)] {
-            let worker = std::sync::Arc::new(ModelThread::spawn("test-wait", 8, wait));
-            assert_eq!(queued_batch(&worker, 0..3).await.len(), 3);
-            let first = {
-                let worker = std::sync::Arc::clone(&worker);
-                tokio::spawn(async move { worker.batch::<Sizes>(10).await })
-            };
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            let later: Vec<_> = (11..13)
-                .map(|i| {
-                    let worker = std::sync::Arc::clone(&worker);
-                    tokio::spawn(async move { worker.batch::<Sizes>(i).await })
-                })
-                .collect();
-            let (_, size) = first.await.expect("join").expect("batched");
-            assert_eq!(size, expected, "waiting {wait:?}");
-            for call in later {
-                call.await.expect("join").expect("batched");
-            }
+        // After a batch of 3, an item that arrives alone waits (up to a minute here: it ends
+        // when the others come) for two more sent after it, and the three run together.
+        let worker =
+            std::sync::Arc::new(ModelThread::spawn("test-wait", 8, Duration::from_secs(60)));
+        assert_eq!(queued_batch(&worker, 0..3).await, [(0, 3), (1, 3), (2, 3)]);
+        let mut first = sent(&worker, 10);
+        // Given time to run alone (as it would without the wait), it has not: still waiting.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(poll_once(&mut first).is_pending(), "ran without waiting");
+        let later: Vec<_> = (11..13).map(|i| sent(&worker, i)).collect();
+        assert_eq!(
+            first.await.expect("batched"),
+            (10, 3),
+            "waited for the others"
+        );
+        for call in later {
+            assert_eq!(call.await.expect("batched").1, 3);
         }
+        // With no wait, the item that arrives alone runs alone: it is answered before the
+        // others are sent.
+        let worker = std::sync::Arc::new(ModelThread::spawn("test-wait", 8, Duration::ZERO));
+        assert_eq!(queued_batch(&worker, 0..3).await, [(0, 3), (1, 3), (2, 3)]);
+        assert_eq!(sent(&worker, 10).await.expect("batched"), (10, 1));
     }
 }
