@@ -219,6 +219,7 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
         "tie_word_embeddings": true,
         "bos_token_id": tokenizer.bos_id(),
         "eos_token_id": tokenizer.eos_id(),
+        "pad_token_id": tokenizer.eos_id(),
     });
     let mut config = config;
     if spec.architecture == Architecture::Gemma3 {

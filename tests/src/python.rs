@@ -48,8 +48,20 @@ pub fn python_with(packages: &[(&str, &str)]) -> PathBuf {
 /// the model families and their tokenizers (the same pin as in tests/requirements.txt).
 pub const LLAMA_CPP_PYTHON: (&str, &str) = ("llama-cpp-python", "0.3.36");
 
-/// The JSON that `tests/references/SCRIPT` prints for `gguf` and `request`, run by the venv's
-/// python with llama-cpp-python (and numpy) importable.
+/// The pins of Hugging Face transformers and torch that record the model families' reference
+/// answers (`tests/references/transformers/`), with what their script reads GGUF files and
+/// safetensors with: (import name, pip requirement).
+pub const TRANSFORMERS: [(&str, &str); 6] = [
+    ("torch", "torch==2.15.0"),
+    ("transformers", "transformers==5.24.0"),
+    ("gguf", "gguf==0.19.0"),
+    ("accelerate", "accelerate"),
+    ("safetensors", "safetensors"),
+    ("numpy", "numpy"),
+];
+
+/// The JSON that `tests/references/SCRIPT`, a llama.cpp one, prints for `gguf` and `request`, run
+/// by the venv's python with llama-cpp-python (and numpy) importable.
 pub fn llama_cpp_answer(
     script: &str,
     gguf: &Path,
@@ -57,21 +69,43 @@ pub fn llama_cpp_answer(
 ) -> serde_json::Value {
     let (project, version) = LLAMA_CPP_PYTHON;
     let requirement = format!("{project}=={version}");
-    let python = python_with(&[("llama_cpp", &requirement), ("numpy", "numpy")]);
+    reference_answer(
+        &[("llama_cpp", &requirement), ("numpy", "numpy")],
+        script,
+        gguf,
+        request,
+    )
+}
+
+/// transformers' answer for `model` (a folder or a GGUF file) and `request`, from
+/// `tests/references/transformers_logits.py` with [`TRANSFORMERS`] installed in the venv.
+pub fn transformers_answer(model: &Path, request: &serde_json::Value) -> serde_json::Value {
+    reference_answer(&TRANSFORMERS, "transformers_logits.py", model, request)
+}
+
+/// The JSON that `tests/references/SCRIPT` prints for `model` and `request`, run by the venv's
+/// python with `packages` importable.
+fn reference_answer(
+    packages: &[(&str, &str)],
+    script: &str,
+    model: &Path,
+    request: &serde_json::Value,
+) -> serde_json::Value {
+    let python = python_with(packages);
     let out = Command::new(python)
         .arg(
             Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("references")
                 .join(script),
         )
-        .arg(gguf)
+        .arg(model)
         .arg(request.to_string())
         .output()
         .unwrap_or_else(|e| panic!("run {script}: {e}"));
     assert!(
         out.status.success(),
-        "llama.cpp ({script}) on {}: {}",
-        gguf.display(),
+        "{script} on {}: {}",
+        model.display(),
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script}'s JSON: {e}"))
