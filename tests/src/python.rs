@@ -83,6 +83,13 @@ pub fn transformers_answer(model: &Path, request: &serde_json::Value) -> serde_j
     reference_answer(&TRANSFORMERS, "transformers_logits.py", model, request)
 }
 
+/// Hugging Face's renderings of the chat template in file `template` for `requests` (messages and
+/// variables, each), from `tests/references/chat_template.py`: transformers alone, without torch.
+pub fn chat_template_answer(template: &Path, requests: &serde_json::Value) -> serde_json::Value {
+    let packages = [TRANSFORMERS[1], ("jinja2", "jinja2")];
+    reference_answer(&packages, "chat_template.py", template, requests)
+}
+
 /// The JSON that `tests/references/SCRIPT` prints for `model` and `request`, run by the venv's
 /// python with `packages` importable.
 fn reference_answer(

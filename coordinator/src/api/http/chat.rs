@@ -73,6 +73,9 @@ pub fn render(
         ));
     }
     let mut env = Environment::new();
+    // As Hugging Face's renderer: a block tag's newline is dropped, and the spaces before it.
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
         "raise_exception",
@@ -149,6 +152,23 @@ mod tests {
         let strict = "{{ raise_exception('only user turns') }}";
         let err = render(Some(strict), &msgs, "<s>", "</s>", &none).expect_err("raised");
         assert!(err.message.contains("only user turns"), "{}", err.message);
+    }
+
+    /// Block tags on lines of their own leave nothing behind (trim_blocks and lstrip_blocks, as
+    /// Hugging Face's renderer has them: its output for this template is "U: Hi\n").
+    #[test]
+    fn block_tags_on_their_own_lines_leave_no_whitespace() {
+        let template = "{% for m in messages %}\n  {% if m.role == 'user' %}\nU: {{ m.content }}\n  \
+                        {% endif %}\n{% endfor %}";
+        let msgs: Vec<Message> = serde_json::from_value(serde_json::json!([
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A"}
+        ]))
+        .expect("messages");
+        let none = serde_json::Map::new();
+        assert_eq!(
+            render(Some(template), &msgs, "", "", &none).expect("render"),
+            "U: Hi\n"
+        );
     }
 
     /// Qwen2.5's own template, read from the GGUF metadata of the vocabulary fixture: a plain

@@ -2,7 +2,7 @@
 //! `POST /v1/chat/completions` (streaming as server-sent events ending in `data: [DONE]`, or
 //! whole), `GET /v1/models`, `GET /health`, `GET /ready`.
 
-mod chat;
+pub mod chat;
 mod error;
 mod openai;
 
