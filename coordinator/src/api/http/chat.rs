@@ -86,6 +86,7 @@ pub fn render(
             ))
         },
     );
+    env.add_function("strftime_now", strftime_now);
     let bad = |e: minijinja::Error| {
         ApiError::invalid(
             Some("messages".to_string()),
@@ -104,6 +105,20 @@ pub fn render(
             })
         })
         .map_err(bad)
+}
+
+/// The local time in a C `strftime` format, as Hugging Face's renderer gives templates (Llama 3's
+/// date line); an unknown specifier is an error, not a panic.
+fn strftime_now(format: String) -> Result<String, minijinja::Error> {
+    use std::fmt::Write;
+    let mut text = String::new();
+    write!(text, "{}", chrono::Local::now().format(&format)).map_err(|_| {
+        minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            format!("strftime_now: cannot format the time as {format:?}"),
+        )
+    })?;
+    Ok(text)
 }
 
 #[cfg(test)]
@@ -169,6 +184,29 @@ mod tests {
             render(Some(template), &msgs, "", "", &none).expect("render"),
             "U: Hi\n"
         );
+    }
+
+    /// `strftime_now` gives the local date in C's formats (Llama 3's templates date their system
+    /// turn with it); a format it cannot write is the template's error.
+    #[test]
+    fn strftime_now_gives_the_local_date() {
+        let msgs = vec![Message {
+            role: "user".into(),
+            content: "Hi".into(),
+        }];
+        let none = serde_json::Map::new();
+        let date =
+            render(Some("{{ strftime_now('%d %b %Y') }}"), &msgs, "", "", &none).expect("render");
+        let expected = chrono::Local::now().format("%d %b %Y").to_string();
+        let yesterday = (chrono::Local::now() - chrono::Duration::days(1))
+            .format("%d %b %Y")
+            .to_string();
+        // Rendered before `expected`: the day may have turned in between, never twice.
+        assert!(date == expected || date == yesterday, "{date} / {expected}");
+        assert_eq!(date.len(), "25 Nov 2026".len(), "{date}");
+        let err = render(Some("{{ strftime_now('%Q') }}"), &msgs, "", "", &none)
+            .expect_err("no such specifier");
+        assert!(err.message.contains("strftime_now"), "{}", err.message);
     }
 
     /// Qwen2.5's own template, read from the GGUF metadata of the vocabulary fixture: a plain
