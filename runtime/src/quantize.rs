@@ -340,6 +340,32 @@ struct TokenizerFile {
     model: BpeModel,
     #[serde(default)]
     added_tokens: Vec<AddedToken>,
+    #[serde(default)]
+    normalizer: serde_json::Value,
+    #[serde(default)]
+    pre_tokenizer: serde_json::Value,
+}
+
+impl TokenizerFile {
+    /// Whether the text gets a `▁` before it (Llama's SentencePiece: a `Prepend` normalizer, or a
+    /// `Metaspace` pre-tokenizer that prepends); Gemma's does not.
+    fn space_prefix(&self) -> bool {
+        fn any(step: &serde_json::Value, f: &dyn Fn(&serde_json::Value) -> bool) -> bool {
+            f(step)
+                || ["normalizers", "pretokenizers"].iter().any(|key| {
+                    step[*key]
+                        .as_array()
+                        .is_some_and(|steps| steps.iter().any(|s| any(s, f)))
+                })
+        }
+        any(&self.normalizer, &|n| {
+            n["type"] == "Prepend" && n["prepend"] == "\u{2581}"
+        }) || any(&self.pre_tokenizer, &|p| {
+            p["type"] == "Metaspace"
+                && (p["add_prefix_space"] == true
+                    || p["prepend_scheme"].as_str().is_some_and(|s| s != "never"))
+        })
+    }
 }
 
 #[derive(Deserialize)]
@@ -449,6 +475,10 @@ fn sentencepiece_metadata(
         (
             "tokenizer.ggml.add_bos_token".to_string(),
             Value::Bool(config.bos_token_id.is_some()),
+        ),
+        (
+            "tokenizer.ggml.add_space_prefix".to_string(),
+            Value::Bool(file.space_prefix()),
         ),
     ];
     if let Some(unk) = unk {

