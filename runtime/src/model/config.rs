@@ -332,6 +332,15 @@ impl ModelConfig {
                     .map(|i| !(i + 1).is_multiple_of(pattern))
                     .collect()
             }
+            // Phi-3's window covers every layer (Phi-3-mini-4k: 2047 of 4096; the later ones name
+            // one longer than their context, i.e. none).
+            (Architecture::Phi3, _, _)
+                if hf
+                    .sliding_window
+                    .is_some_and(|w| w < hf.max_position_embeddings) =>
+            {
+                vec![true; hf.num_hidden_layers]
+            }
             _ => Vec::new(),
         };
         let rope_scaling = match hf.rope_scaling {

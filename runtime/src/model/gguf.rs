@@ -121,6 +121,9 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
         .or(rotary.filter(|_| architecture != Architecture::Phi3))
         .unwrap_or(hidden_size / num_heads.max(1));
     let gemma = architecture == Architecture::Gemma3;
+    let sliding_window = meta
+        .opt_usize(&format!("{a}.attention.sliding_window"))
+        .unwrap_or(usize::MAX);
     // llama.cpp's Gemma 3: the 27B model (62 layers) scales q·k by 1/√(hidden / heads), the
     // others by 1/√head_dim (their query_pre_attn_scalar, which the files do not carry).
     let attention_scale = if gemma && num_layers == 62 {
@@ -162,16 +165,18 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
         },
         attention_scale,
         // Gemma 3's layers in llama.cpp: five local, one global; the local rope base fixed.
+        // Phi-3's window covers every layer where it is shorter than the context (as in
+        // transformers; llama.cpp reads it and leaves it off).
         local_layers: if gemma {
             (0..num_layers)
                 .map(|i| !(i + 1).is_multiple_of(GEMMA3_PATTERN))
                 .collect()
+        } else if architecture == Architecture::Phi3 && sliding_window < context {
+            vec![true; num_layers]
         } else {
             Vec::new()
         },
-        sliding_window: meta
-            .opt_usize(&format!("{a}.attention.sliding_window"))
-            .unwrap_or(usize::MAX),
+        sliding_window,
         rope_local_theta: 10_000.0,
         bos_token_id: meta
             .opt_usize("tokenizer.ggml.bos_token_id")

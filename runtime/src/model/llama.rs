@@ -447,10 +447,15 @@ impl Llama {
         let mut tables = vec![rope_table(cfg, dtype, device)?];
         let mut windows = vec![usize::MAX];
         if cfg.local_layers.contains(&true) {
-            let local = ModelConfig {
-                rope_theta: cfg.rope_local_theta,
-                rope_scaling: RopeScaling::None,
-                ..cfg.clone()
+            // Gemma 3's local layers rotate with a rope of their own; Phi-3's windowed ones
+            // with the model's.
+            let local = match cfg.architecture {
+                Architecture::Gemma3 => ModelConfig {
+                    rope_theta: cfg.rope_local_theta,
+                    rope_scaling: RopeScaling::None,
+                    ..cfg.clone()
+                },
+                _ => cfg.clone(),
             };
             tables.push(rope_table(&local, dtype, device)?);
             windows.push(cfg.sliding_window);
