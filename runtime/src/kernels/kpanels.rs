@@ -13,7 +13,7 @@ use super::matmul::cast;
 use super::panels::{QLANES, drive, pack_nibbles, repack};
 
 /// 256 activations quantized to signed bytes (x ≈ d · q, scale max|x| / 127, as
-/// [`super::kquants::quantize`]), with the integer sums of q per 16 and per 32.
+/// the blocks of 32 are), with the integer sums of q per 16 and per 32.
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(32))]
 pub(crate) struct Q8S {

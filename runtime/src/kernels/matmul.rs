@@ -22,7 +22,7 @@ use crate::Result;
 /// candle, in calls of at most that many rows (from 32 rows candle switches Q4_K to an AMX kernel
 /// where the CPU has one). Q6_K is not among them (candle repacks it only for several rows), nor
 /// is any type on other architectures (aarch64 tiles rows in fours). Q4_K reaches it only on an
-/// x86-64 CPU without AVX2 (the panels and the AVX-512 kernel take it everywhere else). The
+/// x86-64 CPU without AVX2 (the panels take it everywhere else). The
 /// every-type test checks the claim on the machine that runs the tests.
 #[cfg(target_arch = "x86_64")]
 const REPACKED: &[GgmlDType] = &[GgmlDType::Q8_0, GgmlDType::Q4K];
@@ -56,9 +56,7 @@ pub(crate) enum Matmul {
     /// A GGUF tensor on the CPU of a type stored in blocks of 32 ([`rows`]' or [`super::panels`]'
     /// kernels).
     Blocks(Blocks),
-    /// A Q4_K or Q6_K tensor on a CPU with AVX-512 ([`kquants`]' kernels).
-    KQuant(Arc<QTensor>),
-    /// A Q4_K or Q6_K tensor on a CPU with AVX2 (but not AVX-512), or a Q5_K one on either: panels.
+    /// A Q4_K, Q5_K or Q6_K tensor on a CPU with AVX2: panels.
     KPanels(KPanels),
     /// A GGUF tensor on the CPU.
     Quantized(Arc<QTensor>),
@@ -81,11 +79,6 @@ impl Matmul {
         }
         Ok(if !t.device().is_cpu() {
             Self::Candle(QMatMul::from_arc(t)?)
-        } else if Path::detect() == Path::Avx512
-            && matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q6K)
-            && t.shape().dims2()?.1 % kquants::QK_K == 0
-        {
-            Self::KQuant(t)
         } else if Path::detect() >= Path::Avx2
             && matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
             && t.shape().dims2()?.1 % kquants::QK_K == 0
@@ -124,7 +117,7 @@ impl Matmul {
         let (out_dim, in_dim) = match self {
             Self::Candle(m) => return Ok(m.forward(xs)?),
             Self::Repacked(m) => return repacked(m, xs),
-            Self::Quantized(t) | Self::KQuant(t) => t.shape().dims2()?,
+            Self::Quantized(t) => t.shape().dims2()?,
             Self::Blocks(b) => b.dims(),
             Self::KPanels(k) => k.dims(),
             Self::Dense(d) => d.dims(),
@@ -138,19 +131,6 @@ impl Matmul {
             Self::Quantized(t) => quantized(t, mkn, &lhs, &mut dst)?,
             Self::Blocks(b) => b.matmul(&lhs, rows, &mut dst)?,
             Self::KPanels(k) => k.matmul(&lhs, rows, &mut dst),
-            Self::KQuant(t) => {
-                let data = t.data()?;
-                match t.dtype() {
-                    GgmlDType::Q4K => {
-                        let w = cast::<kquants::layout::Q4K>(&data)?;
-                        kquants::matmul(Path::detect(), w, mkn, &lhs, &mut dst);
-                    }
-                    _ => {
-                        let w = cast::<kquants::layout::Q6K>(&data)?;
-                        kquants::matmul(Path::detect(), w, mkn, &lhs, &mut dst);
-                    }
-                }
-            }
             Self::Dense(d) => d.matmul(&lhs, rows, &mut dst),
             Self::Candle(_) | Self::Repacked(_) => unreachable!("returned above"),
         }

@@ -13,8 +13,9 @@
 //!   AVX2: weights repacked into panels of outputs, an outer-product tile of panels × rows in
 //!   registers, so a verify block costs the decode step's memory traffic plus its arithmetic;
 //!   f32 and the blocks of 32, in `x86_panels`), AVX-512 VNNI two blocks at a time for the blocks
-//!   of 32 (`x86_pairs`, via `rows`), Q4_K and Q6_K in panels on AVX2 (`kpanels`,
-//!   `x86_kpanels`) and `kquants` on AVX-512 (`x86_kquants`),
+//!   of 32 (`x86_pairs`, via `rows`), the K-quants (Q4_K, Q5_K, Q6_K; `kquants`' layouts) in
+//!   panels wherever AVX2 runs (`kpanels`, `x86_kpanels`; on AVX-512 CPUs too, where they
+//!   decode twice as fast as an AVX-512 kernel that decoded each super-block per output row),
 //!   candle's repacked kernel for Q8_0 (with VNNI) and Q4_K (without AVX2) where candle
 //!   repacks the shape,
 //!   portable code (`rows`) elsewhere, candle's row-by-row product for the other types.
@@ -38,21 +39,13 @@ mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_kpanels;
 #[cfg(target_arch = "x86_64")]
-mod x86_kquants;
-#[cfg(target_arch = "x86_64")]
 mod x86_pairs;
 #[cfg(target_arch = "x86_64")]
 mod x86_panels;
 
 #[cfg(target_arch = "x86_64")]
-use x86_kquants::DecodeK;
-#[cfg(target_arch = "x86_64")]
 use x86_pairs::DecodePair;
 /// Nothing to decode where there is no SIMD path.
-#[cfg(not(target_arch = "x86_64"))]
-trait DecodeK {}
-#[cfg(not(target_arch = "x86_64"))]
-impl<T> DecodeK for T {}
 #[cfg(not(target_arch = "x86_64"))]
 trait DecodePair {}
 #[cfg(not(target_arch = "x86_64"))]
@@ -65,7 +58,6 @@ pub(crate) use matmul::Matmul;
 /// each forward, so a long prefill does not leave its buffers held for good.
 pub(crate) fn trim_scratch() {
     rows::trim_scratch();
-    kquants::trim_scratch();
     panels::trim_scratch();
     kpanels::trim_scratch();
 }

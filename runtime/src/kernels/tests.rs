@@ -7,8 +7,6 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
 use super::kpanels::KPanels;
-use super::kquants;
-use super::matmul::cast;
 use super::panels::{Blocks, Dense};
 use super::rows::Path;
 
@@ -42,26 +40,10 @@ fn run(dtype: GgmlDType, path: Path, w: &[f32], x: &[f32], mkn: (usize, usize, u
             .matmul(x, rows, &mut dst);
         return dst;
     }
-    let bytes = q.data().expect("data");
     match dtype {
-        GgmlDType::Q4K | GgmlDType::Q6K if path == Path::Avx2 => {
+        GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => {
             KPanels::new(&q).expect("panels").matmul(x, rows, &mut dst)
         }
-        GgmlDType::Q5K => KPanels::new(&q).expect("panels").matmul(x, rows, &mut dst),
-        GgmlDType::Q4K => kquants::matmul(
-            path,
-            cast::<kquants::layout::Q4K>(&bytes).expect("blocks"),
-            mkn,
-            x,
-            &mut dst,
-        ),
-        GgmlDType::Q6K => kquants::matmul(
-            path,
-            cast::<kquants::layout::Q6K>(&bytes).expect("blocks"),
-            mkn,
-            x,
-            &mut dst,
-        ),
         _ => Blocks::new(path, Arc::new(q))
             .expect("blocks")
             .matmul(x, rows, &mut dst)
@@ -100,18 +82,12 @@ const TYPES: [GgmlDType; 11] = [
     GgmlDType::Q6K,
 ];
 
-/// The paths that run `dtype`: the K-quants have AVX2 and AVX-512 kernels only (Q5_K one, the
-/// AVX2 panels, on both).
+/// The paths that run `dtype`: the K-quants have one kernel, the AVX2 panels (on AVX-512 CPUs
+/// too).
 fn paths(dtype: GgmlDType) -> Vec<Path> {
     let all = Path::available();
     if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K) {
-        let paths: Vec<Path> = all
-            .into_iter()
-            .filter(|p| match dtype {
-                GgmlDType::Q5K => *p == Path::Avx2,
-                _ => *p >= Path::Avx2,
-            })
-            .collect();
+        let paths: Vec<Path> = all.into_iter().filter(|p| *p == Path::Avx2).collect();
         if paths.is_empty() {
             eprintln!("{dtype:?}: no AVX2 on this CPU, its kernels are not tested here");
         }
