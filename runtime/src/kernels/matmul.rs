@@ -165,18 +165,17 @@ fn repacked(m: &QMatMul, xs: &Tensor) -> Result<Tensor> {
 /// Runs [`rows`]' kernel for the tensor's block type.
 pub(super) fn blocks(
     t: &QTensor,
-    path: Path,
     mkn: (usize, usize, usize),
     lhs: &[f32],
     dst: &mut [f32],
 ) -> candle_core::Result<()> {
     let data = t.data()?;
     match t.dtype() {
-        GgmlDType::Q4_0 => rows::matmul_blocks(path, cast::<layout::Q4_0>(&data)?, mkn, lhs, dst),
-        GgmlDType::Q4_1 => rows::matmul_blocks(path, cast::<layout::Q4_1>(&data)?, mkn, lhs, dst),
-        GgmlDType::Q5_0 => rows::matmul_blocks(path, cast::<layout::Q5_0>(&data)?, mkn, lhs, dst),
-        GgmlDType::Q5_1 => rows::matmul_blocks(path, cast::<layout::Q5_1>(&data)?, mkn, lhs, dst),
-        GgmlDType::Q8_0 => rows::matmul_blocks(path, cast::<layout::Q8_0>(&data)?, mkn, lhs, dst),
+        GgmlDType::Q4_0 => rows::matmul_blocks(cast::<layout::Q4_0>(&data)?, mkn, lhs, dst),
+        GgmlDType::Q4_1 => rows::matmul_blocks(cast::<layout::Q4_1>(&data)?, mkn, lhs, dst),
+        GgmlDType::Q5_0 => rows::matmul_blocks(cast::<layout::Q5_0>(&data)?, mkn, lhs, dst),
+        GgmlDType::Q5_1 => rows::matmul_blocks(cast::<layout::Q5_1>(&data)?, mkn, lhs, dst),
+        GgmlDType::Q8_0 => rows::matmul_blocks(cast::<layout::Q8_0>(&data)?, mkn, lhs, dst),
         other => candle_core::bail!("no block-of-32 kernel for GGUF type {other:?}"),
     }
     Ok(())

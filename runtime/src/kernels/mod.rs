@@ -12,10 +12,10 @@
 //!   weight when the model loads, and nothing outside this module knows: `panels` (x86-64 with
 //!   AVX2: weights repacked into panels of outputs, an outer-product tile of panels × rows in
 //!   registers, so a verify block costs the decode step's memory traffic plus its arithmetic;
-//!   f32 and the blocks of 32, in `x86_panels`), AVX-512 VNNI two blocks at a time for the blocks
-//!   of 32 (`x86_pairs`, via `rows`), the K-quants (Q4_K, Q5_K, Q6_K; `kquants`' layouts) in
-//!   panels wherever AVX2 runs (`kpanels`, `x86_kpanels`; on AVX-512 CPUs too, where they
-//!   decode twice as fast as an AVX-512 kernel that decoded each super-block per output row),
+//!   f32 and the blocks of 32, in `x86_panels`), the K-quants (Q4_K, Q5_K, Q6_K; `kquants`'
+//!   layouts) in panels too (`kpanels`, `x86_kpanels`) — on AVX-512 CPUs as well, where the
+//!   panels ran a decode step two to three times as fast as the AVX-512 kernels that decoded
+//!   each block once per output row (removed),
 //!   candle's repacked kernel for Q8_0 (with VNNI) and Q4_K (without AVX2) where candle
 //!   repacks the shape,
 //!   portable code (`rows`) elsewhere, candle's row-by-row product for the other types.
@@ -39,17 +39,7 @@ mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_kpanels;
 #[cfg(target_arch = "x86_64")]
-mod x86_pairs;
-#[cfg(target_arch = "x86_64")]
 mod x86_panels;
-
-#[cfg(target_arch = "x86_64")]
-use x86_pairs::DecodePair;
-/// Nothing to decode where there is no SIMD path.
-#[cfg(not(target_arch = "x86_64"))]
-trait DecodePair {}
-#[cfg(not(target_arch = "x86_64"))]
-impl<T> DecodePair for T {}
 
 pub(crate) use attention::{Span, attention_cpu};
 pub(crate) use matmul::Matmul;

@@ -301,8 +301,7 @@ pub(super) fn pack_nibbles(q: impl Fn(usize, usize) -> u8, out: &mut [u8]) {
 }
 
 /// A GGUF weight in blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), laid out for the kernel the
-/// path runs: in panels for AVX2 (and AVX-512 where a row has an odd number of blocks), as the
-/// file holds it for AVX-512's two-blocks-at-a-time kernel and the portable one ([`super::rows`]).
+/// path runs: in panels for AVX2, as the file holds it for the portable one ([`super::rows`]).
 #[derive(Debug)]
 pub(crate) struct Blocks {
     layout: BlocksLayout,
@@ -312,7 +311,7 @@ pub(crate) struct Blocks {
 
 #[derive(Debug)]
 enum BlocksLayout {
-    Gguf(Path, Arc<QTensor>),
+    Gguf(Arc<QTensor>),
     Panels(GgmlDType, Vec<u8>),
 }
 
@@ -322,7 +321,7 @@ impl Blocks {
         let (out_dim, in_dim) = t.shape().dims2()?;
         let path = path.supported();
         let nb = in_dim / QK;
-        let layout = if path == Path::Avx2 || (path == Path::Avx512 && !nb.is_multiple_of(2)) {
+        let layout = if path == Path::Avx2 {
             let data = t.data()?;
             let bytes = match t.dtype() {
                 GgmlDType::Q4_0 => repack_blocks(cast::<layout::Q4_0>(&data)?, out_dim, nb),
@@ -334,7 +333,7 @@ impl Blocks {
             };
             BlocksLayout::Panels(t.dtype(), bytes)
         } else {
-            BlocksLayout::Gguf(path, t)
+            BlocksLayout::Gguf(t)
         };
         Ok(Self {
             layout,
@@ -358,7 +357,7 @@ impl Blocks {
     ) -> candle_core::Result<()> {
         let mkn = (rows, self.in_dim, self.out_dim);
         let (dtype, data) = match &self.layout {
-            BlocksLayout::Gguf(path, t) => return super::matmul::blocks(t, *path, mkn, lhs, dst),
+            BlocksLayout::Gguf(t) => return super::matmul::blocks(t, mkn, lhs, dst),
             BlocksLayout::Panels(dtype, data) => (*dtype, data),
         };
         let nb = self.in_dim / QK;

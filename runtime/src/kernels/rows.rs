@@ -1,7 +1,6 @@
 //! Matrix products of a few activation rows (a decode step: 1; a verify block: K + 1) with a
 //! weight stored in blocks of 32 (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or dense f32, on the CPU:
-//! the portable kernels and AVX-512's two-blocks-at-a-time one ([`super::x86_pairs`]), with
-//! what every kernel shares (the block layouts, the activation quantizer, [`Path`], the pool).
+//! the portable kernels, with what every kernel shares (the block layouts, the activation quantizer, [`Path`], the pool).
 //! AVX2 multiplies weights repacked in panels instead ([`super::panels`]).
 //!
 //! - **The weights are read once per call**, not once per row: each thread takes a range of
@@ -83,7 +82,7 @@ pub(crate) mod layout {
 }
 
 /// A weight block of 32: its quants as signed bytes (q − offset), its scale and minimum.
-pub(crate) trait Block: Copy + Sync + 'static + super::DecodePair {
+pub(crate) trait Block: Copy + Sync + 'static {
     /// Whether the block has a minimum (the `_1` types).
     const MIN: bool;
     /// Bits per quant (4, 5 or 8).
@@ -188,11 +187,9 @@ impl Block for layout::Q8_0 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Path {
     Portable,
-    /// x86-64 with AVX2, FMA and F16C.
+    /// x86-64 with AVX2, FMA and F16C (AVX-512 CPUs run the same panels: measured faster there
+    /// than AVX-512 kernels that decoded each block once per output row).
     Avx2,
-    /// And AVX-512 F, BW, DQ, VL and VNNI: the K-quant kernels ([`super::kquants`]) and the blocks
-    /// of 32 two at a time.
-    Avx512,
 }
 
 impl Path {
@@ -205,14 +202,6 @@ impl Path {
                 && std::arch::is_x86_feature_detected!("fma")
                 && std::arch::is_x86_feature_detected!("f16c")
             {
-                if std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw")
-                    && std::arch::is_x86_feature_detected!("avx512dq")
-                    && std::arch::is_x86_feature_detected!("avx512vl")
-                    && std::arch::is_x86_feature_detected!("avx512vnni")
-                {
-                    return Path::Avx512;
-                }
                 return Path::Avx2;
             }
             Path::Portable
@@ -231,7 +220,6 @@ impl Path {
         match Self::detect() {
             Self::Portable => vec![Self::Portable],
             Self::Avx2 => vec![Self::Portable, Self::Avx2],
-            Self::Avx512 => vec![Self::Portable, Self::Avx2, Self::Avx512],
         }
     }
 }
@@ -319,8 +307,6 @@ pub(crate) fn trim_scratch() {
         trim(x);
         trim(cols);
     });
-    #[cfg(target_arch = "x86_64")]
-    PAIRS.with_borrow_mut(trim);
 }
 
 /// Gives back the part of a scratch buffer past [`KEEP_BYTES`] (its contents are dead).
@@ -338,12 +324,6 @@ pub(crate) fn scratch_bytes() -> usize {
     SCRATCH.with_borrow(|(x, cols)| {
         x.capacity() * std::mem::size_of::<Q8>() + cols.capacity() * std::mem::size_of::<f32>()
     })
-}
-
-#[cfg(target_arch = "x86_64")]
-thread_local! {
-    /// Activations quantized in pairs of blocks ([`super::x86_pairs`]), reused across calls.
-    static PAIRS: RefCell<Vec<super::x86_pairs::Q8Pair>> = const { RefCell::new(Vec::new()) };
 }
 
 thread_local! {
@@ -430,34 +410,15 @@ pub(crate) fn on_pool(out: &mut [f32], part_len: usize, f: impl Fn(usize, &mut [
 }
 
 /// `dst` (rows × out) = `lhs` (rows × in) · `w`ᵀ, `w` holding `out` rows of `in / 32` blocks:
-/// AVX-512's two-blocks-at-a-time kernel where `path` is AVX-512 and the count even, else the
-/// portable one (AVX2 multiplies panels: [`super::panels`]).
-#[allow(unsafe_code, reason = "calls the SIMD kernels the CPU was checked for")]
+/// the portable kernel (AVX2 multiplies panels: [`super::panels`]).
 pub(crate) fn matmul_blocks<B: Block>(
-    path: Path,
     w: &[B],
     (rows, in_dim, out_dim): (usize, usize, usize),
     lhs: &[f32],
     dst: &mut [f32],
 ) {
-    let path = path.supported();
     let blocks = in_dim / QK;
     let parallel = w.len() * QK >= super::attention::PARALLEL_WORK;
-    #[cfg(target_arch = "x86_64")]
-    if path == Path::Avx512 && blocks.is_multiple_of(2) {
-        use super::x86_pairs::{Q8Pair, blocks as pairs, quantize as quantize_pairs};
-        let mut x = PAIRS.with(|s| std::mem::take(&mut *s.borrow_mut()));
-        x.resize(rows * blocks / 2, Q8Pair::default());
-        for (xs, q) in lhs.chunks_exact(in_dim).zip(x.chunks_exact_mut(blocks / 2)) {
-            quantize_pairs(xs, q);
-        }
-        drive(w, blocks, out_dim, rows, parallel, dst, |w, out| {
-            // SAFETY: the CPU runs Path::Avx512 (`supported` above).
-            unsafe { pairs(w, &x, rows, out) };
-        });
-        PAIRS.with(|s| *s.borrow_mut() = x);
-        return;
-    }
     let mut x = SCRATCH.with(|s| std::mem::take(&mut s.borrow_mut().0));
     x.resize(rows * blocks, Q8::default());
     for (xs, q) in lhs.chunks_exact(in_dim).zip(x.chunks_exact_mut(blocks)) {

@@ -8,11 +8,6 @@
 
 use std::arch::x86_64::*;
 
-#[target_feature(enable = "f16c")]
-pub(crate) fn f16c(bits: u16) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
-
 /// Four signed bytes `qs[at..at + 4]` (a group of a panel's inputs) in every 32-bit lane.
 #[target_feature(enable = "avx2")]
 pub(crate) fn group(qs: &[i8], at: usize) -> __m256i {
