@@ -19,6 +19,7 @@
 //!   candle's repacked kernel for Q8_0 (with VNNI) and Q4_K (without AVX2) where candle
 //!   repacks the shape,
 //!   portable code (`rows`) elsewhere, candle's row-by-row product for the other types.
+//! - `activation`: the MLP's gated activation (SiLU, GELU-tanh) vectorized, one pass.
 //! - `attention`: causal attention row by row over exactly the keys the row sees, in a fixed
 //!   order, read in place from the KV cache (AVX2 + FMA where the CPU has them).
 //! - `rows::on_pool`: every kernel splits its work on candle's CPU pool, the one candle's own
@@ -26,6 +27,7 @@
 //!
 //! Other devices (CUDA) keep candle's kernels.
 
+mod activation;
 mod attention;
 mod kpanels;
 mod kquants;
@@ -41,6 +43,7 @@ mod x86_kpanels;
 #[cfg(target_arch = "x86_64")]
 mod x86_panels;
 
+pub(crate) use activation::{Gate, gated};
 pub(crate) use attention::{Span, attention_cpu};
 pub(crate) use matmul::Matmul;
 

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use super::config::{Activation, Architecture, ModelConfig, RopeScaling};
 use super::weights::Vb;
 use crate::Result;
-use crate::kernels::{Matmul, Span, attention_cpu};
+use crate::kernels::{Gate, Matmul, Span, attention_cpu, gated};
 use crate::kv_cache::KvCache;
 
 /// A linear layer whose weight may be quantized, with an optional bias.
@@ -295,12 +295,11 @@ impl Mlp {
 
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let [gate, up] = self.gate_up.forward(xs)?;
-        let gate = match self.activation {
-            Activation::Silu => gate.silu()?,
-            // candle's `gelu` is the tanh approximation.
-            Activation::GeluTanh => gate.gelu()?,
+        let act = match self.activation {
+            Activation::Silu => Gate::Silu,
+            Activation::GeluTanh => Gate::GeluTanh,
         };
-        self.down_proj.forward(&(gate * up)?)
+        self.down_proj.forward(&gated(&gate, &up, act)?)
     }
 }
 
