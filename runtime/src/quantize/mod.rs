@@ -1,6 +1,6 @@
 //! Writes a Hugging Face Llama folder as a GGUF file, quantized the way llama.cpp lays it out
-//! (llama.cpp tensor names, q/k rows permuted for interleaved rope, SentencePiece vocabulary in
-//! the metadata), so drafts for edge CPUs can be made from any target checkpoint.
+//! (llama.cpp tensor names, q/k rows permuted for interleaved rope, the vocabulary in the
+//! metadata: [`vocab`]), so drafts for edge CPUs can be made from any target checkpoint.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -8,11 +8,12 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
-use serde::Deserialize;
 
 use crate::model::weights::{gguf_name, safetensors_files};
 use crate::model::{Architecture, ModelConfig, RopeScaling};
 use crate::{Error, Result};
+
+mod vocab;
 
 /// Quantization schemes for [`quantize_to_gguf`]: one type for every matrix, or llama.cpp's
 /// Q4_K_M mix.
@@ -182,7 +183,7 @@ pub fn quantize_to_gguf(dir: &Path, out: &Path, quant: QuantType) -> Result<Quan
     let mut metadata = model_metadata(&config, quant, dir);
     let tokenizer_path = dir.join("tokenizer.json");
     if tokenizer_path.exists()
-        && let Some(tok) = sentencepiece_metadata(&tokenizer_path, &config)?
+        && let Some(tok) = vocab::metadata(&tokenizer_path, &config)?
     {
         metadata.extend(tok);
         report.tokenizer_in_metadata = true;
@@ -333,156 +334,4 @@ fn model_metadata(config: &ModelConfig, quant: QuantType, dir: &Path) -> Vec<(St
         m.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)));
     }
     m
-}
-
-#[derive(Deserialize)]
-struct TokenizerFile {
-    model: BpeModel,
-    #[serde(default)]
-    added_tokens: Vec<AddedToken>,
-    #[serde(default)]
-    normalizer: serde_json::Value,
-    #[serde(default)]
-    pre_tokenizer: serde_json::Value,
-}
-
-impl TokenizerFile {
-    /// Whether the text gets a `▁` before it (Llama's SentencePiece: a `Prepend` normalizer, or a
-    /// `Metaspace` pre-tokenizer that prepends); Gemma's does not.
-    fn space_prefix(&self) -> bool {
-        fn any(step: &serde_json::Value, f: &dyn Fn(&serde_json::Value) -> bool) -> bool {
-            f(step)
-                || ["normalizers", "pretokenizers"].iter().any(|key| {
-                    step[*key]
-                        .as_array()
-                        .is_some_and(|steps| steps.iter().any(|s| any(s, f)))
-                })
-        }
-        any(&self.normalizer, &|n| {
-            n["type"] == "Prepend" && n["prepend"] == "\u{2581}"
-        }) || any(&self.pre_tokenizer, &|p| {
-            p["type"] == "Metaspace"
-                && (p["add_prefix_space"] == true
-                    || p["prepend_scheme"].as_str().is_some_and(|s| s != "never"))
-        })
-    }
-}
-
-#[derive(Deserialize)]
-struct BpeModel {
-    #[serde(rename = "type")]
-    kind: String,
-    #[serde(default)]
-    byte_fallback: bool,
-    vocab: HashMap<String, u32>,
-    #[serde(default)]
-    merges: Vec<Merge>,
-    unk_token: Option<String>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Merge {
-    Joined(String),
-    Pair(Vec<String>),
-}
-
-#[derive(Deserialize)]
-struct AddedToken {
-    id: u32,
-    #[serde(default)]
-    special: bool,
-}
-
-/// `tokenizer.ggml.*` for a SentencePiece-style BPE tokenizer (byte fallback, ▁ for spaces);
-/// `None` for other tokenizers, whose tokenizer.json must then travel beside the GGUF file.
-fn sentencepiece_metadata(
-    path: &Path,
-    config: &ModelConfig,
-) -> Result<Option<Vec<(String, Value)>>> {
-    let file: TokenizerFile = crate::model::read_json(path)?;
-    if file.model.kind != "BPE" || !file.model.byte_fallback {
-        return Ok(None);
-    }
-    let n = file.model.vocab.len().max(config.vocab_size);
-    let mut tokens = vec![String::new(); n];
-    for (text, &id) in &file.model.vocab {
-        if let Some(slot) = tokens.get_mut(id as usize) {
-            *slot = text.clone();
-        }
-    }
-    for (i, t) in tokens.iter_mut().enumerate().filter(|(_, t)| t.is_empty()) {
-        *t = format!("<unused{i}>");
-    }
-    // A piece's score is minus the rank of the first merge that makes it: the merge order that
-    // SentencePiece's scores encode, which the reader turns back into merges.
-    let mut scores = vec![0f32; n];
-    let mut scored = vec![false; n];
-    for (rank, merge) in file.model.merges.iter().enumerate() {
-        let joined = match merge {
-            Merge::Joined(s) => s.replacen(' ', "", 1),
-            Merge::Pair(p) => p.concat(),
-        };
-        if let Some(&id) = file.model.vocab.get(&joined)
-            && !scored[id as usize]
-        {
-            scored[id as usize] = true;
-            scores[id as usize] = -(rank as f32);
-        }
-    }
-    let unk = file
-        .model
-        .unk_token
-        .as_deref()
-        .and_then(|u| file.model.vocab.get(u))
-        .copied();
-    let special: Vec<u32> = file
-        .added_tokens
-        .iter()
-        .filter(|t| t.special)
-        .map(|t| t.id)
-        .collect();
-    let types: Vec<Value> = tokens
-        .iter()
-        .enumerate()
-        .map(|(id, t)| {
-            let id = id as u32;
-            Value::I32(if Some(id) == unk {
-                2
-            } else if special.contains(&id) {
-                3
-            } else if t.len() == 6 && t.starts_with("<0x") && t.ends_with('>') {
-                6
-            } else {
-                1
-            })
-        })
-        .collect();
-    let mut m = vec![
-        (
-            "tokenizer.ggml.model".to_string(),
-            Value::String("llama".into()),
-        ),
-        (
-            "tokenizer.ggml.tokens".to_string(),
-            Value::Array(tokens.into_iter().map(Value::String).collect()),
-        ),
-        (
-            "tokenizer.ggml.scores".to_string(),
-            Value::Array(scores.into_iter().map(Value::F32).collect()),
-        ),
-        ("tokenizer.ggml.token_type".to_string(), Value::Array(types)),
-        (
-            "tokenizer.ggml.add_bos_token".to_string(),
-            Value::Bool(config.bos_token_id.is_some()),
-        ),
-        (
-            "tokenizer.ggml.add_space_prefix".to_string(),
-            Value::Bool(file.space_prefix()),
-        ),
-    ];
-    if let Some(unk) = unk {
-        m.push(("tokenizer.ggml.unknown_token_id".into(), Value::U32(unk)));
-    }
-    Ok(Some(m))
 }
