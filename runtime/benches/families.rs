@@ -10,7 +10,8 @@
 //!
 //! `LLAMA_BENCH=/path/to/llama-bench cargo bench -p tandem-runtime --bench families`
 //! (BENCH_FAMILIES, default `llama,qwen3,gemma3,phi3`; BENCH_TYPES, default `q8_0,q4_k_m`;
-//! BENCH_ROUNDS, default 3; BENCH_TOKENS, default 64; BENCH_THREADS, default every core).
+//! BENCH_GGUF, GGUF files of your own to measure as well, comma-separated; BENCH_ROUNDS,
+//! default 3; BENCH_TOKENS, default 64; BENCH_THREADS, default every core).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -131,32 +132,45 @@ fn main() -> anyhow::Result<()> {
         "| family | type | MB | llama.cpp tok/s | Tandem tok/s | Tandem / llama.cpp (median) |"
     );
     println!("|---|---|---|---|---|---|");
+    let mut files = Vec::new();
     for family in env_or("BENCH_FAMILIES", "llama,qwen3,gemma3,phi3").split(',') {
         for ty in env_or("BENCH_TYPES", "q8_0,q4_k_m").split(',') {
-            let file = gguf(family, ty)?;
-            let model = Model::load(&file, &LoadOptions::default())?;
-            tandem(&model, 8)?; // warm-up; llama-bench warms up by itself
-            let (mut theirs, mut ours) = (Vec::new(), Vec::new());
-            for _ in 0..rounds {
-                theirs.push(llama_cpp(&bench, &file, tokens, threads)?);
-                ours.push(tandem(&model, tokens)?);
+            if !family.is_empty() && !ty.is_empty() {
+                files.push((family.to_string(), ty.to_string(), gguf(family, ty)?));
             }
-            let mut ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
-            ratios.sort_by(f64::total_cmp);
-            let list = |v: &[f64]| {
-                v.iter()
-                    .map(|x| format!("{x:.1}"))
-                    .collect::<Vec<_>>()
-                    .join(" / ")
-            };
-            println!(
-                "| {family} | {ty} | {:.0} | {} | {} | {:.2} |",
-                std::fs::metadata(&file)?.len() as f64 / 1e6,
-                list(&theirs),
-                list(&ours),
-                ratios[ratios.len() / 2]
-            );
         }
+    }
+    // Real files too: their name in the family column.
+    for path in std::env::var("BENCH_GGUF").unwrap_or_default().split(',') {
+        if !path.is_empty() {
+            let path = PathBuf::from(path);
+            let name = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+            files.push((name.unwrap_or_default(), "file".into(), path));
+        }
+    }
+    for (family, ty, file) in files {
+        let model = Model::load(&file, &LoadOptions::default())?;
+        tandem(&model, 8)?; // warm-up; llama-bench warms up by itself
+        let (mut theirs, mut ours) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            theirs.push(llama_cpp(&bench, &file, tokens, threads)?);
+            ours.push(tandem(&model, tokens)?);
+        }
+        let mut ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
+        ratios.sort_by(f64::total_cmp);
+        let list = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.1}"))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        };
+        println!(
+            "| {family} | {ty} | {:.0} | {} | {} | {:.2} |",
+            std::fs::metadata(&file)?.len() as f64 / 1e6,
+            list(&theirs),
+            list(&ours),
+            ratios[ratios.len() / 2]
+        );
     }
     Ok(())
 }
