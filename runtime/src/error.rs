@@ -55,6 +55,8 @@ pub enum Error {
     VocabularyMismatch(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    #[error("grammar: {0}")]
+    Grammar(String),
     #[error("hugging face hub `{reference}`: {detail}")]
     Hub { reference: String, detail: String },
     #[error("cannot truncate the kv cache to {requested}: it holds {len} entries")]

@@ -2,6 +2,7 @@
 //! verification, sampling and the lossless speculative acceptance rule. Model code here knows
 //! nothing of gRPC.
 
+pub mod constraint;
 mod error;
 pub mod generator;
 pub mod kernels;
@@ -15,6 +16,7 @@ pub mod token_log;
 pub mod tokenizer;
 pub mod transcript;
 
+pub use constraint::{Constraint, Grammar, GrammarCompiler};
 pub use error::{Error, Result};
 pub use generator::{
     FinishReason, GenerateRequest, Generation, GenerationStats, RequestLimits,

@@ -180,6 +180,32 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// Whether pieces are written in GPT-2's byte-level alphabet (a `ByteLevel` decoder), not
+    /// SentencePiece's `▁` and `<0xNN>`.
+    pub fn is_byte_level(&self) -> bool {
+        fn any(d: &serde_json::Value) -> bool {
+            d["type"] == "ByteLevel"
+                || d["decoders"]
+                    .as_array()
+                    .is_some_and(|ds| ds.iter().any(any))
+        }
+        self.inner
+            .get_decoder()
+            .and_then(|d| serde_json::to_value(d).ok())
+            .is_some_and(|d| any(&d))
+    }
+
+    /// The ids of the special added tokens (control tokens: a chat template's markup, the end
+    /// of a sequence).
+    pub fn special_ids(&self) -> std::collections::HashSet<u32> {
+        self.inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect()
+    }
+
     /// A 64-bit FNV-1a hash over every token text and the special ids: equal hashes mean
     /// interchangeable vocabularies.
     pub fn vocab_hash(&self) -> u64 {

@@ -6,7 +6,7 @@
 use super::{CachedSequence, Drafter, Proposal, SequenceState, Verified, Verifier};
 use crate::model::{Logits, Model};
 use crate::sampling::rng::SAMPLE_DRAW;
-use crate::sampling::{Distribution, distribution, draft_support, logprobs};
+use crate::sampling::{Distribution, draft_support, logprobs};
 use crate::speculative::acceptance;
 use crate::speculative::draft_check::{BlockRules, DraftRefusal, check_block};
 use crate::{Error, Result};
@@ -160,13 +160,24 @@ impl VerifyJob<'_> {
         };
         let rows = &rows[rows.len() - (drafts.len() + 1)..];
         let mut context = self.log.to_vec();
-        let mut p = Vec::with_capacity(rows.len());
+        let mut p: Vec<Distribution> = Vec::with_capacity(rows.len());
+        // Drafts up to the first the grammar forbids, which p (0 there) rejects for certain: the
+        // rule's correction is then drawn from the residual as for any rejection, so the output
+        // stays distributed as the masked p whatever the draft sends.
+        let mut scored = drafts.len();
         for (i, row) in rows.iter().enumerate() {
-            p.push(distribution(row, &st.params, &context)?);
+            p.push(st.distribution(row, &context)?);
             if let Some(&d) = drafts.get(i) {
+                if p[i].prob(d) == 0.0 && st.constraint.is_some() {
+                    scored = i + 1;
+                    // The bonus distribution past a certain rejection is never read.
+                    p.push(p[i].clone());
+                    break;
+                }
                 context.push(d);
             }
         }
+        let (drafts, q) = (&drafts[..scored], &q[..scored]);
         let verdict = acceptance::verify(drafts, q, &p, &st.draws, self.log.len());
         st.seq.truncate(self.log.len() + verdict.accepted)?;
         let logprobs = match st.logprobs {
@@ -280,7 +291,7 @@ impl ProposeJob<'_> {
         }
         let st = &mut self.drafter.0;
         let row = rows.last().ok_or_else(|| failed("no logits"))?;
-        let q = draft_support(distribution(row, &st.params, &step.context)?);
+        let q = draft_support(st.distribution(row, &step.context)?);
         let token = q.sample(st.draws.uniform(step.context.len(), SAMPLE_DRAW));
         step.context.push(token);
         step.proposal.tokens.push(token);

@@ -10,10 +10,11 @@ pub mod draft_check;
 
 use std::time::Instant;
 
+use crate::constraint::Constraint;
 use crate::kv_cache::KvCache;
 use crate::model::{Logits, Model};
 use crate::sampling::rng::Draws;
-use crate::sampling::{Distribution, SamplingParams, TokenLogprobs};
+use crate::sampling::{Distribution, SamplingParams, TokenLogprobs, distribution};
 use crate::speculative::acceptance::Verdict;
 use crate::speculative::draft_check::DraftRefusal;
 use crate::{Error, Result};
@@ -73,6 +74,8 @@ pub struct SequenceState {
     draws: Draws,
     /// A verifier's: report each committed token's log-probability and this many alternatives.
     logprobs: Option<usize>,
+    /// The grammar the output follows, if any: p (or q) is masked to what it allows.
+    constraint: Option<Constraint>,
 }
 
 impl SequenceState {
@@ -86,7 +89,26 @@ impl SequenceState {
             draws: Draws::new(params.seed, stream),
             params,
             logprobs: None,
+            constraint: None,
         }
+    }
+
+    /// Restricts the output to `constraint`'s grammar from here on (its state follows the log it
+    /// is handed, from the position it was compiled for).
+    pub fn constrain(&mut self, constraint: Constraint) {
+        self.constraint = Some(constraint);
+    }
+
+    /// The sampling distribution at the position after `context`: masked to the grammar's
+    /// tokens there when the sequence has one (its state brought to `context` first).
+    fn distribution(&mut self, logits: &[f32], context: &[u32]) -> Result<Distribution> {
+        let Some(c) = self.constraint.as_mut() else {
+            return distribution(logits, &self.params, context);
+        };
+        c.sync(context)?;
+        let mut masked = logits.to_vec();
+        c.mask()?.apply(&mut masked);
+        distribution(&masked, &self.params, context)
     }
 
     /// Feeds all but the last prompt token, so that the first step feeds exactly one token.
@@ -157,7 +179,7 @@ sequence_side!(Drafter);
 sequence_side!(Verifier);
 
 /// K drafted tokens and the distributions they were sampled from.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Proposal {
     pub tokens: Vec<u32>,
     pub q: Vec<Distribution>,

@@ -1,0 +1,240 @@
+//! Constrained decoding: the output restricted to a JSON schema, a Lark grammar or a regex, with
+//! llguidance (the engine vLLM, SGLang and llama.cpp use) over the model's own vocabulary
+//! ([`vocab`]). A [`Constraint`] is one sequence's grammar state: it follows the sequence's
+//! committed tokens from where generation began (rolled back with them, as the KV cache is) and
+//! masks a position's logits to the tokens the grammar allows after the tokens before it, so that
+//! p is the model's distribution restricted to the grammar and renormalised (docs/architecture.md
+//! invariant 1). It is derived state: rebuilt from the log, it gives the same masks.
+
+mod vocab;
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use toktrie::SimpleVob;
+
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// What the output must be.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Grammar {
+    /// Any JSON object (OpenAI's `json_object`).
+    JsonObject,
+    /// A JSON value valid against this schema.
+    JsonSchema(serde_json::Value),
+    /// A grammar in llguidance's Lark dialect.
+    Lark(String),
+    /// A regular expression the whole output matches.
+    Regex(String),
+}
+
+/// Whitespace a JSON output may put between its tokens, as llama.cpp's JSON grammars allow it:
+/// none, one space, or a newline and up to 20 spaces or tabs of indentation. Unbounded
+/// whitespace (llguidance's default) lets a model that likes it emit nothing else until its
+/// token budget runs out. A schema's own `x-guidance` options take precedence.
+const JSON_WHITESPACE: &str = r"[ ]|\n[ \t]{0,20}";
+
+fn json_grammar(mut schema: serde_json::Value) -> TopLevelGrammar {
+    if let Some(obj) = schema.as_object_mut() {
+        obj.entry("x-guidance")
+            .or_insert_with(|| serde_json::json!({"whitespace_pattern": JSON_WHITESPACE}));
+    }
+    TopLevelGrammar::from_json_schema(schema)
+}
+
+impl Grammar {
+    fn top_level(&self) -> TopLevelGrammar {
+        match self {
+            Self::JsonObject => json_grammar(serde_json::json!({"type": "object"})),
+            Self::JsonSchema(schema) => json_grammar(schema.clone()),
+            Self::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            Self::Regex(rx) => TopLevelGrammar::from_regex(rx),
+        }
+    }
+}
+
+/// Compiles grammars for one vocabulary: built once per model (the token trie of its
+/// vocabulary), shared by its sessions.
+#[derive(Clone)]
+pub struct GrammarCompiler {
+    factory: Arc<ParserFactory>,
+    vocab_size: usize,
+    eos: u32,
+}
+
+impl std::fmt::Debug for GrammarCompiler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarCompiler")
+            .field("vocab_size", &self.vocab_size)
+            .finish()
+    }
+}
+
+impl GrammarCompiler {
+    /// For `tokenizer`'s vocabulary over a model's `vocab_size` logits (ids past the tokenizer's
+    /// are never allowed), ending the output with `eos` where the grammar is complete.
+    pub fn new(tokenizer: &Tokenizer, vocab_size: usize, eos: u32) -> Result<Self> {
+        let env = vocab::token_env(tokenizer, vocab_size, eos)?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(grammar_error)?;
+        factory.quiet();
+        Ok(Self {
+            factory: Arc::new(factory),
+            vocab_size,
+            eos,
+        })
+    }
+
+    /// A fresh state of `grammar` for a sequence whose generated tokens start at position
+    /// `start` of its log; an error names what does not compile.
+    pub fn compile(&self, grammar: &Grammar, start: usize) -> Result<Constraint> {
+        let parser = self
+            .factory
+            .create_parser(grammar.top_level())
+            .map_err(grammar_error)?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(Error::Grammar(e));
+        }
+        Ok(Constraint {
+            matcher,
+            start,
+            consumed: Vec::new(),
+            in_matcher: 0,
+            vocab_size: self.vocab_size,
+            eos: self.eos,
+        })
+    }
+}
+
+fn grammar_error(e: impl std::fmt::Display) -> Error {
+    Error::Grammar(e.to_string())
+}
+
+/// One sequence's grammar state, after the tokens it has consumed.
+pub struct Constraint {
+    matcher: Matcher,
+    /// Where generation begins in the sequence's log.
+    start: usize,
+    /// The generated tokens the state is after.
+    consumed: Vec<u32>,
+    /// How many of them the matcher took (the rest: ends of sequence after it stopped).
+    in_matcher: usize,
+    vocab_size: usize,
+    eos: u32,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint")
+            .field("start", &self.start)
+            .field("consumed", &self.consumed.len())
+            .finish()
+    }
+}
+
+/// The tokens a grammar allows at one position.
+#[derive(Debug, Clone)]
+pub struct Mask(SimpleVob);
+
+impl Mask {
+    pub fn allows(&self, token: u32) -> bool {
+        (token as usize) < self.0.len() && self.0.is_allowed(token)
+    }
+
+    /// Sets every forbidden token's logit to −∞.
+    pub fn apply(&self, logits: &mut [f32]) {
+        for (id, l) in logits.iter_mut().enumerate() {
+            if !self.allows(id as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+impl Constraint {
+    /// Brings the state to `log` (the sequence's committed tokens, and drafts past them): rolls
+    /// back what it consumed beyond their common prefix and consumes the rest. A token of the log
+    /// the grammar forbids is an error (a committed token always came from a masked p).
+    pub fn sync(&mut self, log: &[u32]) -> Result<()> {
+        let generated = log.get(self.start..).unwrap_or_default();
+        let common = self
+            .consumed
+            .iter()
+            .zip(generated)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.rollback_to(common)?;
+        for &t in &generated[common..] {
+            if !self.push(t)? {
+                return Err(Error::Grammar(format!(
+                    "token {t} at position {} is not allowed by the grammar",
+                    self.start + self.consumed.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The tokens allowed next (only the end of sequence once the grammar is complete).
+    pub fn mask(&mut self) -> Result<Mask> {
+        let mut vob = self.matcher.compute_mask_or_eos().map_err(grammar_error)?;
+        if vob.len() < self.vocab_size {
+            vob.resize(self.vocab_size);
+        }
+        Ok(Mask(vob))
+    }
+
+    /// Consumes `token` if the grammar allows it next; false (the state unchanged) if not.
+    pub fn push(&mut self, token: u32) -> Result<bool> {
+        if token == self.eos && self.matcher.is_stopped() {
+            // Past the end (a draft block may run on after it): only the end again, which the
+            // matcher, stopped, does not take.
+            self.consumed.push(token);
+            return Ok(true);
+        }
+        let allowed = if token == self.eos {
+            // The end of sequence ends a complete output (llguidance validates text tokens).
+            self.mask()?.allows(token)
+        } else {
+            (token as usize) < self.vocab_size
+                && self
+                    .matcher
+                    .validate_tokens(&[token])
+                    .map_err(grammar_error)?
+                    == 1
+        };
+        if !allowed {
+            return Ok(false);
+        }
+        self.matcher.consume_token(token).map_err(grammar_error)?;
+        self.consumed.push(token);
+        self.in_matcher = self.consumed.len();
+        Ok(true)
+    }
+
+    /// Rolls back to the first `len` generated tokens.
+    pub fn rollback_to(&mut self, len: usize) -> Result<()> {
+        let keep = self.in_matcher.min(len);
+        self.matcher
+            .rollback(self.in_matcher - keep)
+            .map_err(grammar_error)?;
+        self.in_matcher = keep;
+        self.consumed.truncate(len);
+        Ok(())
+    }
+
+    /// Generated tokens the state is after, counted from the log's start.
+    pub fn position(&self) -> usize {
+        self.start + self.consumed.len()
+    }
+
+    /// Whether the output so far is a complete sentence of the grammar.
+    pub fn is_complete(&mut self) -> bool {
+        self.matcher.is_accepting().unwrap_or(false)
+    }
+}
+
+#[cfg(test)]
+mod tests;

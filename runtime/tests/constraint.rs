@@ -1,0 +1,163 @@
+//! Constrained decoding under speculation (issue 29): the output follows the grammar, and greedy
+//! speculative output equals greedy target-only output under the same grammar, whatever K and
+//! however well the draft agrees (drafts the grammar forbids are rejected, never committed).
+
+mod common;
+
+use common::*;
+use tandem_runtime::{Drafter, Grammar, GrammarCompiler, Model, SamplingParams, Verifier};
+
+const MAX_NEW: usize = 600;
+
+/// How the draft-node drafts: masked by the grammar as the target is, or free (its drafts the
+/// grammar forbids must then be rejected).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Draft {
+    Masked,
+    Free,
+}
+
+/// Generated ids (up to the end of sequence, which ends the output) of `target` alone (K = 0)
+/// or with `draft` proposing `k` per round, the target masked by `grammar`; and the drafts
+/// accepted.
+fn generate(
+    target: &Model,
+    draft: Option<(&Model, Draft)>,
+    k: usize,
+    grammar: &Grammar,
+    params: SamplingParams,
+) -> (Vec<u32>, usize) {
+    let tok = tokenizer();
+    let eos = tok.eos_id().expect("eos");
+    let compiler =
+        GrammarCompiler::new(&tok, target.config().vocab_size, eos).expect("grammar compiler");
+    let prompt = tok.encode("Once upon a time").expect("encode");
+    let constraint = || compiler.compile(grammar, prompt.len()).expect("compile");
+    let mut verifier = Verifier::new(target, params.clone());
+    verifier.constrain(constraint());
+    verifier.prefill(&prompt).expect("prefill");
+    let mut drafter = draft.map(|(d, how)| {
+        let mut drafter = Drafter::new(d, params.clone());
+        if how == Draft::Masked {
+            drafter.constrain(constraint());
+        }
+        drafter.prefill(&prompt).expect("prefill");
+        drafter
+    });
+    let mut log = prompt.clone();
+    let mut accepted = 0;
+    while log.len() - prompt.len() < MAX_NEW {
+        let proposal = match drafter.as_mut() {
+            Some(d) if k > 0 => d.propose(&log, k).expect("propose"),
+            _ => Default::default(),
+        };
+        let v = verifier
+            .verify(&log, &proposal.tokens, &proposal.q, k)
+            .expect("verify");
+        assert!(v.refused.is_none(), "{:?}", v.refused);
+        accepted += v.verdict.accepted;
+        let committed = proposal.tokens[..v.verdict.accepted]
+            .iter()
+            .copied()
+            .chain([v.verdict.next]);
+        for t in committed {
+            if t == eos {
+                return (log[prompt.len()..].to_vec(), accepted);
+            }
+            log.push(t);
+        }
+    }
+    panic!(
+        "no end of sequence in {MAX_NEW} tokens: {:?}",
+        tok.decode(&log[prompt.len()..])
+    );
+}
+
+fn schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 12},
+            "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+            "genre": {"enum": ["fairy tale", "fable", "myth"]},
+            "characters": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                           "minItems": 1, "maxItems": 3}
+        },
+        "required": ["title", "year", "genre", "characters"],
+        "additionalProperties": false
+    })
+}
+
+fn assert_valid(ids: &[u32]) {
+    let text = tokenizer().decode(ids).expect("decode");
+    let doc: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+    assert!(
+        doc["title"]
+            .as_str()
+            .is_some_and(|t| t.chars().count() <= 12),
+        "{text}"
+    );
+    assert!(
+        doc["year"]
+            .as_i64()
+            .is_some_and(|y| (1900..=2100).contains(&y)),
+        "{text}"
+    );
+    assert!(
+        ["fairy tale", "fable", "myth"].contains(&doc["genre"].as_str().unwrap_or("")),
+        "{text}"
+    );
+    let chars = doc["characters"].as_array().expect("characters");
+    assert!((1..=3).contains(&chars.len()), "{text}");
+}
+
+#[test]
+fn greedy_constrained_speculation_equals_the_constrained_target_alone() {
+    let target = load(&tiny_random(21));
+    let unrelated = load(&tiny_random(22));
+    let grammar = Grammar::JsonSchema(schema());
+    let greedy = SamplingParams::greedy();
+    let (alone, _) = generate(&target, None, 0, &grammar, greedy.clone());
+    assert_valid(&alone);
+    let drafts = [
+        (&unrelated, Draft::Masked, "an unrelated draft"),
+        (&unrelated, Draft::Free, "an unrelated draft, unmasked"),
+        (&target, Draft::Free, "the target itself, unmasked"),
+        (&target, Draft::Masked, "the target itself"),
+    ];
+    for (draft, how, name) in drafts {
+        for k in [1, 4, 8] {
+            let (spec, accepted) =
+                generate(&target, Some((draft, how)), k, &grammar, greedy.clone());
+            assert_eq!(spec, alone, "K = {k}, {name}");
+            if std::ptr::eq(draft, &target) && how == Draft::Masked {
+                // A draft that is the target, masked alike, proposes what the target takes:
+                // every round accepts its K drafts (the last may end early).
+                let rounds = alone.len().div_ceil(k + 1);
+                assert!(
+                    accepted + k + 1 >= rounds * k,
+                    "K = {k}: {accepted} accepted over {} tokens",
+                    alone.len()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn sampled_constrained_speculation_keeps_to_the_grammar() {
+    let target = load(&tiny_random(23));
+    let draft = load(&tiny_random(24));
+    let grammar = Grammar::JsonSchema(schema());
+    for seed in 0..4 {
+        let params = SamplingParams {
+            temperature: 0.9,
+            seed,
+            ..SamplingParams::greedy()
+        };
+        for how in [Draft::Masked, Draft::Free] {
+            let (ids, _) = generate(&target, Some((&draft, how)), 4, &grammar, params.clone());
+            assert_valid(&ids);
+        }
+    }
+}
