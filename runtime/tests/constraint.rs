@@ -4,8 +4,13 @@
 
 mod common;
 
+use std::collections::HashMap;
+
 use common::*;
-use tandem_runtime::{Drafter, Grammar, GrammarCompiler, Model, SamplingParams, Verifier};
+use tandem_runtime::sampling::distribution;
+use tandem_runtime::{
+    Distribution, Drafter, Grammar, GrammarCompiler, Logits, Model, SamplingParams, Verifier,
+};
 
 const MAX_NEW: usize = 600;
 
@@ -27,10 +32,27 @@ fn generate(
     grammar: &Grammar,
     params: SamplingParams,
 ) -> (Vec<u32>, usize) {
+    let (ids, accepted, ended) = generate_up_to(target, draft, k, grammar, params, MAX_NEW);
+    assert!(
+        ended,
+        "no end of sequence in {MAX_NEW} tokens: {:?}",
+        tokenizer().decode(&ids)
+    );
+    (ids, accepted)
+}
+
+/// [`generate`] for at most `max_new` tokens; whether the end of sequence came.
+fn generate_up_to(
+    target: &Model,
+    draft: Option<(&Model, Draft)>,
+    k: usize,
+    grammar: &Grammar,
+    params: SamplingParams,
+    max_new: usize,
+) -> (Vec<u32>, usize, bool) {
     let tok = tokenizer();
     let eos = tok.eos_id().expect("eos");
-    let compiler =
-        GrammarCompiler::new(&tok, target.config().vocab_size, eos).expect("grammar compiler");
+    let compiler = compiler(target);
     let prompt = tok.encode("Once upon a time").expect("encode");
     let constraint = || compiler.compile(grammar, prompt.len()).expect("compile");
     let mut verifier = Verifier::new(target, params.clone());
@@ -46,7 +68,7 @@ fn generate(
     });
     let mut log = prompt.clone();
     let mut accepted = 0;
-    while log.len() - prompt.len() < MAX_NEW {
+    while log.len() - prompt.len() < max_new {
         let proposal = match drafter.as_mut() {
             Some(d) if k > 0 => d.propose(&log, k).expect("propose"),
             _ => Default::default(),
@@ -62,15 +84,26 @@ fn generate(
             .chain([v.verdict.next]);
         for t in committed {
             if t == eos {
-                return (log[prompt.len()..].to_vec(), accepted);
+                return (log[prompt.len()..].to_vec(), accepted, true);
             }
             log.push(t);
         }
     }
-    panic!(
-        "no end of sequence in {MAX_NEW} tokens: {:?}",
-        tok.decode(&log[prompt.len()..])
-    );
+    log.truncate(prompt.len() + max_new);
+    (log[prompt.len()..].to_vec(), accepted, false)
+}
+
+/// The grammar compiler of the tests' vocabulary over `target`'s logits, built once (its token
+/// trie costs milliseconds, thousands of generations here).
+fn compiler(target: &Model) -> GrammarCompiler {
+    static COMPILER: std::sync::OnceLock<GrammarCompiler> = std::sync::OnceLock::new();
+    let c = COMPILER.get_or_init(|| {
+        let tok = tokenizer();
+        let eos = tok.eos_id().expect("eos");
+        GrammarCompiler::new(&tok, target.config().vocab_size, eos).expect("grammar compiler")
+    });
+    assert_eq!(c.vocab_size(), target.config().vocab_size);
+    c.clone()
 }
 
 fn schema() -> serde_json::Value {
@@ -159,5 +192,81 @@ fn sampled_constrained_speculation_keeps_to_the_grammar() {
             let (ids, _) = generate(&target, Some((&draft, how)), 4, &grammar, params.clone());
             assert_valid(&ids);
         }
+    }
+}
+
+/// The target's sampling distribution after `context` masked by `grammar` (its state after the
+/// generated part of `context`, which starts after `prompt_len` tokens).
+fn masked_p(
+    target: &Model,
+    grammar: &Grammar,
+    params: &SamplingParams,
+    context: &[u32],
+    prompt_len: usize,
+) -> Vec<f32> {
+    let mut c = compiler(target)
+        .compile(grammar, prompt_len)
+        .expect("compile");
+    c.sync(context).expect("sync");
+    let mut logits = target
+        .forward(context, &mut target.new_cache(), Logits::Last)
+        .expect("forward")
+        .remove(0);
+    c.mask().expect("mask").apply(&mut logits);
+    match distribution(&logits, params, context).expect("distribution") {
+        Distribution::Dense(p) => p,
+        other => panic!("expected a dense p, got {other:?}"),
+    }
+}
+
+/// Sampled constrained speculation (T = 1, K = 2, a low-acceptance pair; the draft masked, and
+/// free so that most of its drafts are forbidden and rejected): the first generated token follows
+/// the target's masked p, and the second, after the most frequent first, the masked p there.
+#[test]
+fn sampled_constrained_tokens_follow_the_masked_target_distribution() {
+    let (target, draft) = (load(&tiny_random(21)), load(&tiny_random(22)));
+    // Two letters, then a digit: many tokens allowed first, fewer after.
+    let grammar = Grammar::Regex("[a-z]{2,4}[0-9]".into());
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let prompt = tokenizer().encode("Once upon a time").expect("encode");
+    for how in [Draft::Masked, Draft::Free] {
+        let n = 5_000u64;
+        let mut first: HashMap<u32, u64> = HashMap::new();
+        let mut pairs = Vec::new();
+        for seed in 0..n {
+            let p = SamplingParams {
+                seed,
+                ..params.clone()
+            };
+            let (ids, _, _) = generate_up_to(&target, Some((&draft, how)), 2, &grammar, p, 2);
+            *first.entry(ids[0]).or_default() += 1;
+            pairs.push((ids[0], ids[1]));
+        }
+        let p1 = masked_p(&target, &grammar, &params, &prompt, prompt.len());
+        let (stat, df) = chi_square(&first, &p1, n);
+        assert!(df >= 3, "{how:?}: too few cells: {df}");
+        assert!(
+            stat < chi_square_critical(df),
+            "{how:?}, first token: chi-square {stat} with {df} df"
+        );
+        let (&mode, _) = first.iter().max_by_key(|(_, c)| **c).expect("samples");
+        let mut second: HashMap<u32, u64> = HashMap::new();
+        for &(a, b) in &pairs {
+            if a == mode {
+                *second.entry(b).or_default() += 1;
+            }
+        }
+        let m: u64 = second.values().sum();
+        let context = [&prompt[..], &[mode]].concat();
+        let p2 = masked_p(&target, &grammar, &params, &context, prompt.len());
+        let (stat, df) = chi_square(&second, &p2, m);
+        assert!(df >= 2, "{how:?}: too few cells: {df}");
+        assert!(
+            stat < chi_square_critical(df),
+            "{how:?}, second token: chi-square {stat} with {df} df over {m} samples"
+        );
     }
 }

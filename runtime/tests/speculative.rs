@@ -128,36 +128,6 @@ fn stop_tokens_stop_strings_and_max_tokens() {
     assert_eq!(short.token_ids, full.token_ids[..7]);
 }
 
-/// Pearson chi-square of `counts` against exact probabilities, pooling cells whose expected
-/// count is under 5. Returns (statistic, degrees of freedom).
-fn chi_square(counts: &HashMap<u32, u64>, p: &[f32], n: u64) -> (f64, usize) {
-    let (mut stat, mut cells) = (0.0, 0usize);
-    let (mut pooled_obs, mut pooled_exp) = (0.0, 0.0);
-    for (id, &prob) in p.iter().enumerate() {
-        let expected = f64::from(prob) * n as f64;
-        let observed = counts.get(&(id as u32)).copied().unwrap_or(0) as f64;
-        if expected >= 5.0 {
-            stat += (observed - expected).powi(2) / expected;
-            cells += 1;
-        } else {
-            pooled_obs += observed;
-            pooled_exp += expected;
-        }
-    }
-    if pooled_exp > 0.0 {
-        stat += (pooled_obs - pooled_exp).powi(2) / pooled_exp.max(1e-9);
-        cells += 1;
-    }
-    (stat, cells - 1)
-}
-
-/// The 0.999 quantile of chi-square with `df` degrees of freedom (Wilson–Hilferty).
-fn chi_square_critical(df: usize) -> f64 {
-    let d = df as f64;
-    let z = 3.09;
-    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
-}
-
 /// Speculative sampling at temperature 1 on a low-acceptance pair (many rejections, so the
 /// residual rule is exercised): the first generated token must follow the target's p exactly,
 /// and the second, given the most frequent first, the target's conditional p.

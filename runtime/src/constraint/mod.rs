@@ -86,6 +86,11 @@ impl GrammarCompiler {
         })
     }
 
+    /// The logits it masks.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
     /// A fresh state of `grammar` for a sequence whose generated tokens start at position
     /// `start` of its log; an error names what does not compile.
     pub fn compile(&self, grammar: &Grammar, start: usize) -> Result<Constraint> {

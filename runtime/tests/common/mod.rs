@@ -3,6 +3,7 @@
 
 #![allow(dead_code, reason = "each test binary uses a different subset")]
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -149,4 +150,34 @@ pub fn assert_block_equals_singles(model: &Model, what: &str) {
             max_diff(single, rows)
         );
     }
+}
+
+/// Pearson chi-square of `counts` against exact probabilities, pooling cells whose expected
+/// count is under 5. Returns (statistic, degrees of freedom).
+pub fn chi_square(counts: &HashMap<u32, u64>, p: &[f32], n: u64) -> (f64, usize) {
+    let (mut stat, mut cells) = (0.0, 0usize);
+    let (mut pooled_obs, mut pooled_exp) = (0.0, 0.0);
+    for (id, &prob) in p.iter().enumerate() {
+        let expected = f64::from(prob) * n as f64;
+        let observed = counts.get(&(id as u32)).copied().unwrap_or(0) as f64;
+        if expected >= 5.0 {
+            stat += (observed - expected).powi(2) / expected;
+            cells += 1;
+        } else {
+            pooled_obs += observed;
+            pooled_exp += expected;
+        }
+    }
+    if pooled_exp > 0.0 {
+        stat += (pooled_obs - pooled_exp).powi(2) / pooled_exp.max(1e-9);
+        cells += 1;
+    }
+    (stat, cells - 1)
+}
+
+/// The 0.999 quantile of chi-square with `df` degrees of freedom (Wilson–Hilferty).
+pub fn chi_square_critical(df: usize) -> f64 {
+    let d = df as f64;
+    let z = 3.09;
+    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
 }
