@@ -306,9 +306,25 @@ fn transformers(family: &Family) -> BTreeMap<String, Reference> {
         .collect()
 }
 
-/// SHA-256 over a folder's files in name order (each name, then its bytes).
+/// SHA-256 over a folder's files in name order (each name, then its bytes; a JSON file's
+/// content with its keys sorted, so that how a writer orders or spaces keys does not count).
 fn checkpoint_digest(folder: &Path) -> String {
     use sha2::Digest;
+    fn sorted(v: serde_json::Value) -> serde_json::Value {
+        match v {
+            serde_json::Value::Object(map) => {
+                let mut entries: Vec<_> = map.into_iter().collect();
+                entries.sort_by(|a, b| a.0.cmp(&b.0));
+                serde_json::Value::Object(
+                    entries.into_iter().map(|(k, v)| (k, sorted(v))).collect(),
+                )
+            }
+            serde_json::Value::Array(items) => {
+                serde_json::Value::Array(items.into_iter().map(sorted).collect())
+            }
+            other => other,
+        }
+    }
     let mut files: Vec<PathBuf> = std::fs::read_dir(folder)
         .expect("read folder")
         .map(|e| e.expect("entry").path())
@@ -317,7 +333,13 @@ fn checkpoint_digest(folder: &Path) -> String {
     let mut hash = sha2::Sha256::new();
     for file in files {
         hash.update(file.file_name().expect("name").as_encoded_bytes());
-        hash.update(std::fs::read(&file).expect("read"));
+        let bytes = std::fs::read(&file).expect("read");
+        if file.extension().is_some_and(|e| e == "json") {
+            let value = serde_json::from_slice(&bytes).expect("json");
+            hash.update(serde_json::to_vec(&sorted(value)).expect("json"));
+        } else {
+            hash.update(bytes);
+        }
     }
     format!("{:x}", hash.finalize())
 }
