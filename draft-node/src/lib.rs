@@ -50,6 +50,9 @@ impl Session for DraftSession {
     fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self> {
         let sampling = state.check_open(&open)?;
         let mut drafter = Drafter::new(&state.model, sampling);
+        if let Some(constraint) = state.constraint(&open)? {
+            drafter.constrain(constraint);
+        }
         // Never past what admission reserved for it.
         drafter.limit_cache(state.session_room(&open).0);
         Ok(Self {

@@ -5,8 +5,8 @@ use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::sampling::MAX_TOP_LOGPROBS;
 use tandem_runtime::{
-    LoadOptions, Model, SamplingParams, Tokenizer, default_stop_tokens, model::hub,
-    model::parse_device,
+    Constraint, LazyGrammars, LoadOptions, Model, SamplingParams, Tokenizer, default_stop_tokens,
+    model::hub, model::parse_device,
 };
 
 use crate::config::{LimitsArgs, ModelSource};
@@ -58,6 +58,9 @@ pub struct NodeState {
     /// An empty cache of the model (no memory): what a session of so many positions needs
     /// ([`tandem_runtime::KvCache::bytes_for`]: sliding-window layers hold their window only).
     kv_sizing: tandem_runtime::KvCache,
+    /// Compiles sessions' grammars: built at the first constrained session (a token trie of the
+    /// vocabulary, a fraction of a second for 150k tokens).
+    grammars: LazyGrammars,
 }
 
 impl NodeState {
@@ -117,6 +120,7 @@ impl NodeState {
             ),
             vocab_hash: tokenizer.vocab_hash(),
             stop_token_ids: default_stop_tokens(&model, &tokenizer),
+            grammars: LazyGrammars::default(),
             model,
             tokenizer,
         }
@@ -179,6 +183,24 @@ impl NodeState {
             .as_ref()
             .ok_or(Error::MissingField("sampling"))?
             .to_runtime()
+    }
+
+    /// The grammar state of a session opened by `open`, if it names a grammar (compiled for
+    /// this node's vocabulary, ending the output with the model's first stop token).
+    pub fn constraint(&self, open: &v1::OpenSession) -> Result<Option<Constraint>> {
+        let Some(wire) = &open.constraint else {
+            return Ok(None);
+        };
+        let Some(grammar) = wire.grammar()? else {
+            return Ok(None);
+        };
+        let compiler =
+            self.grammars
+                .get(&self.tokenizer, self.vocab_size(), &self.stop_token_ids)?;
+        let mut constraint = compiler.compile(&grammar, wire.start as usize)?;
+        // A replayed session's prompt holds generated tokens: the grammar must take them.
+        constraint.sync(&open.prompt)?;
+        Ok(Some(constraint))
     }
 
     /// The positions a session opened by `open` may grow to (its prompt, its new tokens and

@@ -1,7 +1,7 @@
 //! Conversions between wire and runtime types shared by every service. Incoming values are
 //! checked here, so a malformed message becomes a clear INVALID_ARGUMENT, never a panic.
 
-use tandem_runtime::{Distribution, DraftRefusal, Prefix, RefusalReason, SamplingParams};
+use tandem_runtime::{Distribution, DraftRefusal, Grammar, Prefix, RefusalReason, SamplingParams};
 
 use crate::v1;
 use crate::{Error, Result};
@@ -65,6 +65,26 @@ impl v1::SamplingParams {
 
 /// Encodes a distribution in the smallest exact form: one-hot, the non-zero entries, or every
 /// probability.
+impl v1::Constraint {
+    /// The runtime's grammar; `None` for a constraint that names none. A JSON schema that is not
+    /// JSON is an invalid argument naming the parse error.
+    pub fn grammar(&self) -> Result<Option<Grammar>> {
+        use v1::constraint::Kind;
+        Ok(match &self.kind {
+            None => None,
+            Some(Kind::JsonObject(false)) => None,
+            Some(Kind::JsonObject(true)) => Some(Grammar::JsonObject),
+            Some(Kind::JsonSchema(text)) => {
+                Some(Grammar::JsonSchema(serde_json::from_str(text).map_err(
+                    |e| tandem_runtime::Error::invalid("constraint.json_schema", "the text", e),
+                )?))
+            }
+            Some(Kind::Lark(lark)) => Some(Grammar::Lark(lark.clone())),
+            Some(Kind::Regex(rx)) => Some(Grammar::Regex(rx.clone())),
+        })
+    }
+}
+
 pub fn distribution_to_wire(d: &Distribution) -> v1::Distribution {
     use v1::distribution::Kind;
     let kind = match d {

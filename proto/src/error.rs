@@ -70,7 +70,8 @@ impl Error {
                 R::EmptyPrompt
                 | R::PromptTooLong { .. }
                 | R::TokenOutOfRange { .. }
-                | R::InvalidParameter { .. } => Code::InvalidArgument,
+                | R::InvalidParameter { .. }
+                | R::Grammar(_) => Code::InvalidArgument,
                 R::ContextFull { .. } => Code::OutOfRange,
                 R::PrefixMismatch { .. } | R::VocabularyMismatch(_) => Code::FailedPrecondition,
                 _ => Code::Internal,

@@ -55,7 +55,7 @@ pub enum Error {
     VocabularyMismatch(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    #[error("grammar: {0}")]
+    #[error("invalid `constraint`: {0}")]
     Grammar(String),
     #[error("hugging face hub `{reference}`: {detail}")]
     Hub { reference: String, detail: String },

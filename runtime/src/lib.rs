@@ -16,7 +16,7 @@ pub mod token_log;
 pub mod tokenizer;
 pub mod transcript;
 
-pub use constraint::{Constraint, Grammar, GrammarCompiler};
+pub use constraint::{Constraint, Grammar, GrammarCompiler, LazyGrammars};
 pub use error::{Error, Result};
 pub use generator::{
     FinishReason, GenerateRequest, Generation, GenerationStats, RequestLimits,

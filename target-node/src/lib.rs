@@ -67,6 +67,9 @@ impl Session for TargetSession {
     fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self> {
         let sampling = state.check_open(&open)?;
         let mut verifier = Verifier::new(&state.model, sampling);
+        if let Some(constraint) = state.constraint(&open)? {
+            verifier.constrain(constraint);
+        }
         verifier.report_logprobs(open.top_logprobs.map(|n| n as usize));
         // Never past what admission reserved for it.
         verifier.limit_cache(state.session_room(&open).0);

@@ -116,16 +116,41 @@ fn open() -> impl Strategy<Value = v1::OpenSession> {
         prop::option::weighted(0.9, sampling),
         prop_oneof![8 => 1u32..64, 1 => any::<u32>()],
         prop::option::weighted(0.3, prop_oneof![0u32..24, any::<u32>()]),
+        prop::option::weighted(0.2, constraint()),
     )
         .prop_map(
-            |(session_id, prompt, sampling, max_new_tokens, top_logprobs)| v1::OpenSession {
-                session_id,
-                prompt,
-                sampling,
-                max_new_tokens,
-                top_logprobs,
+            |(session_id, prompt, sampling, max_new_tokens, top_logprobs, constraint)| {
+                v1::OpenSession {
+                    session_id,
+                    prompt,
+                    sampling,
+                    max_new_tokens,
+                    top_logprobs,
+                    constraint,
+                }
             },
         )
+}
+
+/// A grammar of any kind, valid or not (schemas that are not JSON, regexes and Lark that do not
+/// parse), starting anywhere.
+fn constraint() -> impl Strategy<Value = v1::Constraint> {
+    use v1::constraint::Kind;
+    let kind = prop_oneof![
+        any::<bool>().prop_map(Kind::JsonObject),
+        prop_oneof![
+            Just(r#"{"type": "object", "properties": {"a": {"type": "integer"}}}"#.to_string()),
+            ".{0,60}",
+        ]
+        .prop_map(Kind::JsonSchema),
+        prop_oneof![Just("[0-9]{1,3}".to_string()), ".{0,30}"].prop_map(Kind::Regex),
+        prop_oneof![Just(r#"start: "a" | "b""#.to_string()), ".{0,40}"].prop_map(Kind::Lark),
+    ];
+    (
+        prop::option::weighted(0.95, kind),
+        prop_oneof![8 => 0u32..64, 1 => any::<u32>()],
+    )
+        .prop_map(|(kind, start)| v1::Constraint { kind, start })
 }
 
 fn distribution() -> impl Strategy<Value = v1::Distribution> {

@@ -23,6 +23,7 @@ fn open(prompt: &[u32], max_new_tokens: u32) -> v1::OpenSession {
         sampling: Some((&SamplingParams::greedy()).into()),
         max_new_tokens,
         top_logprobs: None,
+        constraint: None,
     }
 }
 

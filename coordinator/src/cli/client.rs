@@ -36,6 +36,7 @@ pub fn request_from_args(args: &GenerateArgs) -> v1::GenerateRequest {
         stop_token_ids: Vec::new(),
         top_logprobs: None,
         ignore_eos: args.ignore_eos,
+        constraint: None,
     }
 }
 

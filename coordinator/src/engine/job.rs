@@ -42,6 +42,9 @@ pub struct Job {
     pub pipeline: bool,
     /// Log-probabilities of each token and this many alternatives, from the target.
     pub top_logprobs: Option<u32>,
+    /// The grammar the output follows (compiled once by the coordinator to check it), with
+    /// `start` the prompt's length.
+    pub constraint: Option<v1::Constraint>,
 }
 
 impl std::ops::Deref for Job {

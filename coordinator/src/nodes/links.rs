@@ -76,6 +76,9 @@ pub struct SessionSpec {
     pub max_len: usize,
     /// Target sessions: log-probabilities reported with this many alternatives.
     pub top_logprobs: Option<u32>,
+    /// The grammar the output follows, with where generation began (so that a replayed
+    /// session, whose prompt holds generated tokens, resumes its grammar state).
+    pub constraint: Option<v1::Constraint>,
 }
 
 impl SessionSpec {
@@ -86,6 +89,7 @@ impl SessionSpec {
             sampling: Some((&self.sampling).into()),
             max_new_tokens: (self.max_len.saturating_sub(log.len())) as u32,
             top_logprobs: self.top_logprobs,
+            constraint: self.constraint.clone(),
         }
     }
 }

@@ -113,6 +113,31 @@ impl GrammarCompiler {
     }
 }
 
+/// A [`GrammarCompiler`] built at its first use (a node or a coordinator that never sees a
+/// grammar never builds the token trie).
+#[derive(Debug, Default)]
+pub struct LazyGrammars(std::sync::OnceLock<GrammarCompiler>);
+
+impl LazyGrammars {
+    /// The compiler for `tokenizer` over `vocab_size` logits, ending outputs with the first of
+    /// the model's `stop_tokens`.
+    pub fn get(
+        &self,
+        tokenizer: &Tokenizer,
+        vocab_size: usize,
+        stop_tokens: &[u32],
+    ) -> Result<&GrammarCompiler> {
+        if let Some(c) = self.0.get() {
+            return Ok(c);
+        }
+        let eos = stop_tokens.first().copied().ok_or_else(|| {
+            Error::Grammar("the model names no end-of-sequence token to end a grammar with".into())
+        })?;
+        let built = GrammarCompiler::new(tokenizer, vocab_size, eos)?;
+        Ok(self.0.get_or_init(|| built))
+    }
+}
+
 fn grammar_error(e: impl std::fmt::Display) -> Error {
     Error::Grammar(e.to_string())
 }
