@@ -53,6 +53,9 @@ impl From<tandem_proto::Error> for ApiError {
             tandem_proto::Error::Runtime(
                 tandem_runtime::Error::PromptTooLong { .. } | tandem_runtime::Error::EmptyPrompt,
             ) => Some("prompt".into()),
+            tandem_proto::Error::Runtime(tandem_runtime::Error::Grammar(_)) => {
+                Some("response_format".into())
+            }
             _ => None,
         };
         Self {

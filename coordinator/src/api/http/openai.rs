@@ -70,6 +70,91 @@ pub struct Common {
     pub drafter: String,
     /// Extension: `false` drafts, then verifies, every round (no drafting during the verify).
     pub pipeline: Option<bool>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
+    /// "strict"}}`: the output is constrained to it (any JSON object, or JSON valid against the
+    /// schema).
+    pub response_format: Option<Value>,
+    /// Extension (vLLM's): `{"json": schema}`, `{"regex": "…"}` or `{"grammar": "…"}` (Lark,
+    /// llguidance's dialect), one of them.
+    pub structured_outputs: Option<Value>,
+}
+
+/// A 400 naming `param`.
+fn bad(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError::invalid(Some(param.to_string()), message.into())
+}
+
+impl Common {
+    /// The grammar the request's output follows: `response_format` or `structured_outputs`
+    /// (not both); checked here for shape, compiled by the engine before anything runs.
+    fn constraint(&self) -> Result<Option<v1::Constraint>, ApiError> {
+        use v1::constraint::Kind;
+        let kind = match (&self.response_format, &self.structured_outputs) {
+            (Some(_), Some(_)) => {
+                return Err(bad(
+                    "response_format",
+                    "give `response_format` or `structured_outputs`, not both",
+                ));
+            }
+            (Some(format), None) => match format["type"].as_str() {
+                Some("text") => None,
+                Some("json_object") => Some(Kind::JsonObject(true)),
+                Some("json_schema") => {
+                    let schema = &format["json_schema"]["schema"];
+                    if !schema.is_object() && !schema.is_boolean() {
+                        return Err(bad(
+                            "response_format",
+                            "`response_format.json_schema.schema` must be a JSON schema (an \
+                             object)",
+                        ));
+                    }
+                    Some(Kind::JsonSchema(schema.to_string()))
+                }
+                other => {
+                    return Err(bad(
+                        "response_format",
+                        format!(
+                            "`response_format.type` = {other:?}: must be `text`, `json_object` \
+                             or `json_schema`"
+                        ),
+                    ));
+                }
+            },
+            (None, Some(outputs)) => {
+                let given: Vec<&str> = ["json", "regex", "grammar"]
+                    .into_iter()
+                    .filter(|k| !outputs[*k].is_null())
+                    .collect();
+                let text = |k: &str| {
+                    outputs[k].as_str().map(str::to_string).ok_or_else(|| {
+                        bad(
+                            "structured_outputs",
+                            format!("`structured_outputs.{k}` must be a string"),
+                        )
+                    })
+                };
+                match given[..] {
+                    ["json"] => Some(Kind::JsonSchema(match &outputs["json"] {
+                        Value::String(s) => s.clone(),
+                        schema => schema.to_string(),
+                    })),
+                    ["regex"] => Some(Kind::Regex(text("regex")?)),
+                    ["grammar"] => Some(Kind::Lark(text("grammar")?)),
+                    _ => {
+                        return Err(bad(
+                            "structured_outputs",
+                            "`structured_outputs` takes exactly one of `json`, `regex`, `grammar`",
+                        ));
+                    }
+                }
+            }
+            (None, None) => None,
+        };
+        Ok(kind.map(|kind| v1::Constraint {
+            kind: Some(kind),
+            start: 0,
+        }))
+    }
 }
 
 /// A completion's prompt: text, or token ids; a list of one of either.
@@ -174,6 +259,7 @@ impl Common {
             ));
         }
         let top_logprobs = self.top_logprobs()?;
+        let constraint = self.constraint()?;
         Ok(v1::GenerateRequest {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
             sampling: Some(v1::SamplingParams {
@@ -193,6 +279,7 @@ impl Common {
             stop,
             stop_token_ids: self.stop_token_ids.clone(),
             top_logprobs,
+            constraint,
             ..prompt
         })
     }
