@@ -173,11 +173,22 @@ impl Mask {
         (token as usize) < self.0.len() && self.0.is_allowed(token)
     }
 
-    /// Sets every forbidden token's logit to −∞.
+    /// Sets every forbidden token's logit to −∞, 32 tokens per word of the mask (a mask mostly
+    /// forbids or mostly allows whole words: a JSON string's body allows most of a vocabulary,
+    /// a key or a number few of it).
     pub fn apply(&self, logits: &mut [f32]) {
-        for (id, l) in logits.iter_mut().enumerate() {
-            if !self.allows(id as u32) {
-                *l = f32::NEG_INFINITY;
+        let words = self.0.as_slice();
+        for (i, chunk) in logits.chunks_mut(32).enumerate() {
+            match words.get(i).copied().unwrap_or(0) {
+                u32::MAX if chunk.len() == 32 => {}
+                0 => chunk.fill(f32::NEG_INFINITY),
+                word => {
+                    for (bit, l) in chunk.iter_mut().enumerate() {
+                        if word & (1 << bit) == 0 {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
+                }
             }
         }
     }

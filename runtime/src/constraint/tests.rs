@@ -130,3 +130,32 @@ fn the_state_follows_the_log_through_rollbacks_and_refuses_a_forbidden_token() {
         .expect_err("a forbidden token in the log");
     assert!(err.to_string().contains("not allowed"), "{err}");
 }
+
+#[test]
+fn applying_a_mask_forbids_exactly_the_tokens_it_does_not_allow() {
+    let t = tokenizer();
+    let compiler = compiler(&t);
+    for grammar in [
+        Grammar::Regex("[a-z ]+".into()),
+        Grammar::JsonObject,
+        Grammar::Regex("7".into()),
+    ] {
+        let mut c = compiler.compile(&grammar, 0).expect("compile");
+        let mask = c.mask().expect("mask");
+        let mut logits = vec![0.5f32; compiler.vocab_size()];
+        mask.apply(&mut logits);
+        let mut allowed = 0;
+        for (id, l) in logits.iter().enumerate() {
+            assert_eq!(
+                *l == 0.5,
+                mask.allows(id as u32),
+                "{grammar:?}: token {id} {l}"
+            );
+            allowed += usize::from(*l == 0.5);
+        }
+        assert!(
+            allowed > 0 && allowed < logits.len(),
+            "{grammar:?}: {allowed}"
+        );
+    }
+}
