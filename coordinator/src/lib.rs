@@ -1,5 +1,6 @@
 //! tandem-coordinator, by concern, each folder using only those listed before it:
 //!
+//! - [`constraints`]: a request's grammar checked before anything runs;
 //! - [`nodes`]: the nodes as the coordinator sees them (handles, session streams, replicas);
 //! - [`drafting`]: who drafts each round and how much (the K policy, the drafters);
 //! - [`engine`]: the round loop over gRPC with the canonical logs, and its statistics;
@@ -8,6 +9,7 @@
 
 pub mod api;
 pub mod cli;
+pub mod constraints;
 pub mod drafting;
 pub mod engine;
 pub mod nodes;

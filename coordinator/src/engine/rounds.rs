@@ -16,11 +16,12 @@ use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::generator::MAX_DRAFT_TOKENS;
 use tandem_runtime::{
-    DraftRefusal, GenerateRequest, LazyGrammars, RefusalReason, RequestLimits, SamplingParams,
-    TokenLog, Tokenizer, Transcript, Verdict,
+    DraftRefusal, GenerateRequest, RefusalReason, RequestLimits, SamplingParams, TokenLog,
+    Tokenizer, Transcript, Verdict,
 };
 use tracing::Instrument;
 
+use crate::constraints::Grammars;
 use crate::drafting::drafters::{
     DrafterChoice, ModelDrafter, Proposal, fixed_drafter, ngram_proposal,
 };
@@ -82,7 +83,7 @@ pub struct Engine {
     /// Adaptive generations that started with a draft that could not pay.
     hopeless: AtomicUsize,
     /// Compiles requests' grammars to check them (built at the first one).
-    grammars: LazyGrammars,
+    grammars: Grammars,
     active: AtomicUsize,
     next_id: AtomicUsize,
 }
@@ -141,7 +142,7 @@ impl Engine {
             draft_step_slack: crate::drafting::drafters::DEFAULT_STEP_SLACK,
             learnt: std::sync::Mutex::new(None),
             hopeless: AtomicUsize::new(0),
-            grammars: LazyGrammars::default(),
+            grammars: Grammars::default(),
             active: AtomicUsize::new(0),
             next_id: AtomicUsize::new(0),
         })
@@ -236,8 +237,12 @@ impl Engine {
             stop_strings: request.stop.clone(),
         };
         request_job.check(&limits)?;
-        let constraint =
-            self.check_constraint(request.constraint.as_ref(), request_job.prompt.len())?;
+        let constraint = self.grammars.check(
+            &self.tokenizer,
+            &self.target().info,
+            request.constraint.as_ref(),
+            request_job.prompt.len(),
+        )?;
         Ok(Job {
             request: request_job,
             adaptive,
@@ -246,34 +251,6 @@ impl Engine {
             top_logprobs: request.top_logprobs,
             constraint,
         })
-    }
-
-    /// A request's grammar compiled against the target's vocabulary before anything runs (one
-    /// that does not compile is an invalid argument naming why), and what the nodes are opened
-    /// with: the grammar and where generation begins.
-    fn check_constraint(
-        &self,
-        constraint: Option<&v1::Constraint>,
-        start: usize,
-    ) -> Result<Option<v1::Constraint>> {
-        let Some(grammar) = constraint
-            .map(v1::Constraint::grammar)
-            .transpose()?
-            .flatten()
-        else {
-            return Ok(None);
-        };
-        let info = &self.target().info;
-        let compiler = self.grammars.get(
-            &self.tokenizer,
-            info.vocab_size as usize,
-            &info.stop_token_ids,
-        )?;
-        compiler.compile(&grammar, start)?;
-        Ok(constraint.map(|c| v1::Constraint {
-            start: start as u32,
-            ..c.clone()
-        }))
     }
 
     /// Runs one generation. `sink` sees each round's commit as it happens (a slow client slows
