@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::collections::HashMap;
-
 use common::*;
 use tandem_runtime::sampling::distribution;
 use tandem_runtime::{
@@ -234,7 +232,6 @@ fn sampled_constrained_tokens_follow_the_masked_target_distribution() {
     let prompt = tokenizer().encode("Once upon a time").expect("encode");
     for how in [Draft::Masked, Draft::Free] {
         let n = 5_000u64;
-        let mut first: HashMap<u32, u64> = HashMap::new();
         let mut pairs = Vec::new();
         for seed in 0..n {
             let p = SamplingParams {
@@ -242,32 +239,10 @@ fn sampled_constrained_tokens_follow_the_masked_target_distribution() {
                 ..params.clone()
             };
             let (ids, _, _) = generate_up_to(&target, Some((&draft, how)), 2, &grammar, p, 2);
-            *first.entry(ids[0]).or_default() += 1;
             pairs.push((ids[0], ids[1]));
         }
-        let p1 = masked_p(&target, &grammar, &params, &prompt, prompt.len());
-        let (stat, df) = chi_square(&first, &p1, n);
-        assert!(df >= 3, "{how:?}: too few cells: {df}");
-        assert!(
-            stat < chi_square_critical(df),
-            "{how:?}, first token: chi-square {stat} with {df} df"
-        );
-        let (&mode, _) = first.iter().max_by_key(|(_, c)| **c).expect("samples");
-        let mut second: HashMap<u32, u64> = HashMap::new();
-        for &(a, b) in &pairs {
-            if a == mode {
-                *second.entry(b).or_default() += 1;
-            }
-        }
-        let m: u64 = second.values().sum();
-        let context = [&prompt[..], &[mode]].concat();
-        let p2 = masked_p(&target, &grammar, &params, &context, prompt.len());
-        let (stat, df) = chi_square(&second, &p2, m);
-        assert!(df >= 2, "{how:?}: too few cells: {df}");
-        assert!(
-            stat < chi_square_critical(df),
-            "{how:?}, second token: chi-square {stat} with {df} df over {m} samples"
-        );
+        let exact = |context: &[u32]| masked_p(&target, &grammar, &params, context, prompt.len());
+        assert_first_two_follow(&pairs, &prompt, exact, &format!("{how:?}"));
     }
 }
 

@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::collections::HashMap;
-
 use common::*;
 use tandem_runtime::quantize::QuantType;
 use tandem_runtime::sampling::distribution;
@@ -140,7 +138,6 @@ fn sampled_speculative_tokens_follow_target_distribution() {
     };
     let prompt = tokenizer().encode("Once upon a time").expect("encode");
     let n = 12_000u64;
-    let mut first: HashMap<u32, u64> = HashMap::new();
     let mut pairs: Vec<(u32, u32)> = Vec::new();
     let mut drafted = 0;
     let mut accepted = 0;
@@ -156,7 +153,6 @@ fn sampled_speculative_tokens_follow_target_distribution() {
         );
         req.prompt = prompt.clone();
         let out = run(&target, Some(&draft), &req);
-        *first.entry(out.token_ids[0]).or_default() += 1;
         pairs.push((out.token_ids[0], out.token_ids[1]));
         drafted += out.stats.drafted;
         accepted += out.stats.accepted;
@@ -176,30 +172,7 @@ fn sampled_speculative_tokens_follow_target_distribution() {
             other => panic!("expected dense, got {other:?}"),
         }
     };
-    let p1 = exact(&prompt);
-    let (stat, df) = chi_square(&first, &p1, n);
-    assert!(df >= 3, "too few cells: {df}");
-    assert!(
-        stat < chi_square_critical(df),
-        "first token: chi-square {stat} with {df} df"
-    );
-
-    let (&mode, _) = first.iter().max_by_key(|(_, c)| **c).expect("samples");
-    let mut second: HashMap<u32, u64> = HashMap::new();
-    for &(a, b) in &pairs {
-        if a == mode {
-            *second.entry(b).or_default() += 1;
-        }
-    }
-    let m: u64 = second.values().sum();
-    let mut context = prompt.clone();
-    context.push(mode);
-    let (stat, df) = chi_square(&second, &exact(&context), m);
-    assert!(df >= 2, "too few cells: {df}");
-    assert!(
-        stat < chi_square_critical(df),
-        "second token: chi-square {stat} with {df} df over {m} samples"
-    );
+    assert_first_two_follow(&pairs, &prompt, exact, "speculative sampling");
 }
 
 #[test]

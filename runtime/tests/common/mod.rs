@@ -181,3 +181,39 @@ pub fn chi_square_critical(df: usize) -> f64 {
     let z = 3.09;
     d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
 }
+
+/// Chi-square tests (at 0.999) of sampled pairs of first and second generated tokens: the first
+/// against `exact(prompt)`, and the second, after the most frequent first, against
+/// `exact(prompt + that token)`. `label` names the case in a failure.
+pub fn assert_first_two_follow(
+    pairs: &[(u32, u32)],
+    prompt: &[u32],
+    exact: impl Fn(&[u32]) -> Vec<f32>,
+    label: &str,
+) {
+    let mut first: HashMap<u32, u64> = HashMap::new();
+    for &(a, _) in pairs {
+        *first.entry(a).or_default() += 1;
+    }
+    let (stat, df) = chi_square(&first, &exact(prompt), pairs.len() as u64);
+    assert!(df >= 3, "{label}: too few cells: {df}");
+    assert!(
+        stat < chi_square_critical(df),
+        "{label}, first token: chi-square {stat} with {df} df"
+    );
+    let (&mode, _) = first.iter().max_by_key(|(_, c)| **c).expect("samples");
+    let mut second: HashMap<u32, u64> = HashMap::new();
+    for &(a, b) in pairs {
+        if a == mode {
+            *second.entry(b).or_default() += 1;
+        }
+    }
+    let m: u64 = second.values().sum();
+    let context = [prompt, &[mode]].concat();
+    let (stat, df) = chi_square(&second, &exact(&context), m);
+    assert!(df >= 2, "{label}: too few cells: {df}");
+    assert!(
+        stat < chi_square_critical(df),
+        "{label}, second token: chi-square {stat} with {df} df over {m} samples"
+    );
+}
