@@ -54,9 +54,17 @@ async fn greedy_constrained_output_is_the_same_for_every_k_and_keeps_to_the_sche
     };
     let texts = {
         let mut texts = Vec::new();
-        for k in [0, 1, 4, 8] {
+        // The draft-node at K = 1, 4, 8; n-gram lookup (cut at the grammar) at K = 4.
+        for (k, drafter) in [
+            (0, ""),
+            (1, "model"),
+            (4, "model"),
+            (8, "model"),
+            (4, "ngram"),
+        ] {
             let mut req = request(&prompt, 200, k, &SamplingParams::greedy());
             req.ignore_eos = false;
+            req.drafter = drafter.into();
             req.constraint = Some(constraint.clone());
             let out = generate(&engine, &req).await;
             assert_eq!(
@@ -64,15 +72,17 @@ async fn greedy_constrained_output_is_the_same_for_every_k_and_keeps_to_the_sche
                 tandem_runtime::FinishReason::Stop,
                 "K = {k}"
             );
-            texts.push((k, out.text, out.stats.base.drafted));
+            texts.push((k, drafter, out.text, out.stats.base.drafted));
         }
         texts
     };
-    let (_, alone, _) = &texts[0];
+    let (_, _, alone, _) = &texts[0];
     assert_valid(alone);
-    for (k, text, drafted) in &texts[1..] {
-        assert_eq!(text, alone, "K = {k}");
-        assert!(*drafted > 0, "K = {k}: the draft drafted");
+    for (k, drafter, text, drafted) in &texts[1..] {
+        assert_eq!(text, alone, "K = {k}, {drafter}");
+        if *drafter == "model" {
+            assert!(*drafted > 0, "K = {k}: the draft drafted");
+        }
     }
 }
 

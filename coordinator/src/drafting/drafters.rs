@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
-use tandem_runtime::TokenLog;
+use tandem_runtime::{Constraint, TokenLog};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
+use crate::constraints::cut;
 use crate::drafting::policy::{Drafter, Timing};
 use crate::nodes::links::{Draft, NodeSession, SessionSpec};
 
@@ -417,12 +418,22 @@ impl ModelDrafter {
     }
 }
 
-/// N-gram drafts with one-hot q: exact under the acceptance rule, whatever the sampling; and the
-/// length of the match they continue.
-pub fn ngram_proposal(log: &TokenLog, k: usize) -> (Proposal, usize) {
+/// N-gram drafts with one-hot q: exact under the acceptance rule, whatever the sampling, cut
+/// before the first one the generation's grammar forbids; and the length of the match they
+/// continue.
+pub fn ngram_proposal(
+    log: &TokenLog,
+    k: usize,
+    grammar: Option<&mut Constraint>,
+) -> (Proposal, usize) {
     let start = Instant::now();
-    let crate::drafting::ngram::Lookup { tokens, matched } =
-        crate::drafting::ngram::propose(log.tokens(), k);
+    let crate::drafting::ngram::Lookup {
+        mut tokens,
+        matched,
+    } = crate::drafting::ngram::propose(log.tokens(), k);
+    // A grammar state that cannot follow the log proposes nothing (the target decides).
+    let valid = cut(grammar, log.tokens(), &tokens).unwrap_or(0);
+    tokens.truncate(valid);
     let q = tokens
         .iter()
         .map(|&t| v1::Distribution {

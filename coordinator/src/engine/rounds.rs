@@ -16,8 +16,8 @@ use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::generator::MAX_DRAFT_TOKENS;
 use tandem_runtime::{
-    DraftRefusal, GenerateRequest, RefusalReason, RequestLimits, SamplingParams, TokenLog,
-    Tokenizer, Transcript, Verdict,
+    Constraint, DraftRefusal, GenerateRequest, RefusalReason, RequestLimits, SamplingParams,
+    TokenLog, Tokenizer, Transcript, Verdict,
 };
 use tracing::Instrument;
 
@@ -285,6 +285,7 @@ impl Engine {
             constraint: job.constraint.clone(),
         };
         let mut log = TokenLog::new(&job.prompt);
+        let mut grammar = self.grammars.state(job.constraint.as_ref())?;
         let mut logprobs = Vec::new();
         let mut stats = Stats {
             seed: job.sampling.seed,
@@ -403,7 +404,13 @@ impl Engine {
                 shadow.drafted(&t);
             }
             let attached = model.as_ref().is_some_and(|m| m.session.is_some());
-            let (plan, ngram) = self.plan(job, &mut policy, &log, attached, transcript.remaining());
+            let (plan, ngram) = self.plan(
+                job,
+                &mut policy,
+                (&log, grammar.as_mut()),
+                attached,
+                transcript.remaining(),
+            );
             tracing::debug!(?plan, policy = %policy.summary(), "round planned");
             let round_start = Instant::now();
             let round = tracing::info_span!("round", n = stats.base.rounds + 1, k = plan.k);
@@ -648,7 +655,7 @@ impl Engine {
         &self,
         job: &Job,
         policy: &mut KPolicy,
-        log: &TokenLog,
+        (log, grammar): (&TokenLog, Option<&mut Constraint>),
         attached: bool,
         remaining: usize,
     ) -> (Plan, Proposal) {
@@ -662,7 +669,7 @@ impl Engine {
                 },
             };
             let ngram = match plan.drafter {
-                Some(Drafter::Ngram) => ngram_proposal(log, cap).0,
+                Some(Drafter::Ngram) => ngram_proposal(log, cap, grammar).0,
                 _ => Proposal::default(),
             };
             return (plan, ngram);
@@ -671,7 +678,7 @@ impl Engine {
             return (Plan::TARGET_ONLY, Proposal::default());
         }
         let (ngram, matched) = if job.drafter.uses_ngram() {
-            ngram_proposal(log, cap)
+            ngram_proposal(log, cap, grammar)
         } else {
             (Proposal::default(), 0)
         };

@@ -136,6 +136,11 @@ impl LazyGrammars {
         let built = GrammarCompiler::new(tokenizer, vocab_size, eos)?;
         Ok(self.0.get_or_init(|| built))
     }
+
+    /// The compiler, if [`Self::get`] has built it.
+    pub fn built(&self) -> Option<&GrammarCompiler> {
+        self.0.get()
+    }
 }
 
 fn grammar_error(e: impl std::fmt::Display) -> Error {
