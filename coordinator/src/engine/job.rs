@@ -3,11 +3,16 @@
 
 use std::future::Future;
 
+use tandem_proto::Result;
 use tandem_proto::v1;
-use tandem_runtime::{Commit, FinishReason, GenerateRequest};
+use tandem_runtime::generator::MAX_DRAFT_TOKENS;
+use tandem_runtime::{Commit, FinishReason, GenerateRequest, RequestLimits, SamplingParams};
 
 use crate::drafting::drafters::DrafterChoice;
+use crate::drafting::policy::ADAPTIVE_MAX_K;
+use crate::engine::rounds::DEFAULT_MAX_TOKENS;
 use crate::engine::stats::Stats;
+use crate::nodes::replicas::Replicas;
 
 /// Where a generation's commits go as they happen.
 pub trait CommitSink: Send {
@@ -68,3 +73,76 @@ pub struct Outcome {
 
 /// Most `stop_token_ids` a request may give (each committed token is checked against them).
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+impl super::rounds::Engine {
+    /// A request checked against the nodes' limits (naming the field and the limit) and turned
+    /// into a job: the prompt tokenized, K fixed or adaptive, the stop tokens, the grammar
+    /// compiled.
+    pub(super) fn check(&self, request: &v1::GenerateRequest) -> Result<Job> {
+        if request.prompt_tokens.is_empty() && request.prompt.is_empty() {
+            return Err(tandem_runtime::Error::EmptyPrompt.into());
+        }
+        if request.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            let n = request.stop_token_ids.len();
+            let limit = format!("at most {MAX_STOP_TOKEN_IDS} ids");
+            return Err(tandem_runtime::Error::invalid("stop_token_ids", n, limit).into());
+        }
+        let prompt = if request.prompt_tokens.is_empty() {
+            self.tokenizer.encode(&request.prompt)?
+        } else {
+            request.prompt_tokens.clone()
+        };
+        let mut limits = RequestLimits {
+            vocab_size: self.target().info.vocab_size as usize,
+            context: self.target().limits().max_session_tokens as usize,
+            max_draft_tokens: (self.target().limits().max_draft_tokens as usize)
+                .min(MAX_DRAFT_TOKENS),
+            draft_limit_source: " (the nodes' --max-draft-tokens)",
+        };
+        if let Some(d) = self.draft.get().map(Replicas::primary) {
+            limits.context = limits.context.min(d.limits().max_session_tokens as usize);
+            limits.max_draft_tokens = limits
+                .max_draft_tokens
+                .min(d.limits().max_draft_tokens as usize);
+        }
+        let fixed_k = request
+            .draft_tokens
+            .map(|k| k as usize)
+            .or(self.default_draft_tokens);
+        let adaptive = fixed_k.is_none();
+        let request_job = GenerateRequest {
+            prompt,
+            max_new_tokens: match request.max_tokens {
+                0 => DEFAULT_MAX_TOKENS,
+                n => n as usize,
+            },
+            sampling: request.sampling.as_ref().map_or(
+                Ok(SamplingParams::default()),
+                v1::SamplingParams::to_runtime,
+            )?,
+            draft_tokens: fixed_k.unwrap_or_else(|| ADAPTIVE_MAX_K.min(limits.max_draft_tokens)),
+            stop_token_ids: if request.ignore_eos {
+                request.stop_token_ids.clone()
+            } else {
+                let model = &self.target().info.stop_token_ids;
+                [model.as_slice(), &request.stop_token_ids].concat()
+            },
+            stop_strings: request.stop.clone(),
+        };
+        request_job.check(&limits)?;
+        let constraint = self.grammars.check(
+            &self.tokenizer,
+            &self.target().info,
+            request.constraint.as_ref(),
+            request_job.prompt.len(),
+        )?;
+        Ok(Job {
+            request: request_job,
+            adaptive,
+            drafter: DrafterChoice::parse(&request.drafter)?,
+            pipeline: request.pipeline.unwrap_or(true),
+            top_logprobs: request.top_logprobs,
+            constraint,
+        })
+    }
+}

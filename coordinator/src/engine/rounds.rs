@@ -14,18 +14,14 @@ use std::time::{Duration, Instant};
 use tandem_proto::tls::ClientTls;
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
-use tandem_runtime::generator::MAX_DRAFT_TOKENS;
 use tandem_runtime::{
-    Constraint, DraftRefusal, GenerateRequest, RefusalReason, RequestLimits, SamplingParams,
-    TokenLog, Tokenizer, Transcript, Verdict,
+    Constraint, DraftRefusal, RefusalReason, TokenLog, Tokenizer, Transcript, Verdict,
 };
 use tracing::Instrument;
 
 use crate::constraints::Grammars;
-use crate::drafting::drafters::{
-    DrafterChoice, ModelDrafter, Proposal, fixed_drafter, ngram_proposal,
-};
-use crate::drafting::policy::{ADAPTIVE_MAX_K, Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
+use crate::drafting::drafters::{ModelDrafter, Proposal, fixed_drafter, ngram_proposal};
+use crate::drafting::policy::{Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
 use crate::drafting::shadow::{Shadow, shadow_len};
 pub use crate::engine::job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
 use crate::engine::metrics::{CoordinatorMetrics, Counted};
@@ -83,7 +79,7 @@ pub struct Engine {
     /// Adaptive generations that started with a draft that could not pay.
     hopeless: AtomicUsize,
     /// Compiles requests' grammars to check them (built at the first one).
-    grammars: Grammars,
+    pub(super) grammars: Grammars,
     active: AtomicUsize,
     next_id: AtomicUsize,
 }
@@ -183,74 +179,6 @@ impl Engine {
 
     fn count_error(&self, e: &Error) {
         self.metrics.errors.add(&format!("{:?}", e.code()), 1);
-    }
-
-    fn check(&self, request: &v1::GenerateRequest) -> Result<Job> {
-        if request.prompt_tokens.is_empty() && request.prompt.is_empty() {
-            return Err(tandem_runtime::Error::EmptyPrompt.into());
-        }
-        if request.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
-            let n = request.stop_token_ids.len();
-            let limit = format!("at most {MAX_STOP_TOKEN_IDS} ids");
-            return Err(tandem_runtime::Error::invalid("stop_token_ids", n, limit).into());
-        }
-        let prompt = if request.prompt_tokens.is_empty() {
-            self.tokenizer.encode(&request.prompt)?
-        } else {
-            request.prompt_tokens.clone()
-        };
-        let mut limits = RequestLimits {
-            vocab_size: self.target().info.vocab_size as usize,
-            context: self.target().limits().max_session_tokens as usize,
-            max_draft_tokens: (self.target().limits().max_draft_tokens as usize)
-                .min(MAX_DRAFT_TOKENS),
-            draft_limit_source: " (the nodes' --max-draft-tokens)",
-        };
-        if let Some(d) = self.draft.get().map(Replicas::primary) {
-            limits.context = limits.context.min(d.limits().max_session_tokens as usize);
-            limits.max_draft_tokens = limits
-                .max_draft_tokens
-                .min(d.limits().max_draft_tokens as usize);
-        }
-        let fixed_k = request
-            .draft_tokens
-            .map(|k| k as usize)
-            .or(self.default_draft_tokens);
-        let adaptive = fixed_k.is_none();
-        let request_job = GenerateRequest {
-            prompt,
-            max_new_tokens: match request.max_tokens {
-                0 => DEFAULT_MAX_TOKENS,
-                n => n as usize,
-            },
-            sampling: request.sampling.as_ref().map_or(
-                Ok(SamplingParams::default()),
-                v1::SamplingParams::to_runtime,
-            )?,
-            draft_tokens: fixed_k.unwrap_or_else(|| ADAPTIVE_MAX_K.min(limits.max_draft_tokens)),
-            stop_token_ids: if request.ignore_eos {
-                request.stop_token_ids.clone()
-            } else {
-                let model = &self.target().info.stop_token_ids;
-                [model.as_slice(), &request.stop_token_ids].concat()
-            },
-            stop_strings: request.stop.clone(),
-        };
-        request_job.check(&limits)?;
-        let constraint = self.grammars.check(
-            &self.tokenizer,
-            &self.target().info,
-            request.constraint.as_ref(),
-            request_job.prompt.len(),
-        )?;
-        Ok(Job {
-            request: request_job,
-            adaptive,
-            drafter: DrafterChoice::parse(&request.drafter)?,
-            pipeline: request.pipeline.unwrap_or(true),
-            top_logprobs: request.top_logprobs,
-            constraint,
-        })
     }
 
     /// Runs one generation. `sink` sees each round's commit as it happens (a slow client slows
