@@ -137,9 +137,44 @@ pub struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub constraint: ConstraintArgs,
     /// TLS to `--endpoint` when it is an `https://` URL.
     #[command(flatten)]
     pub tls: tandem_proto::tls::ClientTlsArgs,
+}
+
+/// The grammar the output follows: one of them (exact under speculation: the target masks every
+/// position with it, the draft its drafts).
+#[derive(Debug, Args)]
+pub struct ConstraintArgs {
+    /// A JSON schema, as its text (`--json-schema "$(cat schema.json)"`): the output is JSON
+    /// valid against it.
+    #[arg(long, conflicts_with_all = ["regex", "grammar"])]
+    pub json_schema: Option<String>,
+    /// A regular expression the whole output matches.
+    #[arg(long, conflicts_with = "grammar")]
+    pub regex: Option<String>,
+    /// A grammar in llguidance's Lark dialect (`start: ...`).
+    #[arg(long)]
+    pub grammar: Option<String>,
+}
+
+impl ConstraintArgs {
+    /// The request's constraint, if one was given.
+    pub fn to_wire(&self) -> Option<tandem_proto::v1::Constraint> {
+        use tandem_proto::v1::constraint::Kind;
+        let kind = match (&self.json_schema, &self.regex, &self.grammar) {
+            (Some(schema), _, _) => Kind::JsonSchema(schema.clone()),
+            (None, Some(rx), _) => Kind::Regex(rx.clone()),
+            (None, None, Some(lark)) => Kind::Lark(lark.clone()),
+            (None, None, None) => return None,
+        };
+        Some(tandem_proto::v1::Constraint {
+            kind: Some(kind),
+            start: 0,
+        })
+    }
 }
 
 #[derive(Debug, Args)]

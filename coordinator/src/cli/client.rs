@@ -36,7 +36,7 @@ pub fn request_from_args(args: &GenerateArgs) -> v1::GenerateRequest {
         stop_token_ids: Vec::new(),
         top_logprobs: None,
         ignore_eos: args.ignore_eos,
-        constraint: None,
+        constraint: args.constraint.to_wire(),
     }
 }
 
