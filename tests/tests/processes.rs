@@ -122,6 +122,43 @@ fn local_all_in_one_generate_equals_target_only() {
     }
 }
 
+#[test]
+fn local_generate_follows_a_json_schema_for_every_k() {
+    let schema = r#"{"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 1, "maximum": 99}},
+        "required": ["name", "age"], "additionalProperties": false}"#;
+    let run = |k: &str| {
+        generate_cli(
+            &[
+                "--max-tokens",
+                "60",
+                "--draft-tokens",
+                k,
+                "--json-schema",
+                schema,
+            ],
+            &[],
+        )
+    };
+    let alone = run("0");
+    assert_eq!(run("4"), alone, "K = 4");
+    // With --ignore-eos the grammar, once complete, allows only the end of sequence, which
+    // decoding skips.
+    let text = tokenizer(&stories()).decode(&alone).expect("decode");
+    let doc: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(
+        doc["age"].as_i64().is_some_and(|a| (1..=99).contains(&a)),
+        "{text}"
+    );
+    assert!(
+        doc["name"]
+            .as_str()
+            .is_some_and(|n| n.chars().count() <= 10),
+        "{text}"
+    );
+}
+
 /// A greedy story of `n` tokens, drafted 4 at a time.
 fn story(n: u32) -> v1::GenerateRequest {
     let prompt = tokenizer(&stories())
