@@ -63,8 +63,6 @@ impl v1::SamplingParams {
     }
 }
 
-/// Encodes a distribution in the smallest exact form: one-hot, the non-zero entries, or every
-/// probability.
 impl v1::Constraint {
     /// The runtime's grammar; `None` for a constraint that names none. A JSON schema that is not
     /// JSON is an invalid argument naming the parse error.
@@ -85,6 +83,8 @@ impl v1::Constraint {
     }
 }
 
+/// Encodes a distribution in the smallest exact form: one-hot, the non-zero entries, or every
+/// probability.
 pub fn distribution_to_wire(d: &Distribution) -> v1::Distribution {
     use v1::distribution::Kind;
     let kind = match d {

@@ -216,7 +216,7 @@ impl Constraint {
             if !self.push(t)? {
                 return Err(Error::Grammar(format!(
                     "token {t} at position {} is not allowed by the grammar",
-                    self.start + self.consumed.len()
+                    self.position()
                 )));
             }
         }
@@ -274,11 +274,6 @@ impl Constraint {
     /// Generated tokens the state is after, counted from the log's start.
     pub fn position(&self) -> usize {
         self.start + self.consumed.len()
-    }
-
-    /// Whether the output so far is a complete sentence of the grammar.
-    pub fn is_complete(&mut self) -> bool {
-        self.matcher.is_accepting().unwrap_or(false)
     }
 }
 

@@ -161,14 +161,15 @@ impl VerifyJob<'_> {
         let rows = &rows[rows.len() - (drafts.len() + 1)..];
         let mut context = self.log.to_vec();
         let mut p: Vec<Distribution> = Vec::with_capacity(rows.len());
-        // Drafts up to the first the grammar forbids, which p (0 there) rejects for certain: the
-        // rule's correction is then drawn from the residual as for any rejection, so the output
-        // stays distributed as the masked p whatever the draft sends.
+        // Drafts up to the first to which p gives nothing (a greedy target's other choice, one
+        // cut by top-k, one the grammar forbids), which the rule rejects for certain, drawing the
+        // correction from the residual as for any rejection: the rows after it are not needed
+        // (and a grammar could not follow a forbidden token into them).
         let mut scored = drafts.len();
         for (i, row) in rows.iter().enumerate() {
             p.push(st.distribution(row, &context)?);
             if let Some(&d) = drafts.get(i) {
-                if p[i].prob(d) == 0.0 && st.constraint.is_some() {
+                if p[i].prob(d) == 0.0 {
                     scored = i + 1;
                     // The bonus distribution past a certain rejection is never read.
                     p.push(p[i].clone());
