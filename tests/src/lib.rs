@@ -406,3 +406,41 @@ pub fn qwen_pair(test: &str) -> Option<(PathBuf, PathBuf)> {
     eprintln!("NOT RUN {test}: {how}");
     None
 }
+
+/// `router` answers for `request`: its status, headers and body as JSON (Null if not JSON).
+pub async fn call(
+    router: &axum::Router,
+    request: axum::http::Request<axum::body::Body>,
+) -> (u16, axum::http::HeaderMap, serde_json::Value) {
+    use tower::ServiceExt;
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    let (status, headers) = (response.status().as_u16(), response.headers().clone());
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    (
+        status,
+        headers,
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+/// A POST of `body` as JSON to `path`.
+pub fn post_json(path: &str, body: &serde_json::Value) -> axum::http::Request<axum::body::Body> {
+    axum::http::Request::post(path)
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body.to_string()))
+        .expect("request")
+}
+
+/// The coordinator's HTTP API over `cluster` (K = 4 unless a request names one), serving the
+/// model under `served_names`.
+pub async fn router_over(cluster: &LocalCluster, served_names: Vec<String>) -> axum::Router {
+    let engine = std::sync::Arc::new(cluster.engine(4).await.expect("engine"));
+    let state = tandem_coordinator::http::HttpState::new(
+        tandem_coordinator::late::LateEngine::ready(engine),
+        Default::default(),
+        served_names,
+    );
+    tandem_coordinator::http::router(state, tandem_coordinator::http::MetricsOn::Api)
+}

@@ -234,41 +234,6 @@ async fn bad_http_input_gets_openai_shaped_errors() {
     }
 }
 
-/// `router` answers for `request`: its status, headers and body as JSON (Null if not JSON).
-async fn call(
-    router: &axum::Router,
-    request: axum::http::Request<axum::body::Body>,
-) -> (u16, axum::http::HeaderMap, Value) {
-    use tower::ServiceExt;
-    let response = router.clone().oneshot(request).await.expect("infallible");
-    let (status, headers) = (response.status().as_u16(), response.headers().clone());
-    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
-        .await
-        .expect("body");
-    (
-        status,
-        headers,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
-}
-
-fn post_json(path: &str, body: &Value) -> axum::http::Request<axum::body::Body> {
-    axum::http::Request::post(path)
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(body.to_string()))
-        .expect("request")
-}
-
-async fn router_over(cluster: &LocalCluster, served_names: Vec<String>) -> axum::Router {
-    let engine = Arc::new(cluster.engine(4).await.expect("engine"));
-    let state = tandem_coordinator::http::HttpState::new(
-        tandem_coordinator::late::LateEngine::ready(engine),
-        Default::default(),
-        served_names,
-    );
-    tandem_coordinator::http::router(state, tandem_coordinator::http::MetricsOn::Api)
-}
-
 #[tokio::test]
 async fn the_openai_api_as_clients_use_it() {
     let served = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;

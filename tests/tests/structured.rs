@@ -4,10 +4,7 @@
 //! draft-node its drafts; greedy output the same for every K; a grammar that does not compile a
 //! 400 naming `response_format`.
 
-use std::sync::Arc;
-
 use serde_json::{Value, json};
-use tandem_coordinator::LocalCluster;
 use tandem_node::LimitsArgs;
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
@@ -86,37 +83,16 @@ async fn greedy_constrained_output_is_the_same_for_every_k_and_keeps_to_the_sche
     }
 }
 
-async fn router(cluster: &LocalCluster) -> axum::Router {
-    let engine = Arc::new(cluster.engine(4).await.expect("engine"));
-    let state = tandem_coordinator::http::HttpState::new(
-        tandem_coordinator::late::LateEngine::ready(engine),
-        Default::default(),
-        vec!["tandem-stories".into()],
-    );
-    tandem_coordinator::http::router(state, tandem_coordinator::http::MetricsOn::Api)
-}
-
+/// `body` posted to `path`: the status and the JSON answer.
 async fn post(router: &axum::Router, path: &str, body: &Value) -> (u16, Value) {
-    use tower::ServiceExt;
-    let request = axum::http::Request::post(path)
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(body.to_string()))
-        .expect("request");
-    let response = router.clone().oneshot(request).await.expect("infallible");
-    let status = response.status().as_u16();
-    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
-        .await
-        .expect("body");
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
+    let (status, _, json) = call(router, post_json(path, body)).await;
+    (status, json)
 }
 
 #[tokio::test]
 async fn the_openai_api_constrains_completions_and_refuses_bad_grammars() {
     let served = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
-    let router = router(&served).await;
+    let router = router_over(&served, vec!["tandem-stories".into()]).await;
     let ask = |extra: Value| {
         let mut body = json!({"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0});
         body.as_object_mut()
