@@ -183,16 +183,10 @@ impl Tokenizer {
     /// Whether pieces are written in GPT-2's byte-level alphabet (a `ByteLevel` decoder), not
     /// SentencePiece's `▁` and `<0xNN>`.
     pub fn is_byte_level(&self) -> bool {
-        fn any(d: &serde_json::Value) -> bool {
-            d["type"] == "ByteLevel"
-                || d["decoders"]
-                    .as_array()
-                    .is_some_and(|ds| ds.iter().any(any))
-        }
         self.inner
             .get_decoder()
             .and_then(|d| serde_json::to_value(d).ok())
-            .is_some_and(|d| any(&d))
+            .is_some_and(|d| any_step(&d, &|d| d["type"] == "ByteLevel"))
     }
 
     /// The ids of the special added tokens (control tokens: a chat template's markup, the end
@@ -295,4 +289,17 @@ impl StreamDecoder {
             Ok(String::new())
         }
     }
+}
+
+/// Whether `f` holds for a tokenizer.json stage or for any stage nested in it (a `Sequence`'s
+/// normalizers, pre-tokenizers, processors or decoders).
+pub(crate) fn any_step(step: &serde_json::Value, f: &dyn Fn(&serde_json::Value) -> bool) -> bool {
+    f(step)
+        || ["normalizers", "pretokenizers", "processors", "decoders"]
+            .iter()
+            .any(|key| {
+                step[*key]
+                    .as_array()
+                    .is_some_and(|steps| steps.iter().any(|s| any_step(s, f)))
+            })
 }

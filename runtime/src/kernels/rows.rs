@@ -1,6 +1,7 @@
 //! Matrix products of a few activation rows (a decode step: 1; a verify block: K + 1) with a
 //! weight stored in blocks of 32 (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or dense f32, on the CPU:
-//! the portable kernels, with what every kernel shares (the block layouts, the activation quantizer, [`Path`], the pool).
+//! the portable kernels, with what every kernel shares (the block layouts, the activation
+//! quantizer, [`Path`], the pool).
 //! AVX2 multiplies weights repacked in panels instead ([`super::panels`]).
 //!
 //! - **The weights are read once per call**, not once per row: each thread takes a range of

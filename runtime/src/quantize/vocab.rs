@@ -16,6 +16,7 @@ use serde_json::Value as Json;
 use crate::Result;
 use crate::model::ModelConfig;
 use crate::model::gguf_tokenizer::pre_tokenizer_name;
+use crate::tokenizer::any_step;
 
 /// Token types as llama.cpp stores them.
 const NORMAL: i32 = 1;
@@ -75,26 +76,13 @@ struct AddedToken {
     special: bool,
 }
 
-/// Whether `f` holds for `step` or for any step nested in it (a `Sequence`'s normalizers,
-/// pre-tokenizers or processors).
-fn any(step: &Json, f: &dyn Fn(&Json) -> bool) -> bool {
-    f(step)
-        || ["normalizers", "pretokenizers", "processors"]
-            .iter()
-            .any(|key| {
-                step[*key]
-                    .as_array()
-                    .is_some_and(|steps| steps.iter().any(|s| any(s, f)))
-            })
-}
-
 impl TokenizerFile {
     /// Whether the text gets a `▁` before it (Llama's SentencePiece: a `Prepend` normalizer, or a
     /// `Metaspace` pre-tokenizer that prepends); Gemma's does not.
     fn space_prefix(&self) -> bool {
-        any(&self.normalizer, &|n| {
+        any_step(&self.normalizer, &|n| {
             n["type"] == "Prepend" && n["prepend"] == "\u{2581}"
-        }) || any(&self.pre_tokenizer, &|p| {
+        }) || any_step(&self.pre_tokenizer, &|p| {
             p["type"] == "Metaspace"
                 && (p["add_prefix_space"] == true
                     || p["prepend_scheme"].as_str().is_some_and(|s| s != "never"))
@@ -103,7 +91,7 @@ impl TokenizerFile {
 
     /// Whether encoding puts a special token before the text (Llama 3's `<|begin_of_text|>`).
     fn adds_bos(&self) -> bool {
-        any(&self.post_processor, &|p| {
+        any_step(&self.post_processor, &|p| {
             p["type"] == "TemplateProcessing" && p["single"][0].get("SpecialToken").is_some()
         })
     }
