@@ -4,7 +4,7 @@ its own `tojson`, `raise_exception` and `strftime_now`).
 
 Usage: python chat_template.py TEMPLATE.jinja '[{"messages": [...], "variables": {...}}, ...]'
 Prints JSON: {"renderings": [{"text": the rendered prompt, with the generation prompt} or
-{"error": message} where the template refuses the messages, one per request],
+{"error": message} where the template refuses or fails on the messages, one per request],
 "transformers": version}.
 """
 
@@ -29,8 +29,10 @@ def main() -> None:
                 **request["variables"],
             )
             renderings.append({"text": rendered[0]})
-        except jinja2.exceptions.TemplateError as e:
-            renderings.append({"error": str(e)})
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError) as e:
+            # The template refused the messages, or failed on them (Qwen3's reads a tool-calling
+            # turn's null content as text).
+            renderings.append({"error": f"{type(e).__name__}: {e}"})
     answer = {"renderings": renderings, "transformers": transformers.__version__}
     json.dump(answer, sys.stdout)
 

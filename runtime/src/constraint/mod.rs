@@ -36,15 +36,25 @@ pub enum Grammar {
 /// token budget runs out. A schema's own `x-guidance` options take precedence.
 const JSON_WHITESPACE: &str = r"[ ]|\n[ \t]{0,20}";
 
-fn json_grammar(mut schema: serde_json::Value) -> TopLevelGrammar {
+fn bounded_whitespace(mut schema: serde_json::Value) -> serde_json::Value {
     if let Some(obj) = schema.as_object_mut() {
         obj.entry("x-guidance")
             .or_insert_with(|| serde_json::json!({"whitespace_pattern": JSON_WHITESPACE}));
     }
-    TopLevelGrammar::from_json_schema(schema)
+    schema
+}
+
+fn json_grammar(schema: serde_json::Value) -> TopLevelGrammar {
+    TopLevelGrammar::from_json_schema(bounded_whitespace(schema))
 }
 
 impl Grammar {
+    /// `schema` as an item of a Lark grammar (`%json {…}`), its whitespace bounded as
+    /// [`Grammar::JsonSchema`]'s is.
+    pub fn lark_json(schema: &serde_json::Value) -> String {
+        format!("%json {}", bounded_whitespace(schema.clone()))
+    }
+
     fn top_level(&self) -> TopLevelGrammar {
         match self {
             Self::JsonObject => json_grammar(serde_json::json!({"type": "object"})),

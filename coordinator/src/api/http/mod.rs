@@ -5,6 +5,7 @@
 pub mod chat;
 mod error;
 mod openai;
+mod tools;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -30,6 +31,8 @@ use crate::engine::late::LateEngine;
 use crate::engine::{CommitSink, Discard, Engine};
 use error::ApiError;
 use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
+use serde_json::Value;
+use tools::{Reader, Reply, Tools};
 
 /// What the handlers share.
 #[derive(Debug)]
@@ -297,6 +300,7 @@ async fn completions(
             &common,
             request,
             openai::COMPLETION_MAX_TOKENS,
+            None,
         )
         .await
     };
@@ -317,31 +321,44 @@ async fn chat_completions(
         let (engine, head) = state.head(Kind::Chat, common.model.as_deref())?;
         let tok = &engine.tokenizer;
         let special = |id: Option<u32>| id.and_then(|i| tok.token(i)).unwrap_or_default();
+        let tools = Tools::from_request(
+            req.tools.as_ref(),
+            req.tool_choice.as_ref(),
+            req.parallel_tool_calls,
+            tok.chat_template(),
+        )?;
         let text = chat::render(
             tok.chat_template(),
             &req.messages,
+            tools.as_ref().and_then(Tools::rendered),
             &special(tok.bos_id()),
             &special(tok.eos_id()),
             &req.chat_template_kwargs,
         )?;
         let request = v1::GenerateRequest {
             prompt_tokens: tok.encode_raw(&text).map_err(tandem_proto::Error::from)?,
+            constraint: tools.as_ref().and_then(Tools::grammar).map(|lark| v1::Constraint {
+                kind: Some(v1::constraint::Kind::Lark(lark)),
+                start: 0,
+            }),
             ..Default::default()
         };
-        answer(engine, head, &common, request, openai::CHAT_MAX_TOKENS).await
+        let tools = tools.filter(Tools::parsed);
+        answer(engine, head, &common, request, openai::CHAT_MAX_TOKENS, tools).await
     };
     run.instrument(span)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// Runs a request, whole or streamed.
+/// Runs a request, whole or streamed; a chat's answer is read for calls of `tools`.
 async fn answer(
     engine: Arc<Engine>,
     head: Head,
     common: &Common,
     prompt: v1::GenerateRequest,
     default_max_tokens: i64,
+    tools: Option<Tools>,
 ) -> Result<Response, ApiError> {
     let request = common.to_request(prompt, default_max_tokens)?;
     let job = engine.prepare(&request)?;
@@ -349,7 +366,15 @@ async fn answer(
         let outcome = engine.generate(&job, &mut Discard).await?;
         let logprobs =
             openai::logprobs_json(head.kind, &engine.tokenizer, &outcome.logprobs, &mut 0);
-        return Ok(Json(head.response(&job, &outcome, logprobs)).into_response());
+        let reply = tools.map(|tools| {
+            let mut reader = tools.reader();
+            let mut reply = Reply::default();
+            let deltas = reader.push(&outcome.text);
+            deltas.into_iter().chain(reader.finish()).for_each(|d| reply.add(d));
+            reply
+        });
+        let response = head.response(&job, &outcome, logprobs, reply.as_ref());
+        return Ok(Json(response).into_response());
     }
     let (tx, rx) = mpsc::channel(4);
     let include_usage = common.include_usage();
@@ -364,6 +389,7 @@ async fn answer(
             first: true,
             offset: 0,
             started: Some(started),
+            reader: tools.as_ref().map(Tools::reader),
         };
         let generated = engine.generate(&job, &mut sink).await;
         let generated = match (sink.started.take(), generated) {
@@ -379,7 +405,15 @@ async fn answer(
         };
         let last = match generated {
             Ok(outcome) => {
-                let mut events = vec![head.finish_chunk(&outcome)];
+                let mut events = Vec::new();
+                let mut called = false;
+                if let Some(reader) = &mut sink.reader {
+                    events.extend(reader.finish().into_iter().map(|d| {
+                        head.delta_chunk(openai::delta_json(d), false, Value::Null)
+                    }));
+                    called = reader.called();
+                }
+                events.push(head.finish_chunk(openai::finish_reason(&outcome, called)));
                 if include_usage {
                     events.push(head.usage_chunk(&job, &outcome));
                 }
@@ -420,6 +454,8 @@ struct SseSink {
     offset: usize,
     /// Told once the stream has its first event (the response then starts, status 200).
     started: Option<tokio::sync::oneshot::Sender<Result<(), ApiError>>>,
+    /// Reads a chat's text for tool calls, when it has tools.
+    reader: Option<Reader>,
 }
 
 impl CommitSink for SseSink {
@@ -434,12 +470,36 @@ impl CommitSink for SseSink {
         }
         let (kind, tok) = (self.head.kind, &self.engine.tokenizer);
         let logprobs = openai::logprobs_json(kind, tok, logprobs, &mut self.offset);
-        let chunk = self.head.chunk(&commit.text, self.first, logprobs);
+        let chunks = match &mut self.reader {
+            None => vec![self.head.chunk(&commit.text, self.first, logprobs)],
+            Some(reader) => {
+                let mut deltas: Vec<Value> = reader
+                    .push(&commit.text)
+                    .into_iter()
+                    .map(openai::delta_json)
+                    .collect();
+                if deltas.is_empty() && (self.first || !logprobs.is_null()) {
+                    deltas.push(json!({"content": ""}));
+                }
+                let mut logprobs = Some(logprobs);
+                deltas
+                    .into_iter()
+                    .map(|d| {
+                        let lp = logprobs.take().unwrap_or(Value::Null);
+                        let chunk = self.head.delta_chunk(d, self.first, lp);
+                        self.first = false;
+                        chunk
+                    })
+                    .collect()
+            }
+        };
         self.first = false;
-        self.tx
-            .send(Ok(Event::default().data(chunk.to_string())))
-            .await
-            .is_ok()
+        for chunk in chunks {
+            if self.tx.send(Ok(Event::default().data(chunk.to_string()))).await.is_err() {
+                return false;
+            }
+        }
+        !self.tx.is_closed()
     }
 }
 

@@ -7,6 +7,7 @@ use tandem_proto::v1;
 
 use super::chat::Message;
 use super::error::ApiError;
+use super::tools::{Delta, Reply};
 use crate::engine::{Job, Outcome};
 use tandem_runtime::Tokenizer;
 
@@ -204,6 +205,10 @@ pub struct ChatRequest {
     /// More variables for the model's chat template (vLLM's `chat_template_kwargs`).
     #[serde(default)]
     pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// Functions the model may call ([`super::tools`]), and whether and which it must.
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// OpenAI's default length of a completion; chat completions default to [`CHAT_MAX_TOKENS`].
@@ -259,7 +264,16 @@ impl Common {
             ));
         }
         let top_logprobs = self.top_logprobs()?;
-        let constraint = self.constraint()?;
+        let constraint = match (self.constraint()?, prompt.constraint.clone()) {
+            (Some(_), Some(_)) => {
+                return Err(bad(
+                    "tool_choice",
+                    "a required or named `tool_choice` constrains the answer to tool calls: it \
+                     cannot also follow `response_format` or `structured_outputs`",
+                ));
+            }
+            (own, forced) => own.or(forced),
+        };
         Ok(v1::GenerateRequest {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
             sampling: Some(v1::SamplingParams {
@@ -370,13 +384,14 @@ impl Head {
                 "finish_reason": finish,
             }),
             (Kind::Chat, true) => {
-                let delta = if first {
-                    json!({"role": "assistant", "content": text})
-                } else if finish.is_some() {
+                let mut delta = if finish.is_some() {
                     json!({})
                 } else {
                     json!({"content": text})
                 };
+                if first {
+                    delta["role"] = json!("assistant");
+                }
                 json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         }
@@ -400,12 +415,20 @@ impl Head {
         )
     }
 
-    /// The chunk that ends the choice.
-    pub fn finish_chunk(&self, outcome: &Outcome) -> Value {
+    /// A streamed chunk of a chat's tool calls ([`delta_json`]), with its tokens' `logprobs`.
+    pub fn delta_chunk(&self, mut delta: Value, first: bool, logprobs: Value) -> Value {
+        if first {
+            delta["role"] = json!("assistant");
+        }
         self.envelope(
             true,
-            json!([self.choice("", Some(outcome.finish_reason.as_str()), true, false)]),
+            json!([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null}]),
         )
+    }
+
+    /// The chunk that ends the choice, for `reason` ([`finish_reason`]).
+    pub fn finish_chunk(&self, reason: &str) -> Value {
+        self.envelope(true, json!([self.choice("", Some(reason), true, false)]))
     }
 
     /// The chunk with usage only (`stream_options.include_usage`).
@@ -416,21 +439,45 @@ impl Head {
         v
     }
 
-    /// The whole response of a request without streaming, with its tokens' `logprobs`.
-    pub fn response(&self, job: &Job, outcome: &Outcome, logprobs: Value) -> Value {
-        let mut v = self.envelope(
-            false,
-            json!([self.choice_with(
-                &outcome.text,
-                Some(outcome.finish_reason.as_str()),
-                false,
-                false,
-                logprobs
-            )]),
-        );
+    /// The whole response of a request without streaming, with its tokens' `logprobs`; a chat
+    /// with tools answers with the `reply` read from its text.
+    pub fn response(
+        &self,
+        job: &Job,
+        outcome: &Outcome,
+        logprobs: Value,
+        reply: Option<&Reply>,
+    ) -> Value {
+        let reason = finish_reason(outcome, reply.is_some_and(|r| !r.calls.is_empty()));
+        let mut choice = self.choice_with(&outcome.text, Some(reason), false, false, logprobs);
+        if let Some(reply) = reply {
+            choice["message"] = reply.message();
+        }
+        let mut v = self.envelope(false, json!([choice]));
         v["usage"] = usage(job, outcome);
         v["tandem"] = speculation(outcome);
         v
+    }
+}
+
+/// Why a choice ended: the generation's reason, `tool_calls` where it stopped after calling.
+pub fn finish_reason(outcome: &Outcome, called: bool) -> &str {
+    match outcome.finish_reason.as_str() {
+        "stop" if called => "tool_calls",
+        reason => reason,
+    }
+}
+
+/// A chat chunk's `delta` for a piece of a reply read for tool calls.
+pub fn delta_json(delta: Delta) -> Value {
+    match delta {
+        Delta::Content(text) => json!({"content": text}),
+        Delta::Call { index, id, name } => json!({"tool_calls": [{
+            "index": index, "id": id, "type": "function",
+            "function": {"name": name, "arguments": ""}}]}),
+        Delta::Arguments { index, text } => {
+            json!({"tool_calls": [{"index": index, "function": {"arguments": text}}]})
+        }
     }
 }
 
