@@ -76,8 +76,11 @@ pub fn foreign_vocab_model() -> PathBuf {
     dir
 }
 
-/// The chat template the HTTP tests give stories260K (which has none of its own).
-pub const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}";
+/// The chat template the HTTP tests give stories260K (which has none of its own): the messages'
+/// texts, then the names of the tools it is given, and Hermes' syntax for calls.
+pub const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}\
+                                 {% for t in tools or [] %} {{ t.function.name }}{% endfor %}\
+                                 {# calls: <tool_call>{\"name\": …, \"arguments\": …}</tool_call> #}";
 
 /// A copy of stories260K whose tokenizer_config.json carries [`CHAT_TEMPLATE`].
 pub fn stories_with_chat_template() -> PathBuf {
@@ -90,11 +93,16 @@ pub fn stories_with_chat_template() -> PathBuf {
             let path = entry.expect("entry").path();
             std::fs::copy(&path, dir.join(path.file_name().expect("name"))).expect("copy");
         }
-        let path = dir.join("tokenizer_config.json");
-        let mut config: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+    }
+    // Written whenever it differs: a copy made with an older template is brought up to date.
+    let path = dir.join("tokenizer_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+    if config["chat_template"] != CHAT_TEMPLATE {
         config["chat_template"] = CHAT_TEMPLATE.into();
-        std::fs::write(&path, config.to_string()).expect("write");
+        let partial = dir.join("tokenizer_config.json.partial");
+        std::fs::write(&partial, config.to_string()).expect("write");
+        std::fs::rename(&partial, &path).expect("rename");
     }
     dir
 }
@@ -423,6 +431,23 @@ pub async fn call(
         headers,
         serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
     )
+}
+
+/// The JSON events of `router`'s streamed answer to `request` (not `[DONE]`).
+pub async fn events(
+    router: &axum::Router,
+    request: axum::http::Request<axum::body::Body>,
+) -> Vec<serde_json::Value> {
+    use tower::ServiceExt;
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    String::from_utf8_lossy(&body)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
 }
 
 /// A POST of `body` as JSON to `path`.

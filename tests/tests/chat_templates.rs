@@ -60,7 +60,10 @@ fn conversations() -> Vec<(serde_json::Value, serde_json::Value)> {
             "arguments": json!({"city": city, "unit": "celsius", "days": [1, 2]}).to_string()}})
     };
     vec![
-        (json!([{"role": "user", "content": "Hi there"}]), json!(null)),
+        (
+            json!([{"role": "user", "content": "Hi there"}]),
+            json!(null),
+        ),
         (
             json!([
                 {"role": "system", "content": "Be brief."},
@@ -122,7 +125,9 @@ fn ours(template: &str, request: &serde_json::Value) -> Result<String, String> {
     kwargs.remove("bos_token");
     kwargs.remove("eos_token");
     let tools = kwargs.remove("tools").filter(|t| !t.is_null());
-    let tools = tools.as_ref().map(|t| t.as_array().expect("a list").as_slice());
+    let tools = tools
+        .as_ref()
+        .map(|t| t.as_array().expect("a list").as_slice());
     render(
         Some(template),
         &messages,

@@ -410,16 +410,9 @@ async fn logprobs_come_from_the_target_whatever_the_draft() {
         );
     }
     // Streamed: every token's log-probability, chunk by chunk.
-    let request = ask(4, true);
-    use tower::ServiceExt;
-    let response = router.clone().oneshot(request).await.expect("infallible");
-    let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+    let streamed: Vec<f64> = events(&router, ask(4, true))
         .await
-        .expect("body");
-    let streamed: Vec<f64> = String::from_utf8_lossy(&body)
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .into_iter()
         .filter_map(|c| {
             c["choices"][0]["logprobs"]["token_logprobs"]
                 .as_array()

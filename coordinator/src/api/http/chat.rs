@@ -168,13 +168,19 @@ pub fn render(
 /// items, `indent`, `sort_keys`, `ensure_ascii` off unless asked), not jinja2's HTML-escaping
 /// compact one. Templates write tool definitions and call arguments with it, so its spacing is
 /// what the model was trained on.
-fn tojson(value: &minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<String, minijinja::Error> {
+fn tojson(
+    value: &minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<String, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     kwargs.assert_all_used()?;
     let json = serde_json::to_value(value).map_err(|e| {
-        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {e}"))
+        minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            format!("tojson: {e}"),
+        )
     })?;
     let mut out = String::new();
     let style = PyJson {
@@ -334,8 +340,15 @@ mod tests {
     fn strftime_now_gives_the_local_date() {
         let msgs = vec![Message::new("user", "Hi")];
         let none = serde_json::Map::new();
-        let date =
-            render(Some("{{ strftime_now('%d %b %Y') }}"), &msgs, None, "", "", &none).expect("render");
+        let date = render(
+            Some("{{ strftime_now('%d %b %Y') }}"),
+            &msgs,
+            None,
+            "",
+            "",
+            &none,
+        )
+        .expect("render");
         let expected = chrono::Local::now().format("%d %b %Y").to_string();
         let yesterday = (chrono::Local::now() - chrono::Duration::days(1))
             .format("%d %b %Y")
@@ -357,17 +370,15 @@ mod tests {
             .join("../fixtures/qwen2.5-vocab/qwen2.5-vocab.gguf");
         let tok = tandem_runtime::Tokenizer::for_model(&gguf).expect("tokenizer");
         let msgs = vec![Message::new("user", "Write hello world in Rust.")];
-        let text = render(tok.chat_template(), &msgs, None, "", "<|im_end|>", &none).expect("render");
+        let text =
+            render(tok.chat_template(), &msgs, None, "", "<|im_end|>", &none).expect("render");
         assert_eq!(
             text,
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful \
              assistant.<|im_end|>\n<|im_start|>user\nWrite hello world in Rust.<|im_end|>\n\
              <|im_start|>assistant\n"
         );
-        let with_system = vec![
-            Message::new("system", "Be brief."),
-            msgs[0].clone(),
-        ];
+        let with_system = vec![Message::new("system", "Be brief."), msgs[0].clone()];
         let text = render(tok.chat_template(), &with_system, None, "", "", &none).expect("render");
         assert!(
             text.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n"),
@@ -386,8 +397,15 @@ mod tests {
                           enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
         let msgs = vec![Message::new("user", "Hi")];
         let kwargs = |v: serde_json::Value| v.as_object().cloned().expect("an object");
-        let thinking =
-            render(Some(qwen3_tail), &msgs, None, "", "", &serde_json::Map::new()).expect("render");
+        let thinking = render(
+            Some(qwen3_tail),
+            &msgs,
+            None,
+            "",
+            "",
+            &serde_json::Map::new(),
+        )
+        .expect("render");
         assert_eq!(
             thinking,
             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

@@ -337,14 +337,25 @@ async fn chat_completions(
         )?;
         let request = v1::GenerateRequest {
             prompt_tokens: tok.encode_raw(&text).map_err(tandem_proto::Error::from)?,
-            constraint: tools.as_ref().and_then(Tools::grammar).map(|lark| v1::Constraint {
-                kind: Some(v1::constraint::Kind::Lark(lark)),
-                start: 0,
-            }),
+            constraint: tools
+                .as_ref()
+                .and_then(Tools::grammar)
+                .map(|lark| v1::Constraint {
+                    kind: Some(v1::constraint::Kind::Lark(lark)),
+                    start: 0,
+                }),
             ..Default::default()
         };
         let tools = tools.filter(Tools::parsed);
-        answer(engine, head, &common, request, openai::CHAT_MAX_TOKENS, tools).await
+        answer(
+            engine,
+            head,
+            &common,
+            request,
+            openai::CHAT_MAX_TOKENS,
+            tools,
+        )
+        .await
     };
     run.instrument(span)
         .await
@@ -360,8 +371,16 @@ async fn answer(
     default_max_tokens: i64,
     tools: Option<Tools>,
 ) -> Result<Response, ApiError> {
+    let forced = prompt.constraint.is_some();
     let request = common.to_request(prompt, default_max_tokens)?;
-    let job = engine.prepare(&request)?;
+    let job = engine.prepare(&request).map_err(|e| {
+        let mut e = ApiError::from(e);
+        // The grammar that did not compile was made of the tools' parameter schemas.
+        if forced && e.param.as_deref() == Some("response_format") {
+            e.param = Some("tools".into());
+        }
+        e
+    })?;
     if !common.stream {
         let outcome = engine.generate(&job, &mut Discard).await?;
         let logprobs =
@@ -370,7 +389,10 @@ async fn answer(
             let mut reader = tools.reader();
             let mut reply = Reply::default();
             let deltas = reader.push(&outcome.text);
-            deltas.into_iter().chain(reader.finish()).for_each(|d| reply.add(d));
+            deltas
+                .into_iter()
+                .chain(reader.finish())
+                .for_each(|d| reply.add(d));
             reply
         });
         let response = head.response(&job, &outcome, logprobs, reply.as_ref());
@@ -495,7 +517,12 @@ impl CommitSink for SseSink {
         };
         self.first = false;
         for chunk in chunks {
-            if self.tx.send(Ok(Event::default().data(chunk.to_string()))).await.is_err() {
+            if self
+                .tx
+                .send(Ok(Event::default().data(chunk.to_string())))
+                .await
+                .is_err()
+            {
                 return false;
             }
         }

@@ -106,10 +106,7 @@ impl Tools {
             functions.push(function(tool).map_err(|why| bad(&format!("tools[{i}]"), why))?);
         }
         if let Some(name) = duplicate(&functions) {
-            return Err(bad(
-                "tools",
-                format!("two functions are named `{name}`"),
-            ));
+            return Err(bad("tools", format!("two functions are named `{name}`")));
         }
         let choice = match tool_choice {
             None | Some(Value::Null) if functions.is_empty() => return Ok(None),
@@ -232,9 +229,11 @@ impl Tools {
 /// A tool definition's function name and parameter schema.
 fn function(tool: &Value) -> Result<(String, Value), String> {
     if tool["type"] != "function" {
-        return Err("a tool is {\"type\": \"function\", \"function\": {\"name\", \"description\", \
+        return Err(
+            "a tool is {\"type\": \"function\", \"function\": {\"name\", \"description\", \
                     \"parameters\"}}"
-            .into());
+                .into(),
+        );
     }
     let f = &tool["function"];
     let name = f["name"]
@@ -254,7 +253,11 @@ fn function(tool: &Value) -> Result<(String, Value), String> {
         // OpenAI: no `parameters`, no arguments.
         Value::Null => json!({"type": "object", "properties": {}, "additionalProperties": false}),
         p @ Value::Object(_) => p.clone(),
-        _ => return Err(format!("`{name}`'s `parameters` must be a JSON schema object")),
+        _ => {
+            return Err(format!(
+                "`{name}`'s `parameters` must be a JSON schema object"
+            ));
+        }
     };
     Ok((name.to_string(), parameters))
 }
@@ -436,7 +439,11 @@ impl Reader {
         if text.is_empty() || self.calls > 0 {
             return;
         }
-        let text = if self.at_start { text.trim_start() } else { text };
+        let text = if self.at_start {
+            text.trim_start()
+        } else {
+            text
+        };
         if !text.is_empty() {
             self.at_start = false;
             out.push(Delta::Content(text.to_string()));
@@ -480,10 +487,10 @@ impl Reader {
         if let Some(start) = call.arguments {
             let body = call.text[start..].trim_end();
             // The call's own `}` is the last one once it is whole: hold it back till then.
-            let upto = if closed {
-                body.strip_suffix('}').unwrap_or(body).trim_end().len()
-            } else {
-                body.rfind('}').unwrap_or(body.len())
+            let upto = match body.rfind('}') {
+                Some(at) if closed && at + 1 == body.len() => body[..at].trim_end().len(),
+                Some(at) => body[..at].trim_end().len(),
+                None => body.len(),
             };
             if upto > call.told {
                 out.push(Delta::Arguments {
@@ -535,17 +542,26 @@ impl Reader {
 fn partial_suffix(text: &str, tag: &str) -> usize {
     (1..tag.len().min(text.len() + 1))
         .rev()
-        .find(|&n| text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..]))
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..])
+        })
         .unwrap_or(0)
 }
 
 /// `{"name": "…", "<key>": ` at the start of `text`: the name, and where the arguments start.
 fn head(text: &str, key: &str) -> Option<(String, usize)> {
     let mut rest = text.trim_start().strip_prefix('{')?.trim_start();
-    rest = rest.strip_prefix("\"name\"")?.trim_start().strip_prefix(':')?.trim_start();
+    rest = rest
+        .strip_prefix("\"name\"")?
+        .trim_start()
+        .strip_prefix(':')?
+        .trim_start();
     let mut strings = serde_json::Deserializer::from_str(rest).into_iter::<String>();
     let name = strings.next()?.ok()?;
-    rest = rest[strings.byte_offset()..].trim_start().strip_prefix(',')?.trim_start();
+    rest = rest[strings.byte_offset()..]
+        .trim_start()
+        .strip_prefix(',')?
+        .trim_start();
     for k in [key, "arguments", "parameters"] {
         if let Some(after) = rest.strip_prefix(&format!("\"{k}\"")) {
             let after = after.trim_start().strip_prefix(':')?.trim_start();

@@ -30,7 +30,10 @@ fn read(tools: &Tools, text: &str, size: usize) -> (Reply, bool) {
         while !rest.is_char_boundary(n) {
             n += 1;
         }
-        reader.push(&rest[..n]).into_iter().for_each(|d| reply.add(d));
+        reader
+            .push(&rest[..n])
+            .into_iter()
+            .for_each(|d| reply.add(d));
         rest = &rest[n..];
     }
     reader.finish().into_iter().for_each(|d| reply.add(d));
@@ -80,7 +83,10 @@ fn hermes_calls_are_read_whole_and_in_pieces() {
         ]
     );
     // The arguments are the model's own text.
-    assert_eq!(reply.calls[0].arguments, "{\"city\": \"Tōkyō\", \"unit\": \"c\"}");
+    assert_eq!(
+        reply.calls[0].arguments,
+        "{\"city\": \"Tōkyō\", \"unit\": \"c\"}"
+    );
     assert!(reply.calls[0].id.starts_with("call_") && reply.calls[0].id.len() == 29);
     assert_ne!(reply.calls[0].id, reply.calls[1].id);
     let message = reply.message();
@@ -107,17 +113,32 @@ fn unusual_calls_an_unclosed_one_a_late_name_and_nonsense() {
         &t,
         "<tool_call>\n{\"name\": \"now\", \"arguments\": {\"x\": [1, {\"y\": 2}]}}\n</tool_",
     );
-    assert_eq!(calls(&reply), vec![("now".into(), json!({"x": [1, {"y": 2}]}))]);
+    assert_eq!(
+        calls(&reply),
+        vec![("now".into(), json!({"x": [1, {"y": 2}]}))]
+    );
     assert_eq!(reply.content, None);
+    // Spaces inside and around the arguments: they are the text between the braces' ends.
+    let reply = read_all_ways(
+        &t,
+        "<tool_call>{ \"name\" : \"now\" , \"arguments\" : { \"x\" : { } } }\n</tool_call>",
+    );
+    assert_eq!(reply.calls[0].arguments, "{ \"x\" : { } }");
     // Arguments before the name: read when the call is whole.
     let reply = read_all_ways(
         &t,
         "<tool_call>{\"arguments\": {\"city\": \"Oslo\"}, \"name\": \"get_weather\"}</tool_call>",
     );
-    assert_eq!(calls(&reply), vec![("get_weather".into(), json!({"city": "Oslo"}))]);
+    assert_eq!(
+        calls(&reply),
+        vec![("get_weather".into(), json!({"city": "Oslo"}))]
+    );
     // Not a call: it stays text.
     let reply = read_all_ways(&t, "<tool_call>not json</tool_call>");
-    assert_eq!(reply.content.as_deref(), Some("<tool_call>not json</tool_call>"));
+    assert_eq!(
+        reply.content.as_deref(),
+        Some("<tool_call>not json</tool_call>")
+    );
     assert!(reply.calls.is_empty());
     // Text after a call is dropped, as the call ends the turn.
     let reply = read_all_ways(
@@ -147,8 +168,7 @@ fn llama3_calls_are_the_whole_answer() {
 #[test]
 fn requests_are_checked_and_say_what_is_wrong() {
     let err = |tools: Value, choice: Value, template: &str| {
-        Tools::from_request(Some(&tools), Some(&choice), None, Some(template))
-            .expect_err("refused")
+        Tools::from_request(Some(&tools), Some(&choice), None, Some(template)).expect_err("refused")
     };
     let e = err(json!([{"type": "retrieval"}]), json!("auto"), HERMES);
     assert_eq!(e.param.as_deref(), Some("tools[0]"));
@@ -161,7 +181,11 @@ fn requests_are_checked_and_say_what_is_wrong() {
     let twice = json!([{"type": "function", "function": {"name": "f"}},
                        {"type": "function", "function": {"name": "f"}}]);
     assert!(err(twice, json!("auto"), HERMES).message.contains("`f`"));
-    let e = err(weather(), json!({"type": "function", "function": {"name": "nope"}}), HERMES);
+    let e = err(
+        weather(),
+        json!({"type": "function", "function": {"name": "nope"}}),
+        HERMES,
+    );
     assert_eq!(e.param.as_deref(), Some("tool_choice"));
     assert!(e.message.contains("`nope`"), "{}", e.message);
     let e = err(weather(), json!("always"), HERMES);
@@ -169,7 +193,11 @@ fn requests_are_checked_and_say_what_is_wrong() {
     let e = err(json!([]), json!("required"), HERMES);
     assert!(e.message.contains("no `tools`"), "{}", e.message);
     let e = err(weather(), json!("auto"), "{{ messages }}");
-    assert!(e.message.contains("does not describe tool calls"), "{}", e.message);
+    assert!(
+        e.message.contains("does not describe tool calls"),
+        "{}",
+        e.message
+    );
     // `none` needs no syntax; no tools and no choice is no tools.
     let none = tools(json!("none"), "{{ messages }}");
     assert_eq!(none.rendered(), None);
@@ -216,13 +244,34 @@ fn forced_calls_follow_the_models_syntax_and_the_schemas() {
     };
     let paris = call("get_weather", "{\"city\": \"Paris\", \"unit\": \"c\"}");
     assert!(takes(&required, &qwen, &paris));
-    assert!(takes(&required, &qwen, &format!("{paris}\n{}", call("now", "{}"))));
-    assert!(!takes(&required, &qwen, "Paris is sunny."), "text is not a call");
-    assert!(!takes(&required, &qwen, &call("get_weather", "{\"city\": \"Paris\"}")));
-    assert!(!takes(&required, &qwen, &call("get_weather", "{\"city\": \"Llanfairpwllgwyngyll\", \"unit\": \"c\"}")));
+    assert!(takes(
+        &required,
+        &qwen,
+        &format!("{paris}\n{}", call("now", "{}"))
+    ));
+    assert!(
+        !takes(&required, &qwen, "Paris is sunny."),
+        "text is not a call"
+    );
+    assert!(!takes(
+        &required,
+        &qwen,
+        &call("get_weather", "{\"city\": \"Paris\"}")
+    ));
+    assert!(!takes(
+        &required,
+        &qwen,
+        &call(
+            "get_weather",
+            "{\"city\": \"Llanfairpwllgwyngyll\", \"unit\": \"c\"}"
+        )
+    ));
     assert!(!takes(&required, &qwen, &call("now", "{\"x\": 1}")));
     assert!(!takes(&required, &qwen, &call("sudo", "{}")));
-    let named = tools(json!({"type": "function", "function": {"name": "now"}}), HERMES);
+    let named = tools(
+        json!({"type": "function", "function": {"name": "now"}}),
+        HERMES,
+    );
     assert!(takes(&named, &qwen, &call("now", "{}")));
     assert!(!takes(&named, &qwen, &paris));
     let single = Tools::from_request(
@@ -244,5 +293,8 @@ fn forced_calls_follow_the_models_syntax_and_the_schemas() {
     assert!(!takes(&llama, &qwen, &paris));
     // What the grammar makes, the reader reads.
     let reply = read_all_ways(&required, &paris);
-    assert_eq!(calls(&reply), vec![("get_weather".into(), json!({"city": "Paris", "unit": "c"}))]);
+    assert_eq!(
+        calls(&reply),
+        vec![("get_weather".into(), json!({"city": "Paris", "unit": "c"}))]
+    );
 }
