@@ -24,7 +24,7 @@ fn main() -> anyhow::Result<()> {
     let vocab = tokenizer.vocab_size();
     let eos = tokenizer.eos_id().unwrap_or(0);
     let start = Instant::now();
-    let compiler = GrammarCompiler::new(&tokenizer, vocab, eos)?;
+    let compiler = GrammarCompiler::new(&tokenizer, vocab, &[eos])?;
     println!(
         "vocabulary: {vocab} tokens; token trie built in {:.1} ms",
         ms(start)

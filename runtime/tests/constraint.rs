@@ -98,7 +98,7 @@ fn compiler(target: &Model) -> GrammarCompiler {
     let c = COMPILER.get_or_init(|| {
         let tok = tokenizer();
         let eos = tok.eos_id().expect("eos");
-        GrammarCompiler::new(&tok, target.config().vocab_size, eos).expect("grammar compiler")
+        GrammarCompiler::new(&tok, target.config().vocab_size, &[eos]).expect("grammar compiler")
     });
     assert_eq!(c.vocab_size(), target.config().vocab_size);
     c.clone()

@@ -1,7 +1,8 @@
 //! The real Qwen2.5-Coder pair end to end, as a user has it: two .gguf files and nothing else
 //! (tokenizer and chat template from the metadata, mixed Q5_0/Q8_0/Q4_K/Q6_K tensors). Greedy
 //! speculative output equals target-only for several K, and a chat completion through the
-//! OpenAI API renders Qwen's template and answers. `.ci/run` fetches the pair; without it these
+//! OpenAI API renders Qwen's template and answers; the official `openai` client gets structured
+//! outputs and tool calls from it. `.ci/run` fetches the pair; without it these
 //! tests fail in CI and say so elsewhere (`tandem_tests::qwen_pair`).
 
 use std::sync::Arc;
@@ -71,5 +72,60 @@ async fn qwen_chat_completion_renders_the_template_and_answers() {
     assert!(
         prompt_tokens > 25,
         "the default system prompt is in: {prompt_tokens}"
+    );
+}
+
+/// The official `openai` client's structured-output and tool-calling calls, unmodified
+/// (`tests/openai_tools.py`), on the real pair: a pydantic response format parsed by the client,
+/// JSON mode, a call the model chooses (auto) and one it must make (required, streamed), parsed
+/// into the client's pydantic model, and the conversation going on after the tool's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_client_gets_structured_outputs_and_tool_calls_from_qwen() {
+    let Some((target, draft)) =
+        qwen_pair("the_openai_client_gets_structured_outputs_and_tool_calls_from_qwen")
+    else {
+        return;
+    };
+    let python = tandem_tests::python::python_with(&[("openai", "openai>=1.40")]);
+    let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
+    let engine = Arc::new(cluster.engine(4).await.expect("engine"));
+    let addr = serve_http(engine).await;
+    let model = cluster.target.model.name();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_tools.py");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .arg(script)
+            .args([format!("http://{addr}/v1"), model])
+            .output()
+    })
+    .await
+    .expect("join")
+    .expect("run the openai client");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(got["parsed"]["capital"], "Paris", "{got}");
+    assert!(got["parsed"]["population_millions"].is_i64(), "{got}");
+    assert!(got["json_object"].is_object(), "{got}");
+    for (mode, finish) in [("auto", "auto_finish"), ("stream", "stream_finish")] {
+        assert_eq!(got[finish], "tool_calls", "{mode}: {got}");
+        let calls = got[format!("{mode}_calls")].as_array().expect("calls");
+        assert!(!calls.is_empty(), "{mode}: {got}");
+        assert!(
+            calls.iter().all(|c| c["name"] == "get_weather"
+                && (c["parsed"]["unit"] == "celsius" || c["parsed"]["unit"] == "fahrenheit")),
+            "{mode}: {got}"
+        );
+    }
+    assert_eq!(got["auto_calls"][0]["parsed"]["city"], "Paris", "{got}");
+    assert_eq!(got["stream_calls"][0]["parsed"]["city"], "Oslo", "{got}");
+    assert_eq!(got["follow_up_calls"], 0, "{got}");
+    let answer = got["follow_up"].as_str().expect("an answer in text");
+    assert!(
+        answer.contains("18"),
+        "the tool's answer is used: {answer:?}"
     );
 }

@@ -82,8 +82,8 @@ mod tests {
                 .expect("a piece")
         };
         let (a, b, c) = (piece("a"), piece("b"), piece("c"));
-        let compiler =
-            GrammarCompiler::new(&t, t.vocab_size(), t.eos_id().expect("eos")).expect("compiler");
+        let compiler = GrammarCompiler::new(&t, t.vocab_size(), &[t.eos_id().expect("eos")])
+            .expect("compiler");
         let mut state = compiler
             .compile(&Grammar::Regex("(ab)+c".into()), 1)
             .expect("compile");

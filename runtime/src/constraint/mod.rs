@@ -71,7 +71,8 @@ impl Grammar {
 pub struct GrammarCompiler {
     factory: Arc<ParserFactory>,
     vocab_size: usize,
-    eos: u32,
+    /// The tokens that end a complete output (the first is llguidance's end of sequence).
+    stops: Arc<[u32]>,
 }
 
 impl std::fmt::Debug for GrammarCompiler {
@@ -84,15 +85,20 @@ impl std::fmt::Debug for GrammarCompiler {
 
 impl GrammarCompiler {
     /// For `tokenizer`'s vocabulary over a model's `vocab_size` logits (ids past the tokenizer's
-    /// are never allowed), ending the output with `eos` where the grammar is complete.
-    pub fn new(tokenizer: &Tokenizer, vocab_size: usize, eos: u32) -> Result<Self> {
+    /// are never allowed), ending the output with any of `stops` (the model's stop tokens: a
+    /// chat model ends its turn with its own, Qwen's `<|im_end|>`, not its end of text) where
+    /// the grammar is complete.
+    pub fn new(tokenizer: &Tokenizer, vocab_size: usize, stops: &[u32]) -> Result<Self> {
+        let &eos = stops.first().ok_or_else(|| {
+            Error::Grammar("the model names no end-of-sequence token to end a grammar with".into())
+        })?;
         let env = vocab::token_env(tokenizer, vocab_size, eos)?;
         let mut factory = ParserFactory::new_simple(&env).map_err(grammar_error)?;
         factory.quiet();
         Ok(Self {
             factory: Arc::new(factory),
             vocab_size,
-            eos,
+            stops: stops.into(),
         })
     }
 
@@ -118,7 +124,7 @@ impl GrammarCompiler {
             consumed: Vec::new(),
             in_matcher: 0,
             vocab_size: self.vocab_size,
-            eos: self.eos,
+            stops: Arc::clone(&self.stops),
         })
     }
 }
@@ -129,8 +135,8 @@ impl GrammarCompiler {
 pub struct LazyGrammars(std::sync::OnceLock<GrammarCompiler>);
 
 impl LazyGrammars {
-    /// The compiler for `tokenizer` over `vocab_size` logits, ending outputs with the first of
-    /// the model's `stop_tokens`.
+    /// The compiler for `tokenizer` over `vocab_size` logits, ending outputs with the model's
+    /// `stop_tokens`.
     pub fn get(
         &self,
         tokenizer: &Tokenizer,
@@ -140,10 +146,7 @@ impl LazyGrammars {
         if let Some(c) = self.0.get() {
             return Ok(c);
         }
-        let eos = stop_tokens.first().copied().ok_or_else(|| {
-            Error::Grammar("the model names no end-of-sequence token to end a grammar with".into())
-        })?;
-        let built = GrammarCompiler::new(tokenizer, vocab_size, eos)?;
+        let built = GrammarCompiler::new(tokenizer, vocab_size, stop_tokens)?;
         Ok(self.0.get_or_init(|| built))
     }
 
@@ -167,7 +170,8 @@ pub struct Constraint {
     /// How many of them the matcher took (the rest: ends of sequence after it stopped).
     in_matcher: usize,
     vocab_size: usize,
-    eos: u32,
+    /// Tokens that end the output (the first is the one llguidance knows).
+    stops: Arc<[u32]>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -233,26 +237,35 @@ impl Constraint {
         Ok(())
     }
 
-    /// The tokens allowed next (only the end of sequence once the grammar is complete).
+    /// The tokens allowed next (only the stop tokens once the grammar is complete).
     pub fn mask(&mut self) -> Result<Mask> {
         let mut vob = self.matcher.compute_mask_or_eos().map_err(grammar_error)?;
         if vob.len() < self.vocab_size {
             vob.resize(self.vocab_size);
+        }
+        if vob.is_allowed(self.stops[0]) {
+            for &stop in &self.stops[1..] {
+                if (stop as usize) < vob.len() {
+                    vob.allow_token(stop);
+                }
+            }
         }
         Ok(Mask(vob))
     }
 
     /// Consumes `token` if the grammar allows it next; false (the state unchanged) if not.
     pub fn push(&mut self, token: u32) -> Result<bool> {
-        if token == self.eos && self.matcher.is_stopped() {
-            // Past the end (a draft block may run on after it): only the end again, which the
+        let eos = self.stops[0];
+        let stop = self.stops.contains(&token);
+        if stop && self.matcher.is_stopped() {
+            // Past the end (a draft block may run on after it): only an end again, which the
             // matcher, stopped, does not take.
             self.consumed.push(token);
             return Ok(true);
         }
-        let allowed = if token == self.eos {
-            // The end of sequence ends a complete output (llguidance validates text tokens).
-            self.mask()?.allows(token)
+        let allowed = if stop {
+            // A stop token ends a complete output (llguidance validates text tokens).
+            self.mask()?.allows(eos)
         } else {
             (token as usize) < self.vocab_size
                 && self
@@ -264,7 +277,11 @@ impl Constraint {
         if !allowed {
             return Ok(false);
         }
-        self.matcher.consume_token(token).map_err(grammar_error)?;
+        // llguidance knows one end of sequence: any stop token is that one to it.
+        let consumed = if stop { eos } else { token };
+        self.matcher
+            .consume_token(consumed)
+            .map_err(grammar_error)?;
         self.consumed.push(token);
         self.in_matcher = self.consumed.len();
         Ok(true)

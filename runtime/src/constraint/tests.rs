@@ -15,7 +15,7 @@ fn logits(vocab: usize, step: usize) -> Vec<f32> {
 
 fn compiler(t: &Tokenizer) -> GrammarCompiler {
     let eos = t.eos_id().expect("eos");
-    GrammarCompiler::new(t, t.vocab_size() + 3, eos).expect("compiler")
+    GrammarCompiler::new(t, t.vocab_size() + 3, &[eos]).expect("compiler")
 }
 
 /// Greedy decoding under the constraint until the end of sequence; the generated ids.
@@ -158,4 +158,40 @@ fn applying_a_mask_forbids_exactly_the_tokens_it_does_not_allow() {
             "{grammar:?}: {allowed}"
         );
     }
+}
+
+/// Every stop token ends a complete output, not only the first (a chat model ends its turn with
+/// its own token: Qwen's `<|im_end|>`, not its end of text), and none ends an incomplete one.
+#[test]
+fn any_stop_token_ends_a_complete_output() {
+    let t = tokenizer();
+    let piece = |s: &str| {
+        (0..t.vocab_size() as u32)
+            .find(|&i| t.token(i).as_deref() == Some(s))
+            .expect("a piece")
+    };
+    let (a, b) = (piece("a"), piece("b"));
+    let eos = t.eos_id().expect("eos");
+    let other = t.bos_id().expect("bos");
+    let c = GrammarCompiler::new(&t, t.vocab_size(), &[eos, other]).expect("compiler");
+    let mut state = c
+        .compile(&Grammar::Lark(r#"start: "a" ("b")?"#.into()), 0)
+        .expect("compile");
+    let mask = state.mask().expect("mask");
+    assert!(!mask.allows(eos) && !mask.allows(other), "not complete yet");
+    assert!(!state.push(other).expect("push"));
+    assert!(state.push(a).expect("push"));
+    let mask = state.mask().expect("mask");
+    assert!(
+        mask.allows(eos) && mask.allows(other),
+        "complete: either ends it"
+    );
+    assert!(state.push(other).expect("push"));
+    // Ended: only ends follow (a draft block may run past its end).
+    assert!(state.push(eos).expect("push"));
+    assert!(!state.push(b).expect("push"));
+    // Rolled back before the end, the grammar goes on.
+    state.rollback_to(1).expect("rollback");
+    assert!(state.push(b).expect("push"));
+    assert!(state.push(other).expect("push"));
 }

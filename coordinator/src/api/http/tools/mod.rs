@@ -5,8 +5,9 @@
 //! a call's id and name, then its arguments in pieces).
 //!
 //! The syntax is the one the model's template teaches it: Hermes' (`<tool_call>\n{"name": …,
-//! "arguments": {…}}\n</tool_call>`, Qwen2.5, Qwen3 and Hermes models; several calls in a row)
-//! or Llama 3.1+'s (the whole answer one JSON object `{"name": …, "parameters": {…}}`). With
+//! "arguments": {…}}\n</tool_call>`, Qwen2.5, Qwen3 and Hermes models; several calls in a row;
+//! like llama.cpp's parser, a call in a fenced JSON block is read too, as Qwen2.5-Coder writes
+//! them) or Llama 3.1+'s (the whole answer one JSON object `{"name": …, "parameters": {…}}`). With
 //! `required` or a named function the output is constrained (a Lark grammar embedding each
 //! function's parameter schema) to calls in that syntax, so it always parses and its arguments
 //! validate; with `auto` the model chooses, and what it wrote is parsed.
@@ -331,6 +332,9 @@ impl Reply {
 /// A call being read: its text so far, and what of it was told.
 #[derive(Debug)]
 struct Open {
+    /// The text that opened it (a tag, a fence), and what closes it (None: the answer's end).
+    opener: String,
+    close: Option<&'static str>,
     text: String,
     /// Where its arguments start in `text`, once its name was told.
     arguments: Option<usize>,
@@ -380,28 +384,32 @@ impl Reader {
                 }
                 continue;
             }
-            match self.syntax.tags().0 {
-                Some(open) => match self.held.find(open) {
-                    Some(at) => {
-                        self.content(&self.held[..at].trim_end().to_string(), &mut out);
-                        self.held.drain(..at + open.len());
-                        self.open_call();
+            match self.syntax {
+                Syntax::Hermes => match opening(&self.held) {
+                    Some(Opening::At { at, len, close }) => {
+                        let before = self.held[..at].trim_end().to_string();
+                        self.content(&before, &mut out);
+                        let opener: String = self.held.drain(..at + len).skip(at).collect();
+                        self.open_call(opener, Some(close));
                     }
-                    None => {
+                    found => {
                         // Hold what may start a call, and trailing whitespace.
-                        let keep = partial_suffix(&self.held, open);
-                        let cut = self.held[..self.held.len() - keep].trim_end().len();
+                        let keep = match found {
+                            Some(Opening::Undecided(at)) => at,
+                            _ => self.held.len(),
+                        };
+                        let cut = self.held[..keep].trim_end().len();
                         let told = self.held[..cut].to_string();
                         self.content(&told, &mut out);
                         self.held.drain(..cut);
                         return out;
                     }
                 },
-                None => {
+                Syntax::Llama3 => {
                     let trimmed = self.held.trim_start();
                     if self.at_start && trimmed.starts_with('{') {
                         self.held = trimmed.to_string();
-                        self.open_call();
+                        self.open_call(String::new(), None);
                     } else if self.at_start && trimmed.is_empty() {
                         return out;
                     } else {
@@ -426,8 +434,10 @@ impl Reader {
         out
     }
 
-    fn open_call(&mut self) {
+    fn open_call(&mut self, opener: String, close: Option<&'static str>) {
         self.call = Some(Open {
+            opener,
+            close,
             text: std::mem::take(&mut self.held),
             arguments: None,
             told: 0,
@@ -457,7 +467,7 @@ impl Reader {
             return;
         };
         call.text.push_str(&std::mem::take(&mut self.held));
-        let close = self.syntax.tags().1;
+        let close = call.close;
         let closed = match close.and_then(|c| call.text.find(c).map(|at| (at, c.len()))) {
             Some((at, len)) => {
                 self.held = call.text[at + len..].to_string();
@@ -525,17 +535,66 @@ impl Reader {
                 self.calls += 1;
             }
             None => {
-                let (open, close) = self.syntax.tags();
-                let raw = format!(
-                    "{}{}{}",
-                    open.unwrap_or(""),
-                    call.text,
-                    if end { "" } else { close.unwrap_or("") }
-                );
+                let close = if end { "" } else { close.unwrap_or("") };
+                let raw = format!("{}{}{close}", call.opener, call.text);
                 self.content(&raw, out);
             }
         }
     }
+}
+
+/// Where a call starts in Hermes' syntax.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Opening {
+    /// At byte `at`, its opener `len` bytes long, closed by `close`.
+    At {
+        at: usize,
+        len: usize,
+        close: &'static str,
+    },
+    /// Perhaps at byte `at`: what follows is not there yet.
+    Undecided(usize),
+}
+
+/// The first place in `text` a call starts or may start: `<tool_call>`, or a fenced block
+/// (```` ``` ```` or ```` ```json ````) holding an object whose first key is `"name"` (as
+/// llama.cpp's Hermes parser reads them); None if none can.
+fn opening(text: &str) -> Option<Opening> {
+    const TAG: &str = "<tool_call>";
+    for (at, _) in text.match_indices(['<', '`']) {
+        let rest = &text[at..];
+        if rest.starts_with(TAG) {
+            return Some(Opening::At {
+                at,
+                len: TAG.len(),
+                close: "</tool_call>",
+            });
+        }
+        if TAG.starts_with(rest) || "```".starts_with(rest) {
+            return Some(Opening::Undecided(at));
+        }
+        let Some(after) = rest.strip_prefix("```") else {
+            continue;
+        };
+        if after.len() < 4 && "json".starts_with(after) {
+            return Some(Opening::Undecided(at));
+        }
+        let body = after.strip_prefix("json").unwrap_or(after).trim_start();
+        let named = body.strip_prefix('{').map(str::trim_start);
+        match named {
+            Some(key) if key.starts_with("\"name\"") => {
+                return Some(Opening::At {
+                    at,
+                    len: rest.len() - body.len(),
+                    close: "```",
+                });
+            }
+            _ if body.is_empty() => return Some(Opening::Undecided(at)),
+            Some(key) if "\"name\"".starts_with(key) => return Some(Opening::Undecided(at)),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// The length of the longest end of `text` that starts `tag` (a tag perhaps cut by a piece).

@@ -149,6 +149,34 @@ fn unusual_calls_an_unclosed_one_a_late_name_and_nonsense() {
     assert_eq!(reply.calls.len(), 1);
 }
 
+/// Qwen2.5-Coder writes its calls in fenced JSON blocks: read as llama.cpp's parser reads them;
+/// fenced code that is not a call stays text.
+#[test]
+fn calls_in_fenced_json_blocks_are_read_and_other_code_is_text() {
+    let t = tools(json!("auto"), HERMES);
+    let text = "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\n    \"city\": \
+                \"Paris\",\n    \"unit\": \"c\"\n  }\n}\n```";
+    let reply = read_all_ways(&t, text);
+    assert_eq!(
+        calls(&reply),
+        vec![("get_weather".into(), json!({"city": "Paris", "unit": "c"}))]
+    );
+    assert_eq!(reply.content, None);
+    let bare = read_all_ways(&t, "Here:\n```\n{\"name\": \"now\", \"arguments\": {}}```");
+    assert_eq!(bare.content.as_deref(), Some("Here:"));
+    assert_eq!(calls(&bare), vec![("now".into(), json!({}))]);
+    for text in [
+        "```python\nprint(1)\n```",
+        "```json\n{\"city\": \"Paris\"}\n```",
+        "Use ``` fences, or `code`.",
+        "```js",
+    ] {
+        let reply = read_all_ways(&t, text);
+        assert_eq!(reply.content.as_deref(), Some(text), "{text:?}");
+        assert!(reply.calls.is_empty(), "{text:?}");
+    }
+}
+
 #[test]
 fn llama3_calls_are_the_whole_answer() {
     let t = tools(json!("auto"), LLAMA3);
@@ -215,7 +243,7 @@ fn qwen() -> (Tokenizer, GrammarCompiler) {
         .join("../fixtures/qwen2.5-vocab/qwen2.5-vocab.gguf");
     let tok = Tokenizer::for_model(&gguf).expect("tokenizer");
     let eos = tok.eos_id().expect("eos");
-    let compiler = GrammarCompiler::new(&tok, tok.vocab_size(), eos).expect("compiler");
+    let compiler = GrammarCompiler::new(&tok, tok.vocab_size(), &[eos]).expect("compiler");
     (tok, compiler)
 }
 
