@@ -63,11 +63,27 @@ impl v1::SamplingParams {
     }
 }
 
+/// The longest grammar a request may carry (a JSON schema's, a Lark grammar's or a regex's text):
+/// OpenAI caps a schema's names and values at 120,000 characters; compiling and masking grow
+/// with the grammar, and one request's must not hold a node's threads.
+pub const MAX_GRAMMAR_BYTES: usize = 256 << 10;
+
 impl v1::Constraint {
     /// The runtime's grammar; `None` for a constraint that names none. A JSON schema that is not
-    /// JSON is an invalid argument naming the parse error.
+    /// JSON is an invalid argument naming the parse error; a grammar over [`MAX_GRAMMAR_BYTES`]
+    /// is refused.
     pub fn grammar(&self) -> Result<Option<Grammar>> {
         use v1::constraint::Kind;
+        let size = match &self.kind {
+            Some(Kind::JsonSchema(text) | Kind::Lark(text) | Kind::Regex(text)) => text.len(),
+            _ => 0,
+        };
+        if size > MAX_GRAMMAR_BYTES {
+            return Err(tandem_runtime::Error::Grammar(format!(
+                "the grammar is {size} bytes: at most {MAX_GRAMMAR_BYTES} are accepted"
+            ))
+            .into());
+        }
         Ok(match &self.kind {
             None => None,
             Some(Kind::JsonObject(false)) => None,

@@ -164,6 +164,18 @@ async fn the_openai_api_constrains_completions_and_refuses_bad_grammars() {
             json!({"structured_outputs": {"regex": "a", "grammar": "start: \"a\""}}),
             "exactly one",
         ),
+        // A keyword llguidance does not implement is refused, not ignored.
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                "schema": {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}}}}),
+            "Unimplemented keys",
+        ),
+        // A huge schema (an enum of 30,000 names, ~400 KB: under the body limit).
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                "schema": {"enum": (0..30_000).map(|i| format!("name number {i}")).collect::<Vec<_>>()}}}}),
+            "at most 262144",
+        ),
     ];
     for (extra, words) in refusals {
         let (status, body) = post(&router, "/v1/completions", &ask(extra.clone())).await;
