@@ -140,7 +140,13 @@ fn main() -> anyhow::Result<()> {
     let mut sets = Vec::new();
     if wanted.iter().any(|w| w == "110m-q8_0") {
         for p in pairs(scratch.path(), &["110m-q8_0".to_string()])? {
-            sets.push((p.name.to_string(), p.target, p.draft, p.prompt.to_string(), 160));
+            sets.push((
+                p.name.to_string(),
+                p.target,
+                p.draft,
+                p.prompt.to_string(),
+                160,
+            ));
         }
     }
     if wanted.iter().any(|w| w == "qwen") {

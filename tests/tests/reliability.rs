@@ -34,6 +34,27 @@ fn story(n: u32, k: u32) -> v1::GenerateRequest {
     request(&prompt, n, k, &SamplingParams::greedy())
 }
 
+/// [`story`] kept to a grammar (400 characters of lowercase words and punctuation, then the
+/// end): the nodes mask with it, and a session rebuilt or attached anew must bring its state to
+/// the log.
+fn constrained(k: u32) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        ignore_eos: false,
+        constraint: Some(v1::Constraint {
+            kind: Some(v1::constraint::Kind::Regex("[a-z ,.]{400}".into())),
+            start: 0,
+        }),
+        ..story(400, k)
+    }
+}
+
+/// What the coordinator at `url` streams for `req` with nothing going wrong.
+async fn uninterrupted(url: &str, req: v1::GenerateRequest) -> Vec<u32> {
+    let (ids, done) = stream(url.to_string(), req).await;
+    assert_eq!(done.expect("generated").token_ids, ids);
+    ids
+}
+
 /// A target-node behind a gate (a proxy whose upstream follows the node when it is restarted
 /// elsewhere), a draft-node and a coordinator (with `extra` arguments) in front of them.
 struct Three {
@@ -60,9 +81,21 @@ async fn start_three(extra: &[&str]) -> Three {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_node_killed_and_restarted_mid_generation_loses_no_token() {
     let mut three = start_three(&[]).await;
-    for k in [4, 0] {
+    let plain = in_process(&stories(), None, &story(400, 0)).token_ids;
+    let kept = uninterrupted(&three.coordinator.url(), constrained(0)).await;
+    assert!(
+        kept.len() > 2 * tandem_tests::gate::HOLD_AT,
+        "{} tokens",
+        kept.len()
+    );
+    for (k, req, want) in [
+        (4, story(400, 4), &plain),
+        (0, story(400, 0), &plain),
+        (4, constrained(4), &kept),
+    ] {
+        let grammar = req.constraint.is_some();
         let (url, gate) = (three.coordinator.url(), three.gate.gate.clone());
-        let (ids, done) = with_fault(&url, story(400, k), &gate, async || {
+        let (ids, done) = with_fault(&url, req, &gate, async || {
             // SIGKILL: no goodbye on the stream; back (on another port) before the block goes on.
             drop(three.target.take());
             let restarted = start_target(&stories());
@@ -76,12 +109,10 @@ async fn a_target_node_killed_and_restarted_mid_generation_loses_no_token() {
             stats.repairs >= 1,
             "K = {k}: the target's session was rebuilt"
         );
-        assert_eq!(ids.len(), 400, "K = {k}: no token lost");
         assert_eq!(done.token_ids, ids, "K = {k}: none repeated");
         assert_eq!(
-            ids,
-            in_process(&stories(), None, &story(400, 0)).token_ids,
-            "K = {k}: the output of an uninterrupted run"
+            &ids, want,
+            "K = {k}, grammar {grammar}: the output of an uninterrupted run"
         );
     }
 }
@@ -376,13 +407,33 @@ async fn a_lost_draft_replica_is_skipped_for_another() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draft_replica_lost_mid_generation_is_replaced_by_another() {
+    let want = in_process(&stories(), None, &story(400, 0)).token_ids;
+    draft_replaced_mid_generation(story(400, 4), None, want).await;
+}
+
+/// The same with a grammar: B's session is opened with it, its state brought to the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_constrained_generation_keeps_its_grammar_on_the_draft_that_replaces_another() {
+    draft_replaced_mid_generation(constrained(4), Some(constrained(0)), Vec::new()).await;
+}
+
+/// A (the draft a generation of `req` opens on) dies mid-generation; B is attached in its
+/// place and drafts; the output is `want`, or what `reference` streams before the fault.
+async fn draft_replaced_mid_generation(
+    req: v1::GenerateRequest,
+    reference: Option<v1::GenerateRequest>,
+    mut want: Vec<u32>,
+) {
     let mut two = two_drafts().await;
+    if let Some(reference) = reference {
+        want = uninterrupted(&two.coordinator.url(), reference).await;
+    }
     let b_steps = two.b_proxy.gate.clone();
     // The generation opens its draft on A (the first, as least loaded); A dies mid-generation,
     // and the generation goes on (a round at a time) until B, attached in its place, drafts.
     let url = two.coordinator.url();
     let gate = two.gate.clone();
-    let (ids, done) = with_fault(&url, story(400, 4), &gate, async || {
+    let (ids, done) = with_fault(&url, req, &gate, async || {
         drop(two.draft_a.take());
         rounds_until(&gate, "B attached and drafting", || b_steps.passed() > 0).await;
     })
@@ -391,5 +442,5 @@ async fn a_draft_replica_lost_mid_generation_is_replaced_by_another() {
     assert!(stats.draft_lost, "A was lost: {stats:?}");
     assert!(stats.draft_reattached >= 1, "attached to B: {stats:?}");
     assert!(b_steps.passed() > 0, "B drafted");
-    assert_eq!(ids, in_process(&stories(), None, &story(400, 0)).token_ids);
+    assert_eq!(ids, want);
 }
