@@ -10,8 +10,8 @@
 //! tokens/s (prefill excluded), speedup over target-only of the same mode, acceptance α (accepted
 //! / drafted), tokens committed per round, and ms per token. One JSON object per line follows.
 //!
-//! Environment: BENCH_REPS (default 3), BENCH_PAIRS (`110m-q8_0`, `qwen`; default both;
-//! `qwen` needs the pair .ci/run fetches), BENCH_K (default `4`).
+//! Environment: BENCH_REPS (default 5), BENCH_PAIRS (`110m-q8_0`, `qwen`; default both;
+//! `qwen` needs the pair .ci/run fetches), BENCH_K (default `4,8`).
 
 use std::time::Instant;
 
@@ -20,7 +20,7 @@ use tandem_runtime::{
     Drafter, Grammar, GrammarCompiler, LoadOptions, Model, SamplingParams, Tokenizer, Verifier,
     default_stop_tokens,
 };
-use tandem_tests::bench::{env_list, ks, median, pairs};
+use tandem_tests::bench::{env_list, ks, median, pairs, reps};
 
 /// The schema every constrained run keeps to (bounded, so a random-weight model ends too).
 fn schema() -> serde_json::Value {
@@ -123,18 +123,7 @@ fn run(s: &Setup, k: usize, grammar: Option<&Grammar>, how: Draft) -> anyhow::Re
 
 fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
-    let reps: usize = std::env::var("BENCH_REPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3);
-    let ks = {
-        // BENCH_K defaults to 4 here.
-        if std::env::var_os("BENCH_K").is_none() {
-            vec![4]
-        } else {
-            ks()?
-        }
-    };
+    let (reps, ks) = (reps(), ks()?);
     let wanted = env_list("BENCH_PAIRS", "110m-q8_0,qwen");
     let scratch = tempfile::tempdir()?;
     let mut sets = Vec::new();

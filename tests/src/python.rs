@@ -95,6 +95,27 @@ pub fn hf_tokenizer_ids(tokenizer_json: &Path, texts: &[&str]) -> Vec<Vec<u32>> 
     serde_json::from_value(answer).expect("ids")
 }
 
+/// The JSON that `tests/tests/SCRIPT` (a client of a Tandem server, with the official `openai`
+/// package) prints when run with `args`; run off the async threads, so the server it calls
+/// keeps serving.
+pub async fn openai_script(script: &str, args: Vec<String>) -> serde_json::Value {
+    let python = python_with(&[("openai", "openai>=1.40")]);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join(script);
+    let out =
+        tokio::task::spawn_blocking(move || Command::new(python).arg(path).args(args).output())
+            .await
+            .expect("join")
+            .expect("run the openai client");
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script}'s JSON: {e}"))
+}
+
 /// Hugging Face's renderings of the chat template in file `template` for `requests` (messages and
 /// variables, each), from `tests/references/chat_template.py`: transformers alone, without torch.
 pub fn chat_template_answer(template: &Path, requests: &serde_json::Value) -> serde_json::Value {

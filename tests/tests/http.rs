@@ -2,14 +2,13 @@
 //! started here, and OpenAI-shaped errors for bad input.
 
 use std::net::SocketAddr;
-use std::process::Command;
 use std::sync::Arc;
 
 use serde_json::{Value, json};
 use tandem_coordinator::LocalCluster;
 use tandem_node::LimitsArgs;
 use tandem_proto::v1;
-use tandem_tests::python::python_with;
+use tandem_tests::python::openai_script;
 use tandem_tests::*;
 
 /// A cluster with both APIs of a coordinator on loopback.
@@ -59,7 +58,6 @@ fn greedy() -> Option<v1::SamplingParams> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_client_gets_the_grpc_text() {
-    let python = python_with(&[("openai", "openai>=1.40")]);
     let model = stories_with_chat_template();
     let served = serve(&model).await;
     let prompt = "Once upon a time";
@@ -87,23 +85,9 @@ async fn the_openai_client_gets_the_grpc_text() {
     )
     .await;
 
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
     let base = format!("http://{}/v1", served.http);
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(python)
-            .arg(script)
-            .args([&base, "stories260K-chat", prompt, "40"])
-            .output()
-    })
-    .await
-    .expect("join")
-    .expect("run the openai client");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let got: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let args = [&base, "stories260K-chat", prompt, "40"].map(str::to_string);
+    let got = openai_script("openai_client.py", args.to_vec()).await;
 
     assert_eq!(got["completion"], completion.text.as_str());
     assert!(!completion.text.is_empty());

@@ -86,27 +86,11 @@ async fn the_openai_client_gets_structured_outputs_and_tool_calls_from_qwen() {
     else {
         return;
     };
-    let python = tandem_tests::python::python_with(&[("openai", "openai>=1.40")]);
     let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
     let engine = Arc::new(cluster.engine(4).await.expect("engine"));
     let addr = serve_http(engine).await;
-    let model = cluster.target.model.name();
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_tools.py");
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(python)
-            .arg(script)
-            .args([format!("http://{addr}/v1"), model])
-            .output()
-    })
-    .await
-    .expect("join")
-    .expect("run the openai client");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let got: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let args = vec![format!("http://{addr}/v1"), cluster.target.model.name()];
+    let got = tandem_tests::python::openai_script("openai_tools.py", args).await;
     assert_eq!(got["parsed"]["capital"], "Paris", "{got}");
     assert!(got["parsed"]["population_millions"].is_i64(), "{got}");
     assert!(got["json_object"].is_object(), "{got}");
