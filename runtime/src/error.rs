@@ -59,6 +59,8 @@ pub enum Error {
     Grammar(String),
     #[error("hugging face hub `{reference}`: {detail}")]
     Hub { reference: String, detail: String },
+    #[error("shared kv prefix: {0}")]
+    SharedPrefix(String),
     #[error("cannot truncate the kv cache to {requested}: it holds {len} entries")]
     TruncateBeyondLength { requested: usize, len: usize },
     #[error(

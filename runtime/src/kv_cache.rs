@@ -1,6 +1,10 @@
 //! A per-sequence KV cache: preallocated per layer, grown by doubling, truncated in O(layers).
 //! Sliding-window layers (Gemma 3's local ones) keep their window and a slack for rollbacks,
-//! not the whole history.
+//! not the whole history. A cache may start with a [`KvPrefix`]: keys and values of its first
+//! positions held read-only in [`Segment`]s that other sequences share (a prefix cache's
+//! entries); its own storage holds the positions after them.
+
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -44,6 +48,90 @@ pub struct KvCache {
     windowed_capacity: usize,
     base: usize,
     len: usize,
+    /// The shared positions `0..prefix.len()` this cache starts with; its own storage holds
+    /// `own_start()..len` (windowed models have none).
+    prefix: Option<KvPrefix>,
+}
+
+/// Keys and values of positions `start..start + tokens.len()` of a token sequence, and those
+/// tokens: read-only once made, shared by every cache that starts with them. Its positions
+/// before `start` are its parent's.
+#[derive(Debug)]
+pub struct Segment {
+    parent: Option<KvPrefix>,
+    start: usize,
+    tokens: Vec<u32>,
+    /// Per layer, (1, kv_heads, tokens.len(), head_dim), contiguous.
+    layers: Vec<(Tensor, Tensor)>,
+    bytes: usize,
+}
+
+/// The first `len` positions of a chain of [`Segment`]s: what a cache starts with. Cloning
+/// shares the segments.
+#[derive(Debug, Clone)]
+pub struct KvPrefix {
+    segment: Arc<Segment>,
+    len: usize,
+}
+
+impl KvPrefix {
+    /// Positions it holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its tokens, in order.
+    pub fn tokens(&self) -> Vec<u32> {
+        let mut tokens = Vec::with_capacity(self.len);
+        for (segment, rows) in self.segments() {
+            tokens.extend_from_slice(&segment.tokens[..rows]);
+        }
+        tokens
+    }
+
+    /// Bytes its segment holds, not counting its parent's (each segment is counted once by
+    /// whoever holds it).
+    pub fn segment_bytes(&self) -> usize {
+        self.segment.bytes
+    }
+
+    /// Whether `other` holds the same segment (the same memory).
+    pub fn same_segment(&self, other: &KvPrefix) -> bool {
+        Arc::ptr_eq(&self.segment, &other.segment)
+    }
+
+    /// The first `len` positions (≤ its own), dropping the segments past them.
+    fn cut(&self, len: usize) -> Option<KvPrefix> {
+        let mut at = self.clone();
+        at.len = at.len.min(len);
+        while at.len <= at.segment.start {
+            let parent = at.segment.parent.clone()?;
+            at = KvPrefix {
+                len: parent.len.min(at.len),
+                segment: parent.segment,
+            };
+        }
+        (at.len > 0).then_some(at)
+    }
+
+    /// Its segments from the first, with the rows of each it holds.
+    fn segments(&self) -> Vec<(&Segment, usize)> {
+        let mut chain = Vec::new();
+        let (mut segment, mut len) = (&*self.segment, self.len);
+        loop {
+            chain.push((segment, len - segment.start));
+            match &segment.parent {
+                Some(parent) => (segment, len) = (&*parent.segment, parent.len.min(segment.start)),
+                None => break,
+            }
+        }
+        chain.reverse();
+        chain
+    }
 }
 
 impl KvCache {
@@ -56,7 +144,97 @@ impl KvCache {
             windowed_capacity: 0,
             base: 0,
             len: 0,
+            prefix: None,
         }
+    }
+
+    /// The first position this cache's own storage holds (the length of its shared prefix).
+    fn own_start(&self) -> usize {
+        self.prefix.as_ref().map_or(0, KvPrefix::len)
+    }
+
+    /// The shared prefix this cache starts with, if any.
+    pub fn prefix(&self) -> Option<&KvPrefix> {
+        self.prefix.as_ref()
+    }
+
+    /// Starts this empty cache with `prefix`'s positions, shared, not copied.
+    pub fn attach(&mut self, prefix: &KvPrefix) -> Result<()> {
+        let s = &self.shape;
+        let fits = prefix.segment.layers.len() == s.num_layers
+            && prefix.segment.layers.first().is_none_or(|(k, _)| {
+                k.dims().get(1) == Some(&s.num_kv_heads)
+                    && k.dims().get(3) == Some(&s.head_dim)
+                    && k.dtype() == s.dtype
+            });
+        if self.len > 0 || self.shape.window.is_some() || !fits || prefix.len > s.max_len {
+            return Err(Error::SharedPrefix(
+                "a shared prefix starts only an empty cache of the same geometry, without \
+                 sliding-window layers"
+                    .into(),
+            ));
+        }
+        self.prefix = Some(prefix.clone());
+        self.len = prefix.len;
+        Ok(())
+    }
+
+    /// Every position held, as a prefix other caches can start with: the shared prefix this
+    /// cache starts with, extended by a new segment with a copy of its own positions, each
+    /// matching one of `tokens` (the tokens of the positions after the shared prefix).
+    pub fn share(&self, tokens: &[u32]) -> Result<KvPrefix> {
+        let start = self.own_start();
+        let rows = self.len - start;
+        if self.shape.window.is_some() || tokens.len() != rows {
+            return Err(Error::SharedPrefix(
+                "a prefix is shared from a cache without sliding-window layers, one token per \
+                 position"
+                    .into(),
+            ));
+        }
+        if rows == 0 {
+            return self.prefix.clone().ok_or_else(|| {
+                Error::SharedPrefix("an empty cache has no positions to share".into())
+            });
+        }
+        // A chain as long as attention reads (one piece per segment, and the own storage's) is
+        // copied into one segment instead of growing.
+        let chain = self.prefix.as_ref().map_or(Vec::new(), KvPrefix::segments);
+        let flatten = chain.len() + 2 > crate::kernels::MAX_PIECES;
+        let layers = (0..self.layers.len())
+            .map(|layer| {
+                let own = &self.layers[layer];
+                let mut pieces = vec![(own.0.narrow(2, 0, rows)?, own.1.narrow(2, 0, rows)?)];
+                if flatten {
+                    let shared = chain.iter().map(|(segment, held)| {
+                        let (k, v) = &segment.layers[layer];
+                        Ok((k.narrow(2, 0, *held)?, v.narrow(2, 0, *held)?))
+                    });
+                    pieces = shared
+                        .chain(pieces.into_iter().map(Ok))
+                        .collect::<Result<_>>()?;
+                }
+                let (ks, vs): (Vec<Tensor>, Vec<Tensor>) = pieces.into_iter().unzip();
+                // Copies: the segment must not share storage the cache goes on writing.
+                let copy = |ts: &[Tensor]| -> Result<Tensor> { Ok(Tensor::cat(ts, 2)?.copy()?) };
+                Ok((copy(&ks)?, copy(&vs)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (parent, start, tokens) = match &self.prefix {
+            Some(prefix) if flatten => (None, 0, [prefix.tokens(), tokens.to_vec()].concat()),
+            _ => (self.prefix.clone(), start, tokens.to_vec()),
+        };
+        let segment = Segment {
+            parent,
+            start,
+            bytes: tokens.len() * self.bytes_per_position(),
+            tokens,
+            layers,
+        };
+        Ok(KvPrefix {
+            segment: Arc::new(segment),
+            len: self.len,
+        })
     }
 
     fn windowed(&self, layer: usize) -> bool {
@@ -103,7 +281,7 @@ impl KvCache {
         2 * s.num_layers * s.num_kv_heads * s.head_dim * s.dtype.size_in_bytes()
     }
 
-    /// Bytes allocated for keys and values.
+    /// Bytes allocated for keys and values of its own (a shared prefix's are its segments').
     pub fn bytes(&self) -> usize {
         self.layer_bytes(self.capacity, self.windowed_capacity)
     }
@@ -145,6 +323,11 @@ impl KvCache {
                 window: *window,
             });
         }
+        if len < self.own_start() {
+            // Into the shared prefix: it is read, never written, so it is only cut; the own
+            // storage holds the positions from there on.
+            self.prefix = self.prefix.as_ref().and_then(|p| p.cut(len));
+        }
         self.len = len;
         Ok(())
     }
@@ -153,18 +336,20 @@ impl KvCache {
     pub fn clear(&mut self) {
         self.len = 0;
         self.base = 0;
+        self.prefix = None;
     }
 
     /// Makes room for `n` more positions, growing storage by doubling; windowed layers drop the
     /// positions no row will see first.
     pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
-        let needed = self.len + n;
-        if needed > self.shape.max_len {
+        if self.len + n > self.shape.max_len {
             return Err(Error::ContextFull {
-                len: needed,
+                len: self.len + n,
                 limit: self.shape.max_len,
             });
         }
+        // The own storage's positions (a shared prefix's are not in it).
+        let needed = self.len - self.own_start() + n;
         let full = if needed <= self.capacity {
             self.capacity
         } else {
@@ -190,10 +375,11 @@ impl KvCache {
         let mut layers = Vec::with_capacity(s.num_layers);
         for i in 0..s.num_layers {
             // Where this layer's storage starts now and from where it is to start.
+            let own = self.own_start();
             let (capacity, from, to) = if self.windowed(i) {
                 (windowed, self.base, base)
             } else {
-                (full, 0, 0)
+                (full, own, own)
             };
             let unchanged = if self.windowed(i) {
                 (windowed, base) == (self.windowed_capacity, self.base)
@@ -224,18 +410,35 @@ impl KvCache {
     }
 
     /// Writes the block's keys and values of `layer` at the current length and returns views of
-    /// all positions up to the end of the block. Call [`KvCache::advance`] once all layers are
-    /// written.
-    pub(crate) fn append(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// all positions up to the end of the block, in order: the shared prefix's segments, then
+    /// the own storage's. Call [`KvCache::advance`] once all layers are written.
+    pub(crate) fn append(
+        &self,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Vec<(Tensor, Tensor)>> {
         let n = k.dim(2)?;
-        let from = if self.windowed(layer) { self.base } else { 0 };
+        let from = if self.windowed(layer) {
+            self.base
+        } else {
+            self.own_start()
+        };
         let (ck, cv) = &self.layers[layer];
         ck.slice_set(k, 2, self.len - from)?;
         cv.slice_set(v, 2, self.len - from)?;
-        Ok((
+        let mut views = Vec::new();
+        if let Some(prefix) = &self.prefix {
+            for (segment, rows) in prefix.segments() {
+                let (sk, sv) = &segment.layers[layer];
+                views.push((sk.narrow(2, 0, rows)?, sv.narrow(2, 0, rows)?));
+            }
+        }
+        views.push((
             ck.narrow(2, 0, self.len - from + n)?,
             cv.narrow(2, 0, self.len - from + n)?,
-        ))
+        ));
+        Ok(views)
     }
 
     pub(crate) fn advance(&mut self, n: usize) {

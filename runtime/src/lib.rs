@@ -22,7 +22,7 @@ pub use generator::{
     FinishReason, GenerateRequest, Generation, GenerationStats, RequestLimits,
     SpeculativeGenerator, default_stop_tokens,
 };
-pub use kv_cache::KvCache;
+pub use kv_cache::{KvCache, KvPrefix};
 pub use model::{LoadOptions, Logits, Model, ModelConfig};
 pub use sampling::rng::{Draws, Rng};
 pub use sampling::{Distribution, SamplingParams};

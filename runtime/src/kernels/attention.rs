@@ -1,7 +1,9 @@
 //! Causal attention row by row on the CPU: each query row attends to exactly the positions it
 //! sees, with dot products, the softmax and the weighted sum in a fixed order, so that a row's
 //! output is the same in a block of any size. Keys and values are read where the cache holds
-//! them: nothing is copied or concatenated per call, whatever the context's length.
+//! them, in one piece or in several (a shared prefix's segments, then the sequence's own
+//! storage): nothing is copied or concatenated per call, whatever the context's length, and a
+//! key's score, the softmax and the sum are the same whichever piece holds it.
 
 use std::cell::RefCell;
 
@@ -19,11 +21,20 @@ pub(crate) struct AttentionShape {
     pub n: usize,
     pub pos: usize,
     pub head_dim: usize,
-    /// Elements from one query head's first row to the next one's in `q`, and from one kv
-    /// head's to the next one's in `k` and `v` (≥ (pos + n) · head_dim: a cache allocated
-    /// for more positions than it holds).
+    /// Elements from one query head's first row to the next one's in `q`.
     pub q_stride: usize,
-    pub kv_stride: usize,
+}
+
+/// Keys and values of consecutive positions, from `start` on, `rows` of them: one piece of a
+/// sequence's cache. `stride`: elements from one kv head's first row to the next one's (≥ rows
+/// · head_dim: storage allocated for more positions than it holds).
+#[derive(Clone, Copy)]
+struct Piece<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    stride: usize,
+    start: usize,
+    rows: usize,
 }
 
 /// How a layer's query rows attend: the scale of q·k, and how many of the latest positions a
@@ -34,12 +45,17 @@ pub(crate) struct Span {
     pub window: usize,
 }
 
-/// The attention of the sequences of a batch, each `(q, k, v)`: `q` (1, heads, n, d), `k` and
-/// `v` (1, kv_heads, pos + n, d), f32 on the CPU, under `span`. Returns (1, Σ n, heads · d): every sequence's
-/// rows in turn, as their concatenation. The rows of all sequences are split across the threads
-/// together (one sequence's decode row alone is too little work for two). Views whose rows are
-/// contiguous (those of a preallocated cache) are read in place; others are copied first.
-pub(crate) fn attention_cpu(seqs: &[(Tensor, Tensor, Tensor)], span: Span) -> Result<Tensor> {
+/// The attention of the sequences of a batch, each `(q, pieces)`: `q` (1, heads, n, d), and the
+/// pieces of its keys and values in order, each `(k, v)` (1, kv_heads, rows, d), together
+/// pos + n positions; f32 on the CPU, under `span`. Returns (1, Σ n, heads · d): every
+/// sequence's rows in turn, as their concatenation. The rows of all sequences are split across
+/// the threads together (one sequence's decode row alone is too little work for two). Views
+/// whose rows are contiguous (those of a preallocated cache) are read in place; others are
+/// copied first.
+pub(crate) fn attention_cpu(
+    seqs: &[(Tensor, Vec<(Tensor, Tensor)>)],
+    span: Span,
+) -> Result<Tensor> {
     let rows = |t: &Tensor| -> Result<Tensor> {
         let contiguous_rows = t.stride()[3] == 1 && t.stride()[2] == t.dim(3)?;
         Ok(if contiguous_rows {
@@ -50,31 +66,56 @@ pub(crate) fn attention_cpu(seqs: &[(Tensor, Tensor, Tensor)], span: Span) -> Re
     };
     let tensors = seqs
         .iter()
-        .map(|(q, k, v)| Ok([rows(q)?, rows(k)?, rows(v)?]))
+        .map(|(q, pieces)| {
+            let pieces = pieces
+                .iter()
+                .map(|(k, v)| Ok([rows(k)?, rows(v)?]))
+                .collect::<Result<Vec<_>>>()?;
+            Ok((rows(q)?, pieces))
+        })
         .collect::<Result<Vec<_>>>()?;
     let guards: Vec<_> = tensors
         .iter()
-        .map(|t| t.each_ref().map(|t| t.storage_and_layout()))
+        .map(|(q, pieces)| {
+            let pieces: Vec<_> = pieces
+                .iter()
+                .map(|p| p.each_ref().map(|t| t.storage_and_layout()))
+                .collect();
+            (q.storage_and_layout(), pieces)
+        })
         .collect();
+    let bad = |what: &str| -> crate::Error { candle_core::Error::Msg(what.into()).into() };
     let mut calls = Vec::with_capacity(seqs.len());
     let (mut heads, mut head_dim, mut rows_out) = (0, 0, 0);
-    for ([q, k, _], [(qs, ql), (ks, kl), (vs, vl)]) in tensors.iter().zip(&guards) {
+    for ((q, kv), ((qs, ql), piece_guards)) in tensors.iter().zip(&guards) {
         let (_, h, n, d) = q.dims4()?;
-        let (_, kv_heads, seen, _) = k.dims4()?;
         if calls.is_empty() {
             (heads, head_dim) = (h, d);
         } else if (h, d) != (heads, head_dim) {
-            return Err(
-                candle_core::Error::Msg("sequences of different head shapes".into()).into(),
-            );
+            return Err(bad("sequences of different head shapes"));
         }
         let (q, q_stride) = elements(qs, ql)?;
-        let (k, kv_stride) = elements(ks, kl)?;
-        let (v, v_stride) = elements(vs, vl)?;
-        if v_stride != kv_stride {
-            return Err(
-                candle_core::Error::Msg("keys and values laid out differently".into()).into(),
-            );
+        let mut pieces = Vec::with_capacity(kv.len());
+        let (mut seen, mut kv_heads) = (0, 0);
+        for ([k, _], [(ks, kl), (vs, vl)]) in kv.iter().zip(piece_guards) {
+            let (_, heads_here, rows, _) = k.dims4()?;
+            let (k, stride) = elements(ks, kl)?;
+            let (v, v_stride) = elements(vs, vl)?;
+            if v_stride != stride || (kv_heads != 0 && heads_here != kv_heads) {
+                return Err(bad("keys and values laid out differently"));
+            }
+            kv_heads = heads_here;
+            pieces.push(Piece {
+                k,
+                v,
+                stride,
+                start: seen,
+                rows,
+            });
+            seen += rows;
+        }
+        if seen < n || kv_heads == 0 {
+            return Err(bad("fewer keys than query rows"));
         }
         let s = AttentionShape {
             heads,
@@ -83,9 +124,8 @@ pub(crate) fn attention_cpu(seqs: &[(Tensor, Tensor, Tensor)], span: Span) -> Re
             pos: seen - n,
             head_dim,
             q_stride,
-            kv_stride,
         };
-        calls.push(Call { q, k, v, s });
+        calls.push(Call { q, pieces, s });
         rows_out += n;
     }
     let ys = attention(&calls, span);
@@ -118,13 +158,11 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// One sequence's attention: `q` heads of `n` rows; `k`, `v` kv heads of `pos + n` rows (see
-/// [`AttentionShape`] for the strides).
-#[derive(Clone, Copy)]
+/// One sequence's attention: `q` heads of `n` rows; the pieces of its keys and values, kv heads
+/// of `pos + n` rows together (see [`AttentionShape`] for the strides).
 struct Call<'a> {
     q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+    pieces: Vec<Piece<'a>>,
     s: AttentionShape,
 }
 
@@ -151,7 +189,7 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
     let fused = Path::detect() != Path::Portable;
     let one = |(index, out_row): (usize, &mut [f32])| {
         let c = starts.partition_point(|&s| s <= index) - 1;
-        let Call { q, k, v, s } = calls[c];
+        let Call { q, pieces, s } = &calls[c];
         // Output (row i, head h) of a call is its chunk i · heads + h.
         let local = index - starts[c];
         let (i, h) = (local / heads, local % heads);
@@ -159,9 +197,21 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
         let kv = h / (heads / s.kv_heads);
         let seen = s.pos + i + 1;
         let first = seen.saturating_sub(span.window);
+        // The positions first..seen, piece by piece.
+        let mut seen_pieces = [(&[][..], &[][..]); MAX_PIECES];
+        let mut count = 0;
+        for p in pieces {
+            let (from, to) = (first.max(p.start), seen.min(p.start + p.rows));
+            if from >= to {
+                continue;
+            }
+            let at = kv * p.stride + (from - p.start) * d;
+            let len = (to - from) * d;
+            seen_pieces[count] = (&p.k[at..][..len], &p.v[at..][..len]);
+            count += 1;
+        }
         let rows = Rows {
-            keys: &k[kv * s.kv_stride + first * d..][..(seen - first) * d],
-            values: &v[kv * s.kv_stride + first * d..][..(seen - first) * d],
+            pieces: &seen_pieces[..count],
             d,
             scale,
         };
@@ -194,14 +244,18 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
     out
 }
 
-/// The keys and values one query row sees, and the scale of its scores.
+/// The keys and values one query row sees, in pieces (each (keys, values) of the same
+/// positions), and the scale of its scores.
 #[derive(Clone, Copy)]
 struct Rows<'a> {
-    keys: &'a [f32],
-    values: &'a [f32],
+    pieces: &'a [(&'a [f32], &'a [f32])],
     d: usize,
     scale: f32,
 }
+
+/// The most pieces a sequence's keys come in: a shared prefix's segments (one per turn of a
+/// chat that extended the last) and its own storage. A longer chain is copied into one segment.
+pub(crate) const MAX_PIECES: usize = 16;
 
 /// `acc` + a · b, in one rounding where `FUSED` (FMA).
 #[inline(always)]
@@ -227,19 +281,16 @@ fn attend<const FUSED: bool>(
     scores: &mut Vec<f32>,
     out_row: &mut [f32],
 ) {
-    let Rows {
-        keys,
-        values,
-        d,
-        scale,
-    } = rows;
+    let Rows { pieces, d, scale } = rows;
     scores.clear();
-    let mut groups = keys.chunks_exact(KEYS * d);
-    for group in &mut groups {
-        scores.extend(key_scores::<FUSED, KEYS>(q_row, group, d, scale));
-    }
-    for key in groups.remainder().chunks_exact(d) {
-        scores.extend(key_scores::<FUSED, 1>(q_row, key, d, scale));
+    for (keys, _) in pieces {
+        let mut groups = keys.chunks_exact(KEYS * d);
+        for group in &mut groups {
+            scores.extend(key_scores::<FUSED, KEYS>(q_row, group, d, scale));
+        }
+        for key in groups.remainder().chunks_exact(d) {
+            scores.extend(key_scores::<FUSED, 1>(q_row, key, d, scale));
+        }
     }
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;
@@ -247,7 +298,8 @@ fn attend<const FUSED: bool>(
         *w = (*w - max).exp();
         sum += *w;
     }
-    for (w, value) in scores.iter().zip(values.chunks_exact(d)) {
+    let values = pieces.iter().flat_map(|(_, values)| values.chunks_exact(d));
+    for (w, value) in scores.iter().zip(values) {
         for (o, x) in out_row.iter_mut().zip(value) {
             *o = madd::<FUSED>(*w, *x, *o);
         }

@@ -336,7 +336,8 @@ fn attention_case(capacity: usize, pos: usize, span: super::Span) {
     };
     let (k, v) = (view(0), view(1));
     let q = Tensor::from_slice(&qv, (1, heads, n, d), &device).expect("q");
-    let got = super::attention_cpu(&[(q.clone(), k.clone(), v.clone())], span).expect("attention");
+    let got = super::attention_cpu(&[(q.clone(), vec![(k.clone(), v.clone())])], span)
+        .expect("attention");
     let got: Vec<f32> = got.flatten_all().and_then(|t| t.to_vec1()).expect("vec");
     let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().and_then(|t| t.to_vec1()).expect("vec") };
     let reference = attention_reference(
@@ -359,7 +360,7 @@ fn attention_case(capacity: usize, pos: usize, span: super::Span) {
             let q_row = q.narrow(2, i, 1).expect("row");
             let k_row = k.narrow(2, 0, pos + i + 1).expect("keys");
             let v_row = v.narrow(2, 0, pos + i + 1).expect("values");
-            (q_row, k_row, v_row)
+            (q_row, vec![(k_row, v_row)])
         })
         .collect();
     for (i, step) in steps.iter().enumerate() {

@@ -227,10 +227,13 @@ impl Attention {
             let q = self.heads(rows(&q_all)?, self.num_heads, q_norm, Some(rope))?;
             let k = self.heads(rows(&k_all)?, self.num_kv_heads, k_norm, Some(rope))?;
             let v = self.heads(rows(&v_all)?, self.num_kv_heads, None, None)?;
-            let (k, v) = seq.cache.append(layer, &k, &v)?;
+            let pieces = seq.cache.append(layer, &k, &v)?;
             if cpu {
-                on_cpu.push((q, k, v));
+                on_cpu.push((q, pieces));
             } else {
+                // candle's ops take the keys and values in one piece.
+                let (ks, vs): (Vec<Tensor>, Vec<Tensor>) = pieces.into_iter().unzip();
+                let (k, v) = (Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?);
                 out.push(self.attend(&q, &k, &v, seq.masks[usize::from(self.local)].as_ref())?);
             }
         }

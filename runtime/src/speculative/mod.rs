@@ -11,7 +11,7 @@ pub mod draft_check;
 use std::time::Instant;
 
 use crate::constraint::Constraint;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, KvPrefix};
 use crate::model::{Logits, Model};
 use crate::sampling::rng::Draws;
 use crate::sampling::{Distribution, SamplingParams, TokenLogprobs, distribution};
@@ -145,6 +145,31 @@ impl SequenceState {
     /// Caps the positions this sequence's cache may hold ([`KvCache::limit`]).
     pub fn limit_cache(&mut self, max_len: usize) {
         self.seq.cache.limit(max_len);
+    }
+
+    /// Every position this sequence holds, as a prefix other sequences of the same model can
+    /// start with: its shared prefix's segments, and one more with a copy of its own positions.
+    pub fn share_prefix(&self) -> Result<KvPrefix> {
+        let shared = self.seq.cache.prefix().map_or(0, KvPrefix::len);
+        self.seq.cache.share(&self.seq.tokens[shared..])
+    }
+
+    /// Starts this sequence, empty, with `prefix`'s positions (shared, not copied): its prefill
+    /// computes only the prompt's tokens after them, or from the first that differs.
+    pub fn start_with(&mut self, prefix: &KvPrefix) -> Result<()> {
+        if !self.seq.tokens.is_empty() {
+            return Err(Error::SharedPrefix(
+                "only an empty sequence starts with a shared prefix".into(),
+            ));
+        }
+        self.seq.cache.attach(prefix)?;
+        self.seq.tokens = prefix.tokens();
+        Ok(())
+    }
+
+    /// The positions of this sequence's shared prefix.
+    pub fn shared_tokens(&self) -> usize {
+        self.seq.cache.prefix().map_or(0, KvPrefix::len)
     }
 
     /// Bytes held by this sequence's cache.
