@@ -53,6 +53,7 @@ impl Session for DraftSession {
         if let Some(constraint) = state.constraint(&open)? {
             drafter.constrain(constraint);
         }
+        state.start_from_cache(&mut drafter, &open.prompt);
         // Never past what admission reserved for it.
         drafter.limit_cache(state.session_room(&open).0);
         Ok(Self {
@@ -122,6 +123,10 @@ impl Session for DraftSession {
 
     fn kv_bytes(&self) -> usize {
         self.drafter.cache_bytes()
+    }
+
+    fn into_prefix(self) -> Option<tandem_runtime::KvPrefix> {
+        self.drafter.into_prefix()
     }
 }
 

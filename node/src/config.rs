@@ -59,6 +59,14 @@ pub struct LimitsArgs {
     /// the model is loaded (CPU); no limit on a GPU, where it must be set.
     #[arg(long, env = "TANDEM_KV_CACHE_BYTES", default_value_t = 0)]
     pub kv_cache_bytes: u64,
+    /// Most bytes the prefix cache may hold: what finished sessions computed, for a session
+    /// whose prompt starts with the same tokens (a chat's next turn, a repeated system prompt)
+    /// to start with instead of prefilling it. It holds only what the sessions do not reserve of
+    /// --kv-cache-bytes, and gives way (least recently used first) to a session admitted. 0:
+    /// off. Default: the KV-cache budget where it is known (CPU, or --kv-cache-bytes set), off
+    /// otherwise.
+    #[arg(long, env = "TANDEM_PREFIX_CACHE_BYTES")]
+    pub prefix_cache_bytes: Option<u64>,
     /// Prompt tokens prefilled in one forward pass: a longer prompt is fed in chunks, and the
     /// work of other sessions runs between two chunks (a long prompt delays their rounds by at
     /// most one chunk's time).
@@ -83,6 +91,7 @@ impl Default for LimitsArgs {
             max_draft_tokens: 32,
             idle_timeout_secs: 300,
             kv_cache_bytes: 0,
+            prefix_cache_bytes: None,
             prefill_chunk: 512,
             max_batch: 64,
             batch_wait_us: 2000,

@@ -20,6 +20,9 @@ fn exposition(state: &NodeState) -> String {
     m.kv_cache_bytes.set(gauge(state.sessions.kv_bytes()));
     m.kv_cache_reserved_bytes.set(gauge(reserved));
     m.kv_cache_budget_bytes.set(gauge(budget));
+    m.prefix_cache_bytes.set(gauge(state.prefixes.bytes()));
+    m.prefix_cache_evicted_bytes
+        .set(i64::try_from(state.prefixes.evicted_bytes()).unwrap_or(i64::MAX));
     m.kv_cache_usage_perc.set(if budget > 0 {
         reserved as f64 / budget as f64
     } else {

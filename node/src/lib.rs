@@ -7,6 +7,7 @@ mod config;
 mod host;
 mod http;
 pub mod metrics;
+pub mod prefix_cache;
 mod serve;
 mod sessions;
 mod state;

@@ -118,6 +118,14 @@ pub struct NodeMetrics {
     pub sessions_opened: Counter,
     /// Chunks of prompts prefilled (a prompt longer than --prefill-chunk takes several).
     pub prefill_chunks: Counter,
+    /// Prompt tokens looked up in the prefix cache, and those found there (vLLM's
+    /// prefix_cache_queries / prefix_cache_hits).
+    pub prefix_cache_queries: Counter,
+    pub prefix_cache_hits: Counter,
+    /// Bytes the prefix cache dropped to stay within its budget (set when the page is
+    /// written), and the bytes it holds.
+    pub prefix_cache_evicted_bytes: Gauge,
+    pub prefix_cache_bytes: Gauge,
     /// Steps (draft) or verify blocks (target) answered.
     pub requests: Counter,
     /// Tokens proposed (draft) or committed (target).
@@ -146,6 +154,10 @@ impl Default for NodeMetrics {
         let mut m = Self {
             sessions_opened: Counter::default(),
             prefill_chunks: Counter::default(),
+            prefix_cache_queries: Counter::default(),
+            prefix_cache_hits: Counter::default(),
+            prefix_cache_evicted_bytes: Gauge::default(),
+            prefix_cache_bytes: Gauge::default(),
             requests: Counter::default(),
             tokens: Counter::default(),
             compute: latency(),
@@ -183,6 +195,16 @@ impl Default for NodeMetrics {
                 "KV-cache bytes all sessions together may grow to (--kv-cache-bytes)",
                 &m.kv_cache_budget_bytes,
             ),
+            (
+                "tandem_node_prefix_cache_bytes",
+                "KV-cache bytes the prefix cache holds for sessions to start with",
+                &m.prefix_cache_bytes,
+            ),
+            (
+                "tandem_node_prefix_cache_evicted_bytes",
+                "KV-cache bytes the prefix cache dropped to stay within --prefix-cache-bytes",
+                &m.prefix_cache_evicted_bytes,
+            ),
         ];
         register_all(r, &gauges);
         r.register(
@@ -200,6 +222,16 @@ impl Default for NodeMetrics {
                 "tandem_node_prefill_chunks",
                 "Chunks of prompts prefilled (other sessions' work runs between two chunks)",
                 &m.prefill_chunks,
+            ),
+            (
+                "tandem_node_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                &m.prefix_cache_queries,
+            ),
+            (
+                "tandem_node_prefix_cache_hits",
+                "Prompt tokens whose keys and values came from the prefix cache",
+                &m.prefix_cache_hits,
             ),
             (
                 "tandem_node_requests",

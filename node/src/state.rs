@@ -47,6 +47,8 @@ pub struct NodeState {
     pub tokenizer: Tokenizer,
     pub limits: Limits,
     pub sessions: SessionTable,
+    /// What finished sessions computed, for new ones to start with.
+    pub prefixes: crate::prefix_cache::PrefixCache,
     pub device: String,
     pub metrics: crate::metrics::NodeMetrics,
     /// Where every forward pass runs.
@@ -99,6 +101,12 @@ impl NodeState {
             0 => usize::MAX,
             n => usize::try_from(n).unwrap_or(usize::MAX),
         };
+        // Within the sessions' budget: what they do not reserve.
+        let prefix_cache_bytes = match limits.prefix_cache_bytes {
+            Some(n) => usize::try_from(n).unwrap_or(usize::MAX).min(kv_cache_bytes),
+            None if kv_cache_bytes == usize::MAX => 0,
+            None => kv_cache_bytes,
+        };
         Self {
             role,
             limits: Limits {
@@ -109,6 +117,7 @@ impl NodeState {
                 prefill_chunk: limits.prefill_chunk.max(1),
             },
             sessions: SessionTable::new(limits.max_sessions, kv_cache_bytes),
+            prefixes: crate::prefix_cache::PrefixCache::new(prefix_cache_bytes),
             kv_sizing: model.new_cache(),
             device: device.to_string(),
             metrics: crate::metrics::NodeMetrics::default(),
@@ -201,6 +210,34 @@ impl NodeState {
         // A replayed session's prompt holds generated tokens: the grammar must take them.
         constraint.sync(&open.prompt)?;
         Ok(Some(constraint))
+    }
+
+    /// Admits a session opened by `open` ([`SessionTable::acquire`]), then drops cached
+    /// prefixes (least recently used first) until they fit in what the sessions do not reserve.
+    pub fn admit(&self, open: &v1::OpenSession) -> Result<crate::SessionSlot> {
+        let slot = self.sessions.acquire(self.session_room(open).1)?;
+        self.prefixes.shrink(self.unreserved());
+        Ok(slot)
+    }
+
+    /// KV-cache bytes the sessions do not reserve: the prefix cache's room.
+    pub fn unreserved(&self) -> usize {
+        let (reserved, budget) = self.sessions.kv_reserved();
+        budget.saturating_sub(reserved)
+    }
+
+    /// The longest cached prefix of `prompt` for `seq` to start with (none where the cache is
+    /// off, has none, or the model's cache cannot start with one: sliding-window layers).
+    /// Counts the prompt's tokens looked up, and those found.
+    pub fn start_from_cache(&self, seq: &mut tandem_runtime::SequenceState, prompt: &[u32]) {
+        let m = &self.metrics;
+        m.prefix_cache_queries.inc_by(prompt.len() as u64);
+        if let Some((prefix, reused)) = self.prefixes.lookup(prompt)
+            && let Some(prefix) = prefix.first(reused)
+            && seq.start_with(&prefix).is_ok()
+        {
+            m.prefix_cache_hits.inc_by(reused as u64);
+        }
     }
 
     /// The positions a session opened by `open` may grow to (its prompt, its new tokens and

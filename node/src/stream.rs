@@ -55,6 +55,8 @@ pub trait Session: Sized + Send + 'static {
     /// The committed prefix the session holds.
     fn held(&self) -> Prefix;
     fn kv_bytes(&self) -> usize;
+    /// What it computed, as it ends, for the prefix cache.
+    fn into_prefix(self) -> Option<tandem_runtime::KvPrefix>;
 }
 
 type Outbound<S> = mpsc::Sender<Result<<S as Session>::Response, Status>>;
@@ -85,12 +87,30 @@ pub fn drive_session<S: Session>(
     ReceiverStream::new(rx)
 }
 
+/// Serves the session's stream until it ends, however it ends; then what the session computed
+/// goes to the prefix cache, once its reservation is freed.
 async fn run<S: Session>(
     state: &Arc<NodeState>,
-    mut inbound: Streaming<S::Request>,
+    inbound: Streaming<S::Request>,
     tx: &Outbound<S>,
 ) -> Result<()> {
     let mut session: Option<(S, crate::SessionSlot)> = None;
+    let ended = serve::<S>(state, inbound, tx, &mut session).await;
+    if let Some((s, slot)) = session.take() {
+        drop(slot);
+        if let Some(prefix) = s.into_prefix() {
+            state.prefixes.insert(prefix, state.unreserved());
+        }
+    }
+    ended
+}
+
+async fn serve<S: Session>(
+    state: &Arc<NodeState>,
+    mut inbound: Streaming<S::Request>,
+    tx: &Outbound<S>,
+    session: &mut Option<(S, crate::SessionSlot)>,
+) -> Result<()> {
     let idle = state.limits.idle_timeout;
     loop {
         let request = match tokio::time::timeout(idle, inbound.message()).await {
@@ -110,7 +130,7 @@ async fn run<S: Session>(
                 }
                 tandem_proto::check_session_id(&open.session_id)?;
                 tracing::Span::current().record("session_id", open.session_id.as_str());
-                let slot = state.sessions.acquire(state.session_room(&open).1)?;
+                let slot = state.admit(&open)?;
                 let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());
                 let arrived = std::time::Instant::now();
                 let mut s = S::open(state, open)?;
@@ -142,7 +162,7 @@ async fn run<S: Session>(
                     queued_micros: queued
                         .map_or(0, |q| u64::try_from(q.as_micros()).unwrap_or(u64::MAX)),
                 });
-                session = Some((s, slot));
+                *session = Some((s, slot));
                 tracing::debug!("opened");
                 reply
             }
@@ -178,7 +198,7 @@ async fn run<S: Session>(
                     }
                     Err(e) => return Err(e),
                 };
-                session = Some((s, slot));
+                *session = Some((s, slot));
                 reply
             }
             Incoming::Close => {

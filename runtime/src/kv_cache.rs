@@ -99,13 +99,23 @@ impl KvPrefix {
         self.segment.bytes
     }
 
+    /// Each segment it reads (an id, the same for every prefix that holds that segment) and the
+    /// bytes it holds: what counts its memory once however many prefixes share it.
+    pub fn held(&self) -> Vec<(usize, usize)> {
+        self.segments()
+            .into_iter()
+            .map(|(segment, _)| (std::ptr::from_ref(segment) as usize, segment.bytes))
+            .collect()
+    }
+
     /// Whether `other` holds the same segment (the same memory).
     pub fn same_segment(&self, other: &KvPrefix) -> bool {
         Arc::ptr_eq(&self.segment, &other.segment)
     }
 
-    /// The first `len` positions (≤ its own), dropping the segments past them.
-    fn cut(&self, len: usize) -> Option<KvPrefix> {
+    /// Its first `len` positions (all, if it holds fewer), without the segments past them;
+    /// None for none.
+    pub fn first(&self, len: usize) -> Option<KvPrefix> {
         let mut at = self.clone();
         at.len = at.len.min(len);
         while at.len <= at.segment.start {
@@ -281,6 +291,39 @@ impl KvCache {
         2 * s.num_layers * s.num_kv_heads * s.head_dim * s.dtype.size_in_bytes()
     }
 
+    /// Every position held, as a prefix, this cache's own storage becoming its last segment
+    /// without a copy (nothing writes to it any more): what a finished sequence leaves to a
+    /// prefix cache. `tokens` are those of the positions after its shared prefix. None for a
+    /// cache that holds nothing or has sliding-window layers.
+    pub fn into_prefix(self, tokens: &[u32]) -> Option<KvPrefix> {
+        let start = self.own_start();
+        let rows = self.len - start;
+        if self.shape.window.is_some() || tokens.len() != rows || self.len == 0 {
+            return None;
+        }
+        if rows == 0 {
+            return self.prefix.clone();
+        }
+        let bytes = self.bytes();
+        let layers = self
+            .layers
+            .iter()
+            .map(|(k, v)| Some((k.narrow(2, 0, rows).ok()?, v.narrow(2, 0, rows).ok()?)))
+            .collect::<Option<Vec<_>>>()?;
+        let segment = Segment {
+            parent: self.prefix.clone(),
+            start,
+            tokens: tokens.to_vec(),
+            layers,
+            // Its storage is kept whole: what it allocated is what it holds.
+            bytes,
+        };
+        Some(KvPrefix {
+            segment: Arc::new(segment),
+            len: self.len,
+        })
+    }
+
     /// Bytes allocated for keys and values of its own (a shared prefix's are its segments').
     pub fn bytes(&self) -> usize {
         self.layer_bytes(self.capacity, self.windowed_capacity)
@@ -326,7 +369,7 @@ impl KvCache {
         if len < self.own_start() {
             // Into the shared prefix: it is read, never written, so it is only cut; the own
             // storage holds the positions from there on.
-            self.prefix = self.prefix.as_ref().and_then(|p| p.cut(len));
+            self.prefix = self.prefix.as_ref().and_then(|p| p.first(len));
         }
         self.len = len;
         Ok(())

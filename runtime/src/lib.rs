@@ -28,7 +28,7 @@ pub use sampling::rng::{Draws, Rng};
 pub use sampling::{Distribution, SamplingParams};
 pub use speculative::acceptance::{Verdict, verify};
 pub use speculative::draft_check::{self, DraftRefusal, RefusalReason};
-pub use speculative::{Drafter, Proposal, Verified, Verifier};
+pub use speculative::{Drafter, Proposal, SequenceState, Verified, Verifier};
 pub use token_log::{Prefix, TokenLog};
 pub use tokenizer::Tokenizer;
 pub use transcript::{Commit, Transcript};

@@ -71,6 +71,7 @@ impl Session for TargetSession {
             verifier.constrain(constraint);
         }
         verifier.report_logprobs(open.top_logprobs.map(|n| n as usize));
+        state.start_from_cache(&mut verifier, &open.prompt);
         // Never past what admission reserved for it.
         verifier.limit_cache(state.session_room(&open).0);
         Ok(Self {
@@ -153,6 +154,10 @@ impl Session for TargetSession {
 
     fn kv_bytes(&self) -> usize {
         self.verifier.cache_bytes()
+    }
+
+    fn into_prefix(self) -> Option<tandem_runtime::KvPrefix> {
+        self.verifier.into_prefix()
     }
 }
 

@@ -167,6 +167,14 @@ impl SequenceState {
         Ok(())
     }
 
+    /// Every position this sequence holds, as a prefix, its cache's storage kept without a copy
+    /// ([`KvCache::into_prefix`]): what it leaves to a prefix cache when it ends.
+    pub fn into_prefix(self) -> Option<KvPrefix> {
+        let shared = self.seq.cache.prefix().map_or(0, KvPrefix::len);
+        let tokens = self.seq.tokens[shared..].to_vec();
+        self.seq.cache.into_prefix(&tokens)
+    }
+
     /// The positions of this sequence's shared prefix.
     pub fn shared_tokens(&self) -> usize {
         self.seq.cache.prefix().map_or(0, KvPrefix::len)
@@ -196,6 +204,13 @@ macro_rules! sequence_side {
         impl std::ops::DerefMut for $side {
             fn deref_mut(&mut self) -> &mut SequenceState {
                 &mut self.0
+            }
+        }
+
+        impl $side {
+            /// [`SequenceState::into_prefix`].
+            pub fn into_prefix(self) -> Option<KvPrefix> {
+                self.0.into_prefix()
             }
         }
     };

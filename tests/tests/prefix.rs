@@ -1,0 +1,121 @@
+//! Prefix caching on both nodes (issue 30): a chat's next turn starts with what the last turn's
+//! sessions computed, on the target-node and on the draft-node, and answers exactly as without
+//! the cache (greedy and seeded sampled); a cache under a small budget evicts and still answers
+//! the same.
+
+use std::time::{Duration, Instant};
+
+use tandem_node::{LimitsArgs, NodeState};
+use tandem_proto::v1;
+use tandem_runtime::SamplingParams;
+use tandem_tests::*;
+
+/// Waits until `node`'s prefix cache holds more than `entries` entries: a session's cache
+/// goes there when its stream ends, after the generation has returned.
+async fn cached(node: &NodeState, entries: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while node.prefixes.entries() <= entries {
+        assert!(
+            Instant::now() < deadline,
+            "the ended sessions' caches never reached the prefix cache"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Three turns of a chat, each prompt the last one, its answer and more text; the answers.
+async fn chat(limits: &LimitsArgs, sampling: &SamplingParams) -> (Vec<Vec<u32>>, [u64; 2]) {
+    let served = cluster(&stories(), Some(&stories_q8()), limits).await;
+    let engine = patient_engine(&served, 4).await;
+    let tok = tokenizer(&stories());
+    let mut prompt = tok.encode("Once upon a time").expect("encode");
+    let mut answers = Vec::new();
+    let draft = served.draft.as_ref().expect("a draft-node");
+    for turn in ["Then", "The next day", "In the end"] {
+        let (before_target, before_draft) =
+            (served.target.prefixes.entries(), draft.prefixes.entries());
+        let req = v1::GenerateRequest {
+            draft_tokens: Some(4),
+            ..request(&prompt, 48, 4, sampling)
+        };
+        let out = generate(&engine, &req).await;
+        assert!(out.stats.base.drafted > 0, "the draft drafted");
+        prompt.extend_from_slice(&out.token_ids);
+        prompt.extend(tok.encode_raw(&format!(" {turn}")).expect("encode"));
+        answers.push(out.token_ids);
+        if limits.prefix_cache_bytes != Some(0) {
+            cached(&served.target, before_target).await;
+            cached(draft, before_draft).await;
+        }
+    }
+    let hits = |n: &NodeState| n.metrics.prefix_cache_hits.get();
+    (answers, [hits(&served.target), hits(draft)])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_turn_starts_with_the_last_and_answers_as_without_the_cache() {
+    let off = LimitsArgs {
+        prefix_cache_bytes: Some(0),
+        ..LimitsArgs::default()
+    };
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        seed: 7,
+        ..SamplingParams::greedy()
+    };
+    for sampling in [SamplingParams::greedy(), sampled] {
+        let (with, hits) = chat(&LimitsArgs::default(), &sampling).await;
+        let (without, none) = chat(&off, &sampling).await;
+        assert_eq!(with, without, "T = {}", sampling.temperature);
+        assert_eq!(none, [0, 0], "no cache, no hits");
+        // Turns 2 and 3 each start with at least the last turn's prompt and answer.
+        let least = (4 + 48) + (4 + 48 + 48);
+        for (node, hit) in ["target", "draft"].iter().zip(hits) {
+            assert!(hit >= least as u64, "{node}: {hit} tokens from the cache");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_budget_evicts_and_answers_the_same() {
+    let per_position = load(&stories()).new_cache().bytes_per_position();
+    // Room for about one turn's cache (its storage is allocated by doubling, from 64).
+    let small = LimitsArgs {
+        prefix_cache_bytes: Some(300 * per_position as u64),
+        ..LimitsArgs::default()
+    };
+    let served = cluster(&stories(), Some(&stories_q8()), &small).await;
+    let engine = patient_engine(&served, 4).await;
+    let tok = tokenizer(&stories());
+    let greedy = SamplingParams::greedy();
+    let prompts = [
+        "Once upon a time",
+        "One day, a little",
+        "There was a big",
+        "Lily",
+    ];
+    for text in prompts {
+        let prompt = tok.encode(text).expect("encode");
+        let entries = served.target.prefixes.entries();
+        let evicted = served.target.prefixes.evicted_bytes();
+        let out = generate(&engine, &request(&prompt, 64, 4, &greedy)).await;
+        let alone = in_process(&stories(), None, &request(&prompt, 64, 0, &greedy));
+        assert_eq!(out.token_ids, alone.token_ids, "{text:?}");
+        // Kept, or another dropped to keep it.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while served.target.prefixes.entries() <= entries
+            && served.target.prefixes.evicted_bytes() == evicted
+        {
+            assert!(
+                Instant::now() < deadline,
+                "{text:?} never reached the cache"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(served.target.prefixes.bytes() <= 300 * per_position);
+    }
+    assert!(
+        served.target.prefixes.evicted_bytes() > 0,
+        "something was evicted"
+    );
+}
