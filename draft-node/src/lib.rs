@@ -125,6 +125,10 @@ impl Session for DraftSession {
         self.drafter.cache_bytes()
     }
 
+    fn cached_tokens(&self) -> usize {
+        self.drafter.shared_tokens()
+    }
+
     fn into_prefix(self) -> Option<tandem_runtime::KvPrefix> {
         self.drafter.into_prefix()
     }

@@ -55,6 +55,8 @@ pub trait Session: Sized + Send + 'static {
     /// The committed prefix the session holds.
     fn held(&self) -> Prefix;
     fn kv_bytes(&self) -> usize;
+    /// Prompt tokens it took from the prefix cache.
+    fn cached_tokens(&self) -> usize;
     /// What it computed, as it ends, for the prefix cache.
     fn into_prefix(self) -> Option<tandem_runtime::KvPrefix>;
 }
@@ -161,6 +163,7 @@ async fn serve<S: Session>(
                     committed: Some(prefix_to_wire(s.held())),
                     queued_micros: queued
                         .map_or(0, |q| u64::try_from(q.as_micros()).unwrap_or(u64::MAX)),
+                    cached_tokens: u32::try_from(s.cached_tokens()).unwrap_or(u32::MAX),
                 });
                 *session = Some((s, slot));
                 tracing::debug!("opened");

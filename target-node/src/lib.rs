@@ -156,6 +156,10 @@ impl Session for TargetSession {
         self.verifier.cache_bytes()
     }
 
+    fn cached_tokens(&self) -> usize {
+        self.verifier.shared_tokens()
+    }
+
     fn into_prefix(self) -> Option<tandem_runtime::KvPrefix> {
         self.verifier.into_prefix()
     }

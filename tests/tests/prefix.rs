@@ -119,3 +119,29 @@ async fn a_small_budget_evicts_and_answers_the_same() {
         "something was evicted"
     );
 }
+
+/// OpenAI's `usage.prompt_tokens_details.cached_tokens`: none the first time, the prompt (but
+/// its last token, which the first step feeds) when it comes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_usage_says_how_much_of_the_prompt_was_cached() {
+    let served = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
+    let router = router_over(&served, Vec::new()).await;
+    let body = serde_json::json!({
+        "prompt": "Once upon a time, there was a little girl named Lily. She loved to play",
+        "max_tokens": 16, "temperature": 0,
+    });
+    let mut usages = Vec::new();
+    for turn in 0..2 {
+        let (status, _, reply) = call(&router, post_json("/v1/completions", &body)).await;
+        assert_eq!(status, 200, "{reply}");
+        usages.push(reply["usage"].clone());
+        if turn == 0 {
+            cached(&served.target, 0).await;
+        }
+    }
+    let cached_tokens =
+        |u: &serde_json::Value| u["prompt_tokens_details"]["cached_tokens"].as_u64();
+    assert_eq!(cached_tokens(&usages[0]), Some(0), "{usages:?}");
+    let prompt = usages[1]["prompt_tokens"].as_u64().expect("prompt tokens");
+    assert_eq!(cached_tokens(&usages[1]), Some(prompt - 1), "{usages:?}");
+}

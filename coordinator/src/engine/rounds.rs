@@ -267,6 +267,7 @@ impl Engine {
         drop(opening);
         let mut target = target.session?;
         self.metrics.queue_time.observe(target.queued.as_secs_f64());
+        stats.cached_tokens = target.cached_tokens;
         let _lease = self.targets.lease(target.replica);
         let _draft_lease = draft.as_ref().zip(use_draft).and_then(|((o, _), d)| {
             let session = o.session.as_ref().ok()?;

@@ -35,6 +35,8 @@ pub struct Stats {
     pub pipeline_hits: u32,
     /// Tokens the draft-node drafted (its steps and the blocks it drafted ahead).
     pub draft_node_tokens: u32,
+    /// Prompt tokens the target-node took from its prefix cache.
+    pub cached_tokens: u32,
 }
 
 impl Stats {

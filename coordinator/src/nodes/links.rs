@@ -269,6 +269,8 @@ pub struct NodeSession<W: Wire> {
     pub replica: usize,
     /// How long its last open waited for the node's model thread (the node's queue).
     pub queued: Duration,
+    /// Prompt tokens its last open took from the node's prefix cache.
+    pub cached_tokens: u32,
 }
 
 impl<W: Wire> NodeSession<W> {
@@ -284,6 +286,7 @@ impl<W: Wire> NodeSession<W> {
             repairs: 0,
             replica: 0,
             queued: Duration::from_micros(opened.queued_micros),
+            cached_tokens: opened.cached_tokens,
         })
     }
 
@@ -328,6 +331,7 @@ impl<W: Wire> NodeSession<W> {
         self.past += old.traffic;
         self.held = prefix_from_wire(opened.committed)?;
         self.queued = Duration::from_micros(opened.queued_micros);
+        self.cached_tokens = opened.cached_tokens;
         Ok(())
     }
 

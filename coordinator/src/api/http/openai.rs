@@ -545,7 +545,8 @@ fn top(l: &v1::TokenLogprobs) -> impl Iterator<Item = (u32, f32)> + '_ {
 
 fn usage(job: &Job, outcome: &Outcome) -> Value {
     let (p, c) = (job.prompt.len(), outcome.token_ids.len());
-    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+           "prompt_tokens_details": {"cached_tokens": outcome.stats.cached_tokens}})
 }
 
 /// The extension field with the speculation statistics.
