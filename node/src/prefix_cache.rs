@@ -120,13 +120,8 @@ impl PrefixCache {
             return None;
         }
         entry.used = now;
-        let common = entry
-            .tokens
-            .iter()
-            .zip(prompt)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(prompt.len() - 1);
+        let common =
+            tandem_runtime::token_log::common_len(&entry.tokens, prompt).min(prompt.len() - 1);
         Some((entry.prefix.clone(), common))
     }
 

@@ -90,6 +90,11 @@ impl TokenLog {
     }
 }
 
+/// How many tokens `a` and `b` start with in common.
+pub fn common_len(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -219,12 +219,7 @@ impl Constraint {
     /// the grammar forbids is an error (a committed token always came from a masked p).
     pub fn sync(&mut self, log: &[u32]) -> Result<()> {
         let generated = log.get(self.start..).unwrap_or_default();
-        let common = self
-            .consumed
-            .iter()
-            .zip(generated)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = crate::token_log::common_len(&self.consumed, generated);
         self.rollback_to(common)?;
         for &t in &generated[common..] {
             if !self.push(t)? {

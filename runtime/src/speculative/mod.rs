@@ -39,13 +39,8 @@ impl CachedSequence {
     /// Truncates to the longest prefix shared with `log`, keeping at least one token of `log`
     /// uncached so that the next forward yields its logits. Returns the tokens to feed.
     fn sync<'a>(&mut self, log: &'a [u32]) -> Result<&'a [u32]> {
-        let common = self
-            .tokens
-            .iter()
-            .zip(log)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(log.len().saturating_sub(1));
+        let common =
+            crate::token_log::common_len(&self.tokens, log).min(log.len().saturating_sub(1));
         self.cache.truncate(common)?;
         self.tokens.truncate(common);
         Ok(&log[common..])
