@@ -71,7 +71,7 @@ pub struct PrefixCache {
 }
 
 /// The chained hashes of `tokens`' whole blocks.
-fn block_hashes(tokens: &[u32]) -> Vec<u64> {
+pub fn block_hashes(tokens: &[u32]) -> Vec<u64> {
     use std::hash::{Hash, Hasher};
     let mut out = Vec::with_capacity(tokens.len() / BLOCK);
     let mut last = 0u64;

@@ -256,11 +256,11 @@ impl Engine {
         let opening = Counted::new(&self.metrics.waiting);
         let (target, draft) = tokio::join!(
             self.targets
-                .open::<Target>(self.targets.pick(), &spec, &log),
+                .open::<Target>(self.targets.pick_for(log.tokens()), &spec, &log),
             async {
                 let start = Instant::now();
                 let d = use_draft?;
-                let opened = d.open::<Draft>(d.pick(), &spec, &log).await;
+                let opened = d.open::<Draft>(d.pick_for(log.tokens()), &spec, &log).await;
                 Some((opened, start.elapsed().as_secs_f64()))
             }
         );

@@ -2,8 +2,10 @@
 //! `--draft`), and every address of a URL's host name (a Kubernetes headless Service names one
 //! address per ready pod). The names are resolved again
 //! every [`REFRESH`]: a replica that appears is added, one whose address is gone is no longer
-//! offered (sessions on it finish or move). A generation opens its session on the least loaded
-//! replica (ties: the first) and stays there; a session lost with its replica is rebuilt from the
+//! offered (sessions on it finish or move). A generation opens its session on the replica that
+//! served the longest start of its tokens (a chat's last turn: its prefix cache holds it), unless
+//! that one has [`AFFINITY_SLACK`] more generations than the least loaded, else on the least
+//! loaded (ties: the first), and stays there; a session lost with its replica is rebuilt from the
 //! log on the next one. The first replica that answers at start gives the model's info; the
 //! others are reached lazily and their info is checked against it before their first session.
 
@@ -54,6 +56,21 @@ struct Replica {
 /// How long a replica that failed is passed over by [`Replicas::pick`].
 pub const COOLDOWN: Duration = Duration::from_secs(2);
 
+/// Generations a replica that holds a conversation may carry beyond the least loaded one and
+/// still be picked for it: the cache it holds is worth that wait, a hot spot is not.
+pub const AFFINITY_SLACK: usize = 2;
+
+/// Block hashes of the tokens sessions were opened with remembered, per node (the oldest half
+/// forgotten past this).
+const AFFINITY_HASHES: usize = 1 << 16;
+
+/// Which replica each start of a sequence was last opened on: block hash → (replica URL, when).
+#[derive(Debug, Default)]
+struct Affinity {
+    by_hash: std::collections::HashMap<u64, (String, u64)>,
+    clock: u64,
+}
+
 impl Replica {
     fn cooling(&self) -> bool {
         self.failed
@@ -80,6 +97,7 @@ pub struct Replicas {
     /// The first replica that answered: the model's info.
     model: NodeHandle,
     replicas: Arc<RwLock<Vec<Arc<Replica>>>>,
+    affinity: std::sync::Mutex<Affinity>,
 }
 
 /// A session opened on one of the replicas (or why not), and the replica's handle.
@@ -139,6 +157,7 @@ impl Replicas {
             node,
             model,
             replicas,
+            affinity: Default::default(),
         })
     }
 
@@ -196,6 +215,40 @@ impl Replicas {
                 (r.cooling(), r.load.load(Ordering::Relaxed))
             })
             .unwrap_or(0)
+    }
+
+    /// The replica for a session of `tokens`: the one a session holding the longest start of
+    /// them was opened on (its prefix cache has it), if it has not just failed and carries at
+    /// most [`AFFINITY_SLACK`] more generations than [`Self::pick`]'s; else that one.
+    pub fn pick_for(&self, tokens: &[u32]) -> usize {
+        let least = self.pick();
+        let replicas = self.snapshot();
+        let load = |i: usize| replicas[i].load.load(Ordering::Relaxed);
+        let hashes = tandem_node::prefix_cache::block_hashes(tokens);
+        let affinity = self.affinity.lock().unwrap_or_else(|e| e.into_inner());
+        hashes
+            .iter()
+            .rev()
+            .filter_map(|h| affinity.by_hash.get(h))
+            .find_map(|(url, _)| replicas.iter().position(|r| &r.address.url == url))
+            .filter(|&i| !replicas[i].cooling() && load(i) <= load(least) + AFFINITY_SLACK)
+            .unwrap_or(least)
+    }
+
+    /// Remembers that a session of `tokens` opened on replica `i`.
+    fn remember(&self, tokens: &[u32], i: usize) {
+        let url = self.at(i).address.url.clone();
+        let mut a = self.affinity.lock().unwrap_or_else(|e| e.into_inner());
+        a.clock += 1;
+        let now = a.clock;
+        for h in tandem_node::prefix_cache::block_hashes(tokens) {
+            a.by_hash.insert(h, (url.clone(), now));
+        }
+        if a.by_hash.len() > AFFINITY_HASHES {
+            let mut stamps: Vec<u64> = a.by_hash.values().map(|(_, t)| *t).collect();
+            let (_, &mut median, _) = stamps.select_nth_unstable(AFFINITY_HASHES / 2);
+            a.by_hash.retain(|_, (_, t)| *t > median);
+        }
     }
 
     /// Counts a generation on replica `i` until the lease drops.
@@ -283,6 +336,7 @@ impl Replicas {
             match NodeSession::<W>::open(handle.channel.clone(), spec.clone(), log).await {
                 Ok(mut session) => {
                     session.replica = i;
+                    self.remember(log.tokens(), i);
                     return Opened {
                         handle,
                         session: Ok(session),
@@ -524,6 +578,7 @@ mod tests {
             node: "target-node",
             model: handle(0),
             replicas: Arc::new(RwLock::new(replicas)),
+            affinity: Default::default(),
         }
     }
 
@@ -557,6 +612,37 @@ mod tests {
         // A full replica's refusal is one to move on from, where there are others.
         let full = Error::TooManySessions { limit: 1 };
         assert_eq!(targets.failed(2, full).code(), tonic::Code::Unavailable);
+    }
+
+    /// A conversation returns to the replica that served its last turn (its prefix cache holds
+    /// it) while that one carries at most AFFINITY_SLACK more than the least loaded; another
+    /// conversation goes to the least loaded; a replica that just failed is passed over.
+    #[tokio::test]
+    async fn a_conversation_returns_to_its_replica_within_the_slack() {
+        let targets = targets(3);
+        let turn =
+            |n: usize, seed: u32| -> Vec<u32> { (0..n as u32).map(|i| i * 7 + seed).collect() };
+        let chat = turn(40, 1);
+        let mut leases = vec![targets.lease(0)];
+        // Replica 1 served the chat's first turn (it was the least loaded then).
+        assert_eq!(targets.pick_for(&chat), 1);
+        targets.remember(&chat, 1);
+        let mut next = chat.clone();
+        next.extend(turn(30, 500));
+        for _ in 0..=AFFINITY_SLACK {
+            assert_eq!(targets.pick_for(&next), 1, "the chat's replica");
+            leases.push(targets.lease(1));
+        }
+        // Replica 1 now carries 3, replica 2 none: past the slack, the least loaded.
+        assert_eq!(targets.pick_for(&next), 2);
+        leases.truncate(2);
+        assert_eq!(targets.pick_for(&next), 1);
+        // Another conversation: the least loaded; one shorter than a block: the same.
+        assert_eq!(targets.pick_for(&turn(40, 9)), 2);
+        assert_eq!(targets.pick_for(&chat[..10]), 2);
+        // The chat's replica failed just now: passed over.
+        let _ = targets.failed(1, Error::NotReady("down".into()));
+        assert_eq!(targets.pick_for(&next), 2);
     }
 
     #[tokio::test]
