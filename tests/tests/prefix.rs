@@ -145,3 +145,104 @@ async fn the_openai_usage_says_how_much_of_the_prompt_was_cached() {
     let prompt = usages[1]["prompt_tokens"].as_u64().expect("prompt tokens");
     assert_eq!(cached_tokens(&usages[1]), Some(prompt - 1), "{usages:?}");
 }
+
+/// Holds its generation open at its first commit (its replica's count with it) until released.
+struct Holding {
+    started: Option<tokio::sync::oneshot::Sender<()>>,
+    release: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl tandem_coordinator::CommitSink for Holding {
+    async fn send(&mut self, _: &tandem_runtime::Commit, _: &[v1::TokenLogprobs]) -> bool {
+        if let Some(started) = self.started.take() {
+            let _ = started.send(());
+        }
+        if let Some(release) = self.release.take() {
+            let _ = release.await;
+        }
+        true
+    }
+}
+
+/// Two replicas of each node: a chat's next turn goes back to the target and the draft that
+/// served the last (their caches hold it) though the other pair is less loaded (by one
+/// generation, held open there), and only their caches are hit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_returns_to_the_replicas_that_hold_it() {
+    let limits = LimitsArgs::default();
+    let (a, b) = (
+        cluster(&stories(), Some(&stories_q8()), &limits).await,
+        cluster(&stories(), Some(&stories_q8()), &limits).await,
+    );
+    let url = |addr: std::net::SocketAddr| format!("http://{addr}");
+    let drafts = |c: &tandem_coordinator::LocalCluster| url(c.draft_addr.expect("a draft"));
+    let engine = std::sync::Arc::new(
+        tandem_coordinator::Engine::connect(
+            &[url(b.target_addr), url(a.target_addr)],
+            &[drafts(&b), drafts(&a)],
+            Some(4),
+            &Default::default(),
+        )
+        .await
+        .expect("engine"),
+    );
+    let tok = tokenizer(&stories());
+    let greedy = SamplingParams::greedy();
+    // A first prompt of more than one block (16 tokens): what routing remembers.
+    let mut prompt = tok
+        .encode("Once upon a time, there was a little girl named Lily. She loved to play")
+        .expect("encode");
+    assert!(prompt.len() > 16);
+    let mut held = None;
+    for turn in 0..3 {
+        let entries = b.target.prefixes.entries();
+        let out = generate(&engine, &request(&prompt, 40, 4, &greedy)).await;
+        prompt.extend_from_slice(&out.token_ids);
+        prompt.extend(tok.encode_raw(" Then").expect("encode"));
+        if turn == 2 {
+            break;
+        }
+        cached(&b.target, entries).await;
+        if turn == 0 {
+            // Another conversation, held open on b (the first listed of two idle pairs): b
+            // now carries one generation more than a.
+            let (started, on) = tokio::sync::oneshot::channel();
+            let (release, released) = tokio::sync::oneshot::channel();
+            let other = tok.encode("Lily and Ben went to the park").expect("encode");
+            let job = engine
+                .prepare(&request(&other, 40, 4, &greedy))
+                .expect("job");
+            let e = std::sync::Arc::clone(&engine);
+            let task = tokio::spawn(async move {
+                let mut sink = Holding {
+                    started: Some(started),
+                    release: Some(released),
+                };
+                e.generate(&job, &mut sink).await.expect("generated")
+            });
+            on.await.expect("the other conversation started");
+            held = Some((release, task));
+        }
+    }
+    let (release, task) = held.expect("held");
+    let _ = release.send(());
+    task.await.expect("the other conversation");
+    let hits = |c: &tandem_coordinator::LocalCluster| {
+        let draft = c.draft.as_ref().expect("a draft");
+        [
+            c.target.metrics.prefix_cache_hits.get(),
+            draft.metrics.prefix_cache_hits.get(),
+        ]
+    };
+    let [target, draft] = hits(&b);
+    assert!(
+        target > 0 && draft > 0,
+        "b's caches were hit: {target}, {draft}"
+    );
+    assert_eq!(hits(&a), [0, 0], "a never saw the chat");
+    assert_eq!(
+        a.target.metrics.sessions_opened.get(),
+        0,
+        "nor anything else"
+    );
+}
