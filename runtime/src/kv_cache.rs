@@ -189,6 +189,13 @@ impl KvCache {
         Ok(())
     }
 
+    /// Whether one more segment on this cache's shared prefix would be more pieces than
+    /// attention reads (its segments and a cache's own storage).
+    fn chain_full(&self) -> bool {
+        let segments = self.prefix.as_ref().map_or(0, |p| p.segments().len());
+        segments + 2 > crate::kernels::MAX_PIECES
+    }
+
     /// Every position held, as a prefix other caches can start with: the shared prefix this
     /// cache starts with, extended by a new segment with a copy of its own positions, each
     /// matching one of `tokens` (the tokens of the positions after the shared prefix).
@@ -210,7 +217,7 @@ impl KvCache {
         // A chain as long as attention reads (one piece per segment, and the own storage's) is
         // copied into one segment instead of growing.
         let chain = self.prefix.as_ref().map_or(Vec::new(), KvPrefix::segments);
-        let flatten = chain.len() + 2 > crate::kernels::MAX_PIECES;
+        let flatten = self.chain_full();
         let layers = (0..self.layers.len())
             .map(|layer| {
                 let own = &self.layers[layer];
@@ -303,6 +310,10 @@ impl KvCache {
         }
         if rows == 0 {
             return self.prefix.clone();
+        }
+        if self.chain_full() {
+            // As long a chain as attention reads: copied into one segment ([`Self::share`]).
+            return self.share(tokens).ok();
         }
         let bytes = self.bytes();
         let layers = self

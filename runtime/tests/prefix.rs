@@ -118,17 +118,29 @@ fn chains_of_prefixes_read_as_one_sequence() {
             .forward(&tokens[at..at + step], &mut cache, Logits::All)
             .expect("forward");
         assert!(same_bits(&got, &want[at..at + step]), "turn at {at}");
-        let next = cache.share(&tokens[at..at + step]).expect("share");
-        assert!(!next.same_segment(&prefix));
+        // As a finished session leaves it (no copy), or shared from a live one (a copy).
         let per = cache.bytes_per_position();
-        if next.segment_bytes() == (at + step) * per {
-            flattened += 1;
+        let next = if at % 2 == 0 {
+            cache.into_prefix(&tokens[at..at + step]).expect("a prefix")
         } else {
-            assert_eq!(
-                next.segment_bytes(),
-                step * per,
-                "only the turn's own positions"
-            );
+            cache.share(&tokens[at..at + step]).expect("share")
+        };
+        assert!(!next.same_segment(&prefix));
+        let depth = next.held().len();
+        if depth == 1 {
+            // Copied into one segment: every position in it.
+            flattened += 1;
+            assert!(next.segment_bytes() >= (at + step) * per);
+        } else {
+            assert_eq!(depth, prefix.held().len() + 1, "one segment more");
+            assert!(depth < 16, "no more pieces than attention reads");
+            if at % 2 == 1 {
+                assert_eq!(
+                    next.segment_bytes(),
+                    step * per,
+                    "only the turn's own positions"
+                );
+            }
         }
         assert_eq!(next.tokens(), tokens[..at + step]);
         prefix = next;
