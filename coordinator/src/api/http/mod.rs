@@ -32,7 +32,7 @@ use crate::engine::{CommitSink, Discard, Engine};
 use error::ApiError;
 use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
 use serde_json::Value;
-use tools::{Reader, Reply, Tools};
+use tools::{Reader, Tools};
 
 /// What the handlers share.
 #[derive(Debug)]
@@ -385,16 +385,7 @@ async fn answer(
         let outcome = engine.generate(&job, &mut Discard).await?;
         let logprobs =
             openai::logprobs_json(head.kind, &engine.tokenizer, &outcome.logprobs, &mut 0);
-        let reply = tools.map(|tools| {
-            let mut reader = tools.reader();
-            let mut reply = Reply::default();
-            let deltas = reader.push(&outcome.text);
-            deltas
-                .into_iter()
-                .chain(reader.finish())
-                .for_each(|d| reply.add(d));
-            reply
-        });
+        let reply = tools.map(|tools| tools.read(&outcome.text));
         let response = head.response(&job, &outcome, logprobs, reply.as_ref());
         return Ok(Json(response).into_response());
     }

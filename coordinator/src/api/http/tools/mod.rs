@@ -225,6 +225,18 @@ impl Tools {
     pub fn reader(&self) -> Reader {
         Reader::new(self.syntax)
     }
+
+    /// A whole answer's text read for calls.
+    pub fn read(&self, text: &str) -> Reply {
+        let mut reader = self.reader();
+        let mut reply = Reply::default();
+        let deltas = reader.push(text);
+        deltas
+            .into_iter()
+            .chain(reader.finish())
+            .for_each(|d| reply.add(d));
+        reply
+    }
 }
 
 /// A tool definition's function name and parameter schema.
