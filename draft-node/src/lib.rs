@@ -10,7 +10,7 @@ use tandem_proto::v1::draft_service_server::{DraftService, DraftServiceServer};
 use tandem_proto::v1::{self, draft_request::Kind};
 use tandem_proto::{Error, Result, distribution_to_wire, prefix_from_wire, prefix_to_wire};
 use tandem_runtime::speculative::ProposeJob;
-use tandem_runtime::{Drafter, Prefix, Proposal, TokenLog};
+use tandem_runtime::{Drafter, KvPrefix, Prefix, Proposal, SequenceState, TokenLog};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -47,13 +47,15 @@ impl Session for DraftSession {
         reply(Reply::Rejected(rejection))
     }
 
-    fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self> {
+    fn open(state: &NodeState, open: v1::OpenSession, prefix: Option<KvPrefix>) -> Result<Self> {
         let sampling = state.check_open(&open)?;
         let mut drafter = Drafter::new(&state.model, sampling);
         if let Some(constraint) = state.constraint(&open)? {
             drafter.constrain(constraint);
         }
-        state.start_from_cache(&mut drafter, &open.prompt);
+        if let Some(prefix) = &prefix {
+            drafter.start_with(prefix)?;
+        }
         // Never past what admission reserved for it.
         drafter.limit_cache(state.session_room(&open).0);
         Ok(Self {
@@ -121,15 +123,15 @@ impl Session for DraftSession {
         self.log.prefix()
     }
 
-    fn kv_bytes(&self) -> usize {
-        self.drafter.cache_bytes()
+    fn sequence(&self) -> &SequenceState {
+        &self.drafter
     }
 
-    fn cached_tokens(&self) -> usize {
-        self.drafter.shared_tokens()
+    fn sequence_mut(&mut self) -> &mut SequenceState {
+        &mut self.drafter
     }
 
-    fn into_prefix(self) -> Option<tandem_runtime::KvPrefix> {
+    fn into_prefix(self) -> Option<KvPrefix> {
         self.drafter.into_prefix()
     }
 }

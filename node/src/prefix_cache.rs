@@ -41,8 +41,10 @@ struct Inner {
 }
 
 impl Inner {
-    fn held(&self) -> usize {
-        let mut seen = HashSet::new();
+    /// Bytes of the segments the entries hold that no open session reads (in `read`): the
+    /// memory the cache alone keeps; each segment once.
+    fn held(&self, read: &HashSet<usize>) -> usize {
+        let mut seen = read.clone();
         self.entries
             .values()
             .flat_map(|e| e.prefix.held())
@@ -51,11 +53,16 @@ impl Inner {
             .sum()
     }
 
+    /// Drops an entry; its block hashes then name another entry that has them, if one does.
     fn remove(&mut self, key: u64) -> Option<Entry> {
         let entry = self.entries.remove(&key)?;
         for h in &entry.hashes {
             if self.by_hash.get(h) == Some(&key) {
                 self.by_hash.remove(h);
+                let other = self.entries.iter().find(|(_, e)| e.hashes.contains(h));
+                if let Some((&other, _)) = other {
+                    self.by_hash.insert(*h, other);
+                }
             }
         }
         Some(entry)
@@ -125,10 +132,11 @@ impl PrefixCache {
         Some((entry.prefix.clone(), common))
     }
 
-    /// Keeps `prefix` (a session's positions as it ended), then drops the least recently used
-    /// entries while they hold more than the budget or `room`. One shorter than a block is not
-    /// kept, nor one an entry already holds.
-    pub fn insert(&self, prefix: KvPrefix, room: usize) {
+    /// Keeps `prefix` (a session's positions: its prompt as it starts, all as it ends), then
+    /// drops the least recently used entries while they hold more than the budget or `room`
+    /// beyond the segments open sessions read (`read`). One shorter than a block is not kept,
+    /// nor one an entry already holds.
+    pub fn insert(&self, prefix: KvPrefix, room: usize, read: &HashSet<usize>) {
         if self.budget == 0 || prefix.len() < BLOCK {
             return;
         }
@@ -158,28 +166,31 @@ impl PrefixCache {
                 used,
             },
         );
-        self.evict(&mut inner, self.budget.min(room));
+        self.evict(&mut inner, self.budget.min(room), read);
     }
 
-    /// Drops the least recently used entries while they hold more than `room`.
-    pub fn shrink(&self, room: usize) {
+    /// Drops the least recently used entries while they hold more than `room` beyond the
+    /// segments open sessions read (`read`).
+    pub fn shrink(&self, room: usize, read: &HashSet<usize>) {
         let mut inner = self.lock();
-        self.evict(&mut inner, room);
+        self.evict(&mut inner, self.budget.min(room), read);
     }
 
-    fn evict(&self, inner: &mut Inner, room: usize) {
-        let mut held = inner.held();
+    fn evict(&self, inner: &mut Inner, room: usize, read: &HashSet<usize>) {
+        let mut held = inner.held(read);
         while held > room {
+            // An entry all of whose segments sessions read frees nothing: kept.
             let Some(oldest) = inner
                 .entries
                 .iter()
+                .filter(|(_, e)| e.prefix.held().iter().any(|(id, _)| !read.contains(id)))
                 .min_by_key(|(_, e)| e.used)
                 .map(|(k, _)| *k)
             else {
                 break;
             };
             inner.remove(oldest);
-            let after = inner.held();
+            let after = inner.held(read);
             self.evicted.fetch_add(
                 held.saturating_sub(after) as u64,
                 std::sync::atomic::Ordering::Relaxed,
@@ -189,7 +200,14 @@ impl PrefixCache {
         inner.bytes = held;
     }
 
-    /// Bytes the entries hold.
+    /// Whether a sequence's positions past its shared prefix are worth keeping: at least a
+    /// block of them, with the cache on.
+    pub fn worth_keeping(&self, seq: &tandem_runtime::SequenceState) -> bool {
+        self.budget > 0 && seq.cached_tokens() >= seq.shared_tokens() + BLOCK
+    }
+
+    /// Bytes the entries hold beyond what open sessions read (as of the last insertion or
+    /// shrink).
     pub fn bytes(&self) -> usize {
         self.lock().bytes
     }
@@ -232,10 +250,10 @@ mod tests {
 
     #[test]
     fn the_longest_match_of_whole_blocks_is_found_and_proved_by_its_tokens() {
-        let m = model();
+        let (m, none) = (model(), HashSet::new());
         let cache = PrefixCache::new(usize::MAX);
         let a = tokens(1, 3 * BLOCK + 5);
-        cache.insert(prefix(&m, &a), usize::MAX);
+        cache.insert(prefix(&m, &a), usize::MAX, &none);
         // Shares 2 blocks and 3 tokens more with `a`: the prefix, and 2 · 16 + 3 tokens kept.
         let mut b = a[..2 * BLOCK + 3].to_vec();
         b.extend(tokens(9, 40));
@@ -250,29 +268,29 @@ mod tests {
         assert!(cache.lookup(&c).is_none());
         assert!(cache.lookup(&a[..BLOCK - 1]).is_none());
         // Shorter than a block, or held already: not kept.
-        cache.insert(prefix(&m, &a[..BLOCK - 1]), usize::MAX);
-        cache.insert(prefix(&m, &a[..2 * BLOCK]), usize::MAX);
+        cache.insert(prefix(&m, &a[..BLOCK - 1]), usize::MAX, &none);
+        cache.insert(prefix(&m, &a[..2 * BLOCK]), usize::MAX, &none);
         assert_eq!(cache.entries(), 1);
         assert!(PrefixCache::new(0).lookup(&a).is_none(), "off");
     }
 
     #[test]
     fn the_least_recently_used_go_first_and_shared_segments_count_once() {
-        let m = model();
+        let (m, none) = (model(), HashSet::new());
         let (a, b, c) = (tokens(1, 40), tokens(2, 40), tokens(3, 40));
         let one = prefix(&m, &a).segment_bytes();
         let cache = PrefixCache::new(2 * one);
-        cache.insert(prefix(&m, &a), usize::MAX);
-        cache.insert(prefix(&m, &b), usize::MAX);
+        cache.insert(prefix(&m, &a), usize::MAX, &none);
+        cache.insert(prefix(&m, &b), usize::MAX, &none);
         assert_eq!(cache.bytes(), 2 * one);
         // `a` used since: `b` goes when `c` comes.
         assert!(cache.lookup(&a).is_some());
-        cache.insert(prefix(&m, &c), usize::MAX);
+        cache.insert(prefix(&m, &c), usize::MAX, &none);
         assert!(cache.lookup(&b).is_none() && cache.lookup(&a).is_some());
         assert!(cache.lookup(&c).is_some());
         assert_eq!(cache.evicted_bytes(), one as u64);
         // Less room (a session admitted): down to what fits.
-        cache.shrink(one);
+        cache.shrink(one, &none);
         assert_eq!((cache.entries(), cache.bytes()), (1, one));
         // A turn that extends an entry shares its segment: counted once.
         let (extended, _) = cache.lookup(&c).expect("c");
@@ -283,10 +301,36 @@ mod tests {
             .expect("forward");
         let turn = session.into_prefix(&more).expect("a prefix");
         let own = turn.segment_bytes();
-        cache.insert(turn, usize::MAX);
+        cache.insert(turn, usize::MAX, &none);
         // Both entries kept in a room of two: c's segment counted once, not in each.
         assert_eq!(cache.entries(), 2);
         assert_eq!(cache.bytes(), one + own);
         assert!(cache.lookup(&[c, more].concat()).is_some());
+    }
+
+    #[test]
+    fn what_open_sessions_read_is_neither_counted_nor_dropped() {
+        let (m, none) = (model(), HashSet::new());
+        let (a, b) = (tokens(1, 40), tokens(2, 40));
+        let read_a = prefix(&m, &a);
+        let one = read_a.segment_bytes();
+        let cache = PrefixCache::new(usize::MAX);
+        cache.insert(read_a.clone(), usize::MAX, &none);
+        cache.insert(prefix(&m, &b), usize::MAX, &none);
+        // A session reads a's segment: the cache counts only b's, and with no room drops b
+        // (though a is older) and keeps a, whose dropping would free nothing.
+        let read: HashSet<usize> = read_a.held().into_iter().map(|(id, _)| id).collect();
+        cache.shrink(one, &read);
+        assert_eq!((cache.entries(), cache.bytes()), (2, one));
+        cache.shrink(0, &read);
+        assert_eq!((cache.entries(), cache.bytes()), (1, 0));
+        assert!(cache.lookup(&a).is_some() && cache.lookup(&b).is_none());
+        // An entry that extends a is found under a's blocks; dropped, a is found under them
+        // again.
+        let longer = [a.clone(), tokens(3, 30)].concat();
+        cache.insert(prefix(&m, &longer), usize::MAX, &read);
+        assert_eq!(cache.lookup(&a).map(|(p, _)| p.len()), Some(longer.len()));
+        cache.shrink(0, &read);
+        assert_eq!(cache.lookup(&a).map(|(p, _)| p.len()), Some(a.len()));
     }
 }

@@ -8,21 +8,40 @@
 //! and what is free, rather than failing mid-generation (no paging, no preemption: a refused
 //! client retries; a running one is never evicted).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tandem_proto::{Error, Result};
+use tandem_runtime::KvPrefix;
+
+/// One open session's memory.
+#[derive(Debug, Default)]
+struct Open {
+    /// KV-cache bytes of its own storage, and what is reserved for it to grow to.
+    held: usize,
+    reserved: usize,
+    /// The shared prefix it reads (segments counted once for all the sessions reading them).
+    prefix: Option<KvPrefix>,
+}
 
 #[derive(Debug, Default)]
 struct Table {
-    /// Session key → (KV-cache bytes it holds, bytes reserved for it).
-    open: HashMap<u64, (usize, usize)>,
+    open: HashMap<u64, Open>,
 }
 
 impl Table {
+    /// The segments the sessions read, each once, with their bytes.
+    fn segments(&self) -> HashMap<usize, usize> {
+        let read = self.open.values().filter_map(|o| o.prefix.as_ref());
+        read.flat_map(KvPrefix::held).collect()
+    }
+
+    /// What the sessions may grow to: their own storage's reservations and the segments they
+    /// read.
     fn reserved(&self) -> usize {
-        self.open.values().map(|&(_, r)| r).sum()
+        let own: usize = self.open.values().map(|o| o.reserved).sum();
+        own + self.segments().values().sum::<usize>()
     }
 }
 
@@ -45,15 +64,24 @@ impl SessionTable {
         }
     }
 
-    /// Reserves a slot and `kv_bytes` of the budget, or refuses when `max_sessions` are open
-    /// or the budget has less free.
-    pub fn acquire(&self, kv_bytes: usize) -> Result<SessionSlot> {
+    /// Reserves a slot and `kv_bytes` of the budget for a session's own storage, and the
+    /// segments of the shared `prefix` it starts with that no open session reads yet; or
+    /// refuses when `max_sessions` are open or the budget has less free.
+    pub fn acquire(&self, kv_bytes: usize, prefix: Option<KvPrefix>) -> Result<SessionSlot> {
         let mut t = self.lock();
         if t.open.len() >= self.max_sessions {
             return Err(Error::TooManySessions {
                 limit: self.max_sessions,
             });
         }
+        let read = t.segments();
+        let new_segments: usize = prefix.as_ref().map_or(0, |p| {
+            let held = p.held().into_iter();
+            held.filter(|(id, _)| !read.contains_key(id))
+                .map(|(_, bytes)| bytes)
+                .sum()
+        });
+        let kv_bytes = kv_bytes + new_segments;
         let free = self.kv_budget.saturating_sub(t.reserved());
         if kv_bytes > free {
             return Err(Error::KvCacheFull {
@@ -63,7 +91,14 @@ impl SessionTable {
             });
         }
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
-        t.open.insert(key, (0, kv_bytes));
+        t.open.insert(
+            key,
+            Open {
+                held: 0,
+                reserved: kv_bytes - new_segments,
+                prefix,
+            },
+        );
         Ok(SessionSlot {
             key,
             table: Arc::clone(&self.table),
@@ -75,14 +110,22 @@ impl SessionTable {
         self.lock().open.len()
     }
 
-    /// KV-cache bytes held by all open sessions.
+    /// KV-cache bytes held by all open sessions: their own storage and the segments they
+    /// read, each once.
     pub fn kv_bytes(&self) -> usize {
-        self.lock().open.values().map(|&(held, _)| held).sum()
+        let t = self.lock();
+        let own: usize = t.open.values().map(|o| o.held).sum();
+        own + t.segments().values().sum::<usize>()
     }
 
     /// KV-cache bytes reserved by all open sessions, and the budget.
     pub fn kv_reserved(&self) -> (usize, usize) {
         (self.lock().reserved(), self.kv_budget)
+    }
+
+    /// The segments open sessions read ([`KvPrefix::held`]'s ids).
+    pub fn read_segments(&self) -> HashSet<usize> {
+        self.lock().segments().into_keys().collect()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
@@ -99,9 +142,22 @@ pub struct SessionSlot {
 
 impl SessionSlot {
     pub fn set_kv_bytes(&self, bytes: usize) {
+        self.with(|o| o.held = bytes);
+    }
+
+    /// The session now reads `prefix` (its positions published) and reserves `kv_bytes` for
+    /// its own storage.
+    pub fn share(&self, prefix: KvPrefix, kv_bytes: usize) {
+        self.with(|o| {
+            o.prefix = Some(prefix);
+            o.reserved = kv_bytes;
+        });
+    }
+
+    fn with(&self, f: impl FnOnce(&mut Open)) {
         let mut t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(entry) = t.open.get_mut(&self.key) {
-            entry.0 = bytes;
+        if let Some(open) = t.open.get_mut(&self.key) {
+            f(open);
         }
     }
 }
@@ -120,9 +176,9 @@ mod tests {
     #[test]
     fn slots_are_bounded_and_freed_on_drop() {
         let table = SessionTable::new(2, usize::MAX);
-        let a = table.acquire(0).expect("first");
-        let b = table.acquire(0).expect("second");
-        let err = table.acquire(0).expect_err("third is over the limit");
+        let a = table.acquire(0, None).expect("first");
+        let b = table.acquire(0, None).expect("second");
+        let err = table.acquire(0, None).expect_err("third is over the limit");
         assert!(err.to_string().contains("--max-sessions"), "{err}");
         a.set_kv_bytes(100);
         b.set_kv_bytes(20);
@@ -131,14 +187,14 @@ mod tests {
         assert_eq!((table.active(), table.kv_bytes()), (1, 20));
         drop(b);
         assert_eq!(table.active(), 0);
-        table.acquire(0).expect("a freed slot is reusable");
+        table.acquire(0, None).expect("a freed slot is reusable");
     }
 
     #[test]
     fn the_kv_budget_refuses_what_does_not_fit_and_frees_on_drop() {
         let table = SessionTable::new(64, 1000);
-        let a = table.acquire(600).expect("fits");
-        let err = table.acquire(500).expect_err("600 + 500 > 1000");
+        let a = table.acquire(600, None).expect("fits");
+        let err = table.acquire(500, None).expect_err("600 + 500 > 1000");
         assert_eq!(err.code(), tonic::Code::ResourceExhausted);
         let text = err.to_string();
         assert!(
@@ -146,10 +202,40 @@ mod tests {
             "names the need, what is free and the budget: {text}"
         );
         assert!(text.contains("--kv-cache-bytes"), "{text}");
-        let b = table.acquire(400).expect("exactly what is free");
+        let b = table.acquire(400, None).expect("exactly what is free");
         assert_eq!(table.kv_reserved(), (1000, 1000));
         drop((a, b));
         assert_eq!(table.kv_reserved(), (0, 1000));
-        table.acquire(1000).expect("everything is free again");
+        table.acquire(1000, None).expect("everything is free again");
+    }
+
+    #[test]
+    fn sessions_reading_one_prefix_reserve_its_bytes_once() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/stories260K");
+        let model = tandem_runtime::Model::load(&dir, &Default::default()).expect("model");
+        let tokens: Vec<u32> = (1..40).collect();
+        let mut cache = model.new_cache();
+        let logits = tandem_runtime::Logits::Last;
+        model.forward(&tokens, &mut cache, logits).expect("forward");
+        let prefix = cache.into_prefix(&tokens).expect("a prefix");
+        let shared = prefix.segment_bytes();
+        let table = SessionTable::new(64, shared + 300);
+        let a = table.acquire(100, Some(prefix.clone())).expect("fits");
+        let b = table
+            .acquire(100, Some(prefix.clone()))
+            .expect("the prefix counted once");
+        assert_eq!(table.kv_reserved().0, shared + 200);
+        let err = table.acquire(101, Some(prefix.clone())).expect_err("over");
+        assert!(err.to_string().contains("101"), "{err}");
+        b.set_kv_bytes(40);
+        assert_eq!(
+            table.kv_bytes(),
+            shared + 40,
+            "held: its own and the prefix once"
+        );
+        assert_eq!(table.read_segments().len(), 1);
+        drop((a, b));
+        assert!(table.read_segments().is_empty());
+        assert_eq!(table.kv_reserved().0, 0);
     }
 }

@@ -101,8 +101,11 @@ impl NodeState {
             0 => usize::MAX,
             n => usize::try_from(n).unwrap_or(usize::MAX),
         };
-        // Within the sessions' budget: what they do not reserve.
+        // Within the sessions' budget: what they do not reserve. Off for a model whose
+        // sliding-window layers drop positions (nothing to share).
+        let kv_sizing = model.new_cache();
         let prefix_cache_bytes = match limits.prefix_cache_bytes {
+            _ if !kv_sizing.can_share() => 0,
             Some(n) => usize::try_from(n).unwrap_or(usize::MAX).min(kv_cache_bytes),
             None if kv_cache_bytes == usize::MAX => 0,
             None => kv_cache_bytes,
@@ -118,7 +121,7 @@ impl NodeState {
             },
             sessions: SessionTable::new(limits.max_sessions, kv_cache_bytes),
             prefixes: crate::prefix_cache::PrefixCache::new(prefix_cache_bytes),
-            kv_sizing: model.new_cache(),
+            kv_sizing,
             device: device.to_string(),
             metrics: crate::metrics::NodeMetrics::default(),
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -212,32 +215,60 @@ impl NodeState {
         Ok(Some(constraint))
     }
 
-    /// Admits a session opened by `open` ([`SessionTable::acquire`]), then drops cached
-    /// prefixes (least recently used first) until they fit in what the sessions do not reserve.
-    pub fn admit(&self, open: &v1::OpenSession) -> Result<crate::SessionSlot> {
-        let slot = self.sessions.acquire(self.session_room(open).1)?;
-        self.prefixes.shrink(self.unreserved());
-        Ok(slot)
+    /// Admits a session opened by `open` ([`SessionTable::acquire`]) with the longest cached
+    /// prefix of its prompt, if the cache holds one: admission reserves the positions after it
+    /// for the session's own storage, and the prefix's segments no open session reads yet (a
+    /// prefix many sessions share is counted once). Then drops cached prefixes (least recently
+    /// used first) until they fit in what the sessions do not reserve. Counts the prompt's
+    /// tokens looked up, and those found.
+    pub fn admit(
+        &self,
+        open: &v1::OpenSession,
+    ) -> Result<(crate::SessionSlot, Option<tandem_runtime::KvPrefix>)> {
+        let prompt = &open.prompt;
+        let prefix = self
+            .prefixes
+            .lookup(prompt)
+            .and_then(|(prefix, common)| prefix.first(common));
+        let shared = prefix.as_ref().map_or(0, tandem_runtime::KvPrefix::len);
+        let own = self.session_room(open).0.saturating_sub(shared);
+        let slot = self
+            .sessions
+            .acquire(self.kv_sizing.bytes_for(own), prefix.clone())?;
+        let m = &self.metrics;
+        m.prefix_cache_queries.inc_by(prompt.len() as u64);
+        m.prefix_cache_hits.inc_by(shared as u64);
+        self.prefixes
+            .shrink(self.unreserved(), &self.sessions.read_segments());
+        Ok((slot, prefix))
+    }
+
+    /// A session's prompt prefilled and made a shared `prefix` ([`SequenceState::publish`]):
+    /// kept in the prefix cache for the sessions that start the same way while it lives, its
+    /// reservation now the positions after it (of `positions` in all).
+    ///
+    /// [`SequenceState::publish`]: tandem_runtime::SequenceState::publish
+    pub fn publish(
+        &self,
+        slot: &crate::SessionSlot,
+        prefix: tandem_runtime::KvPrefix,
+        positions: usize,
+    ) {
+        let own = positions.saturating_sub(prefix.len());
+        slot.share(prefix.clone(), self.kv_sizing.bytes_for(own));
+        self.keep(prefix);
+    }
+
+    /// Keeps `prefix` in the prefix cache, within what sessions do not reserve.
+    pub fn keep(&self, prefix: tandem_runtime::KvPrefix) {
+        let read = self.sessions.read_segments();
+        self.prefixes.insert(prefix, self.unreserved(), &read);
     }
 
     /// KV-cache bytes the sessions do not reserve: the prefix cache's room.
     pub fn unreserved(&self) -> usize {
         let (reserved, budget) = self.sessions.kv_reserved();
         budget.saturating_sub(reserved)
-    }
-
-    /// The longest cached prefix of `prompt` for `seq` to start with (none where the cache is
-    /// off, has none, or the model's cache cannot start with one: sliding-window layers).
-    /// Counts the prompt's tokens looked up, and those found.
-    pub fn start_from_cache(&self, seq: &mut tandem_runtime::SequenceState, prompt: &[u32]) {
-        let m = &self.metrics;
-        m.prefix_cache_queries.inc_by(prompt.len() as u64);
-        if let Some((prefix, reused)) = self.prefixes.lookup(prompt)
-            && let Some(prefix) = prefix.first(reused)
-            && seq.start_with(&prefix).is_ok()
-        {
-            m.prefix_cache_hits.inc_by(reused as u64);
-        }
     }
 
     /// The positions a session opened by `open` may grow to (its prompt, its new tokens and

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use tandem_proto::v1;
 use tandem_proto::{Error, Result, prefix_to_wire};
-use tandem_runtime::Prefix;
+use tandem_runtime::{KvPrefix, Prefix};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Status, Streaming};
@@ -38,8 +38,9 @@ pub trait Session: Sized + Send + 'static {
     fn closed() -> Self::Response;
     fn rejected(rejection: v1::Rejection) -> Self::Response;
 
-    /// Checks the request and sets the session up, its prompt not yet fed.
-    fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self>;
+    /// Checks the request and sets the session up, its prompt not yet fed; it starts with
+    /// `prefix` (found in the prefix cache), if there is one.
+    fn open(state: &NodeState, open: v1::OpenSession, prefix: Option<KvPrefix>) -> Result<Self>;
     /// Feeds the next at most `max_tokens` of the prompt (blocking); true once all is fed.
     fn prefill_chunk(&mut self, max_tokens: usize) -> Result<bool>;
     /// Does the work of several sessions at once (blocking; a batch of the pieces that were
@@ -54,11 +55,11 @@ pub trait Session: Sized + Send + 'static {
     fn tokens(reply: &Self::Response) -> usize;
     /// The committed prefix the session holds.
     fn held(&self) -> Prefix;
-    fn kv_bytes(&self) -> usize;
-    /// Prompt tokens it took from the prefix cache.
-    fn cached_tokens(&self) -> usize;
+    /// Its sequence: its cache, and the prefix it shares.
+    fn sequence(&self) -> &tandem_runtime::SequenceState;
+    fn sequence_mut(&mut self) -> &mut tandem_runtime::SequenceState;
     /// What it computed, as it ends, for the prefix cache.
-    fn into_prefix(self) -> Option<tandem_runtime::KvPrefix>;
+    fn into_prefix(self) -> Option<KvPrefix>;
 }
 
 type Outbound<S> = mpsc::Sender<Result<<S as Session>::Response, Status>>;
@@ -101,7 +102,7 @@ async fn run<S: Session>(
     if let Some((s, slot)) = session.take() {
         drop(slot);
         if let Some(prefix) = s.into_prefix() {
-            state.prefixes.insert(prefix, state.unreserved());
+            state.keep(prefix);
         }
     }
     ended
@@ -132,10 +133,11 @@ async fn serve<S: Session>(
                 }
                 tandem_proto::check_session_id(&open.session_id)?;
                 tracing::Span::current().record("session_id", open.session_id.as_str());
-                let slot = state.admit(&open)?;
+                let (slot, prefix) = state.admit(&open)?;
                 let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());
                 let arrived = std::time::Instant::now();
-                let mut s = S::open(state, open)?;
+                let positions = state.session_room(&open).0;
+                let mut s = S::open(state, open, prefix)?;
                 // Chunked prefill: each chunk is its own job on the model thread, so the
                 // batches of other sessions run between two chunks of a long prompt. The wait
                 // for the first is the open's queue time.
@@ -157,13 +159,26 @@ async fn serve<S: Session>(
                         break;
                     }
                 }
+                let cached = s.sequence().shared_tokens();
+                // Its prompt shared at once with the sessions that start the same way (`n`
+                // completions of one prompt, an agent's calls with one system prompt).
+                if state.prefixes.worth_keeping(s.sequence()) {
+                    let (back, published) = (state.worker)
+                        .run(move || {
+                            let published = s.sequence_mut().publish();
+                            (s, published)
+                        })
+                        .await?;
+                    s = back;
+                    state.publish(&slot, published?, positions);
+                }
                 state.metrics.sessions_opened.inc_by(1);
-                slot.set_kv_bytes(s.kv_bytes());
+                slot.set_kv_bytes(s.sequence().cache_bytes());
                 let reply = S::opened(v1::Opened {
                     committed: Some(prefix_to_wire(s.held())),
                     queued_micros: queued
                         .map_or(0, |q| u64::try_from(q.as_micros()).unwrap_or(u64::MAX)),
-                    cached_tokens: u32::try_from(s.cached_tokens()).unwrap_or(u32::MAX),
+                    cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX),
                 });
                 *session = Some((s, slot));
                 tracing::debug!("opened");
@@ -181,7 +196,7 @@ async fn serve<S: Session>(
                 let (s, result) = (state.worker)
                     .batch::<Handle<S>>((s, work, st, span))
                     .await?;
-                slot.set_kv_bytes(s.kv_bytes());
+                slot.set_kv_bytes(s.sequence().cache_bytes());
                 let m = &state.metrics;
                 let reply = match result {
                     Ok(reply) => {

@@ -189,6 +189,11 @@ impl KvCache {
         Ok(())
     }
 
+    /// Whether its positions can be shared ([`Self::share`]): not with sliding-window layers.
+    pub fn can_share(&self) -> bool {
+        self.shape.window.is_none()
+    }
+
     /// Whether one more segment on this cache's shared prefix would be more pieces than
     /// attention reads (its segments and a cache's own storage).
     fn chain_full(&self) -> bool {
@@ -252,6 +257,18 @@ impl KvCache {
             segment: Arc::new(segment),
             len: self.len,
         })
+    }
+
+    /// Makes every position held a shared prefix ([`Self::share`]: its own positions copied
+    /// once into a segment), which this cache then goes on from, its own storage empty: other
+    /// caches start with them while this one lives (a prompt prefilled, published for
+    /// sessions that share it).
+    pub fn publish(&mut self, tokens: &[u32]) -> Result<KvPrefix> {
+        let prefix = self.share(tokens)?;
+        self.layers = Vec::new();
+        self.capacity = 0;
+        self.prefix = Some(prefix.clone());
+        Ok(prefix)
     }
 
     fn windowed(&self, layer: usize) -> bool {

@@ -221,3 +221,47 @@ fn a_verifier_started_with_a_prefix_decodes_the_same() {
         "only an empty sequence starts with one"
     );
 }
+
+/// A live sequence publishes its prompt ([`Verifier::publish`]): it decodes on from the
+/// published prefix as it would have, and another sequence started with it (while the first
+/// lives, rolls back into it and writes other tokens) decodes the same too.
+#[test]
+fn a_published_prompt_serves_live_sequences_the_same() {
+    let (_, model) = models().remove(1);
+    let tokens = story_tokens();
+    let prompt = &tokens[..30];
+    let decode = |v: &mut Verifier, n: usize| -> Vec<u32> {
+        let mut log = prompt.to_vec();
+        for _ in 0..n {
+            let verified = v.verify(&log, &[], &[], 0).expect("verify");
+            log.push(verified.verdict.next);
+        }
+        log[prompt.len()..].to_vec()
+    };
+    let mut alone = Verifier::new(&model, SamplingParams::greedy());
+    alone.prefill(prompt).expect("prefill");
+    let want = decode(&mut alone, 24);
+    let mut first = Verifier::new(&model, SamplingParams::greedy());
+    first.prefill(prompt).expect("prefill");
+    let own = first.cache_bytes();
+    let published = first.publish().expect("publish");
+    assert_eq!((published.len(), first.shared_tokens()), (29, 29));
+    assert_eq!(first.cache_bytes(), 0, "its own storage handed over");
+    let per = published.segment_bytes() / 29;
+    assert!(
+        per * 29 == published.segment_bytes() && per * 30 <= own,
+        "copied tight"
+    );
+    let mut second = Verifier::new(&model, SamplingParams::greedy());
+    second.start_with(&published).expect("start");
+    assert_eq!(decode(&mut first, 24), want);
+    // Back into the published positions and on with other tokens: the prefix untouched.
+    let mut other = Verifier::new(&model, SamplingParams::greedy());
+    other.start_with(&published).expect("start");
+    let odd: Vec<u32> = tokens[..12].iter().map(|t| (t + 5) % 512).collect();
+    let mut log = odd.clone();
+    other.verify(&log, &[], &[], 0).expect("a rollback to 0");
+    log.push(1);
+    other.verify(&log, &[], &[], 0).expect("on");
+    assert_eq!(decode(&mut second, 24), want);
+}

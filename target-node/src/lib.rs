@@ -17,7 +17,9 @@ use tandem_proto::v1::{self, target_request::Kind};
 use tandem_proto::{Error, Result, distribution_from_wire, prefix_from_wire, prefix_to_wire};
 use tandem_runtime::draft_check::check_counts;
 use tandem_runtime::speculative::VerifyJob;
-use tandem_runtime::{Distribution, DraftRefusal, Prefix, TokenLog, Verified, Verifier};
+use tandem_runtime::{
+    Distribution, DraftRefusal, KvPrefix, Prefix, SequenceState, TokenLog, Verified, Verifier,
+};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -64,14 +66,16 @@ impl Session for TargetSession {
         reply(Reply::Rejected(rejection))
     }
 
-    fn open(state: &NodeState, open: v1::OpenSession) -> Result<Self> {
+    fn open(state: &NodeState, open: v1::OpenSession, prefix: Option<KvPrefix>) -> Result<Self> {
         let sampling = state.check_open(&open)?;
         let mut verifier = Verifier::new(&state.model, sampling);
         if let Some(constraint) = state.constraint(&open)? {
             verifier.constrain(constraint);
         }
         verifier.report_logprobs(open.top_logprobs.map(|n| n as usize));
-        state.start_from_cache(&mut verifier, &open.prompt);
+        if let Some(prefix) = &prefix {
+            verifier.start_with(prefix)?;
+        }
         // Never past what admission reserved for it.
         verifier.limit_cache(state.session_room(&open).0);
         Ok(Self {
@@ -152,15 +156,15 @@ impl Session for TargetSession {
         self.log.prefix()
     }
 
-    fn kv_bytes(&self) -> usize {
-        self.verifier.cache_bytes()
+    fn sequence(&self) -> &SequenceState {
+        &self.verifier
     }
 
-    fn cached_tokens(&self) -> usize {
-        self.verifier.shared_tokens()
+    fn sequence_mut(&mut self) -> &mut SequenceState {
+        &mut self.verifier
     }
 
-    fn into_prefix(self) -> Option<tandem_runtime::KvPrefix> {
+    fn into_prefix(self) -> Option<KvPrefix> {
         self.verifier.into_prefix()
     }
 }

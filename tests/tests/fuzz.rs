@@ -233,7 +233,7 @@ fn drive<S: Session>(
             Incoming::Open(open) => {
                 let opened = tandem_proto::check_session_id(&open.session_id)
                     .map_err(tandem_proto::Error::from)
-                    .and_then(|()| S::open(state, open));
+                    .and_then(|()| S::open(state, open, None));
                 match opened {
                     Ok(mut s) => {
                         while !s.prefill_chunk(512).map_err(|e| {

@@ -10,14 +10,31 @@ use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
 use tandem_tests::*;
 
-/// Waits until `node`'s prefix cache holds more than `entries` entries: a session's cache
-/// goes there when its stream ends, after the generation has returned.
+/// Waits until `node`'s prefix cache holds more than `entries` entries (a session's prompt
+/// goes there once prefilled, before it answers).
 async fn cached(node: &NodeState, entries: usize) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while node.prefixes.entries() <= entries {
         assert!(
             Instant::now() < deadline,
-            "the ended sessions' caches never reached the prefix cache"
+            "no prompt reached the prefix cache"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Waits until `node`'s prefix cache holds at least the first `n` tokens of `tokens`: an ended
+/// session's whole cache goes there when its stream ends, after the generation has returned.
+async fn holds(node: &NodeState, tokens: &[u32], n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while node
+        .prefixes
+        .lookup(tokens)
+        .is_none_or(|(_, common)| common < n)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the ended session's cache never reached the prefix cache"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -32,8 +49,7 @@ async fn chat(limits: &LimitsArgs, sampling: &SamplingParams) -> (Vec<Vec<u32>>,
     let mut answers = Vec::new();
     let draft = served.draft.as_ref().expect("a draft-node");
     for turn in ["Then", "The next day", "In the end"] {
-        let (before_target, before_draft) =
-            (served.target.prefixes.entries(), draft.prefixes.entries());
+        let asked = prompt.len();
         let req = v1::GenerateRequest {
             draft_tokens: Some(4),
             ..request(&prompt, 48, 4, sampling)
@@ -44,8 +60,9 @@ async fn chat(limits: &LimitsArgs, sampling: &SamplingParams) -> (Vec<Vec<u32>>,
         prompt.extend(tok.encode_raw(&format!(" {turn}")).expect("encode"));
         answers.push(out.token_ids);
         if limits.prefix_cache_bytes != Some(0) {
-            cached(&served.target, before_target).await;
-            cached(draft, before_draft).await;
+            // Past this turn's prompt (which the cache held from the session's start).
+            holds(&served.target, &prompt, asked).await;
+            holds(draft, &prompt, asked).await;
         }
     }
     let hits = |n: &NodeState| n.metrics.prefix_cache_hits.get();

@@ -149,6 +149,13 @@ impl SequenceState {
         self.seq.cache.share(&self.seq.tokens[shared..])
     }
 
+    /// Every position this sequence holds made a shared prefix it goes on from
+    /// ([`KvCache::publish`]): live sequences with the same start share them.
+    pub fn publish(&mut self) -> Result<KvPrefix> {
+        let shared = self.shared_tokens();
+        self.seq.cache.publish(&self.seq.tokens[shared..])
+    }
+
     /// Starts this sequence, empty, with `prefix`'s positions (shared, not copied): its prefill
     /// computes only the prompt's tokens after them, or from the first that differs.
     pub fn start_with(&mut self, prefix: &KvPrefix) -> Result<()> {
