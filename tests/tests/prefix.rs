@@ -3,7 +3,10 @@
 //! the cache (greedy and seeded sampled); a cache under a small budget evicts and still answers
 //! the same.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use tandem_coordinator::Engine;
 
 use tandem_node::{LimitsArgs, NodeState};
 use tandem_proto::v1;
@@ -163,7 +166,8 @@ async fn the_openai_usage_says_how_much_of_the_prompt_was_cached() {
     assert_eq!(cached_tokens(&usages[1]), Some(prompt - 1), "{usages:?}");
 }
 
-/// Holds its generation open at its first commit (its replica's count with it) until released.
+/// Holds its generation open at its first commit (its sessions open on the nodes, its
+/// replica's count with it) until released.
 struct Holding {
     started: Option<tokio::sync::oneshot::Sender<()>>,
     release: Option<tokio::sync::oneshot::Receiver<()>>,
@@ -181,6 +185,40 @@ impl tandem_coordinator::CommitSink for Holding {
     }
 }
 
+/// A generation held open at its first commit ([`Holding`]).
+struct Held {
+    release: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<tandem_coordinator::Outcome>,
+}
+
+impl Held {
+    /// Starts `req` on `engine`; returns once its first commit is held.
+    async fn start(engine: &Arc<Engine>, req: &v1::GenerateRequest) -> Self {
+        let (started, on) = tokio::sync::oneshot::channel();
+        let (release, released) = tokio::sync::oneshot::channel();
+        let job = engine.prepare(req).expect("job");
+        let e = Arc::clone(engine);
+        let task = tokio::spawn(async move {
+            let mut sink = Holding {
+                started: Some(started),
+                release: Some(released),
+            };
+            e.generate(&job, &mut sink).await.expect("generated")
+        });
+        within("the first commit", on)
+            .await
+            .expect("the generation started");
+        Self { release, task }
+    }
+
+    async fn finish(self) -> tandem_coordinator::Outcome {
+        let _ = self.release.send(());
+        within("the held generation", self.task)
+            .await
+            .expect("task")
+    }
+}
+
 /// Two replicas of each node: a chat's next turn goes back to the target and the draft that
 /// served the last (their caches hold it) though the other pair is less loaded (by one
 /// generation, held open there), and only their caches are hit.
@@ -193,8 +231,8 @@ async fn a_chat_returns_to_the_replicas_that_hold_it() {
     );
     let url = |addr: std::net::SocketAddr| format!("http://{addr}");
     let drafts = |c: &tandem_coordinator::LocalCluster| url(c.draft_addr.expect("a draft"));
-    let engine = std::sync::Arc::new(
-        tandem_coordinator::Engine::connect(
+    let engine = Arc::new(
+        Engine::connect(
             &[url(b.target_addr), url(a.target_addr)],
             &[drafts(&b), drafts(&a)],
             Some(4),
@@ -223,27 +261,11 @@ async fn a_chat_returns_to_the_replicas_that_hold_it() {
         if turn == 0 {
             // Another conversation, held open on b (the first listed of two idle pairs): b
             // now carries one generation more than a.
-            let (started, on) = tokio::sync::oneshot::channel();
-            let (release, released) = tokio::sync::oneshot::channel();
             let other = tok.encode("Lily and Ben went to the park").expect("encode");
-            let job = engine
-                .prepare(&request(&other, 40, 4, &greedy))
-                .expect("job");
-            let e = std::sync::Arc::clone(&engine);
-            let task = tokio::spawn(async move {
-                let mut sink = Holding {
-                    started: Some(started),
-                    release: Some(released),
-                };
-                e.generate(&job, &mut sink).await.expect("generated")
-            });
-            on.await.expect("the other conversation started");
-            held = Some((release, task));
+            held = Some(Held::start(&engine, &request(&other, 40, 4, &greedy)).await);
         }
     }
-    let (release, task) = held.expect("held");
-    let _ = release.send(());
-    task.await.expect("the other conversation");
+    held.expect("held").finish().await;
     let hits = |c: &tandem_coordinator::LocalCluster| {
         let draft = c.draft.as_ref().expect("a draft");
         [
@@ -262,4 +284,177 @@ async fn a_chat_returns_to_the_replicas_that_hold_it() {
         0,
         "nor anything else"
     );
+}
+
+/// 64 sessions whose prompts start with one system prompt, all open at once: the first's
+/// prompt is shared as soon as it is prefilled, the other 63 start with it, and the node holds
+/// it once (every session reads the same segment; what they hold together is that segment and
+/// their own positions, not 64 copies). Each answers as target-only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_sessions_sharing_a_system_prompt_hold_it_once() {
+    let served = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
+    let engine = Arc::new(patient_engine(&served, 4).await);
+    let tok = tokenizer(&stories());
+    let system = tok
+        .encode(&"Lily and Ben played in the park with a big red ball. ".repeat(12))
+        .expect("encode");
+    assert!(system.len() >= 150, "{}", system.len());
+    let greedy = SamplingParams::greedy();
+    let requests: Vec<_> = (0..64)
+        .map(|i| {
+            let user = tok.encode_raw(&format!(" Story {i}:")).expect("encode");
+            request(&[system.clone(), user].concat(), 8, 4, &greedy)
+        })
+        .collect();
+    let mut held = vec![Held::start(&engine, &requests[0]).await];
+    let rest: Vec<_> = requests[1..]
+        .iter()
+        .map(|req| {
+            let (e, req) = (Arc::clone(&engine), req.clone());
+            tokio::spawn(async move { Held::start(&e, &req).await })
+        })
+        .collect();
+    for h in rest {
+        held.push(h.await.expect("task"));
+    }
+    let draft = served.draft.as_ref().expect("a draft-node");
+    assert!(
+        eventually(async || draft.sessions.active() == 64).await,
+        "all 64 open on the draft-node too"
+    );
+    let per = load(&stories()).new_cache().bytes_per_position();
+    let copies = 64 * system.len() * per;
+    for (name, node) in [("target", &served.target), ("draft", draft)] {
+        assert_eq!(node.sessions.active(), 64, "{name}");
+        assert_eq!(
+            node.sessions.read_segments().len(),
+            1,
+            "{name}: every session reads the one published prompt"
+        );
+        let holding = node.sessions.kv_bytes();
+        assert!(
+            holding * 3 < copies,
+            "{name}: {holding} bytes held by 64 sessions, 64 copies of the system prompt {copies}"
+        );
+        assert!(
+            node.metrics.prefix_cache_hits.get() >= 63 * system.len() as u64,
+            "{name}: the system prompt reused 63 times"
+        );
+    }
+    let tandem_model = load(&stories());
+    for (req, h) in requests.iter().zip(held) {
+        let out = h.finish().await;
+        assert!(out.stats.cached_tokens as usize >= system.len() || req == &requests[0]);
+        let alone = in_process_with(
+            &tandem_model,
+            None,
+            &tok,
+            &request(&req.prompt_tokens, 8, 0, &greedy),
+        );
+        assert_eq!(out.token_ids, alone.token_ids);
+    }
+}
+
+/// A small prefix cache evicts while sessions are live: what an open session reads stays (it
+/// costs the cache nothing), the finished sessions' caches go least recently used first, and a
+/// session that shares the start of a live one's prompt and diverges answers as target-only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_while_sessions_live_keeps_what_they_read() {
+    let per = load(&stories()).new_cache().bytes_per_position();
+    let small = LimitsArgs {
+        prefix_cache_bytes: Some(200 * per as u64),
+        ..LimitsArgs::default()
+    };
+    let served = cluster(&stories(), Some(&stories_q8()), &small).await;
+    let engine = Arc::new(patient_engine(&served, 4).await);
+    let tok = tokenizer(&stories());
+    let greedy = SamplingParams::greedy();
+    let text = |t: &str| tok.encode(t).expect("encode");
+    let live = text(&"Once upon a time there was a kind old dog. ".repeat(5));
+    assert!(live.len() > 48, "{}", live.len());
+    let held = Held::start(&engine, &request(&live, 24, 4, &greedy)).await;
+    let target = &served.target;
+    let mut outcomes = Vec::new();
+    for (i, other) in ["Tom had a red car.", "The sun was hot.", "A bird sang."]
+        .iter()
+        .enumerate()
+    {
+        let prompt = text(&other.repeat(10 + i));
+        let out = generate(&engine, &request(&prompt, 64, 4, &greedy)).await;
+        holds(
+            target,
+            &[prompt.clone(), out.token_ids.clone()].concat(),
+            prompt.len(),
+        )
+        .await;
+        outcomes.push((prompt, out));
+    }
+    assert!(
+        target.prefixes.evicted_bytes() > 0,
+        "the small cache evicted"
+    );
+    assert!(target.prefixes.bytes() <= 200 * per);
+    // Shares the live session's first 48 tokens, then differs.
+    let diverging = [&live[..48], &text("Then a cat came by.")[1..]].concat();
+    let out = generate(&engine, &request(&diverging, 24, 4, &greedy)).await;
+    assert!(out.stats.cached_tokens >= 48, "{}", out.stats.cached_tokens);
+    outcomes.push((diverging, out));
+    outcomes.push((live, held.finish().await));
+    let model = load(&stories());
+    for (prompt, out) in outcomes {
+        let alone = in_process_with(
+            &model,
+            None,
+            &tok,
+            &request(&prompt, out.token_ids.len() as u32, 0, &greedy),
+        );
+        assert_eq!(out.token_ids, alone.token_ids);
+    }
+}
+
+/// A target-node restarted between turns starts with an empty cache (the next turn reuses
+/// nothing there) and answers exactly as before; the turn after reuses its prompt again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_starts_cold_and_answers_the_same() {
+    use tandem_tests::faults::FaultProxy;
+    use tandem_tests::processes::Proc;
+    let target = Proc::node("target-node", &stories(), &[]);
+    let gate = FaultProxy::passing(target.addr);
+    let gate_url = gate.clone().serve().await;
+    let draft = Proc::node("draft-node", &stories_q8(), &[]);
+    let http = ["--http-listen", "127.0.0.1:0"];
+    let coordinator = Proc::coordinator(&gate_url, &draft.url(), &http, None);
+    let body = serde_json::json!({
+        "prompt": "Once upon a time, there was a little girl named Lily. She loved to play",
+        "max_tokens": 24, "temperature": 0,
+    })
+    .to_string();
+    let turn = async || {
+        let (status, reply) =
+            http_request(coordinator.http(), "POST", "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{reply}");
+        let reply: serde_json::Value = serde_json::from_str(&reply).expect("JSON");
+        let usage = &reply["usage"];
+        (
+            reply["choices"][0]["text"].clone(),
+            usage["prompt_tokens"].as_u64().expect("prompt tokens"),
+            usage["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        )
+    };
+    let (first, prompt, cold) = turn().await;
+    assert_eq!(cold, Some(0));
+    let (again, _, warm) = turn().await;
+    assert_eq!((&again, warm), (&first, Some(prompt - 1)), "reused");
+    // SIGKILL, and a new process where the old one was reached.
+    drop(target);
+    let restarted = Proc::node("target-node", &stories(), &[]);
+    gate.upstream.point_to(restarted.addr);
+    let (after, _, restarted_cold) = turn().await;
+    assert_eq!(
+        (&after, restarted_cold),
+        (&first, Some(0)),
+        "nothing cached there"
+    );
+    let (last, _, warm_again) = turn().await;
+    assert_eq!((&last, warm_again), (&first, Some(prompt - 1)));
 }
