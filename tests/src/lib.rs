@@ -458,10 +458,10 @@ pub fn post_json(path: &str, body: &serde_json::Value) -> axum::http::Request<ax
         .expect("request")
 }
 
-/// The coordinator's HTTP API over `cluster` (K = 4 unless a request names one), serving the
-/// model under `served_names`.
+/// The coordinator's HTTP API over `cluster` (K = 4 unless a request names one, patient with
+/// draft steps: [`PATIENT`]), serving the model under `served_names`.
 pub async fn router_over(cluster: &LocalCluster, served_names: Vec<String>) -> axum::Router {
-    let engine = std::sync::Arc::new(cluster.engine(4).await.expect("engine"));
+    let engine = std::sync::Arc::new(patient_engine(cluster, 4).await);
     let state = tandem_coordinator::http::HttpState::new(
         tandem_coordinator::late::LateEngine::ready(engine),
         Default::default(),

@@ -458,3 +458,84 @@ async fn a_restarted_node_starts_cold_and_answers_the_same() {
     let (last, _, warm_again) = turn().await;
     assert_eq!((&last, warm_again), (&first, Some(prompt - 1)));
 }
+
+/// OpenAI's `n`: the choices of one prompt share it (the first's prompt prefilled once on each
+/// node, the others starting with it); choice i is seeded `seed + i` and equals a request of
+/// that seed alone; streamed, the same texts come under each choice's index, each with its own
+/// end, and the usage counts every choice's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_share_their_prompt() {
+    let served = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
+    let router = router_over(&served, Vec::new()).await;
+    let draft = served.draft.as_ref().expect("a draft-node");
+    let body = |n: u32, seed: u64, stream: bool| {
+        let mut body = serde_json::json!({
+            "prompt": "Once upon a time, there was a little girl named Lily. She loved to play",
+            "max_tokens": 24, "temperature": 0.8, "seed": seed, "n": n, "stream": stream,
+        });
+        if stream {
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        post_json("/v1/completions", &body)
+    };
+    let hits = |n: &NodeState| n.metrics.prefix_cache_hits.get();
+    let before = [hits(&served.target), hits(draft)];
+    let (status, _, whole) = call(&router, body(4, 11, false)).await;
+    assert_eq!(status, 200, "{whole}");
+    let prompt = whole["usage"]["prompt_tokens"]
+        .as_u64()
+        .expect("prompt tokens");
+    assert!(prompt > 16, "more than a block: {prompt}");
+    for (name, (now, then)) in ["target", "draft"]
+        .iter()
+        .zip([hits(&served.target), hits(draft)].into_iter().zip(before))
+    {
+        assert!(
+            now - then >= 3 * (prompt - 1),
+            "{name}: the 3 other choices start with the first's prompt ({} tokens)",
+            now - then
+        );
+    }
+    let choices = whole["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 4, "{whole}");
+    let (mut texts, mut tokens) = (Vec::new(), Vec::new());
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        let (status, _, alone) = call(&router, body(1, 11 + i as u64, false)).await;
+        assert_eq!(status, 200, "{alone}");
+        assert_eq!(choice["text"], alone["choices"][0]["text"], "choice {i}");
+        tokens.push(
+            alone["usage"]["completion_tokens"]
+                .as_u64()
+                .expect("tokens"),
+        );
+        texts.push(choice["text"].as_str().expect("text").to_string());
+    }
+    assert_eq!(
+        whole["usage"]["completion_tokens"],
+        tokens.iter().sum::<u64>()
+    );
+    assert!(
+        texts.iter().any(|t| t != &texts[0]),
+        "seeded apart: {texts:?}"
+    );
+    let streamed = events(&router, body(3, 11, true)).await;
+    let mut pieces = vec![String::new(); 3];
+    let mut ends = [0; 3];
+    for event in &streamed {
+        for choice in event["choices"].as_array().expect("choices") {
+            let i = choice["index"].as_u64().expect("index") as usize;
+            pieces[i].push_str(choice["text"].as_str().expect("text"));
+            ends[i] += usize::from(!choice["finish_reason"].is_null());
+        }
+    }
+    assert_eq!(pieces, texts[..3], "streamed as whole");
+    assert_eq!(ends, [1; 3], "one end each");
+    let usage = &streamed.last().expect("events")["usage"];
+    assert_eq!(usage["completion_tokens"], tokens[..3].iter().sum::<u64>());
+    let (status, _, refused) = call(&router, body(17, 11, false)).await;
+    assert_eq!(
+        (status, &refused["error"]["param"]),
+        (400, &serde_json::json!("n"))
+    );
+}

@@ -37,6 +37,12 @@ impl ApiError {
 
 impl From<tandem_proto::Error> for ApiError {
     fn from(e: tandem_proto::Error) -> Self {
+        Self::from(&e)
+    }
+}
+
+impl From<&tandem_proto::Error> for ApiError {
+    fn from(e: &tandem_proto::Error) -> Self {
         let status = match e.code() {
             Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
                 StatusCode::BAD_REQUEST
@@ -46,7 +52,7 @@ impl From<tandem_proto::Error> for ApiError {
             Code::Unavailable | Code::DeadlineExceeded => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
-        let param = match &e {
+        let param = match e {
             tandem_proto::Error::Runtime(tandem_runtime::Error::InvalidParameter {
                 field, ..
             }) => Some((*field).to_string()),

@@ -3,11 +3,12 @@
 //! whole), `GET /v1/models`, `GET /health`, `GET /ready`.
 
 pub mod chat;
+mod choices;
 mod error;
 mod openai;
+mod sse;
 mod tools;
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -16,23 +17,18 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::json;
 use tandem_proto::v1;
-use tandem_runtime::Commit;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
 use crate::api::auth::Access;
 use crate::engine::late::LateEngine;
-use crate::engine::{CommitSink, Discard, Engine};
+use crate::engine::{Discard, Engine};
 use error::ApiError;
 use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
-use serde_json::Value;
-use tools::{Reader, Tools};
+use tools::Tools;
 
 /// What the handlers share.
 #[derive(Debug)]
@@ -362,7 +358,8 @@ async fn chat_completions(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// Runs a request, whole or streamed; a chat's answer is read for calls of `tools`.
+/// Runs a request's choices ([`choices`]), whole or streamed ([`sse`]); a chat's answers are
+/// read for calls of `tools`.
 async fn answer(
     engine: Arc<Engine>,
     head: Head,
@@ -373,7 +370,7 @@ async fn answer(
 ) -> Result<Response, ApiError> {
     let forced = prompt.constraint.is_some();
     let request = common.to_request(prompt, default_max_tokens)?;
-    let job = engine.prepare(&request).map_err(|e| {
+    let jobs = choices::jobs(&engine, &request, common.choices()?).map_err(|e| {
         let mut e = ApiError::from(e);
         // The grammar that did not compile was made of the tools' parameter schemas.
         if forced && e.param.as_deref() == Some("response_format") {
@@ -381,144 +378,20 @@ async fn answer(
         }
         e
     })?;
-    if !common.stream {
-        let outcome = engine.generate(&job, &mut Discard).await?;
+    if common.stream {
+        return sse::answer(engine, head, common.include_usage(), jobs, tools).await;
+    }
+    let job = jobs[0].clone();
+    let sinks = vec![Discard; jobs.len()];
+    let mut answers = Vec::new();
+    for (_, outcome) in choices::run(&engine, jobs, sinks).await {
+        let outcome = outcome?;
         let logprobs =
             openai::logprobs_json(head.kind, &engine.tokenizer, &outcome.logprobs, &mut 0);
-        let reply = tools.map(|tools| tools.read(&outcome.text));
-        let response = head.response(&job, &outcome, logprobs, reply.as_ref());
-        return Ok(Json(response).into_response());
+        let reply = tools.as_ref().map(|tools| tools.read(&outcome.text));
+        answers.push((outcome, logprobs, reply));
     }
-    let (tx, rx) = mpsc::channel(4);
-    let include_usage = common.include_usage();
-    // The response's status waits for the first text or the failure before it: a refusal (a
-    // full node, a lost target) gets its HTTP status, not a 200 with an error event.
-    let (started, first) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move {
-        let mut sink = SseSink {
-            engine: Arc::clone(&engine),
-            head: head.clone(),
-            tx: tx.clone(),
-            first: true,
-            offset: 0,
-            started: Some(started),
-            reader: tools.as_ref().map(Tools::reader),
-        };
-        let generated = engine.generate(&job, &mut sink).await;
-        let generated = match (sink.started.take(), generated) {
-            (Some(started), Err(e)) => {
-                let _ = started.send(Err(ApiError::from(e)));
-                return;
-            }
-            (Some(started), generated) => {
-                let _ = started.send(Ok(()));
-                generated
-            }
-            (None, generated) => generated,
-        };
-        let last = match generated {
-            Ok(outcome) => {
-                let mut events = Vec::new();
-                let mut called = false;
-                if let Some(reader) = &mut sink.reader {
-                    events.extend(reader.finish().into_iter().map(|d| {
-                        head.delta_chunk(openai::delta_json(d), false, Value::Null)
-                    }));
-                    called = reader.called();
-                }
-                events.push(head.finish_chunk(openai::finish_reason(&outcome, called)));
-                if include_usage {
-                    events.push(head.usage_chunk(&job, &outcome));
-                }
-                events
-            }
-            Err(e) => {
-                let e = ApiError::from(e);
-                vec![
-                    json!({"error": {"message": e.message, "type": "server_error", "param": e.param, "code": null}}),
-                ]
-            }
-        };
-        for v in last {
-            let _ = tx.send(Ok(Event::default().data(v.to_string()))).await;
-        }
-        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
-    }
-    .in_current_span());
-    match first.await {
-        Ok(Ok(())) => Ok(Sse::new(ReceiverStream::new(rx)).into_response()),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(ApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: "the generation ended before its first event".into(),
-            param: None,
-            code: None,
-        }),
-    }
-}
-
-/// Sends each commit's text as an SSE chunk.
-struct SseSink {
-    engine: Arc<Engine>,
-    head: Head,
-    tx: mpsc::Sender<Result<Event, Infallible>>,
-    first: bool,
-    /// Where the next token's text starts in the completion (logprobs' `text_offset`).
-    offset: usize,
-    /// Told once the stream has its first event (the response then starts, status 200).
-    started: Option<tokio::sync::oneshot::Sender<Result<(), ApiError>>>,
-    /// Reads a chat's text for tool calls, when it has tools.
-    reader: Option<Reader>,
-}
-
-impl CommitSink for SseSink {
-    async fn send(&mut self, commit: &Commit, logprobs: &[v1::TokenLogprobs]) -> bool {
-        if let Some(started) = self.started.take() {
-            let _ = started.send(Ok(()));
-        }
-        // Text held back (half a character, a possible stop string) sends nothing, unless its
-        // tokens' log-probabilities were asked for.
-        if commit.text.is_empty() && logprobs.is_empty() && !self.first {
-            return !self.tx.is_closed();
-        }
-        let (kind, tok) = (self.head.kind, &self.engine.tokenizer);
-        let logprobs = openai::logprobs_json(kind, tok, logprobs, &mut self.offset);
-        let chunks = match &mut self.reader {
-            None => vec![self.head.chunk(&commit.text, self.first, logprobs)],
-            Some(reader) => {
-                let mut deltas: Vec<Value> = reader
-                    .push(&commit.text)
-                    .into_iter()
-                    .map(openai::delta_json)
-                    .collect();
-                if deltas.is_empty() && (self.first || !logprobs.is_null()) {
-                    deltas.push(json!({"content": ""}));
-                }
-                let mut logprobs = Some(logprobs);
-                deltas
-                    .into_iter()
-                    .map(|d| {
-                        let lp = logprobs.take().unwrap_or(Value::Null);
-                        let chunk = self.head.delta_chunk(d, self.first, lp);
-                        self.first = false;
-                        chunk
-                    })
-                    .collect()
-            }
-        };
-        self.first = false;
-        for chunk in chunks {
-            if self
-                .tx
-                .send(Ok(Event::default().data(chunk.to_string())))
-                .await
-                .is_err()
-            {
-                return false;
-            }
-        }
-        !self.tx.is_closed()
-    }
+    Ok(Json(head.response(&job, &answers)).into_response())
 }
 
 async fn models(State(state): State<Arc<HttpState>>) -> Result<Json<serde_json::Value>, ApiError> {

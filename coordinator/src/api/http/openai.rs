@@ -211,6 +211,9 @@ pub struct ChatRequest {
     pub parallel_tool_calls: Option<bool>,
 }
 
+/// Most choices one request may ask for (`n`): each is a session on each node.
+pub const MAX_CHOICES: u32 = 16;
+
 /// OpenAI's default length of a completion; chat completions default to [`CHAT_MAX_TOKENS`].
 pub const COMPLETION_MAX_TOKENS: i64 = 16;
 pub const CHAT_MAX_TOKENS: i64 = 256;
@@ -246,12 +249,7 @@ impl Common {
                 format!("`top_p` = {top_p}: must be in (0, 1]"),
             ));
         }
-        if let Some(n) = self.n.filter(|&n| n != 1) {
-            return Err(ApiError::invalid(
-                Some("n".to_string()),
-                format!("`n` = {n}: only one choice per request is supported"),
-            ));
-        }
+        self.choices()?;
         let stop = self
             .stop
             .clone()
@@ -327,6 +325,17 @@ impl Common {
         Ok(Some(top))
     }
 
+    /// How many choices the request asks for (`n`, 1 by default, at most [`MAX_CHOICES`]).
+    pub fn choices(&self) -> Result<usize, ApiError> {
+        match self.n.unwrap_or(1) {
+            n @ 1..=MAX_CHOICES => Ok(n as usize),
+            n => Err(ApiError::invalid(
+                Some("n".to_string()),
+                format!("`n` = {n}: must be in [1, {MAX_CHOICES}]"),
+            )),
+        }
+    }
+
     pub fn include_usage(&self) -> bool {
         self.stream_options
             .as_ref()
@@ -359,14 +368,11 @@ impl Head {
         }
     }
 
-    /// A choice carrying `text`, whole (`chunk` false) or as a streamed delta.
-    fn choice(&self, text: &str, finish: Option<&str>, chunk: bool, first: bool) -> Value {
-        self.choice_with(text, finish, chunk, first, Value::Null)
-    }
-
-    /// [`Self::choice`] with its tokens' `logprobs` ([`logprobs_json`]).
-    fn choice_with(
+    /// Choice `index` carrying `text`, whole (`chunk` false) or as a streamed delta, with its
+    /// tokens' `logprobs` ([`logprobs_json`]).
+    fn choice(
         &self,
+        index: usize,
         text: &str,
         finish: Option<&str>,
         chunk: bool,
@@ -374,11 +380,10 @@ impl Head {
         logprobs: Value,
     ) -> Value {
         match (self.kind, chunk) {
-            (Kind::Completion, _) => {
-                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
-            }
+            (Kind::Completion, _) => json!({"index": index, "text": text, "logprobs": logprobs,
+                                            "finish_reason": finish}),
             (Kind::Chat, false) => json!({
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": finish,
@@ -392,7 +397,8 @@ impl Head {
                 if first {
                     delta["role"] = json!("assistant");
                 }
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": logprobs,
+                       "finish_reason": finish})
             }
         }
     }
@@ -407,55 +413,70 @@ impl Head {
         })
     }
 
-    /// A streamed chunk of text, with its tokens' `logprobs` (or null).
-    pub fn chunk(&self, text: &str, first: bool, logprobs: Value) -> Value {
-        self.envelope(
-            true,
-            json!([self.choice_with(text, None, true, first, logprobs)]),
-        )
+    /// A streamed chunk of choice `index`'s text, with its tokens' `logprobs` (or null).
+    pub fn chunk(&self, index: usize, text: &str, first: bool, logprobs: Value) -> Value {
+        let choice = self.choice(index, text, None, true, first, logprobs);
+        self.envelope(true, json!([choice]))
     }
 
-    /// A streamed chunk of a chat's tool calls ([`delta_json`]), with its tokens' `logprobs`.
-    pub fn delta_chunk(&self, mut delta: Value, first: bool, logprobs: Value) -> Value {
+    /// A streamed chunk of a chat's tool calls ([`delta_json`]) in choice `index`, with its
+    /// tokens' `logprobs`.
+    pub fn delta_chunk(
+        &self,
+        index: usize,
+        mut delta: Value,
+        first: bool,
+        logprobs: Value,
+    ) -> Value {
         if first {
             delta["role"] = json!("assistant");
         }
         self.envelope(
             true,
-            json!([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null}]),
+            json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null}]),
         )
     }
 
-    /// The chunk that ends the choice, for `reason` ([`finish_reason`]).
-    pub fn finish_chunk(&self, reason: &str) -> Value {
-        self.envelope(true, json!([self.choice("", Some(reason), true, false)]))
+    /// The chunk that ends choice `index`, for `reason` ([`finish_reason`]).
+    pub fn finish_chunk(&self, index: usize, reason: &str) -> Value {
+        let choice = self.choice(index, "", Some(reason), true, false, Value::Null);
+        self.envelope(true, json!([choice]))
     }
 
-    /// The chunk with usage only (`stream_options.include_usage`).
-    pub fn usage_chunk(&self, job: &Job, outcome: &Outcome) -> Value {
+    /// The chunk with usage only (`stream_options.include_usage`), of every choice.
+    pub fn usage_chunk(&self, job: &Job, outcomes: &[&Outcome]) -> Value {
         let mut v = self.envelope(true, json!([]));
-        v["usage"] = usage(job, outcome);
-        v["tandem"] = speculation(outcome);
+        v["usage"] = usage(job, outcomes);
+        if let Some(first) = outcomes.first() {
+            v["tandem"] = speculation(first);
+        }
         v
     }
 
-    /// The whole response of a request without streaming, with its tokens' `logprobs`; a chat
-    /// with tools answers with the `reply` read from its text.
-    pub fn response(
-        &self,
-        job: &Job,
-        outcome: &Outcome,
-        logprobs: Value,
-        reply: Option<&Reply>,
-    ) -> Value {
-        let reason = finish_reason(outcome, reply.is_some_and(|r| !r.calls.is_empty()));
-        let mut choice = self.choice_with(&outcome.text, Some(reason), false, false, logprobs);
-        if let Some(reply) = reply {
-            choice["message"] = reply.message();
+    /// The whole response of a request without streaming: one choice per outcome, each with
+    /// its tokens' `logprobs` and, for a chat with tools, the `reply` read from its text.
+    pub fn response(&self, job: &Job, answers: &[(Outcome, Value, Option<Reply>)]) -> Value {
+        let choices: Vec<Value> = answers
+            .iter()
+            .enumerate()
+            .map(|(index, (outcome, logprobs, reply))| {
+                let called = reply.as_ref().is_some_and(|r| !r.calls.is_empty());
+                let reason = finish_reason(outcome, called);
+                let text = &outcome.text;
+                let mut choice =
+                    self.choice(index, text, Some(reason), false, false, logprobs.clone());
+                if let Some(reply) = reply {
+                    choice["message"] = reply.message();
+                }
+                choice
+            })
+            .collect();
+        let mut v = self.envelope(false, Value::Array(choices));
+        let outcomes: Vec<&Outcome> = answers.iter().map(|(o, _, _)| o).collect();
+        v["usage"] = usage(job, &outcomes);
+        if let Some(first) = outcomes.first() {
+            v["tandem"] = speculation(first);
         }
-        let mut v = self.envelope(false, json!([choice]));
-        v["usage"] = usage(job, outcome);
-        v["tandem"] = speculation(outcome);
         v
     }
 }
@@ -543,13 +564,18 @@ fn top(l: &v1::TokenLogprobs) -> impl Iterator<Item = (u32, f32)> + '_ {
         .zip(l.top_logprobs.iter().copied())
 }
 
-fn usage(job: &Job, outcome: &Outcome) -> Value {
-    let (p, c) = (job.prompt.len(), outcome.token_ids.len());
+/// Usage as OpenAI counts it: the prompt once, the completion tokens of every choice; the
+/// prompt tokens the first choice found cached (the others found it too: it shares its prompt).
+fn usage(job: &Job, outcomes: &[&Outcome]) -> Value {
+    let p = job.prompt.len();
+    let c: usize = outcomes.iter().map(|o| o.token_ids.len()).sum();
+    let cached = outcomes.first().map_or(0, |o| o.stats.cached_tokens);
     json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-           "prompt_tokens_details": {"cached_tokens": outcome.stats.cached_tokens}})
+           "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
-/// The extension field with the speculation statistics.
+/// The extension field with the speculation statistics (of the first choice, when there are
+/// several).
 fn speculation(outcome: &Outcome) -> Value {
     let s = &outcome.stats.base;
     json!({

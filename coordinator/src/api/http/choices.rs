@@ -1,0 +1,130 @@
+//! A request's `n` choices (OpenAI's `n`): a job each, seeded `seed + i` where the request
+//! names a seed (each unseeded one draws its own). The first runs alone until its first commit
+//! (its prompt then prefilled on the nodes, and shared there through their prefix caches); the
+//! others start then and begin with the prompt's keys and values instead of computing them
+//! again (issue 30).
+
+use std::future::Future;
+use std::sync::Arc;
+
+use tandem_proto::{Result, v1};
+use tandem_runtime::Commit;
+use tokio::sync::oneshot;
+use tracing::Instrument;
+
+use crate::engine::{CommitSink, Discard, Engine, Job, Outcome};
+
+/// Where one choice's commits go, told when it ends.
+pub trait ChoiceSink: CommitSink + 'static {
+    /// The choice has ended with `outcome` (each choice's end is sent as it happens).
+    fn ended(&mut self, outcome: &Result<Outcome>) -> impl Future<Output = ()> + Send;
+}
+
+impl ChoiceSink for Discard {
+    async fn ended(&mut self, _: &Result<Outcome>) {}
+}
+
+/// `request`'s `n` jobs, checked by `engine`.
+pub fn jobs(engine: &Engine, request: &v1::GenerateRequest, n: usize) -> Result<Vec<Job>> {
+    (0..n)
+        .map(|i| {
+            let mut choice = request.clone();
+            if let Some(s) = choice.sampling.as_mut() {
+                s.seed = s.seed.map(|seed| seed.wrapping_add(i as u64));
+            }
+            engine.prepare(&choice)
+        })
+        .collect()
+}
+
+/// Tells the first choice's first commit (or its end, whichever comes first).
+struct First<S> {
+    sink: S,
+    started: Option<oneshot::Sender<()>>,
+}
+
+impl<S: CommitSink> CommitSink for First<S> {
+    async fn send(&mut self, commit: &Commit, logprobs: &[v1::TokenLogprobs]) -> bool {
+        let open = self.sink.send(commit, logprobs).await;
+        if let Some(started) = self.started.take() {
+            let _ = started.send(());
+        }
+        open
+    }
+}
+
+/// Runs `jobs` on `engine`, each choice's commits to its sink: the first alone until its first
+/// commit, then the others together. Each sink comes back with its choice's outcome; a first
+/// choice that fails before it commits anything is the only one run.
+pub async fn run<S: ChoiceSink>(
+    engine: &Arc<Engine>,
+    jobs: Vec<Job>,
+    sinks: Vec<S>,
+) -> Vec<(S, Result<Outcome>)> {
+    let mut pairs = jobs.into_iter().zip(sinks);
+    let Some((job, sink)) = pairs.next() else {
+        return Vec::new();
+    };
+    let (started, on) = oneshot::channel();
+    let first = spawn(
+        engine,
+        job,
+        First {
+            sink,
+            started: Some(started),
+        },
+    );
+    let mut out = Vec::with_capacity(pairs.len() + 1);
+    let first = if on.await.is_ok() {
+        Some(first)
+    } else {
+        // It ended before its first commit: the others run only if it succeeded.
+        let done = join(first).await;
+        let failed = done.1.is_err();
+        out.push(done);
+        if failed {
+            return out;
+        }
+        None
+    };
+    let others = pairs.map(|(job, sink)| {
+        spawn(
+            engine,
+            job,
+            First {
+                sink,
+                started: None,
+            },
+        )
+    });
+    let tasks: Vec<_> = first.into_iter().chain(others).collect();
+    for task in tasks {
+        out.push(join(task).await);
+    }
+    out
+}
+
+async fn join<T>(task: tokio::task::JoinHandle<T>) -> T {
+    match task.await {
+        Ok(done) => done,
+        // A task that panicked: the panic goes on here.
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+fn spawn<S: ChoiceSink>(
+    engine: &Arc<Engine>,
+    job: Job,
+    mut sink: First<S>,
+) -> tokio::task::JoinHandle<(S, Result<Outcome>)> {
+    let engine = Arc::clone(engine);
+    tokio::spawn(
+        async move {
+            let outcome = engine.generate(&job, &mut sink).await;
+            let mut sink = sink.sink;
+            sink.ended(&outcome).await;
+            (sink, outcome)
+        }
+        .in_current_span(),
+    )
+}
