@@ -20,8 +20,8 @@ struct NodeInfoService(Arc<NodeState>);
 
 #[tonic::async_trait]
 impl NodeService for NodeInfoService {
-    async fn info(&self, _: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
-        Ok(Response::new(self.0.info()))
+    async fn info(&self, r: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
+        Ok(Response::new(self.0.info(&r.into_inner().session_id)))
     }
 
     async fn tokenizer(

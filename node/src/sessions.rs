@@ -15,9 +15,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tandem_proto::{Error, Result};
 use tandem_runtime::KvPrefix;
 
-/// One open session's memory.
+/// One open session's memory, and whether it has a message the node works on.
 #[derive(Debug, Default)]
 struct Open {
+    /// The session's id (as its open named it).
+    id: String,
+    working: bool,
     /// KV-cache bytes of its own storage, and what is reserved for it to grow to.
     held: usize,
     reserved: usize,
@@ -67,7 +70,12 @@ impl SessionTable {
     /// Reserves a slot and `kv_bytes` of the budget for a session's own storage, and the
     /// segments of the shared `prefix` it starts with that no open session reads yet; or
     /// refuses when `max_sessions` are open or the budget has less free.
-    pub fn acquire(&self, kv_bytes: usize, prefix: Option<KvPrefix>) -> Result<SessionSlot> {
+    pub fn acquire(
+        &self,
+        id: &str,
+        kv_bytes: usize,
+        prefix: Option<KvPrefix>,
+    ) -> Result<SessionSlot> {
         let mut t = self.lock();
         if t.open.len() >= self.max_sessions {
             return Err(Error::TooManySessions {
@@ -94,6 +102,9 @@ impl SessionTable {
         t.open.insert(
             key,
             Open {
+                id: id.to_string(),
+                // Admitted on its open, which the node works on now.
+                working: true,
                 held: 0,
                 reserved: kv_bytes - new_segments,
                 prefix,
@@ -123,6 +134,11 @@ impl SessionTable {
         (self.lock().reserved(), self.kv_budget)
     }
 
+    /// Whether the open session `id` has a message the node has taken and not yet answered.
+    pub fn working(&self, id: &str) -> bool {
+        self.lock().open.values().any(|o| o.working && o.id == id)
+    }
+
     /// The segments open sessions read ([`KvPrefix::held`]'s ids).
     pub fn read_segments(&self) -> HashSet<usize> {
         self.lock().segments().into_keys().collect()
@@ -143,6 +159,11 @@ pub struct SessionSlot {
 impl SessionSlot {
     pub fn set_kv_bytes(&self, bytes: usize) {
         self.with(|o| o.held = bytes);
+    }
+
+    /// The session has a message the node works on (taken, not yet answered), or not.
+    pub fn set_working(&self, working: bool) {
+        self.with(|o| o.working = working);
     }
 
     /// The session now reads `prefix` (its positions published) and reserves `kv_bytes` for
@@ -176,9 +197,15 @@ mod tests {
     #[test]
     fn slots_are_bounded_and_freed_on_drop() {
         let table = SessionTable::new(2, usize::MAX);
-        let a = table.acquire(0, None).expect("first");
-        let b = table.acquire(0, None).expect("second");
-        let err = table.acquire(0, None).expect_err("third is over the limit");
+        let a = table.acquire("a", 0, None).expect("first");
+        let b = table.acquire("b", 0, None).expect("second");
+        // Taken on its open, which the node works on until it answers.
+        assert!(table.working("a") && table.working("b"));
+        a.set_working(false);
+        assert!(!table.working("a") && table.working("b") && !table.working("c"));
+        let err = table
+            .acquire("s", 0, None)
+            .expect_err("third is over the limit");
         assert!(err.to_string().contains("--max-sessions"), "{err}");
         a.set_kv_bytes(100);
         b.set_kv_bytes(20);
@@ -187,14 +214,16 @@ mod tests {
         assert_eq!((table.active(), table.kv_bytes()), (1, 20));
         drop(b);
         assert_eq!(table.active(), 0);
-        table.acquire(0, None).expect("a freed slot is reusable");
+        table
+            .acquire("s", 0, None)
+            .expect("a freed slot is reusable");
     }
 
     #[test]
     fn the_kv_budget_refuses_what_does_not_fit_and_frees_on_drop() {
         let table = SessionTable::new(64, 1000);
-        let a = table.acquire(600, None).expect("fits");
-        let err = table.acquire(500, None).expect_err("600 + 500 > 1000");
+        let a = table.acquire("s", 600, None).expect("fits");
+        let err = table.acquire("s", 500, None).expect_err("600 + 500 > 1000");
         assert_eq!(err.code(), tonic::Code::ResourceExhausted);
         let text = err.to_string();
         assert!(
@@ -202,11 +231,13 @@ mod tests {
             "names the need, what is free and the budget: {text}"
         );
         assert!(text.contains("--kv-cache-bytes"), "{text}");
-        let b = table.acquire(400, None).expect("exactly what is free");
+        let b = table.acquire("s", 400, None).expect("exactly what is free");
         assert_eq!(table.kv_reserved(), (1000, 1000));
         drop((a, b));
         assert_eq!(table.kv_reserved(), (0, 1000));
-        table.acquire(1000, None).expect("everything is free again");
+        table
+            .acquire("s", 1000, None)
+            .expect("everything is free again");
     }
 
     #[test]
@@ -220,12 +251,14 @@ mod tests {
         let prefix = cache.into_prefix(&tokens).expect("a prefix");
         let shared = prefix.segment_bytes();
         let table = SessionTable::new(64, shared + 300);
-        let a = table.acquire(100, Some(prefix.clone())).expect("fits");
+        let a = table.acquire("s", 100, Some(prefix.clone())).expect("fits");
         let b = table
-            .acquire(100, Some(prefix.clone()))
+            .acquire("t", 100, Some(prefix.clone()))
             .expect("the prefix counted once");
         assert_eq!(table.kv_reserved().0, shared + 200);
-        let err = table.acquire(101, Some(prefix.clone())).expect_err("over");
+        let err = table
+            .acquire("s", 101, Some(prefix.clone()))
+            .expect_err("over");
         assert!(err.to_string().contains("101"), "{err}");
         b.set_kv_bytes(40);
         assert_eq!(

@@ -142,7 +142,9 @@ impl NodeState {
         self.model.config().vocab_size
     }
 
-    pub fn info(&self) -> v1::NodeInfo {
+    /// What the node is, serves and holds; whether session `session` (if named) has a message
+    /// the node is working on.
+    pub fn info(&self, session: &str) -> v1::NodeInfo {
         let l = &self.limits;
         v1::NodeInfo {
             role: self.role.as_str().into(),
@@ -163,6 +165,7 @@ impl NodeState {
             stop_token_ids: self.stop_token_ids.clone(),
             host_id: crate::host::host_id(),
             cpus: crate::host::cpus(),
+            session_working: !session.is_empty() && self.sessions.working(session),
         }
     }
 
@@ -232,9 +235,11 @@ impl NodeState {
             .and_then(|(prefix, common)| prefix.first(common));
         let shared = prefix.as_ref().map_or(0, tandem_runtime::KvPrefix::len);
         let own = self.session_room(open).0.saturating_sub(shared);
-        let slot = self
-            .sessions
-            .acquire(self.kv_sizing.bytes_for(own), prefix.clone())?;
+        let slot = self.sessions.acquire(
+            &open.session_id,
+            self.kv_sizing.bytes_for(own),
+            prefix.clone(),
+        )?;
         let m = &self.metrics;
         m.prefix_cache_queries.inc_by(prompt.len() as u64);
         m.prefix_cache_hits.inc_by(shared as u64);

@@ -186,6 +186,7 @@ async fn serve<S: Session>(
             }
             Incoming::Work(work) => {
                 let (s, slot) = session.take().ok_or(Error::NoSession)?;
+                slot.set_working(true);
                 let st = Arc::clone(state);
                 let start = std::time::Instant::now();
                 let held = s.held().len;
@@ -226,6 +227,9 @@ async fn serve<S: Session>(
         };
         if tx.send(Ok(reply)).await.is_err() {
             return Ok(()); // nobody listens any more
+        }
+        if let Some((_, slot)) = session.as_ref() {
+            slot.set_working(false);
         }
     }
 }

@@ -71,3 +71,69 @@ impl Held {
         drop(self.stream);
     }
 }
+
+/// Holds a generation on an engine at its first commit (its sessions open on the nodes, its
+/// replica's count with it) until released; tells when that commit came.
+struct Holding {
+    start: std::time::Instant,
+    started: Option<tokio::sync::oneshot::Sender<std::time::Duration>>,
+    release: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl tandem_coordinator::CommitSink for Holding {
+    async fn send(&mut self, _: &tandem_runtime::Commit, _: &[v1::TokenLogprobs]) -> bool {
+        if let Some(started) = self.started.take() {
+            let _ = started.send(self.start.elapsed());
+        }
+        if let Some(release) = self.release.take() {
+            let _ = release.await;
+        }
+        true
+    }
+}
+
+/// A generation on an engine (in this process) held at its first commit.
+#[derive(Debug)]
+pub struct HeldAtFirstCommit {
+    release: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<tandem_coordinator::Outcome>,
+    /// From the start to the first commit.
+    pub first_commit: std::time::Duration,
+}
+
+impl HeldAtFirstCommit {
+    /// Starts `req` on `engine`; returns once its first commit is held.
+    pub async fn start(
+        engine: &std::sync::Arc<tandem_coordinator::Engine>,
+        req: &v1::GenerateRequest,
+    ) -> Self {
+        let (started, on) = tokio::sync::oneshot::channel();
+        let (release, released) = tokio::sync::oneshot::channel();
+        let job = engine.prepare(req).expect("job");
+        let e = std::sync::Arc::clone(engine);
+        let task = tokio::spawn(async move {
+            let mut sink = Holding {
+                start: std::time::Instant::now(),
+                started: Some(started),
+                release: Some(released),
+            };
+            e.generate(&job, &mut sink).await.expect("generated")
+        });
+        let first_commit = crate::within("the first commit", on)
+            .await
+            .expect("the generation started");
+        Self {
+            release,
+            task,
+            first_commit,
+        }
+    }
+
+    /// Lets it go on; its outcome.
+    pub async fn finish(self) -> tandem_coordinator::Outcome {
+        let _ = self.release.send(());
+        crate::within("the held generation", self.task)
+            .await
+            .expect("task")
+    }
+}

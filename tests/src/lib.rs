@@ -262,7 +262,7 @@ pub async fn node_info(addr: std::net::SocketAddr) -> v1::NodeInfo {
         v1::node_service_client::NodeServiceClient::connect(format!("http://{addr}"))
             .await
             .expect("connect")
-            .info(v1::InfoRequest {})
+            .info(v1::InfoRequest::default())
             .await
             .expect("info")
             .into_inner()

@@ -202,3 +202,54 @@ async fn a_draft_with_a_different_vocabulary_is_refused_at_connect_time() {
         "{msg}"
     );
 }
+
+/// Blocks the target-node's model thread at the generation's first commit (as other sessions'
+/// work holds it), until the test releases it.
+struct BlockAtFirstCommit {
+    node: Arc<tandem_node::NodeState>,
+    release: Option<std::sync::mpsc::Receiver<()>>,
+}
+
+impl tandem_coordinator::CommitSink for BlockAtFirstCommit {
+    async fn send(&mut self, _: &tandem_runtime::Commit, _: &[v1::TokenLogprobs]) -> bool {
+        if let Some(release) = self.release.take() {
+            let node = Arc::clone(&self.node);
+            tokio::spawn(async move { node.worker.run(move || release.recv()).await });
+        }
+        true
+    }
+}
+
+/// A target call later than its deadline on a node that works on it (its verify queued behind
+/// the model's other work) is waited for, not taken for lost: the generation goes on once the
+/// model is free, exact, its session never replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_call_the_node_works_on_is_waited_for_not_replayed() {
+    let cluster = cluster(&stories(), None, &LimitsArgs::default()).await;
+    let mut engine = cluster.engine(0).await.expect("engine");
+    engine.call_floor = std::time::Duration::from_millis(200);
+    let engine = Arc::new(engine);
+    let greedy = SamplingParams::greedy();
+    let req = request(&prompt("Once upon a time"), 64, 0, &greedy);
+    let (release, released) = std::sync::mpsc::channel();
+    let job = engine.prepare(&req).expect("job");
+    let e = Arc::clone(&engine);
+    let mut sink = BlockAtFirstCommit {
+        node: Arc::clone(&cluster.target),
+        release: Some(released),
+    };
+    let task = tokio::spawn(async move { e.generate(&job, &mut sink).await });
+    let late = &engine.metrics.target_late_calls;
+    assert!(
+        eventually(async || late.get() >= 2).await,
+        "the late verify waited for (twice past its deadline)"
+    );
+    release.send(()).expect("the model held");
+    let out = within("the generation", task)
+        .await
+        .expect("task")
+        .expect("generated");
+    assert_eq!(out.stats.repairs, 0, "no session replayed");
+    let alone = in_process(&stories(), None, &req);
+    assert_eq!(out.token_ids, alone.token_ids);
+}

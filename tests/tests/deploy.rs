@@ -211,7 +211,7 @@ async fn make_certs_writes_secrets_whose_certificates_a_node_accepts() {
         .await
         .expect("a TLS connection");
     tandem_proto::v1::node_service_client::NodeServiceClient::new(channel)
-        .info(tandem_proto::v1::InfoRequest {})
+        .info(tandem_proto::v1::InfoRequest::default())
         .await
         .expect("the node answers the coordinator's certificate");
 }

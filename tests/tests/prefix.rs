@@ -11,6 +11,7 @@ use tandem_coordinator::Engine;
 use tandem_node::{LimitsArgs, NodeState};
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
+use tandem_tests::held::HeldAtFirstCommit;
 use tandem_tests::*;
 
 /// Waits until `node`'s prefix cache holds more than `entries` entries (a session's prompt
@@ -166,59 +167,6 @@ async fn the_openai_usage_says_how_much_of_the_prompt_was_cached() {
     assert_eq!(cached_tokens(&usages[1]), Some(prompt - 1), "{usages:?}");
 }
 
-/// Holds its generation open at its first commit (its sessions open on the nodes, its
-/// replica's count with it) until released.
-struct Holding {
-    started: Option<tokio::sync::oneshot::Sender<()>>,
-    release: Option<tokio::sync::oneshot::Receiver<()>>,
-}
-
-impl tandem_coordinator::CommitSink for Holding {
-    async fn send(&mut self, _: &tandem_runtime::Commit, _: &[v1::TokenLogprobs]) -> bool {
-        if let Some(started) = self.started.take() {
-            let _ = started.send(());
-        }
-        if let Some(release) = self.release.take() {
-            let _ = release.await;
-        }
-        true
-    }
-}
-
-/// A generation held open at its first commit ([`Holding`]).
-struct Held {
-    release: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<tandem_coordinator::Outcome>,
-}
-
-impl Held {
-    /// Starts `req` on `engine`; returns once its first commit is held.
-    async fn start(engine: &Arc<Engine>, req: &v1::GenerateRequest) -> Self {
-        let (started, on) = tokio::sync::oneshot::channel();
-        let (release, released) = tokio::sync::oneshot::channel();
-        let job = engine.prepare(req).expect("job");
-        let e = Arc::clone(engine);
-        let task = tokio::spawn(async move {
-            let mut sink = Holding {
-                started: Some(started),
-                release: Some(released),
-            };
-            e.generate(&job, &mut sink).await.expect("generated")
-        });
-        within("the first commit", on)
-            .await
-            .expect("the generation started");
-        Self { release, task }
-    }
-
-    async fn finish(self) -> tandem_coordinator::Outcome {
-        let _ = self.release.send(());
-        within("the held generation", self.task)
-            .await
-            .expect("task")
-    }
-}
-
 /// Two replicas of each node: a chat's next turn goes back to the target and the draft that
 /// served the last (their caches hold it) though the other pair is less loaded (by one
 /// generation, held open there), and only their caches are hit.
@@ -262,7 +210,7 @@ async fn a_chat_returns_to_the_replicas_that_hold_it() {
             // Another conversation, held open on b (the first listed of two idle pairs): b
             // now carries one generation more than a.
             let other = tok.encode("Lily and Ben went to the park").expect("encode");
-            held = Some(Held::start(&engine, &request(&other, 40, 4, &greedy)).await);
+            held = Some(HeldAtFirstCommit::start(&engine, &request(&other, 40, 4, &greedy)).await);
         }
     }
     held.expect("held").finish().await;
@@ -306,12 +254,12 @@ async fn sixty_four_sessions_sharing_a_system_prompt_hold_it_once() {
             request(&[system.clone(), user].concat(), 8, 4, &greedy)
         })
         .collect();
-    let mut held = vec![Held::start(&engine, &requests[0]).await];
+    let mut held = vec![HeldAtFirstCommit::start(&engine, &requests[0]).await];
     let rest: Vec<_> = requests[1..]
         .iter()
         .map(|req| {
             let (e, req) = (Arc::clone(&engine), req.clone());
-            tokio::spawn(async move { Held::start(&e, &req).await })
+            tokio::spawn(async move { HeldAtFirstCommit::start(&e, &req).await })
         })
         .collect();
     for h in rest {
@@ -372,7 +320,7 @@ async fn eviction_while_sessions_live_keeps_what_they_read() {
     let text = |t: &str| tok.encode(t).expect("encode");
     let live = text(&"Once upon a time there was a kind old dog. ".repeat(5));
     assert!(live.len() > 48, "{}", live.len());
-    let held = Held::start(&engine, &request(&live, 24, 4, &greedy)).await;
+    let held = HeldAtFirstCommit::start(&engine, &request(&live, 24, 4, &greedy)).await;
     let target = &served.target;
     let mut outcomes = Vec::new();
     for (i, other) in ["Tom had a red car.", "The sun was hot.", "A bird sang."]

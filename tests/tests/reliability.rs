@@ -343,7 +343,7 @@ async fn a_draft_node_that_comes_late_is_attached_once_it_answers() {
     // Asked again with backoff (250 ms doubling to 10 s).
     let deadline = Instant::now() + Duration::from_secs(60);
     while !client
-        .info(v1::InfoRequest {})
+        .info(v1::InfoRequest::default())
         .await
         .is_ok_and(|i| i.into_inner().draft.is_some())
     {

@@ -64,6 +64,8 @@ pub struct CoordinatorMetrics {
     /// `other` one (a failover).
     pub target_replays: LabeledCounter,
     pub drafts_lost: Counter,
+    /// Target calls past their deadline on a node that was working on them: waited for again.
+    pub target_late_calls: Counter,
     pub draft_reattaches: Counter,
     pub draft_stalls: Counter,
     /// Drafted blocks refused (by the target-node, or here for more drafts than asked), by reason.
@@ -101,6 +103,7 @@ impl Default for CoordinatorMetrics {
             repairs: Counter::default(),
             target_replays: LabeledCounter::with_values("replica", ["same", "other"]),
             drafts_lost: Counter::default(),
+            target_late_calls: Counter::default(),
             draft_reattaches: Counter::default(),
             draft_stalls: Counter::default(),
             draft_blocks_refused: LabeledCounter::refusals(),
@@ -152,6 +155,12 @@ impl CoordinatorMetrics {
                 "tandem_drafts_lost",
                 "Generations that lost their draft-node and went on target-only",
                 &self.drafts_lost,
+            ),
+            (
+                "tandem_target_late_calls",
+                "Target calls past their deadline on a node still working on them (queued behind \
+                 other sessions' work): waited for, not replayed",
+                &self.target_late_calls,
             ),
             (
                 "tandem_draft_reattaches",

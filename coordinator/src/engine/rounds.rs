@@ -74,6 +74,9 @@ pub struct Engine {
     /// Added to a draft step's deadline (8 times its expected time): a step later than that is
     /// abandoned, its round decoded by the target alone.
     pub draft_step_slack: Duration,
+    /// A target call's deadline floor ([`call_deadline`]): a call later than that, on a node
+    /// that is not working on it, is taken for lost and its session replayed.
+    pub call_floor: Duration,
     /// What the last session learnt of the nodes' costs and the draft's acceptance.
     learnt: std::sync::Mutex<Option<KPolicy>>,
     /// Adaptive generations that started with a draft that could not pay.
@@ -136,6 +139,7 @@ impl Engine {
             max_speculating: (cpu_target && shares_cores).then_some(1),
             target_retry: Duration::from_secs(30),
             draft_step_slack: crate::drafting::drafters::DEFAULT_STEP_SLACK,
+            call_floor: CALL_FLOOR,
             learnt: std::sync::Mutex::new(None),
             hopeless: AtomicUsize::new(0),
             grammars: Grammars::default(),
@@ -679,35 +683,53 @@ impl Engine {
         for attempt in 0u32.. {
             // A replay prefills the whole log: it may take what is left of the retry time.
             let deadline = if attempt == 0 {
-                call_deadline(expected)
+                call_deadline(self.call_floor, expected)
             } else {
                 give_up
                     .saturating_duration_since(Instant::now())
-                    .max(CALL_FLOOR)
+                    .max(self.call_floor)
             };
-            let call = async {
-                if attempt > 0 {
-                    // The same replica first (it may be back), then the next, and so on.
-                    let replica = (home + attempt as usize - 1) % self.targets.len();
-                    let moved = async {
-                        let channel = self.targets.recheck(replica).await?.channel.clone();
-                        target.rebind(replica, channel);
-                        target.replay(log).await
-                    };
-                    moved.await.map_err(|e| self.targets.failed(replica, e))?;
-                    let to = if replica == home { "same" } else { "other" };
-                    self.metrics.target_replays.add(to, 1);
+            // The same replica first (it may be back), then the next, and so on.
+            let replica = match attempt {
+                0 => home,
+                n => (home + n as usize - 1) % self.targets.len(),
+            };
+            let id = target.session_id().to_string();
+            let error = {
+                let call = async {
+                    if attempt > 0 {
+                        let moved = async {
+                            let channel = self.targets.recheck(replica).await?.channel.clone();
+                            target.rebind(replica, channel);
+                            target.replay(log).await
+                        };
+                        moved.await.map_err(|e| self.targets.failed(replica, e))?;
+                        let to = if replica == home { "same" } else { "other" };
+                        self.metrics.target_replays.add(to, 1);
+                    }
+                    target.call(log, make).await
+                };
+                tokio::pin!(call);
+                // Late is not lost while the node works on the message (queued behind other
+                // sessions' work: many opening at once): the call is waited for again, not
+                // abandoned and replayed into a node already behind.
+                loop {
+                    match tokio::time::timeout(deadline, &mut call).await {
+                        Ok(Ok(verdict)) => return Ok(verdict),
+                        Ok(Err(e)) if !session_lost(&e) => return Err(e),
+                        Ok(Err(e)) => break e,
+                        Err(_) if self.targets.working_on(replica, &id).await => {
+                            self.metrics.target_late_calls.inc_by(1);
+                            tracing::info!(waited = ?deadline, "target-node late but working");
+                        }
+                        Err(_) => {
+                            break Error::TimedOut {
+                                node: "target-node",
+                                secs: deadline.as_secs_f64(),
+                            };
+                        }
+                    }
                 }
-                target.call(log, make).await
-            };
-            let error = match tokio::time::timeout(deadline, call).await {
-                Ok(Ok(verdict)) => return Ok(verdict),
-                Ok(Err(e)) if !session_lost(&e) => return Err(e),
-                Ok(Err(e)) => e,
-                Err(_) => Error::TimedOut {
-                    node: "target-node",
-                    secs: deadline.as_secs_f64(),
-                },
             };
             // The last attempt falls at the deadline: a node back just before it is not missed.
             let left = give_up.saturating_duration_since(Instant::now());

@@ -43,7 +43,7 @@ impl NodeHandle {
             .await
             .map_err(|e| unavailable(connect_error(&e, endpoint)))?;
         let info = v1::node_service_client::NodeServiceClient::new(channel.clone())
-            .info(v1::InfoRequest {})
+            .info(v1::InfoRequest::default())
             .await
             .map_err(|status| {
                 let chain = tandem_proto::error_chain(&status);
@@ -68,7 +68,7 @@ impl NodeHandle {
     /// another model or vocabulary (a replay into it would not continue this generation).
     pub async fn check_same(&self, node: &'static str) -> Result<()> {
         let info = v1::node_service_client::NodeServiceClient::new(self.channel.clone())
-            .info(v1::InfoRequest {})
+            .info(v1::InfoRequest::default())
             .await
             .map_err(|status| Error::Remote { node, status })?
             .into_inner();
@@ -104,8 +104,8 @@ const DEADLINE_FACTOR: f64 = 8.0;
 
 /// How long a call expected to take `expected` seconds (`None`: not yet measured) may take
 /// before its node is treated as lost.
-pub fn call_deadline(expected: Option<f64>) -> Duration {
-    CALL_FLOOR + Duration::from_secs_f64(DEADLINE_FACTOR * expected.unwrap_or(0.0).max(0.0))
+pub fn call_deadline(floor: Duration, expected: Option<f64>) -> Duration {
+    floor + Duration::from_secs_f64(DEADLINE_FACTOR * expected.unwrap_or(0.0).max(0.0))
 }
 
 /// `backoff` scaled into [0.5, 1.5) by a hash of the session and the attempt: sessions that lost

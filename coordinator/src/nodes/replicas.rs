@@ -307,6 +307,18 @@ impl Replicas {
         Ok(replica.handle.clone())
     }
 
+    /// Whether replica `i` answers within [`PROBE_DEADLINE`] (a node answers from memory,
+    /// however busy its model) that it works on a message of session `id`.
+    pub async fn working_on(&self, i: usize, id: &str) -> bool {
+        let channel = self.at(i).handle.channel.clone();
+        let mut client = v1::node_service_client::NodeServiceClient::new(channel);
+        let ask = v1::InfoRequest {
+            session_id: id.to_string(),
+        };
+        let reply = tokio::time::timeout(PROBE_DEADLINE, client.info(ask)).await;
+        reply.is_ok_and(|r| r.is_ok_and(|info| info.into_inner().session_working))
+    }
+
     /// The channel of `chosen`, then the other replicas': where a draft session that lost
     /// `chosen` is opened again. (Their info is not read first: a draft can change the speed of
     /// a generation, never its output.)
@@ -421,9 +433,10 @@ async fn probe(replicas: Weak<RwLock<Vec<Arc<Replica>>>>) {
             let start = Instant::now();
             let mut client =
                 v1::node_service_client::NodeServiceClient::new(r.handle.channel.clone());
-            let answered = tokio::time::timeout(PROBE_DEADLINE, client.info(v1::InfoRequest {}))
-                .await
-                .is_ok_and(|reply| reply.is_ok());
+            let answered =
+                tokio::time::timeout(PROBE_DEADLINE, client.info(v1::InfoRequest::default()))
+                    .await
+                    .is_ok_and(|reply| reply.is_ok());
             let micros = if answered {
                 u64::try_from(start.elapsed().as_micros())
                     .unwrap_or(u64::MAX)
