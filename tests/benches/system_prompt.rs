@@ -92,6 +92,8 @@ async fn main() -> anyhow::Result<()> {
                 prompt_tokens: prompt,
                 max_tokens: 16,
                 sampling: Some((&SamplingParams::greedy()).into()),
+                // Every token compared with target-only's (which does not stop at EOS).
+                ignore_eos: true,
                 ..Default::default()
             })
         })
