@@ -100,17 +100,7 @@ async fn main() -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
     let before = rss()?;
     let start = Instant::now();
-    let mut held = vec![HeldAtFirstCommit::start(&engine, &requests[0]).await];
-    let rest: Vec<_> = requests[1..]
-        .iter()
-        .map(|req| {
-            let (e, req) = (Arc::clone(&engine), req.clone());
-            tokio::spawn(async move { HeldAtFirstCommit::start(&e, &req).await })
-        })
-        .collect();
-    for h in rest {
-        held.push(h.await?);
-    }
+    let held = HeldAtFirstCommit::start_all(&engine, &requests).await;
     let all_open = start.elapsed();
     let draft_node = cluster
         .draft

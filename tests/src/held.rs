@@ -129,6 +129,29 @@ impl HeldAtFirstCommit {
         }
     }
 
+    /// Starts all of `requests`, each held at its first commit: the first alone (its prompt then
+    /// prefilled on the nodes), then the others at once.
+    pub async fn start_all(
+        engine: &std::sync::Arc<tandem_coordinator::Engine>,
+        requests: &[v1::GenerateRequest],
+    ) -> Vec<Self> {
+        let Some((first, rest)) = requests.split_first() else {
+            return Vec::new();
+        };
+        let mut held = vec![Self::start(engine, first).await];
+        let rest: Vec<_> = rest
+            .iter()
+            .map(|req| {
+                let (e, req) = (std::sync::Arc::clone(engine), req.clone());
+                tokio::spawn(async move { Self::start(&e, &req).await })
+            })
+            .collect();
+        for h in rest {
+            held.push(h.await.expect("task"));
+        }
+        held
+    }
+
     /// Lets it go on; its outcome.
     pub async fn finish(self) -> tandem_coordinator::Outcome {
         let _ = self.release.send(());

@@ -254,17 +254,7 @@ async fn sixty_four_sessions_sharing_a_system_prompt_hold_it_once() {
             request(&[system.clone(), user].concat(), 8, 4, &greedy)
         })
         .collect();
-    let mut held = vec![HeldAtFirstCommit::start(&engine, &requests[0]).await];
-    let rest: Vec<_> = requests[1..]
-        .iter()
-        .map(|req| {
-            let (e, req) = (Arc::clone(&engine), req.clone());
-            tokio::spawn(async move { HeldAtFirstCommit::start(&e, &req).await })
-        })
-        .collect();
-    for h in rest {
-        held.push(h.await.expect("task"));
-    }
+    let held = HeldAtFirstCommit::start_all(&engine, &requests).await;
     let draft = served.draft.as_ref().expect("a draft-node");
     assert!(
         eventually(async || draft.sessions.active() == 64).await,
