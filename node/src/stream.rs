@@ -143,6 +143,11 @@ async fn serve<S: Session>(
                 // for the first is the open's queue time.
                 let mut queued = None;
                 loop {
+                    // A client gone mid-prefill (it gave up waiting): the rest is not computed
+                    // for nobody, ahead of the sessions still waiting for the model.
+                    if tx.is_closed() {
+                        return Ok(());
+                    }
                     let (st, span) = (Arc::clone(state), span.clone());
                     let chunk = state.limits.prefill_chunk;
                     let (back, done, began) = (state.worker)
