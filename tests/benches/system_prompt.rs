@@ -173,7 +173,9 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     println!("resident memory grown while all were open: {}", mib(grown));
-    println!("target sessions opened: {opened}; draft sessions open while measured: {draft_sessions}");
+    println!(
+        "target sessions opened: {opened}; draft sessions open while measured: {draft_sessions}"
+    );
     println!(
         "first commit: first session {:.0} ms, median of all {:.0} ms; all {sessions} open after {:.1} s, all done after {:.1} s",
         first_commits[0],
