@@ -7,6 +7,7 @@
 
 pub mod acceptance;
 pub mod draft_check;
+pub mod tree;
 
 use std::time::Instant;
 
