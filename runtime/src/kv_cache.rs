@@ -403,6 +403,38 @@ impl KvCache {
         Ok(())
     }
 
+    /// Of the positions from `base` on (a token tree's rows, appended in row order), keeps
+    /// those of `rows` (one path through the tree, ascending) at `base..base + rows.len()` and
+    /// drops the rest: the cache then holds the path as if it had been fed as a chain. Only
+    /// the own storage's positions move.
+    pub fn keep_rows(&mut self, base: usize, rows: &[usize]) -> Result<()> {
+        let own = self.own_start();
+        let ascending = rows.windows(2).all(|w| w[0] < w[1]);
+        let inside = rows.last().is_none_or(|&r| base + r < self.len);
+        if self.shape.window.is_some() || base < own || !ascending || !inside {
+            return Err(Error::invalid(
+                "rows",
+                format!("{rows:?} from {base}"),
+                format!(
+                    "ascending rows of the {} positions after {base}, in the own storage of a \
+                     cache without sliding-window layers",
+                    self.len.saturating_sub(base)
+                ),
+            ));
+        }
+        for (k, v) in &self.layers {
+            for (to, &from) in rows.iter().enumerate() {
+                if from != to {
+                    let at = |r: usize| base - own + r;
+                    k.slice_set(&k.narrow(2, at(from), 1)?.contiguous()?.copy()?, 2, at(to))?;
+                    v.slice_set(&v.narrow(2, at(from), 1)?.contiguous()?.copy()?, 2, at(to))?;
+                }
+            }
+        }
+        self.len = base + rows.len();
+        Ok(())
+    }
+
     /// Empties the cache, keeping its memory.
     pub fn clear(&mut self) {
         self.len = 0;

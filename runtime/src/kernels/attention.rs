@@ -52,8 +52,15 @@ pub(crate) struct Span {
 /// the threads together (one sequence's decode row alone is too little work for two). Views
 /// whose rows are contiguous (those of a preallocated cache) are read in place; others are
 /// copied first.
+///
+/// A sequence's block may be a token tree: `paths[s]`, when given, holds
+/// for each of sequence s's query rows the block rows it sees (its ancestors and itself,
+/// ascending); it sees every position before the block too. Such a row's keys are those of its
+/// path read as one sequence would hold them, so its output is the same bits as that path's
+/// alone. (`paths` empty: no tree; the span's window is not applied to trees.)
 pub(crate) fn attention_cpu(
     seqs: &[(Tensor, Vec<(Tensor, Tensor)>)],
+    paths: &[Option<&[Vec<usize>]>],
     span: Span,
 ) -> Result<Tensor> {
     let rows = |t: &Tensor| -> Result<Tensor> {
@@ -87,7 +94,7 @@ pub(crate) fn attention_cpu(
     let bad = |what: &str| -> crate::Error { candle_core::Error::Msg(what.into()).into() };
     let mut calls = Vec::with_capacity(seqs.len());
     let (mut heads, mut head_dim, mut rows_out) = (0, 0, 0);
-    for ((q, kv), ((qs, ql), piece_guards)) in tensors.iter().zip(&guards) {
+    for (index, ((q, kv), ((qs, ql), piece_guards))) in tensors.iter().zip(&guards).enumerate() {
         let (_, h, n, d) = q.dims4()?;
         if calls.is_empty() {
             (heads, head_dim) = (h, d);
@@ -117,6 +124,11 @@ pub(crate) fn attention_cpu(
         if seen < n || kv_heads == 0 {
             return Err(bad("fewer keys than query rows"));
         }
+        let rows_paths = paths.get(index).copied().flatten();
+        let fits = |p: &Vec<usize>| p.len() <= MAX_TREE_DEPTH + 1 && p.iter().all(|&r| r < n);
+        if rows_paths.is_some_and(|ps| ps.len() != n || !ps.iter().all(fits)) {
+            return Err(bad("a tree's paths do not fit its block"));
+        }
         let s = AttentionShape {
             heads,
             kv_heads,
@@ -125,7 +137,12 @@ pub(crate) fn attention_cpu(
             head_dim,
             q_stride,
         };
-        calls.push(Call { q, pieces, s });
+        calls.push(Call {
+            q,
+            pieces,
+            s,
+            paths: rows_paths,
+        });
         rows_out += n;
     }
     let ys = attention(&calls, span);
@@ -164,6 +181,8 @@ struct Call<'a> {
     q: &'a [f32],
     pieces: Vec<Piece<'a>>,
     s: AttentionShape,
+    /// A token tree's rows: the block rows each sees ([`attention_cpu`]).
+    paths: Option<&'a [Vec<usize>]>,
 }
 
 /// Every call's (n, heads · d) rows, one call after the other (the calls share `heads` and
@@ -189,26 +208,53 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
     let fused = Path::detect() != Path::Portable;
     let one = |(index, out_row): (usize, &mut [f32])| {
         let c = starts.partition_point(|&s| s <= index) - 1;
-        let Call { q, pieces, s } = &calls[c];
+        let Call {
+            q,
+            pieces,
+            s,
+            paths,
+        } = &calls[c];
         // Output (row i, head h) of a call is its chunk i · heads + h.
         let local = index - starts[c];
         let (i, h) = (local / heads, local % heads);
         let q_row = &q[h * s.q_stride + i * d..][..d];
         let kv = h / (heads / s.kv_heads);
-        let seen = s.pos + i + 1;
-        let first = seen.saturating_sub(span.window);
-        // The positions first..seen, piece by piece.
-        let mut seen_pieces = [(&[][..], &[][..]); MAX_PIECES];
+        // The positions the row sees, in order, piece by piece.
+        let mut seen_pieces = [(&[][..], &[][..]); MAX_PIECES + MAX_TREE_DEPTH + 1];
         let mut count = 0;
-        for p in pieces {
-            let (from, to) = (first.max(p.start), seen.min(p.start + p.rows));
-            if from >= to {
-                continue;
+        let mut take = |first: usize, seen: usize| {
+            for p in pieces {
+                let (from, to) = (first.max(p.start), seen.min(p.start + p.rows));
+                if from >= to {
+                    continue;
+                }
+                let at = kv * p.stride + (from - p.start) * d;
+                let len = (to - from) * d;
+                seen_pieces[count] = (&p.k[at..][..len], &p.v[at..][..len]);
+                count += 1;
             }
-            let at = kv * p.stride + (from - p.start) * d;
-            let len = (to - from) * d;
-            seen_pieces[count] = (&p.k[at..][..len], &p.v[at..][..len]);
-            count += 1;
+        };
+        match paths {
+            None => {
+                let seen = s.pos + i + 1;
+                take(seen.saturating_sub(span.window), seen);
+            }
+            Some(paths) => {
+                // Everything before the block, then the row's path in runs of adjacent rows.
+                take(0, s.pos);
+                let path = &paths[i];
+                let mut k = 0;
+                while k < path.len() {
+                    let start = path[k];
+                    let mut end = start + 1;
+                    k += 1;
+                    while path.get(k) == Some(&end) {
+                        end += 1;
+                        k += 1;
+                    }
+                    take(s.pos + start, s.pos + end);
+                }
+            }
         }
         let rows = Rows {
             pieces: &seen_pieces[..count],
@@ -256,6 +302,9 @@ struct Rows<'a> {
 /// The most pieces a sequence's keys come in: a shared prefix's segments (one per turn of a
 /// chat that extended the last) and its own storage. A longer chain is copied into one segment.
 pub(crate) const MAX_PIECES: usize = 16;
+
+/// The deepest path through a token tree a row may attend over (besides its root).
+pub(crate) const MAX_TREE_DEPTH: usize = 32;
 
 /// `acc` + a · b, in one rounding where `FUSED` (FMA).
 #[inline(always)]

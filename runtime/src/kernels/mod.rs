@@ -44,7 +44,7 @@ mod x86_kpanels;
 mod x86_panels;
 
 pub(crate) use activation::{Gate, gated};
-pub(crate) use attention::{MAX_PIECES, Span, attention_cpu};
+pub(crate) use attention::{MAX_PIECES, MAX_TREE_DEPTH, Span, attention_cpu};
 pub(crate) use matmul::Matmul;
 
 /// Gives back the calling thread's kernel scratch past what a verify block needs: called after

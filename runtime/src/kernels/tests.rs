@@ -336,7 +336,7 @@ fn attention_case(capacity: usize, pos: usize, span: super::Span) {
     };
     let (k, v) = (view(0), view(1));
     let q = Tensor::from_slice(&qv, (1, heads, n, d), &device).expect("q");
-    let got = super::attention_cpu(&[(q.clone(), vec![(k.clone(), v.clone())])], span)
+    let got = super::attention_cpu(&[(q.clone(), vec![(k.clone(), v.clone())])], &[], span)
         .expect("attention");
     let got: Vec<f32> = got.flatten_all().and_then(|t| t.to_vec1()).expect("vec");
     let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().and_then(|t| t.to_vec1()).expect("vec") };
@@ -364,7 +364,7 @@ fn attention_case(capacity: usize, pos: usize, span: super::Span) {
         })
         .collect();
     for (i, step) in steps.iter().enumerate() {
-        let alone = super::attention_cpu(std::slice::from_ref(step), span).expect("attention");
+        let alone = super::attention_cpu(std::slice::from_ref(step), &[], span).expect("attention");
         let alone: Vec<f32> = alone.flatten_all().and_then(|t| t.to_vec1()).expect("vec");
         let in_block = &got[i * heads * d..][..heads * d];
         assert!(
@@ -372,7 +372,7 @@ fn attention_case(capacity: usize, pos: usize, span: super::Span) {
             "row {i} alone differs from row {i} of the block"
         );
     }
-    let batched = super::attention_cpu(&steps, span).expect("attention");
+    let batched = super::attention_cpu(&steps, &[], span).expect("attention");
     let batched: Vec<f32> = batched
         .flatten_all()
         .and_then(|t| t.to_vec1())

@@ -220,6 +220,7 @@ impl Attention {
         // the threads together); elsewhere sequence by sequence.
         let cpu = cpu_kernel(xs.device(), xs.dtype());
         let (mut on_cpu, mut out) = (Vec::new(), Vec::new());
+        let paths: Vec<Option<&[Vec<usize>]>> = seqs.iter().map(|s| s.paths.as_deref()).collect();
         for seq in seqs {
             let rows = |t: &Tensor| t.narrow(1, seq.offset, seq.n);
             let (q_norm, k_norm) = self.qk_norm.as_ref().map(|(q, k)| (q, k)).unzip();
@@ -238,7 +239,7 @@ impl Attention {
             }
         }
         let ys = if cpu {
-            attention_cpu(&on_cpu, self.span)?
+            attention_cpu(&on_cpu, &paths, self.span)?
         } else if out.len() == 1 {
             out.pop().expect("one sequence")
         } else {
@@ -378,6 +379,8 @@ struct SeqRows<'a> {
     /// The global layers' rotary embeddings and mask, then the local layers' (if any).
     rope: Vec<Rope>,
     masks: Vec<Option<Tensor>>,
+    /// A token tree's rows: the block rows each sees, its ancestors and itself.
+    paths: Option<Vec<Vec<usize>>>,
     cache: &'a KvCache,
 }
 
@@ -387,6 +390,9 @@ pub(crate) struct BatchItem<'a> {
     pub(crate) tokens: &'a [u32],
     pub(crate) cache: &'a mut KvCache,
     pub(crate) logits: Logits,
+    /// A token tree: each row's parent row in the block (none: the row follows the cache),
+    /// parents before children; none for a plain block (each row after the one before).
+    pub(crate) parents: Option<&'a [Option<usize>]>,
 }
 
 /// Which positions of a block get logits.
@@ -498,6 +504,11 @@ impl Llama {
         let mut seqs = Vec::with_capacity(items.len());
         for item in items.iter() {
             let (n, pos) = (item.tokens.len(), item.cache.len());
+            if let Some(parents) = item.parents {
+                seqs.push(self.tree_rows(item, parents, offset)?);
+                offset += n;
+                continue;
+            }
             // The CPU attention kernel masks by construction; candle's attention needs a mask
             // (a decode row of a windowed layer too).
             let masks = self
@@ -531,6 +542,7 @@ impl Llama {
                 n,
                 rope,
                 masks,
+                paths: None,
                 cache: &*item.cache,
             });
             offset += n;
@@ -574,6 +586,84 @@ impl Llama {
             })
             .collect()
     }
+}
+
+impl Llama {
+    /// A token tree's rows ([`BatchItem::parents`]): each at the position of its depth past the
+    /// cache, seeing the cache and its path (its ancestors and itself). Models with
+    /// sliding-window layers take no trees.
+    fn tree_rows<'a>(
+        &self,
+        item: &'a BatchItem<'_>,
+        parents: &[Option<usize>],
+        offset: usize,
+    ) -> Result<SeqRows<'a>> {
+        let (n, pos) = (item.tokens.len(), item.cache.len());
+        let bad = |why: &str| crate::Error::invalid("tree", format!("{n} rows"), why);
+        if parents.len() != n {
+            return Err(bad("one parent per row"));
+        }
+        if self.windows.iter().any(|&w| w != usize::MAX) {
+            return Err(bad(
+                "a model with sliding-window layers verifies chains only",
+            ));
+        }
+        let mut paths: Vec<Vec<usize>> = Vec::with_capacity(n);
+        for (i, parent) in parents.iter().enumerate() {
+            let mut path = match parent {
+                None => Vec::new(),
+                Some(p) if *p < i => paths[*p].clone(),
+                Some(_) => return Err(bad("parents come before their rows")),
+            };
+            if path.len() > crate::kernels::MAX_TREE_DEPTH {
+                return Err(bad("deeper than the attention reads"));
+            }
+            path.push(i);
+            paths.push(path);
+        }
+        let device = self.embed_tokens.device();
+        let positions: Vec<u32> = paths
+            .iter()
+            .map(|p| u32::try_from(pos + p.len() - 1).unwrap_or(u32::MAX))
+            .collect();
+        let positions = Tensor::new(positions.as_slice(), device)?;
+        let rope = self
+            .tables
+            .iter()
+            .map(|t| {
+                Ok(Rope {
+                    cos: t.cos.index_select(&positions, 0)?,
+                    sin: t.sin.index_select(&positions, 0)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mask = (!cpu_kernel(device, self.dtype))
+            .then(|| tree_mask(&paths, pos, self.dtype, device))
+            .transpose()?;
+        Ok(SeqRows {
+            offset,
+            n,
+            rope,
+            masks: vec![mask],
+            paths: Some(paths),
+            cache: &*item.cache,
+        })
+    }
+}
+
+/// (n, pos + n) additive mask of a token tree's rows: row i sees the `pos` cached positions and
+/// the block rows of its path.
+fn tree_mask(paths: &[Vec<usize>], pos: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let n = paths.len();
+    let mut mask = vec![f32::NEG_INFINITY; n * (pos + n)];
+    for (i, path) in paths.iter().enumerate() {
+        let row = &mut mask[i * (pos + n)..][..pos + n];
+        row[..pos].fill(0.0);
+        for &r in path {
+            row[pos + r] = 0.0;
+        }
+    }
+    Ok(Tensor::from_vec(mask, (n, pos + n), device)?.to_dtype(dtype)?)
 }
 
 /// (n, pos + n) additive mask: row i sees the `pos` cached positions and block positions ≤ i,

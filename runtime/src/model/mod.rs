@@ -243,6 +243,7 @@ impl Model {
                 tokens,
                 cache,
                 logits: *logits,
+                parents: None,
             })
             .collect();
         self.llama
@@ -250,6 +251,32 @@ impl Model {
             .into_iter()
             .map(|t| Ok(t.to_vec2::<f32>()?))
             .collect()
+    }
+
+    /// Runs a token tree's rows at positions from `cache.len()` on, as [`Self::forward`] runs a
+    /// block: row i's parent is `parents[i]` (an earlier row; none: it follows the cache), it
+    /// sits at the position of its depth and attends to the cache and its path. Each row's
+    /// logits are those of its path fed alone, bit for bit (CPU). The rows' keys and values are
+    /// appended in row order: [`KvCache::keep_rows`] keeps one path of them.
+    pub fn forward_tree(
+        &self,
+        tokens: &[u32],
+        parents: &[Option<usize>],
+        cache: &mut KvCache,
+    ) -> Result<Vec<Vec<f32>>> {
+        self.check_block(tokens, cache)?;
+        let mut batch = [llama::BatchItem {
+            tokens,
+            cache,
+            logits: Logits::All,
+            parents: Some(parents),
+        }];
+        let mut rows = self.llama.forward(&mut batch)?;
+        Ok(rows
+            .pop()
+            .map(|t| t.to_vec2::<f32>())
+            .transpose()?
+            .unwrap_or_default())
     }
 
     /// Whether both share the same loaded weights (clones of one load).

@@ -1,0 +1,103 @@
+//! Token trees in one forward pass (issue 31): every row of a tree sits at the position of its
+//! depth and attends to the cache and its own path, so its logits are those of its path fed
+//! alone, bit for bit; keeping one path of the tree's keys and values leaves the cache as if
+//! that path had been fed as a chain.
+
+mod common;
+
+use common::*;
+use tandem_runtime::quantize::QuantType;
+use tandem_runtime::{KvCache, Logits, Model};
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// A cache holding `tokens`, computed in one block.
+fn holding(model: &Model, tokens: &[u32]) -> KvCache {
+    let mut cache = model.new_cache();
+    model
+        .forward(tokens, &mut cache, Logits::Last)
+        .expect("forward");
+    cache
+}
+
+/// A cache holding `tokens`, its first 12 a shared prefix (read in pieces).
+fn sharing(model: &Model, tokens: &[u32]) -> KvCache {
+    let prefix = holding(model, &tokens[..12])
+        .into_prefix(&tokens[..12])
+        .expect("a prefix");
+    let mut cache = model.new_cache();
+    cache.attach(&prefix).expect("attach");
+    model
+        .forward(&tokens[12..], &mut cache, Logits::Last)
+        .expect("forward");
+    cache
+}
+
+/// Row i's path (its ancestors and itself, root first).
+fn path(parents: &[Option<usize>], i: usize) -> Vec<usize> {
+    let mut path = vec![i];
+    while let Some(p) = parents[*path.last().expect("a row")] {
+        path.push(p);
+    }
+    path.reverse();
+    path
+}
+
+#[test]
+fn each_row_of_a_tree_gets_its_paths_logits_and_one_path_is_kept() {
+    let story = story_tokens();
+    let (prefix, next) = (&story[..20], &story[20..30]);
+    let models = [load(&stories_dir()), load(&stories_gguf(QuantType::Q8_0))];
+    for (model, start) in models
+        .iter()
+        .flat_map(|m| [(m, holding as fn(&Model, &[u32]) -> KvCache), (m, sharing)])
+    {
+        // The last committed token, then two candidates for each of two depths, and the
+        // story's own continuation down one path: rows 0, 1, 3, 6.
+        let tokens = [next[0], next[1], 77, next[2], 91, 120, next[3]];
+        let parents = [None, Some(0), Some(0), Some(1), Some(1), Some(2), Some(3)];
+        let mut cache = start(model, prefix);
+        let tree = model
+            .forward_tree(&tokens, &parents, &mut cache)
+            .expect("a tree");
+        assert_eq!((tree.len(), cache.len()), (7, 27));
+        for i in 0..tokens.len() {
+            let fed: Vec<u32> = path(&parents, i).iter().map(|&r| tokens[r]).collect();
+            let mut alone = holding(model, prefix);
+            let want = model
+                .forward(&fed, &mut alone, Logits::Last)
+                .expect("forward");
+            assert!(same_bits(&tree[i], &want[0]), "row {i}: {fed:?}");
+        }
+        // Keep the story's path; decoding on is as if it had been fed as a chain.
+        cache.keep_rows(20, &[0, 1, 3, 6]).expect("keep");
+        assert_eq!(cache.len(), 24);
+        let on = model
+            .forward(&next[4..], &mut cache, Logits::All)
+            .expect("forward");
+        let fresh = fresh_logits(model, &story[..30]);
+        for (got, want) in on.iter().zip(&fresh[24..]) {
+            assert!(same_bits(got, want), "after keeping the path");
+        }
+    }
+}
+
+#[test]
+fn a_malformed_tree_is_refused_and_the_cache_untouched() {
+    let model = load(&stories_dir());
+    let story = story_tokens();
+    let mut cache = holding(&model, &story[..20]);
+    for parents in [
+        vec![None, Some(2), Some(0)],
+        vec![None, Some(1), Some(0)],
+        vec![None, Some(0)],
+    ] {
+        let refused = model.forward_tree(&story[20..23], &parents, &mut cache);
+        assert!(refused.is_err(), "{parents:?}");
+        assert_eq!(cache.len(), 20);
+    }
+    assert!(cache.keep_rows(20, &[1, 0]).is_err(), "not ascending");
+    assert!(cache.keep_rows(20, &[0]).is_err(), "past what it holds");
+}
