@@ -63,13 +63,13 @@ fn each_row_of_a_tree_gets_its_paths_logits_and_one_path_is_kept() {
             .forward_tree(&tokens, &parents, &mut cache)
             .expect("a tree");
         assert_eq!((tree.len(), cache.len()), (7, 27));
-        for i in 0..tokens.len() {
+        for (i, row) in tree.iter().enumerate() {
             let fed: Vec<u32> = path(&parents, i).iter().map(|&r| tokens[r]).collect();
             let mut alone = holding(model, prefix);
             let want = model
                 .forward(&fed, &mut alone, Logits::Last)
                 .expect("forward");
-            assert!(same_bits(&tree[i], &want[0]), "row {i}: {fed:?}");
+            assert!(same_bits(row, &want[0]), "row {i}: {fed:?}");
         }
         // Keep the story's path; decoding on is as if it had been fed as a chain.
         cache.keep_rows(20, &[0, 1, 3, 6]).expect("keep");
