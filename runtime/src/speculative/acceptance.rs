@@ -10,6 +10,7 @@
 
 use crate::sampling::rng::{ACCEPT_DRAW, Draws, SAMPLE_DRAW};
 use crate::sampling::{Distribution, sample_weights};
+use crate::speculative::tree::DraftTree;
 
 /// Outcome of verifying one drafted block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +86,130 @@ fn residual(p: &Distribution, q: &Distribution, u: f64) -> u32 {
                 sample_weights(p, u)
             } else {
                 sample_weights(&weights, u)
+            }
+        }
+    }
+}
+
+/// Outcome of verifying a token tree of drafts ([`DraftTree`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeVerdict {
+    /// The accepted nodes, from a child of the committed prefix down one path.
+    pub path: Vec<usize>,
+    /// The token after them: the correction where every child of the path's last node was
+    /// rejected, else the bonus token.
+    pub next: u32,
+}
+
+/// The draws of sibling `k`'s acceptance test (sibling 0's is a chain's, [`ACCEPT_DRAW`]).
+fn sibling_draw(k: usize) -> u64 {
+    if k == 0 { ACCEPT_DRAW } else { 2 * k as u64 }
+}
+
+/// What is left of the target's distribution at a node after its rejected children: p itself,
+/// or weights (not normalized) once a child was rejected.
+enum Residual<'a> {
+    Target(&'a Distribution),
+    Weights(Vec<f32>, f64),
+}
+
+impl Residual<'_> {
+    fn prob(&self, x: u32) -> f32 {
+        match self {
+            Self::Target(p) => p.prob(x),
+            Self::Weights(w, total) => {
+                (f64::from(w.get(x as usize).copied().unwrap_or(0.0)) / total) as f32
+            }
+        }
+    }
+
+    fn sample(&self, u: f64) -> u32 {
+        match self {
+            Self::Target(p) => p.sample(u),
+            Self::Weights(w, _) => sample_weights(w, u),
+        }
+    }
+
+    /// After a rejected child drawn from `q`: norm(max(0, r − q)), or r unchanged where that
+    /// is empty.
+    fn reject(self, q: &Distribution) -> Self {
+        let weights: Vec<f32> = match &self {
+            Self::Target(Distribution::OneHot(t)) => {
+                let mut w = vec![0.0; *t as usize + 1];
+                w[*t as usize] = (1.0 - q.prob(*t)).max(0.0);
+                w
+            }
+            Self::Target(Distribution::Dense(p)) => p
+                .iter()
+                .enumerate()
+                .map(|(i, &pi)| (pi - q.prob(i as u32)).max(0.0))
+                .collect(),
+            Self::Weights(w, total) => w
+                .iter()
+                .enumerate()
+                .map(|(i, &wi)| ((f64::from(wi) / total) as f32 - q.prob(i as u32)).max(0.0))
+                .collect(),
+        };
+        let total: f64 = weights.iter().map(|&w| f64::from(w)).sum();
+        if total > 0.0 {
+            Self::Weights(weights, total)
+        } else {
+            self
+        }
+    }
+}
+
+/// Verifies a token tree of drafts against the target, exactly (SpecInfer's multi-draft
+/// rejection sampling): from the committed prefix down, a node's children are tried in order,
+/// each against what is left of the target's distribution there after the ones before were
+/// rejected, accepted with probability min(1, r(x)/q(x)) where `q[c]` is the distribution child
+/// c was drawn from given its earlier siblings (one-hot for a child chosen, not sampled); a
+/// rejection leaves norm(max(0, r − q)). The first accepted child is followed; where all are
+/// rejected, or a node has none, the next token is drawn from what is left. `p[0]` is the
+/// target's distribution after the committed prefix, `p[j + 1]` after node j; `start` is the
+/// committed length. A chain verifies exactly as [`verify`] verifies it.
+///
+/// # Panics
+/// If `q.len() != tree.len()` or `p.len() != tree.len() + 1`.
+pub fn verify_tree(
+    tree: &DraftTree,
+    q: &[Distribution],
+    p: &[Distribution],
+    draws: &Draws,
+    start: usize,
+) -> TreeVerdict {
+    assert_eq!(q.len(), tree.len(), "one draft distribution per node");
+    assert_eq!(
+        p.len(),
+        tree.len() + 1,
+        "one target distribution per node and the root"
+    );
+    let (mut path, mut at) = (Vec::new(), None);
+    loop {
+        let position = start + path.len();
+        let mut r = Residual::Target(&p[at.map_or(0, |n: usize| n + 1)]);
+        let mut accepted = None;
+        for (k, c) in tree.children(at).enumerate() {
+            let x = tree.tokens()[c];
+            let (rx, qx) = (r.prob(x), q[c].prob(x));
+            let accept = qx > 0.0
+                && rx > 0.0
+                && (rx >= qx
+                    || draws.uniform(position, sibling_draw(k)) < f64::from(rx) / f64::from(qx));
+            if accept {
+                accepted = Some(c);
+                break;
+            }
+            r = r.reject(&q[c]);
+        }
+        match accepted {
+            Some(c) => {
+                path.push(c);
+                at = Some(c);
+            }
+            None => {
+                let next = r.sample(draws.uniform(position, SAMPLE_DRAW));
+                return TreeVerdict { path, next };
             }
         }
     }
@@ -279,5 +404,122 @@ mod tests {
         }
         let expected: Vec<f64> = p.iter().map(|&x| f64::from(x)).collect();
         assert!(chi_square(&counts, &expected) > 100.0);
+    }
+
+    fn dense(rng: &mut Rng, n: usize) -> Distribution {
+        let w: Vec<f32> = (0..n).map(|_| rng.uniform() as f32).collect();
+        let total: f32 = w.iter().sum();
+        Dense(w.iter().map(|x| x / total).collect())
+    }
+
+    /// A chain as a tree gets the chain's verdict, draw for draw.
+    #[test]
+    fn a_chain_verified_as_a_tree_gets_the_chains_verdict() {
+        let mut rng = Rng::new(3);
+        for case in 0..2_000 {
+            let k = case % 5;
+            let q: Vec<Distribution> = (0..k).map(|_| dense(&mut rng, 6)).collect();
+            let p: Vec<Distribution> = (0..=k)
+                .map(|i| {
+                    if case % 3 == 0 {
+                        OneHot(((case + i) % 6) as u32)
+                    } else {
+                        dense(&mut rng, 6)
+                    }
+                })
+                .collect();
+            let drafts: Vec<u32> = q.iter().map(|d| d.sample(rng.uniform())).collect();
+            let d = Draws::new(case as u64, 1);
+            let chain = verify(&drafts, &q, &p, &d, case);
+            let tree = verify_tree(&DraftTree::chain(&drafts), &q, &p, &d, case);
+            assert_eq!(
+                tree.path,
+                (0..chain.accepted).collect::<Vec<_>>(),
+                "case {case}"
+            );
+            assert_eq!(tree.next, chain.next, "case {case}");
+        }
+    }
+
+    #[test]
+    fn a_greedy_target_follows_the_branch_that_matches_its_argmax() {
+        let limits = crate::speculative::tree::TreeLimits {
+            max_nodes: 8,
+            max_depth: 4,
+        };
+        // prefix ─ 4 ─ 9
+        //        └ 5 ─ 6 ─ 8
+        //              └ 7
+        let tree = DraftTree::new(&[4, 5, 9, 6, 7, 8], &[0, 0, 1, 2, 2, 4], limits).expect("tree");
+        let q: Vec<Distribution> = tree.tokens().iter().map(|&t| OneHot(t)).collect();
+        let mut p = vec![OneHot(0); 7];
+        p[0] = OneHot(5); // after the prefix: 5, the second child
+        p[2] = OneHot(7); // after node 1 (5): 7, its second child
+        p[5] = OneHot(3); // after node 4 (7): 3, not drafted
+        let v = verify_tree(&tree, &q, &p, &draws(), 0);
+        assert_eq!(
+            v,
+            TreeVerdict {
+                path: vec![1, 4],
+                next: 3
+            }
+        );
+        p[0] = OneHot(2);
+        let v = verify_tree(&tree, &q, &p, &draws(), 0);
+        assert_eq!(
+            v,
+            TreeVerdict {
+                path: vec![],
+                next: 2
+            }
+        );
+    }
+
+    /// The tokens a tree commits follow the target's distribution whatever the draft proposes:
+    /// the first token where the tree branches at the first depth (a child sampled from q and
+    /// one chosen, q's likeliest other token), and the second where it branches at the second
+    /// (after a first token the target is sure of). Skipping the residual after a rejected
+    /// sibling fails it (chi-square above 10,000).
+    #[test]
+    fn a_trees_tokens_are_distributed_as_target_where_it_branches() {
+        let limits = crate::speculative::tree::TreeLimits {
+            max_nodes: 8,
+            max_depth: 4,
+        };
+        let p = vec![0.45f32, 0.3, 0.15, 0.1, 0.0];
+        let qd = Dense(vec![0.05, 0.15, 0.2, 0.3, 0.3]);
+        for depth in [1, 2] {
+            let mut counts = [0u64; 5];
+            for position in 0..100_000 {
+                let sampled = qd.sample(Draws::new(42, 8).uniform(position, SAMPLE_DRAW));
+                // q's likeliest token other than the sampled one: 3, or 4 when 3 was sampled.
+                let chosen = if sampled == 3 { 4 } else { 3 };
+                let (tree, q, ps) = if depth == 1 {
+                    let tree = DraftTree::new(&[sampled, chosen], &[0, 0], limits).expect("tree");
+                    let ps = vec![Dense(p.clone()), OneHot(0), OneHot(0)];
+                    (tree, vec![qd.clone(), OneHot(chosen)], ps)
+                } else {
+                    let tree =
+                        DraftTree::new(&[1, sampled, chosen], &[0, 1, 1], limits).expect("tree");
+                    let ps = vec![OneHot(1), Dense(p.clone()), OneHot(0), OneHot(0)];
+                    (tree, vec![OneHot(1), qd.clone(), OneHot(chosen)], ps)
+                };
+                let v = verify_tree(&tree, &q, &ps, &Draws::new(42, 7), position);
+                let committed: Vec<u32> = v
+                    .path
+                    .iter()
+                    .map(|&n| tree.tokens()[n])
+                    .chain([v.next])
+                    .collect();
+                counts[committed[depth - 1] as usize] += 1;
+            }
+            let expected: Vec<f64> = p.iter().map(|&x| f64::from(x)).collect();
+            assert_eq!(counts[4], 0, "depth {depth}: p excludes token 4");
+            let stat = chi_square(&counts, &expected);
+            assert!(
+                stat < 16.27,
+                "depth {depth}: chi-square {stat}, counts {counts:?}"
+            );
+        }
     }
 }
