@@ -101,3 +101,73 @@ fn a_malformed_tree_is_refused_and_the_cache_untouched() {
     assert!(cache.keep_rows(20, &[1, 0]).is_err(), "not ascending");
     assert!(cache.keep_rows(20, &[0]).is_err(), "past what it holds");
 }
+
+/// A verifier decoding with trees commits what it commits with plain steps: greedy, each round
+/// a tree with a wrong and a right child at the first depth and a right and a wrong one under
+/// the right one (the right path is kept, its cache as a chain's); sampled, a chain given as a
+/// tree commits what the chain commits, draw for draw.
+#[test]
+fn a_verifier_decodes_through_trees_as_through_plain_steps() {
+    use tandem_runtime::speculative::tree::{DraftTree, TreeLimits};
+    use tandem_runtime::{Distribution, SamplingParams, Verifier};
+    let model = load(&stories_dir());
+    let prompt = &story_tokens()[..12];
+    let limits = TreeLimits {
+        max_nodes: 8,
+        max_depth: 4,
+    };
+    let mut plain = Verifier::new(&model, SamplingParams::greedy());
+    plain.prefill(prompt).expect("prefill");
+    let mut want = prompt.to_vec();
+    for _ in 0..30 {
+        let v = plain.verify(&want, &[], &[], 0).expect("step");
+        want.push(v.verdict.next);
+    }
+    let mut v = Verifier::new(&model, SamplingParams::greedy());
+    v.prefill(prompt).expect("prefill");
+    let mut log = prompt.to_vec();
+    while log.len() + 3 <= want.len() {
+        let (right, next) = (want[log.len()], want[log.len() + 1]);
+        let wrong = |t: u32| (t + 1) % 512;
+        // prefix ─ wrong
+        //        └ right ─ next
+        //                └ wrong(next)
+        let tree = DraftTree::new(
+            &[wrong(right), right, next, wrong(next)],
+            &[0, 0, 2, 2],
+            limits,
+        )
+        .expect("tree");
+        let q: Vec<Distribution> = tree
+            .tokens()
+            .iter()
+            .map(|&t| Distribution::OneHot(t))
+            .collect();
+        let verified = v.verify_tree(&log, &tree, &q).expect("verify");
+        assert_eq!(verified.verdict.path, [1, 2]);
+        log.extend_from_slice(&verified.committed);
+        assert_eq!(log[..], want[..log.len()]);
+    }
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        seed: 5,
+        ..SamplingParams::greedy()
+    };
+    let (mut chain, mut tree_side) = (
+        Verifier::new(&model, sampled.clone()),
+        Verifier::new(&model, sampled),
+    );
+    chain.prefill(prompt).expect("prefill");
+    tree_side.prefill(prompt).expect("prefill");
+    let mut log = prompt.to_vec();
+    for round in 0..10 {
+        let drafts: Vec<u32> = (0..3).map(|i| want[(round + i) % want.len()]).collect();
+        let q: Vec<Distribution> = drafts.iter().map(|&t| Distribution::OneHot(t)).collect();
+        let a = chain.verify(&log, &drafts, &q, 8).expect("chain");
+        let b = tree_side
+            .verify_tree(&log, &DraftTree::chain(&drafts), &q)
+            .expect("tree");
+        assert_eq!(a.verdict.committed(&drafts), b.committed, "round {round}");
+        log.extend_from_slice(&b.committed);
+    }
+}

@@ -6,6 +6,9 @@
 //! a verifier needs — each node's depth (its position past the committed prefix), its
 //! ancestors (what its attention sees of the block), the paths — is read from it.
 
+use crate::sampling::Distribution;
+use crate::speculative::Verifier;
+use crate::speculative::acceptance::{TreeVerdict, verify_tree};
 use crate::{Error, Result};
 
 /// Bounds a tree is checked against.
@@ -154,6 +157,66 @@ impl DraftTree {
     /// The nodes no other node descends from: the ends of the tree's paths.
     pub fn leaves(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.len()).filter(move |&i| !self.parents.contains(&Some(i)))
+    }
+}
+
+/// A verified token tree: the verdict, and the tokens it commits (the accepted path's, then
+/// the next token).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeVerified {
+    pub verdict: TreeVerdict,
+    pub committed: Vec<u32>,
+}
+
+impl Verifier {
+    /// Scores the tree's nodes after `log` in one forward pass, each at the position of its
+    /// depth and seeing its own path ([`crate::Model::forward_tree`]), and applies the tree's
+    /// acceptance rule ([`verify_tree`]); `q[j]` is the distribution node j was drawn from
+    /// given its earlier siblings. Afterwards the cache holds the log and the accepted path, as
+    /// if they had been fed as a chain.
+    pub fn verify_tree(
+        &mut self,
+        log: &[u32],
+        tree: &DraftTree,
+        q: &[Distribution],
+    ) -> Result<TreeVerified> {
+        if q.len() != tree.len() {
+            return Err(Error::invalid(
+                "q",
+                format!("{} distributions", q.len()),
+                format!("one per node of the tree's {}", tree.len()),
+            ));
+        }
+        let st = &mut self.0;
+        let tail = st.seq.sync(log)?.to_vec();
+        // A long uncached tail (after a rollback) goes in first as a chain: the tree's root is
+        // the log's last token.
+        let (before, root) = tail.split_at(tail.len() - 1);
+        if !before.is_empty() {
+            st.seq.forward(&st.model, before, crate::Logits::Last)?;
+        }
+        let mut tokens = root.to_vec();
+        tokens.extend_from_slice(tree.tokens());
+        let parents: Vec<Option<usize>> = std::iter::once(None)
+            .chain((0..tree.len()).map(|j| Some(tree.parent(j).map_or(0, |p| p + 1))))
+            .collect();
+        let rows = st
+            .model
+            .forward_tree(&tokens, &parents, &mut st.seq.cache)?;
+        st.seq.tokens.extend_from_slice(&tokens);
+        let mut p = Vec::with_capacity(tree.len() + 1);
+        p.push(st.distribution(&rows[0], log)?);
+        for (j, row) in rows[1..].iter().enumerate() {
+            let context = [log, &tree.path_tokens(j)[..]].concat();
+            p.push(st.distribution(row, &context)?);
+        }
+        let verdict = verify_tree(tree, q, &p, &st.draws, log.len());
+        st.seq.cache.keep_rows(log.len(), &verdict.path)?;
+        let mut committed: Vec<u32> = verdict.path.iter().map(|&n| tree.tokens()[n]).collect();
+        st.seq.tokens.truncate(log.len());
+        st.seq.tokens.extend_from_slice(&committed);
+        committed.push(verdict.next);
+        Ok(TreeVerified { verdict, committed })
     }
 }
 
