@@ -143,7 +143,7 @@ fn a_verifier_decodes_through_trees_as_through_plain_steps() {
             .iter()
             .map(|&t| Distribution::OneHot(t))
             .collect();
-        let verified = v.verify_tree(&log, &tree, &q).expect("verify");
+        let verified = v.verify_tree(&log, &tree, &q, 8).expect("verify");
         assert_eq!(verified.verdict.path, [1, 2]);
         log.extend_from_slice(&verified.committed);
         assert_eq!(log[..], want[..log.len()]);
@@ -165,7 +165,7 @@ fn a_verifier_decodes_through_trees_as_through_plain_steps() {
         let q: Vec<Distribution> = drafts.iter().map(|&t| Distribution::OneHot(t)).collect();
         let a = chain.verify(&log, &drafts, &q, 8).expect("chain");
         let b = tree_side
-            .verify_tree(&log, &DraftTree::chain(&drafts), &q)
+            .verify_tree(&log, &DraftTree::chain(&drafts), &q, 8)
             .expect("tree");
         assert_eq!(a.verdict.committed(&drafts), b.committed, "round {round}");
         log.extend_from_slice(&b.committed);

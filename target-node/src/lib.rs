@@ -17,8 +17,10 @@ use tandem_proto::v1::{self, target_request::Kind};
 use tandem_proto::{Error, Result, distribution_from_wire, prefix_from_wire, prefix_to_wire};
 use tandem_runtime::draft_check::check_counts;
 use tandem_runtime::speculative::VerifyJob;
+use tandem_runtime::speculative::tree::{DraftTree, MAX_TREE_DEPTH, TreeLimits, TreeVerified};
 use tandem_runtime::{
-    Distribution, DraftRefusal, KvPrefix, Prefix, SequenceState, TokenLog, Verified, Verifier,
+    Distribution, DraftRefusal, KvPrefix, Prefix, RefusalReason, SequenceState, TokenLog, Verified,
+    Verifier,
 };
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::ReceiverStream;
@@ -107,6 +109,28 @@ impl Session for TargetSession {
             results.push(result);
             plans.push(plan);
         }
+        // Trees are verified one by one (their forward is not batched yet).
+        for (i, ((s, block, span), plan)) in items.iter_mut().zip(&mut plans).enumerate() {
+            if let Some(Plan {
+                tree: Some(tree),
+                q,
+                max_drafts,
+                committed,
+                ..
+            }) = plan.take_if(|p| p.tree.is_some())
+            {
+                let tree_start = std::time::Instant::now();
+                let verified = span.in_scope(|| {
+                    s.verifier
+                        .verify_tree(s.log.tokens(), &tree, &q, max_drafts)
+                        .map(Checked::Tree)
+                });
+                let micros = tree_start.elapsed().as_micros() as u64;
+                let reply =
+                    span.in_scope(|| s.answer(state, block.clone(), committed, verified, micros));
+                results[i] = Some(reply);
+            }
+        }
         let mut jobs = Vec::new();
         let mut verifying = Vec::new();
         for (i, ((s, block, _), plan)) in items.iter_mut().zip(&mut plans).enumerate() {
@@ -128,6 +152,7 @@ impl Session for TargetSession {
         let compute_micros = start.elapsed().as_micros() as u64;
         for ((i, committed), verified) in verifying.into_iter().zip(verified) {
             let (s, block, span) = &mut items[i];
+            let verified = verified.map(Checked::Chain);
             let reply = span
                 .in_scope(|| s.answer(state, block.clone(), committed, verified, compute_micros));
             results[i] = Some(reply);
@@ -184,6 +209,14 @@ struct Plan {
     q: Vec<Distribution>,
     refused: Option<DraftRefusal>,
     max_drafts: usize,
+    /// The drafts' tree, when the block names parents (verified alone, not in the batch).
+    tree: Option<DraftTree>,
+}
+
+/// What verifying a block gave: a chain's verdict or a tree's.
+enum Checked {
+    Chain(Verified),
+    Tree(TreeVerified),
 }
 
 impl TargetSession {
@@ -205,15 +238,35 @@ impl TargetSession {
         self.log.extend(&block.new_tokens);
         let room = state.limits.max_session_tokens - (self.log.len() + 1);
         let max_drafts = state.limits.max_draft_tokens.min(room);
-        let (q, refused) = match decode_q(block, state.vocab_size(), max_drafts) {
+        let (mut q, mut refused) = match decode_q(block, state.vocab_size(), max_drafts) {
             Ok(q) => (q, None),
             Err(refusal) => (Vec::new(), Some(refusal)),
+        };
+        let limits = TreeLimits {
+            max_nodes: max_drafts,
+            max_depth: MAX_TREE_DEPTH,
+        };
+        let tree = match block.parents.is_empty() || refused.is_some() {
+            true => None,
+            false => match DraftTree::new(&block.drafts, &block.parents, limits) {
+                Ok(tree) => Some(tree),
+                Err(e) => {
+                    q.clear();
+                    refused = Some(DraftRefusal::new(
+                        0,
+                        RefusalReason::MalformedTree,
+                        e.to_string(),
+                    ));
+                    None
+                }
+            },
         };
         Ok(Planned::Verify(Plan {
             committed,
             q,
             refused,
             max_drafts,
+            tree,
         }))
     }
 
@@ -224,33 +277,51 @@ impl TargetSession {
         state: &NodeState,
         block: v1::VerifyBlock,
         committed: Prefix,
-        verified: tandem_runtime::Result<Verified>,
+        verified: tandem_runtime::Result<Checked>,
         compute_micros: u64,
     ) -> Result<v1::TargetResponse> {
-        let Verified {
-            verdict,
-            refused,
-            logprobs,
-        } = match verified {
+        let checked = match verified {
             Ok(v) => v,
             Err(e) => {
                 self.log.rollback_to(committed)?;
                 return Err(e.into());
             }
         };
+        let (tokens, path, next, refused, logprobs) = match checked {
+            Checked::Chain(Verified {
+                verdict,
+                refused,
+                logprobs,
+            }) => {
+                let drafts: &[u32] = if refused.is_some() {
+                    &[]
+                } else {
+                    &block.drafts
+                };
+                let path = (0..verdict.accepted as u32).collect();
+                (
+                    verdict.committed(drafts),
+                    path,
+                    verdict.next,
+                    refused,
+                    logprobs,
+                )
+            }
+            Checked::Tree(t) => {
+                let path = t.verdict.path.iter().map(|&n| n as u32).collect();
+                (t.committed, path, t.verdict.next, t.refused, Vec::new())
+            }
+        };
         if let Some(r) = &refused {
             tracing::info!(position = r.position, reason = r.reason.as_str(), detail = %r.detail, "draft block refused");
             state.metrics.draft_blocks_refused.add(r.reason.as_str(), 1);
         }
-        let drafts: &[u32] = if refused.is_some() {
-            &[]
-        } else {
-            &block.drafts
-        };
-        self.log.extend(&verdict.committed(drafts));
+        self.log.extend(&tokens);
+        let tree = !block.parents.is_empty();
         let response = reply(Reply::Verdict(v1::VerdictReply {
-            accepted: verdict.accepted as u32,
-            next_token: verdict.next,
+            accepted: (tokens.len() - 1) as u32,
+            path: if tree { path } else { Vec::new() },
+            next_token: next,
             committed: Some(prefix_to_wire(self.log.prefix())),
             compute_micros,
             draft_refused: refused.map(|r| v1::DraftRefusal {

@@ -183,12 +183,19 @@ fn verify() -> impl Strategy<Value = v1::VerifyBlock> {
         tokens(6),
         tokens(6),
         prop::collection::vec(distribution(), 0..6),
+        // A chain, or a tree's parents: well formed or not (after their child, too many).
+        prop_oneof![
+            2 => Just(Vec::new()),
+            1 => prop::collection::vec(0u32..4, 0..7),
+            1 => prop::collection::vec(any::<u32>(), 0..7),
+        ],
     )
-        .prop_map(|(committed, new_tokens, drafts, q)| v1::VerifyBlock {
+        .prop_map(|(committed, new_tokens, drafts, q, parents)| v1::VerifyBlock {
             committed,
             new_tokens,
             drafts,
             q,
+            parents,
         })
 }
 

@@ -78,6 +78,7 @@ fn verify(
         new_tokens,
         drafts,
         q,
+        parents: Vec::new(),
     })
 }
 
@@ -510,6 +511,7 @@ async fn a_repeated_verify_block_gets_the_same_verdict() {
         new_tokens: vec![],
         drafts: vec![300, 301, 302],
         q: vec![tandem_proto::distribution_to_wire(&flat); 3],
+        parents: Vec::new(),
     });
     let mut verdicts = Vec::new();
     for _session in 0..2 {
@@ -626,4 +628,80 @@ async fn a_bad_block_is_refused_in_the_verdict_and_the_session_goes_on() {
         target_call(&tx, &mut rx, verify(wire_prefix(&log), vec![], vec![])).await,
         Ok(target_response::Kind::Verdict(_))
     ));
+}
+
+/// A tree of drafts on the wire (issue 31): the target-node verifies every node in one pass and
+/// answers the accepted path; a malformed or oversized tree is refused in the verdict (one
+/// plain target step), and the session goes on.
+#[tokio::test]
+async fn a_tree_of_drafts_is_verified_and_a_malformed_one_refused() {
+    let cluster = cluster(&stories(), None, &LimitsArgs::default()).await;
+    let prompt = [1, 403, 407];
+    let want = in_process(
+        &stories(),
+        None,
+        &request(&prompt, 12, 0, &SamplingParams::greedy()),
+    )
+    .token_ids;
+    let (tx, mut rx) = target_stream(cluster.target_addr).await;
+    let mut log = TokenLog::new(&prompt);
+    target_call(
+        &tx,
+        &mut rx,
+        target_request::Kind::Open(open(log.tokens(), 20)),
+    )
+    .await
+    .expect("open");
+    let one_hot =
+        |t: u32| tandem_proto::distribution_to_wire(&tandem_runtime::Distribution::OneHot(t));
+    let wrong = |t: u32| (t + 1) % 512;
+    let tree = |log: &TokenLog, drafts: Vec<u32>, parents: Vec<u32>| {
+        target_request::Kind::Verify(v1::VerifyBlock {
+            committed: wire_prefix(log),
+            new_tokens: vec![],
+            q: drafts.iter().map(|&t| one_hot(t)).collect(),
+            drafts,
+            parents,
+        })
+    };
+    let verdict = |reply: target_response::Kind| match reply {
+        target_response::Kind::Verdict(v) => v,
+        other => panic!("expected a verdict: {other:?}"),
+    };
+    // prefix ─ wrong
+    //        └ right ─ next
+    //                └ wrong(next)
+    let (right, next) = (want[0], want[1]);
+    let block = tree(
+        &log,
+        vec![wrong(right), right, next, wrong(next)],
+        vec![0, 0, 2, 2],
+    );
+    let v = verdict(target_call(&tx, &mut rx, block).await.expect("verify"));
+    assert_eq!(
+        (v.path.clone(), v.accepted, v.next_token),
+        (vec![1, 2], 2, want[2])
+    );
+    assert!(v.draft_refused.is_none());
+    log.extend(&want[..3]);
+    assert_eq!(v.committed, wire_prefix(&log));
+    // A parent after its child: refused, one plain step.
+    let block = tree(&log, vec![want[3], want[4]], vec![2, 0]);
+    let v = verdict(target_call(&tx, &mut rx, block).await.expect("verify"));
+    let refusal = v.draft_refused.expect("refused");
+    assert_eq!(refusal.reason, "malformed_tree", "{}", refusal.message);
+    assert!(refusal.message.contains("parent"), "{}", refusal.message);
+    assert_eq!((v.accepted, v.next_token), (0, want[3]));
+    log.extend(&want[3..4]);
+    // More nodes than the node's --max-draft-tokens (32): refused by count.
+    let many: Vec<u32> = (0..33).map(|i| 10 + i).collect();
+    let block = tree(&log, many, vec![0; 33]);
+    let v = verdict(target_call(&tx, &mut rx, block).await.expect("verify"));
+    assert_eq!(v.draft_refused.expect("refused").reason, "too_many_drafts");
+    assert_eq!(v.next_token, want[4]);
+    log.extend(&want[4..5]);
+    // And the session goes on: a chain given as a tree.
+    let block = tree(&log, want[5..8].to_vec(), vec![0, 1, 2]);
+    let v = verdict(target_call(&tx, &mut rx, block).await.expect("verify"));
+    assert_eq!((v.path, v.next_token), (vec![0, 1, 2], want[8]));
 }

@@ -675,6 +675,9 @@ impl Engine {
                 new_tokens,
                 drafts: drafts.to_vec(),
                 q: q.to_vec(),
+                // The coordinator drafts chains (trees are verified by the target-node, not
+                // yet built by the draft-node).
+                parents: Vec::new(),
             })),
         };
         let give_up = Instant::now() + self.target_retry;

@@ -35,11 +35,14 @@ pub enum RefusalReason {
     NoMassOnDraft,
     /// A greedy session's q must be one-hot on the drafted token.
     NotOneHot,
+    /// A token tree whose parents do not make one (a parent after its child, too deep, twin
+    /// siblings).
+    MalformedTree,
 }
 
 impl RefusalReason {
     /// Every reason, as a metric's label values are listed before any is counted.
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 10] = [
         Self::TooManyDrafts,
         Self::QCount,
         Self::UnknownToken,
@@ -49,6 +52,7 @@ impl RefusalReason {
         Self::QSum,
         Self::NoMassOnDraft,
         Self::NotOneHot,
+        Self::MalformedTree,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -62,6 +66,7 @@ impl RefusalReason {
             Self::QSum => "q_sum",
             Self::NoMassOnDraft => "no_mass_on_draft",
             Self::NotOneHot => "not_one_hot",
+            Self::MalformedTree => "malformed_tree",
         }
     }
 }

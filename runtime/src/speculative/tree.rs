@@ -9,6 +9,7 @@
 use crate::sampling::Distribution;
 use crate::speculative::Verifier;
 use crate::speculative::acceptance::{TreeVerdict, verify_tree};
+use crate::speculative::draft_check::{BlockRules, DraftRefusal, check_block};
 use crate::{Error, Result};
 
 /// Bounds a tree is checked against.
@@ -160,32 +161,50 @@ impl DraftTree {
     }
 }
 
-/// A verified token tree: the verdict, and the tokens it commits (the accepted path's, then
-/// the next token).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A verified token tree: the verdict, the tokens it commits (the accepted path's, then the
+/// next token), and why the tree was refused when it was (the verdict is then one plain
+/// target step).
+#[derive(Debug, Clone, PartialEq)]
 pub struct TreeVerified {
     pub verdict: TreeVerdict,
     pub committed: Vec<u32>,
+    pub refused: Option<DraftRefusal>,
 }
+
+/// The deepest tree a verifier scores (its attention reads a path of at most this many nodes).
+pub const MAX_TREE_DEPTH: usize = crate::kernels::MAX_TREE_DEPTH;
 
 impl Verifier {
     /// Scores the tree's nodes after `log` in one forward pass, each at the position of its
     /// depth and seeing its own path ([`crate::Model::forward_tree`]), and applies the tree's
     /// acceptance rule ([`verify_tree`]); `q[j]` is the distribution node j was drawn from
-    /// given its earlier siblings. Afterwards the cache holds the log and the accepted path, as
-    /// if they had been fed as a chain.
+    /// given its earlier siblings. A tree whose nodes or q fail the checks a chain's drafts
+    /// pass ([`check_block`], at most `max_drafts` nodes) is not scored: the round is one plain
+    /// target step and the refusal says why. Afterwards the cache holds the log and the
+    /// accepted path, as if they had been fed as a chain.
     pub fn verify_tree(
         &mut self,
         log: &[u32],
         tree: &DraftTree,
         q: &[Distribution],
+        max_drafts: usize,
     ) -> Result<TreeVerified> {
-        if q.len() != tree.len() {
-            return Err(Error::invalid(
-                "q",
-                format!("{} distributions", q.len()),
-                format!("one per node of the tree's {}", tree.len()),
-            ));
+        let rules = BlockRules {
+            vocab_size: self.0.model.config().vocab_size,
+            max_drafts,
+            greedy: self.0.params.is_greedy(),
+        };
+        if let Err(refusal) = check_block(tree.tokens(), q, &rules) {
+            let plain = self.verify(log, &[], &[], 0)?;
+            let next = plain.verdict.next;
+            return Ok(TreeVerified {
+                verdict: TreeVerdict {
+                    path: Vec::new(),
+                    next,
+                },
+                committed: vec![next],
+                refused: Some(refusal),
+            });
         }
         let st = &mut self.0;
         let tail = st.seq.sync(log)?.to_vec();
@@ -216,7 +235,11 @@ impl Verifier {
         st.seq.tokens.truncate(log.len());
         st.seq.tokens.extend_from_slice(&committed);
         committed.push(verdict.next);
-        Ok(TreeVerified { verdict, committed })
+        Ok(TreeVerified {
+            verdict,
+            committed,
+            refused: None,
+        })
     }
 }
 
