@@ -190,13 +190,15 @@ fn verify() -> impl Strategy<Value = v1::VerifyBlock> {
             1 => prop::collection::vec(any::<u32>(), 0..7),
         ],
     )
-        .prop_map(|(committed, new_tokens, drafts, q, parents)| v1::VerifyBlock {
-            committed,
-            new_tokens,
-            drafts,
-            q,
-            parents,
-        })
+        .prop_map(
+            |(committed, new_tokens, drafts, q, parents)| v1::VerifyBlock {
+                committed,
+                new_tokens,
+                drafts,
+                q,
+                parents,
+            },
+        )
 }
 
 fn step() -> impl Strategy<Value = v1::DraftStep> {

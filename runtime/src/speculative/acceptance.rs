@@ -53,11 +53,7 @@ pub fn verify(
     for (i, &x) in drafts.iter().enumerate() {
         let (px, qx) = (p[i].prob(x), q[i].prob(x));
         let position = start + i;
-        // Ratios of ≥ 1 decide without looking at the draw (always so for a greedy target).
-        let accept = qx > 0.0
-            && px > 0.0
-            && (px >= qx || draws.uniform(position, ACCEPT_DRAW) < f64::from(px) / f64::from(qx));
-        if !accept {
+        if !accepts(px, qx, || draws.uniform(position, ACCEPT_DRAW)) {
             return Verdict {
                 accepted: i,
                 next: residual(&p[i], &q[i], draws.uniform(position, SAMPLE_DRAW)),
@@ -69,6 +65,13 @@ pub fn verify(
         accepted: drafts.len(),
         next: p[drafts.len()].sample(draws.uniform(bonus, SAMPLE_DRAW)),
     }
+}
+
+/// Whether a draft the target gives `px` and the draft `qx` is accepted: never without mass on
+/// both sides, with probability min(1, px/qx) from the uniform `draw` (ratios of ≥ 1 decide
+/// without looking at it: always so for a greedy target).
+fn accepts(px: f32, qx: f32, draw: impl FnOnce() -> f64) -> bool {
+    qx > 0.0 && px > 0.0 && (px >= qx || draw() < f64::from(px) / f64::from(qx))
 }
 
 /// Samples from norm(max(0, p − q)) with the uniform `u`; from p when that is empty.
@@ -192,11 +195,7 @@ pub fn verify_tree(
         for (k, c) in tree.children(at).enumerate() {
             let x = tree.tokens()[c];
             let (rx, qx) = (r.prob(x), q[c].prob(x));
-            let accept = qx > 0.0
-                && rx > 0.0
-                && (rx >= qx
-                    || draws.uniform(position, sibling_draw(k)) < f64::from(rx) / f64::from(qx));
-            if accept {
+            if accepts(rx, qx, || draws.uniform(position, sibling_draw(k))) {
                 accepted = Some(c);
                 break;
             }
