@@ -57,7 +57,7 @@ impl Session for DraftSession {
             drafter.start_with(prefix)?;
         }
         // Never past what admission reserved for it.
-        drafter.limit_cache(state.session_room(&open).0);
+        drafter.limit_cache(state.session_room(&open));
         Ok(Self {
             drafter,
             log: TokenLog::new(&open.prompt),

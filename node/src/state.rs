@@ -234,7 +234,7 @@ impl NodeState {
             .lookup(prompt)
             .and_then(|(prefix, common)| prefix.first(common));
         let shared = prefix.as_ref().map_or(0, tandem_runtime::KvPrefix::len);
-        let own = self.session_room(open).0.saturating_sub(shared);
+        let own = self.session_room(open).saturating_sub(shared);
         let slot = self.sessions.acquire(
             &open.session_id,
             self.kv_sizing.bytes_for(own),
@@ -277,13 +277,12 @@ impl NodeState {
     }
 
     /// The positions a session opened by `open` may grow to (its prompt, its new tokens and
-    /// one block of drafts past them), and their KV-cache bytes: what admission reserves and
-    /// what its cache is capped at.
-    pub fn session_room(&self, open: &v1::OpenSession) -> (usize, usize) {
-        let positions = (open.prompt.len() + open.max_new_tokens as usize)
+    /// one block of drafts past them): what admission reserves (those past its shared prefix)
+    /// and what its cache is capped at.
+    pub fn session_room(&self, open: &v1::OpenSession) -> usize {
+        (open.prompt.len() + open.max_new_tokens as usize)
             .saturating_add(self.limits.max_draft_tokens + 1)
-            .min(self.limits.max_session_tokens);
-        (positions, self.kv_sizing.bytes_for(positions))
+            .min(self.limits.max_session_tokens)
     }
 
     /// Checks a step before it changes anything: K within the limit, known tokens, and room in

@@ -136,7 +136,7 @@ async fn serve<S: Session>(
                 let (slot, prefix) = state.admit(&open)?;
                 let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());
                 let arrived = std::time::Instant::now();
-                let positions = state.session_room(&open).0;
+                let positions = state.session_room(&open);
                 let mut s = S::open(state, open, prefix)?;
                 // Chunked prefill: each chunk is its own job on the model thread, so the
                 // batches of other sessions run between two chunks of a long prompt. The wait

@@ -79,7 +79,7 @@ impl Session for TargetSession {
             verifier.start_with(prefix)?;
         }
         // Never past what admission reserved for it.
-        verifier.limit_cache(state.session_room(&open).0);
+        verifier.limit_cache(state.session_room(&open));
         Ok(Self {
             verifier,
             log: TokenLog::new(&open.prompt),

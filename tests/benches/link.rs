@@ -23,7 +23,7 @@ use serde_json::json;
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
-use tandem_tests::bench::{env_list, median, pairs};
+use tandem_tests::bench::{env_list, env_usize, median, pairs};
 use tandem_tests::link::{Link, LinkSpec};
 use tandem_tests::processes::Proc;
 use tandem_tests::tokenizer;
@@ -63,10 +63,7 @@ fn node(name: &str, model: &std::path::Path, cpu: &str) -> Proc {
 // The link's tasks run on a worker thread: the main one blocks while a process starts.
 #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 async fn main() -> anyhow::Result<()> {
-    let reps = std::env::var("BENCH_REPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3);
+    let reps = env_usize("BENCH_REPS", 3);
     let rtts: Vec<u64> = parse_list("BENCH_RTT_MS", "0,5,20,50")?;
     let mbits: Vec<f64> = parse_list("BENCH_MBIT", "0,100,10")?;
     let variants = env_list("BENCH_VARIANTS", "target-only,auto,4,8");

@@ -15,7 +15,7 @@ use tandem_coordinator::{CommitSink, Engine, LocalCluster};
 use tandem_node::LimitsArgs;
 use tandem_proto::v1;
 use tandem_runtime::{Commit, SamplingParams, Tokenizer};
-use tandem_tests::bench::{env_list, median, reps};
+use tandem_tests::bench::{env_list, env_usize, median, reps};
 
 /// Times the first commit of a generation.
 struct FirstToken {
@@ -87,10 +87,7 @@ async fn chat(
 async fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
     let reps = reps();
-    let turns: usize = std::env::var("BENCH_TURNS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(10);
+    let turns = env_usize("BENCH_TURNS", 10);
     let pair = env_list("BENCH_PAIRS", "qwen").remove(0);
     let (target, draft) = match pair.as_str() {
         "stories260k" => (tandem_tests::stories(), tandem_tests::stories_q8()),

@@ -17,15 +17,8 @@ use std::time::Instant;
 use tandem_node::{LimitsArgs, NodeState};
 use tandem_proto::v1;
 use tandem_runtime::{SamplingParams, Tokenizer};
-use tandem_tests::bench::{env_list, median};
+use tandem_tests::bench::{env_list, env_usize, median};
 use tandem_tests::held::HeldAtFirstCommit;
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
-}
 
 /// Resident memory of this process, bytes.
 fn rss() -> anyhow::Result<u64> {

@@ -80,12 +80,17 @@ pub fn env_list(name: &str, default: &str) -> Vec<String> {
         .collect()
 }
 
-/// `BENCH_REPS` (default 5).
-pub fn reps() -> usize {
-    std::env::var("BENCH_REPS")
+/// The number in environment variable `name`, or `default` when it is unset or not one.
+pub fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(5)
+        .unwrap_or(default)
+}
+
+/// `BENCH_REPS` (default 5).
+pub fn reps() -> usize {
+    env_usize("BENCH_REPS", 5)
 }
 
 /// `BENCH_K` (default 4,8).

@@ -307,16 +307,14 @@ impl Replicas {
         Ok(replica.handle.clone())
     }
 
-    /// Whether replica `i` answers within [`PROBE_DEADLINE`] (a node answers from memory,
-    /// however busy its model) that it works on a message of session `id`.
+    /// Whether replica `i` answers in time ([`info_within`]) that it works on a message of
+    /// session `id`.
     pub async fn working_on(&self, i: usize, id: &str) -> bool {
-        let channel = self.at(i).handle.channel.clone();
-        let mut client = v1::node_service_client::NodeServiceClient::new(channel);
         let ask = v1::InfoRequest {
             session_id: id.to_string(),
         };
-        let reply = tokio::time::timeout(PROBE_DEADLINE, client.info(ask)).await;
-        reply.is_ok_and(|r| r.is_ok_and(|info| info.into_inner().session_working))
+        let info = info_within(&self.at(i).handle.channel, ask).await;
+        info.is_some_and(|info| info.session_working)
     }
 
     /// The channel of `chosen`, then the other replicas': where a draft session that lost
@@ -419,6 +417,17 @@ fn replica(
     }))
 }
 
+/// The node's answer to `ask` over `channel`, if it comes within [`PROBE_DEADLINE`] (a node
+/// answers `Info` from memory, however busy its model).
+async fn info_within(
+    channel: &tonic::transport::Channel,
+    ask: v1::InfoRequest,
+) -> Option<v1::NodeInfo> {
+    let mut client = v1::node_service_client::NodeServiceClient::new(channel.clone());
+    let reply = tokio::time::timeout(PROBE_DEADLINE, client.info(ask)).await;
+    Some(reply.ok()?.ok()?.into_inner())
+}
+
 /// Measures each replica's round trip every [`PROBE`] (an `Info` call, which the node answers
 /// from memory) until the replicas are dropped.
 async fn probe(replicas: Weak<RwLock<Vec<Arc<Replica>>>>) {
@@ -431,12 +440,9 @@ async fn probe(replicas: Weak<RwLock<Vec<Arc<Replica>>>>) {
         };
         for r in current {
             let start = Instant::now();
-            let mut client =
-                v1::node_service_client::NodeServiceClient::new(r.handle.channel.clone());
-            let answered =
-                tokio::time::timeout(PROBE_DEADLINE, client.info(v1::InfoRequest::default()))
-                    .await
-                    .is_ok_and(|reply| reply.is_ok());
+            let answered = info_within(&r.handle.channel, v1::InfoRequest::default())
+                .await
+                .is_some();
             let micros = if answered {
                 u64::try_from(start.elapsed().as_micros())
                     .unwrap_or(u64::MAX)
