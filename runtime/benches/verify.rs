@@ -6,31 +6,51 @@
 //! `1,5,9`; BENCH_ITERS, default 10; BENCH_CONTEXT, the positions before the block, default 64).
 //! BENCH_SEQS (e.g. `8`): also one forward over that many sequences of one position each, every
 //! one on its own cache (a decode batch of as many sessions: [`Model::forward_batch`]).
-//! `BENCH_MODEL=random-110m` writes and measures the benchmarks' random 110M-shape f32 model;
-//! without BENCH_MODEL, the Qwen2.5-Coder 1.5B target in ~/.cache/tandem/models if it is there.
+//! `BENCH_MODEL=random-110m` writes and measures the benchmarks' random 110M-shape f32 model,
+//! `random-1.5b` one of the Qwen2.5 1.5B's shape (28 layers of 1536, 12 query heads to 2 key
+//! heads, 8960-wide MLP; the Llama 2 vocabulary); without BENCH_MODEL, the Qwen2.5-Coder 1.5B
+//! target in ~/.cache/tandem/models if it is there. BENCH_DEVICE (`cpu`, `cuda`) and
+//! BENCH_DTYPE (`f32`, `bf16`, `f16`; default the device's) place the model.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
+use candle_core::DType;
+use tandem_runtime::model::{Architecture, parse_device};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
 use tandem_runtime::{LoadOptions, Logits, Model};
 
-/// A random-weight f32 model of the stories110M shape (the benchmarks' 110M target), written
-/// once to the system's temporary directory.
-fn random_110m() -> anyhow::Result<PathBuf> {
-    let dir = std::env::temp_dir().join("tandem-bench-random-110m");
+/// A random-weight f32 model of `spec`'s shape, written once to the system's temporary
+/// directory as `name`.
+fn random(name: &str, spec: &SyntheticSpec) -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("tandem-bench-{name}"));
     if !dir.join("config.json").exists() {
         let tokenizer =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama2-tokenizer");
-        write_random_llama(&dir, &SyntheticSpec::stories110m(110), &tokenizer)?;
+        write_random_llama(&dir, spec, &tokenizer)?;
     }
     Ok(dir)
+}
+
+/// The Qwen2.5 1.5B's shape.
+fn qwen_1_5b() -> SyntheticSpec {
+    SyntheticSpec {
+        hidden_size: 1536,
+        intermediate_size: 8960,
+        num_layers: 28,
+        num_heads: 12,
+        num_kv_heads: 2,
+        head_dim: Some(128),
+        architecture: Architecture::Qwen2,
+        ..SyntheticSpec::stories110m(15)
+    }
 }
 
 fn main() -> anyhow::Result<()> {
     tandem_runtime::init_cpu_threads();
     let model = match std::env::var_os("BENCH_MODEL") {
-        Some(p) if p == "random-110m" => random_110m()?,
+        Some(p) if p == "random-110m" => random("random-110m", &SyntheticSpec::stories110m(110))?,
+        Some(p) if p == "random-1.5b" => random("random-1.5b", &qwen_1_5b())?,
         Some(p) => PathBuf::from(p),
         None => {
             let home = std::env::var_os("HOME").unwrap_or_default();
@@ -50,7 +70,18 @@ fn main() -> anyhow::Result<()> {
         .split(',')
         .map(str::parse)
         .collect::<Result<_, _>>()?;
-    let m = Model::load(&model, &LoadOptions::default())?;
+    let dtype = match std::env::var("BENCH_DTYPE").as_deref() {
+        Ok("f32") => Some(DType::F32),
+        Ok("bf16") => Some(DType::BF16),
+        Ok("f16") => Some(DType::F16),
+        _ => None,
+    };
+    let options = LoadOptions {
+        device: parse_device(&std::env::var("BENCH_DEVICE").unwrap_or_else(|_| "cpu".into()))?,
+        dtype,
+        max_context: None,
+    };
+    let m = Model::load(&model, &options)?;
     let mut cache = m.new_cache();
     let context: u32 = std::env::var("BENCH_CONTEXT")
         .ok()
@@ -97,7 +128,7 @@ fn main() -> anyhow::Result<()> {
             cache.truncate(base)?;
         }
     }
-    println!("{}", model.display());
+    println!("{} on {:?}", model.display(), options.device);
     println!("| positions | ms | / one position |");
     println!("|---|---|---|");
     let medians: Vec<f64> = times

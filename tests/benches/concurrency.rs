@@ -15,7 +15,8 @@
 //! BENCH_BATCH (default `64,1`: the target-nodes' --max-batch; `N:W` adds --batch-wait-us W),
 //! BENCH_TOKENS (default 64),
 //! BENCH_CPUS (unset: every process on every core; `T,D`: the target-nodes pinned to CPUs `T`,
-//! the draft-node and the coordinator to `D`, two machines emulated on one).
+//! the draft-node and the coordinator to `D`, two machines emulated on one),
+//! BENCH_TARGET_ARGS (more arguments of the target-nodes, e.g. `--device cuda`).
 
 use std::time::{Duration, Instant};
 
@@ -105,6 +106,8 @@ async fn main() -> anyhow::Result<()> {
     let batches = env_list("BENCH_BATCH", "64,1");
     let tokens = numbers("BENCH_TOKENS", "64")?[0];
     let variants = env_list("BENCH_VARIANTS", "target-only,auto,4");
+    let target_args = std::env::var("BENCH_TARGET_ARGS").unwrap_or_default();
+    let target_args: Vec<&str> = target_args.split_whitespace().collect();
     let cpus: Vec<String> = std::env::var("BENCH_CPUS")
         .map(|v| v.split(',').map(str::to_string).collect())
         .unwrap_or_default();
@@ -140,7 +143,8 @@ async fn main() -> anyhow::Result<()> {
         let draft = node("draft-node", &pair.draft, &[], draft_cpus);
         let mut setups = Vec::new();
         for max_batch in &batches {
-            let mut args = vec!["--max-batch"];
+            let mut args = target_args.clone();
+            args.push("--max-batch");
             match max_batch.split_once(':') {
                 Some((batch, wait)) => args.extend([batch, "--batch-wait-us", wait]),
                 None => args.push(max_batch),

@@ -20,8 +20,12 @@ pub fn profile_dir() -> PathBuf {
 
 /// The path of binary `name`, brought up to date by cargo once per test process: `cargo test`
 /// builds only the binaries of the packages whose tests use them, and a binary left from an
-/// earlier build would run the code as it was then.
+/// earlier build would run the code as it was then. With `TANDEM_PREBUILT` set (a machine with
+/// the binaries carried beside the test's folder and no cargo, as the GPU machine), as they are.
 pub fn binary(name: &str) -> PathBuf {
+    if std::env::var_os("TANDEM_PREBUILT").is_some() {
+        return profile_dir().join(name);
+    }
     static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut built = BUILT
         .lock()

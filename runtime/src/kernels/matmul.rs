@@ -1,5 +1,5 @@
 //! Batch-invariant matrix products of activations (rows) with a weight (out × in), quantized or
-//! dense, on the CPU.
+//! dense, on the CPU; on a GPU, dense products in tiles of a fixed number of rows.
 
 use std::sync::Arc;
 
@@ -8,7 +8,7 @@ use candle_core::quantized::k_quants::{
     BlockQ6K, BlockQ8_0, BlockQ8K,
 };
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{Module, Tensor};
 use half::{bf16, f16};
 
 use super::kpanels::KPanels;
@@ -51,6 +51,13 @@ fn candle_repacks(t: &QTensor) -> Result<bool> {
 /// Rows per call of a repacked kernel.
 const REPACKED_ROWS: usize = 16;
 
+/// Rows of every product by a weight on a GPU (the last tile padded with zeros): a row's result
+/// then comes from the same cuBLAS kernel, summing in the same order, whether it ran alone (a
+/// decode step), in a verify block or beside other sessions' rows. A decode step pays for
+/// 64 rows, which on a GPU costs what one does (the weights' reads dominate); a batch of more
+/// rows reads the weights once per tile.
+const GPU_ROWS: usize = 64;
+
 /// A linear layer's weight and the kernel that multiplies by it.
 pub(crate) enum Matmul {
     /// A GGUF tensor on the CPU of a type stored in blocks of 32 ([`rows`]' or [`super::panels`]'
@@ -64,42 +71,52 @@ pub(crate) enum Matmul {
     Repacked(QMatMul),
     /// A dense f32, f16 or bf16 weight on the CPU.
     Dense(Dense),
-    /// Any other device: candle's kernels.
+    /// A dense weight on a GPU: candle's product, [`GPU_ROWS`] rows at a time.
+    Tiled(Tensor),
+    /// A dense f16 or bf16 weight on the CPU: candle's kernels.
     Candle(QMatMul),
 }
 
 impl Matmul {
-    /// A quantized weight: batch-invariant on the CPU.
+    /// A quantized weight: batch-invariant on the CPU; on a GPU dequantized to f32 (candle's
+    /// quantized products there change kernels with the number of rows).
     pub(crate) fn quantized(t: Arc<QTensor>) -> Result<Self> {
-        if t.dtype() == GgmlDType::F32 {
+        if t.dtype() == GgmlDType::F32 || !t.device().is_cpu() {
             return Self::dense(t.dequantize(&t.device())?);
         }
-        if t.device().is_cpu() && matches!(t.dtype(), GgmlDType::F16 | GgmlDType::BF16) {
+        if matches!(t.dtype(), GgmlDType::F16 | GgmlDType::BF16) {
             return Ok(Self::Dense(Dense::half(Path::detect(), &t)?));
         }
-        Ok(if !t.device().is_cpu() {
-            Self::Candle(QMatMul::from_arc(t)?)
-        } else if Path::detect() >= Path::Avx2
-            && matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
-            && t.shape().dims2()?.1 % kquants::QK_K == 0
-        {
-            Self::KPanels(KPanels::new(&t)?)
-        } else if REPACKED.contains(&t.dtype()) && candle_repacks(&t)? {
-            Self::Repacked(QMatMul::from_arc(t)?)
-        } else if matches!(
-            t.dtype(),
-            GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q8_0
-        ) && t.shape().dims2()?.1 % rows::QK == 0
-        {
-            Self::Blocks(Blocks::new(Path::detect(), t)?)
-        } else {
-            Self::Quantized(t)
-        })
+        Ok(
+            if Path::detect() >= Path::Avx2
+                && matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
+                && t.shape().dims2()?.1 % kquants::QK_K == 0
+            {
+                Self::KPanels(KPanels::new(&t)?)
+            } else if REPACKED.contains(&t.dtype()) && candle_repacks(&t)? {
+                Self::Repacked(QMatMul::from_arc(t)?)
+            } else if matches!(
+                t.dtype(),
+                GgmlDType::Q4_0
+                    | GgmlDType::Q4_1
+                    | GgmlDType::Q5_0
+                    | GgmlDType::Q5_1
+                    | GgmlDType::Q8_0
+            ) && t.shape().dims2()?.1 % rows::QK == 0
+            {
+                Self::Blocks(Blocks::new(Path::detect(), t)?)
+            } else {
+                Self::Quantized(t)
+            },
+        )
     }
 
-    /// A dense (out, in) weight: batch-invariant on the CPU in f32.
+    /// A dense (out, in) weight: batch-invariant on the CPU in f32 and on a GPU.
     pub(crate) fn dense(w: Tensor) -> Result<Self> {
-        if !matches!(w.device(), Device::Cpu) || w.dtype() != candle_core::DType::F32 {
+        if !w.device().is_cpu() {
+            return Ok(Self::Tiled(w));
+        }
+        if w.dtype() != candle_core::DType::F32 {
             return Ok(Self::Candle(QMatMul::Tensor(w)));
         }
         let (out_dim, in_dim) = w.dims2()?;
@@ -116,7 +133,11 @@ impl Matmul {
     pub(crate) fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let (out_dim, in_dim) = match self {
             Self::Candle(m) => return Ok(m.forward(xs)?),
-            Self::Repacked(m) => return repacked(m, xs),
+            Self::Repacked(m) => return in_tiles(xs, REPACKED_ROWS, false, |x| m.forward(x)),
+            Self::Tiled(w) => {
+                let wt = w.t()?;
+                return in_tiles(xs, GPU_ROWS, true, |x| x.matmul(&wt));
+            }
             Self::Quantized(t) => t.shape().dims2()?,
             Self::Blocks(b) => b.dims(),
             Self::KPanels(k) => k.dims(),
@@ -132,7 +153,7 @@ impl Matmul {
             Self::Blocks(b) => b.matmul(&lhs, rows, &mut dst)?,
             Self::KPanels(k) => k.matmul(&lhs, rows, &mut dst),
             Self::Dense(d) => d.matmul(&lhs, rows, &mut dst),
-            Self::Candle(_) | Self::Repacked(_) => unreachable!("returned above"),
+            Self::Candle(_) | Self::Repacked(_) | Self::Tiled(_) => unreachable!("returned above"),
         }
         if let Some(last) = dims.last_mut() {
             *last = out_dim;
@@ -141,20 +162,34 @@ impl Matmul {
     }
 }
 
-/// Candle's repacked kernel, [`REPACKED_ROWS`] rows at a time.
-fn repacked(m: &QMatMul, xs: &Tensor) -> Result<Tensor> {
+/// `product` of `xs` (…, in) at most `tile` rows at a time (exactly `tile`, the last padded with
+/// zeros, where `pad`), as (…, out).
+fn in_tiles(
+    xs: &Tensor,
+    tile: usize,
+    pad: bool,
+    product: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+) -> Result<Tensor> {
     let dims = xs.dims().to_vec();
     let in_dim = dims.last().copied().unwrap_or(0);
     let rows = xs.elem_count() / in_dim.max(1);
-    if rows <= REPACKED_ROWS {
-        return Ok(m.forward(xs)?);
+    if rows <= tile && !pad {
+        return Ok(product(xs)?);
     }
-    let flat = xs.reshape((rows, in_dim))?;
+    let mut flat = xs.reshape((rows, in_dim))?;
+    let padded = rows.div_ceil(tile) * tile;
+    if pad && padded > rows {
+        let zeros = Tensor::zeros((padded - rows, in_dim), xs.dtype(), xs.device())?;
+        flat = Tensor::cat(&[flat, zeros], 0)?;
+    }
     let parts = (0..rows)
-        .step_by(REPACKED_ROWS)
-        .map(|start| m.forward(&flat.narrow(0, start, REPACKED_ROWS.min(rows - start))?))
+        .step_by(tile)
+        .map(|start| {
+            let len = if pad { tile } else { tile.min(rows - start) };
+            product(&flat.narrow(0, start, len)?)
+        })
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let ys = Tensor::cat(&parts, 0)?;
+    let ys = Tensor::cat(&parts, 0)?.narrow(0, 0, rows)?;
     let mut out = dims;
     if let Some(last) = out.last_mut() {
         *last = ys.dim(1)?;

@@ -25,10 +25,15 @@
 //! - `rows::on_pool`: every kernel splits its work on candle's CPU pool, the one candle's own
 //!   operations use.
 //!
-//! Other devices (CUDA) keep candle's kernels.
+//! On CUDA (`cuda`, the `cuda` feature) the same holds by other means: every product by a
+//! weight runs in tiles of a fixed number of rows (`Matmul::Tiled`, candle's cuBLAS product,
+//! quantized weights dequantized when the model loads), and attention is a kernel of our own
+//! that reads each row's keys in a fixed order.
 
 mod activation;
 mod attention;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod kpanels;
 mod kquants;
 mod matmul;
@@ -45,6 +50,8 @@ mod x86_panels;
 
 pub(crate) use activation::{Gate, gated};
 pub(crate) use attention::{MAX_PIECES, MAX_TREE_DEPTH, Span, attention_cpu};
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::attention_cuda;
 pub(crate) use matmul::Matmul;
 
 /// Gives back the calling thread's kernel scratch past what a verify block needs: called after

@@ -406,3 +406,31 @@ fn a_long_prefill_gives_its_scratch_back() {
         "{kept} bytes of scratch kept after the forward"
     );
 }
+
+#[test]
+fn tiles_of_a_fixed_row_count_give_the_whole_product() {
+    // The GPU's tiled product (exercised here on the CPU): every row count, a tile's edge
+    // included, and a leading batch axis, as candle's one product of all rows.
+    let (out_dim, in_dim) = (24, 40);
+    let (w, x) = data(out_dim, in_dim, 130);
+    let w = Tensor::from_vec(w, (out_dim, in_dim), &Device::Cpu).expect("weight");
+    let tiled = super::Matmul::Tiled(w.clone());
+    for rows in [1, 63, 64, 65, 130] {
+        let xs = Tensor::from_vec(x[..rows * in_dim].to_vec(), (1, rows, in_dim), &Device::Cpu)
+            .expect("rows");
+        let got = tiled.forward(&xs).expect("tiled");
+        assert_eq!(got.dims(), &[1, rows, out_dim]);
+        let want = xs.broadcast_matmul(&w.t().expect("t")).expect("product");
+        let diff = (got - want)
+            .expect("diff")
+            .abs()
+            .expect("abs")
+            .flatten_all()
+            .expect("flat")
+            .max(0)
+            .expect("max")
+            .to_scalar::<f32>()
+            .expect("scalar");
+        assert!(diff < 1e-4, "{rows} rows: max |Δ| = {diff}");
+    }
+}

@@ -231,12 +231,20 @@ impl Attention {
             let pieces = seq.cache.append(layer, &k, &v)?;
             if cpu {
                 on_cpu.push((q, pieces));
-            } else {
-                // candle's ops take the keys and values in one piece.
-                let (ks, vs): (Vec<Tensor>, Vec<Tensor>) = pieces.into_iter().unzip();
-                let (k, v) = (Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?);
-                out.push(self.attend(&q, &k, &v, seq.masks[usize::from(self.local)].as_ref())?);
+                continue;
             }
+            // candle's ops and the CUDA kernel take the keys and values in one piece.
+            let (ks, vs): (Vec<Tensor>, Vec<Tensor>) = pieces.into_iter().unzip();
+            let (k, v) = (Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?);
+            #[cfg(feature = "cuda")]
+            if xs.device().is_cuda() {
+                let paths = seq.paths.as_deref();
+                out.push(crate::kernels::attention_cuda(
+                    &q, &k, &v, paths, self.span,
+                )?);
+                continue;
+            }
+            out.push(self.attend(&q, &k, &v, seq.masks[usize::from(self.local)].as_ref())?);
         }
         let ys = if cpu {
             attention_cpu(&on_cpu, &paths, self.span)?
@@ -249,7 +257,7 @@ impl Attention {
     }
 
     /// One sequence's attention of q (1, heads, n, d) over its cached k and v, as
-    /// (1, n, heads · d), where [`attention_cpu`] does not run ([`cpu_kernel`]).
+    /// (1, n, heads · d), where neither [`attention_cpu`] nor the CUDA kernel runs ([`masked`]).
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
         let n = q.dim(2)?;
         let total = k.dim(2)?;
@@ -360,9 +368,15 @@ impl Block {
 }
 
 /// Whether attention runs on the CPU kernel ([`attention_cpu`]: f32 on the CPU, causal by
-/// construction) rather than candle's ops (which take a mask).
+/// construction).
 fn cpu_kernel(device: &Device, dtype: DType) -> bool {
     matches!(device, Device::Cpu) && dtype == DType::F32
+}
+
+/// Whether attention runs on candle's ops, which take a mask: neither the CPU kernel nor the
+/// CUDA one (which read each row's keys by construction) runs.
+fn masked(device: &Device, dtype: DType) -> bool {
+    !cpu_kernel(device, dtype) && !(cfg!(feature = "cuda") && device.is_cuda())
 }
 
 /// cos/sin rows of the positions of one block.
@@ -509,8 +523,8 @@ impl Llama {
                 offset += n;
                 continue;
             }
-            // The CPU attention kernel masks by construction; candle's attention needs a mask
-            // (a decode row of a windowed layer too).
+            // The attention kernels mask by construction; candle's attention needs a mask (a
+            // decode row of a windowed layer too).
             let masks = self
                 .windows
                 .iter()
@@ -521,7 +535,7 @@ impl Llama {
                     } else {
                         pos - item.cache.base()
                     };
-                    let needed = (n > 1 || held + n > window) && !cpu_kernel(device, self.dtype);
+                    let needed = (n > 1 || held + n > window) && masked(device, self.dtype);
                     needed
                         .then(|| causal_mask(n, held, window, self.dtype, device))
                         .transpose()
@@ -637,7 +651,7 @@ impl Llama {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let mask = (!cpu_kernel(device, self.dtype))
+        let mask = masked(device, self.dtype)
             .then(|| tree_mask(&paths, pos, self.dtype, device))
             .transpose()?;
         Ok(SeqRows {

@@ -23,7 +23,8 @@ use crate::{Error, Result};
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub device: Device,
-    /// Weights and activations type of dense checkpoints; default f32 on the CPU, bf16 on CUDA.
+    /// Weights and activations type; default f32 on the CPU, bf16 on CUDA. A GGUF file on the
+    /// CPU keeps its types (activations f32).
     pub dtype: Option<DType>,
     /// Caps the context below the model's own, which sizes the rope tables and the caches.
     pub max_context: Option<usize>,
@@ -136,7 +137,7 @@ impl Model {
             });
             let weights = weights::Weights::from_safetensors(path, dtype, device)?;
             let llama = Arc::new(llama::Llama::load(
-                weights::Vb::new(&weights),
+                weights::Vb::new(&weights, dtype),
                 &config,
                 dtype,
                 device,
@@ -152,10 +153,15 @@ impl Model {
         } else {
             let gguf = gguf::load(path, device)?;
             let config = cap(gguf.config);
-            // Quantized matmuls take f32 activations.
-            let dtype = DType::F32;
+            // Quantized matmuls take f32 activations on the CPU; on a GPU the weights are
+            // dequantized to the model's dtype (bf16 unless asked).
+            let dtype = if device.is_cpu() {
+                DType::F32
+            } else {
+                options.dtype.unwrap_or(DType::BF16)
+            };
             let llama = Arc::new(llama::Llama::load(
-                weights::Vb::new(&gguf.weights),
+                weights::Vb::new(&gguf.weights, dtype),
                 &config,
                 dtype,
                 device,

@@ -110,18 +110,21 @@ impl Weights {
     }
 }
 
-/// A prefix into [`Weights`], in candle's `VarBuilder` style.
+/// A prefix into [`Weights`], in candle's `VarBuilder` style, and the model's dtype (what a GGUF
+/// file's dense tensors become, and off the CPU its dequantized weights).
 #[derive(Clone)]
 pub(crate) struct Vb<'a> {
     weights: &'a Weights,
     prefix: String,
+    dtype: DType,
 }
 
 impl<'a> Vb<'a> {
-    pub(crate) fn new(weights: &'a Weights) -> Self {
+    pub(crate) fn new(weights: &'a Weights, dtype: DType) -> Self {
         Self {
             weights,
             prefix: String::new(),
+            dtype,
         }
     }
 
@@ -134,6 +137,7 @@ impl<'a> Vb<'a> {
         Self {
             weights: self.weights,
             prefix,
+            dtype: self.dtype,
         }
     }
 
@@ -148,7 +152,10 @@ impl<'a> Vb<'a> {
 
     /// A dense tensor (norm weights, biases, embeddings), dequantized if stored quantized.
     pub(crate) fn tensor(&self, leaf: &str, shape: &[usize]) -> Result<Tensor> {
-        self.weights.dense(&self.name(leaf), shape)
+        Ok(self
+            .weights
+            .dense(&self.name(leaf), shape)?
+            .to_dtype(self.dtype)?)
     }
 
     /// The `weight` of a linear layer of shape (out, in), kept quantized where it is.
@@ -157,7 +164,13 @@ impl<'a> Vb<'a> {
         match self.weights {
             Weights::Dense { .. } => Matmul::dense(self.weights.dense(&name, &[out_dim, in_dim])?),
             Weights::Gguf { .. } => {
-                Matmul::quantized(self.weights.qtensor(&name, &[out_dim, in_dim])?)
+                let t = self.weights.qtensor(&name, &[out_dim, in_dim])?;
+                if t.device().is_cpu() {
+                    Matmul::quantized(t)
+                } else {
+                    // Off the CPU a quantized weight is dequantized once, to the model's dtype.
+                    Matmul::dense(t.dequantize(&t.device())?.to_dtype(self.dtype)?)
+                }
             }
         }
     }
