@@ -6,16 +6,20 @@
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::WrapErr;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
 use candle_core::cuda_backend::cudarc::nvrtc;
-use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp3, DType, Device, Layout, Shape, Storage, Tensor,
+};
+use half::{bf16, f16};
 
-use super::Span;
 use crate::Result;
 
 const SOURCE: &str = include_str!("attention.cu");
-const NAME: &str = "tandem_attention";
+const MODULE: &str = "tandem_attention";
 /// Threads of a block: four warps (`WARPS` in the kernel).
 const THREADS: u32 = 128;
 /// Widest head the kernel takes (32 lanes × `LANE_DIMS`).
@@ -32,65 +36,162 @@ fn ptx() -> candle_core::Result<&'static str> {
     .map_err(|e| candle_core::Error::Msg(format!("compiling the CUDA attention kernel: {e}")))
 }
 
-/// Which stored keys each row of a block sees, in order: the cached keys `start..end`, then
-/// (a token tree's row) its path's keys.
-struct Attend {
-    /// (n, 3): start, end, path length.
-    rows: Vec<u32>,
-    /// (n, max_path) storage indices; at least one entry.
-    paths: Vec<u32>,
+/// Which stored keys each row of one sequence's block sees, in order, on the device (built once
+/// per forward, read by every layer): the cached keys `start..end`, then (a token tree's row)
+/// its path's keys.
+pub(crate) struct KeyTables {
+    /// (n, 3) u32: start, end, path length.
+    rows: Tensor,
+    /// (n, max_path) u32 storage indices; at least one entry.
+    paths: Tensor,
     max_path: usize,
-    scale: f32,
+}
+
+impl KeyTables {
+    /// The tables of a block of `n` rows whose keys are stored after `stored` others: each row
+    /// sees the keys before it within `window`, or a tree row (`paths`: the block rows it sees,
+    /// its ancestors and itself) the stored keys and its path.
+    pub(crate) fn new(
+        n: usize,
+        stored: usize,
+        window: usize,
+        paths: Option<&[Vec<usize>]>,
+        device: &Device,
+    ) -> Result<Self> {
+        let as_u32 = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+        let mut rows = Vec::with_capacity(3 * n);
+        let mut table = Vec::new();
+        let mut max_path = 1;
+        match paths {
+            None => {
+                for i in 0..n {
+                    let end = stored + i + 1;
+                    rows.extend([as_u32(end.saturating_sub(window)), as_u32(end), 0]);
+                }
+                table.push(0);
+            }
+            Some(paths) => {
+                max_path = paths.iter().map(Vec::len).max().unwrap_or(1).max(1);
+                for path in paths {
+                    rows.extend([0, as_u32(stored), as_u32(path.len())]);
+                    let mut row: Vec<u32> = path.iter().map(|&r| as_u32(stored + r)).collect();
+                    row.resize(max_path, 0);
+                    table.extend(row);
+                }
+            }
+        }
+        let paths_len = table.len();
+        Ok(Self {
+            rows: Tensor::from_vec(rows, 3 * n, device)?,
+            paths: Tensor::from_vec(table, paths_len, device)?,
+            max_path,
+        })
+    }
 }
 
 /// One sequence's attention of q (1, heads, n, d) over its stored keys and values
-/// (1, kv_heads, total, d), the block's rows the last n of them, as (1, n, heads · d): each row
-/// over the keys before it within `span`'s window, or a tree row (`paths`: the block rows it
-/// sees, its ancestors and itself) over the cache and its path.
+/// (1, kv_heads, total, d; a key head's rows adjacent, the heads at any stride), the block's
+/// rows the last n of them, as (1, n, heads · d), in q's dtype (f32, bf16 or f16).
 pub(crate) fn attention_cuda(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    paths: Option<&[Vec<usize>]>,
-    span: Span,
+    keys: &KeyTables,
+    scale: f32,
 ) -> Result<Tensor> {
-    let (n, total) = (q.dim(2)?, k.dim(2)?);
-    let stored = total - n;
-    let as_u32 = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
-    let mut op = Attend {
-        rows: Vec::with_capacity(3 * n),
-        paths: Vec::new(),
-        max_path: 1,
-        scale: span.scale,
-    };
-    match paths {
-        None => {
-            for i in 0..n {
-                let end = stored + i + 1;
-                op.rows
-                    .extend([as_u32(end.saturating_sub(span.window)), as_u32(end), 0]);
-            }
-            op.paths.push(0);
-        }
-        Some(paths) => {
-            op.max_path = paths.iter().map(Vec::len).max().unwrap_or(1).max(1);
-            for path in paths {
-                op.rows.extend([0, as_u32(stored), as_u32(path.len())]);
-                let mut row: Vec<u32> = path.iter().map(|&r| as_u32(stored + r)).collect();
-                row.resize(op.max_path, 0);
-                op.paths.extend(row);
-            }
-        }
-    }
-    let dtype = q.dtype();
-    let f32 = |t: &Tensor| -> candle_core::Result<Tensor> { t.to_dtype(DType::F32)?.contiguous() };
-    let out = f32(q)?.apply_op3_no_bwd(&f32(k)?, &f32(v)?, &op)?;
-    Ok(out.to_dtype(dtype)?)
+    let op = Attend { keys, scale };
+    Ok(q.contiguous()?.apply_op3_no_bwd(k, v, &op)?)
 }
 
-impl CustomOp3 for Attend {
+struct Attend<'a> {
+    keys: &'a KeyTables,
+    scale: f32,
+}
+
+impl Attend<'_> {
+    /// Launches the kernel for element type `T` (`name`).
+    #[allow(unsafe_code, reason = "launching a CUDA kernel is an FFI call")]
+    fn launch<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        name: &str,
+        (q, lq): (&CudaStorage, &Layout),
+        (k, lk): (&CudaStorage, &Layout),
+        (v, lv): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (_, heads, n, d) = lq.shape().dims4()?;
+        let (_, kv_heads, _, kd) = lk.shape().dims4()?;
+        let rows_adjacent = |l: &Layout| l.stride()[2] == d && l.stride()[3] == 1;
+        if kd != d
+            || lv.shape() != lk.shape()
+            || lv.stride() != lk.stride()
+            || d > MAX_HEAD_DIM
+            || heads % kv_heads != 0
+            || !lq.is_contiguous()
+            || !rows_adjacent(lk)
+        {
+            candle_core::bail!(
+                "{MODULE}: q {:?}, k {:?} (strides {:?}), v {:?} (heads up to {MAX_HEAD_DIM} wide)",
+                lq.shape(),
+                lk.shape(),
+                lk.stride(),
+                lv.shape()
+            );
+        }
+        let dev = q.device();
+        let q = q.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
+        let k = k.as_cuda_slice::<T>()?.slice(lk.start_offset()..);
+        let v = v.as_cuda_slice::<T>()?.slice(lv.start_offset()..);
+        let (rows, rows_layout) = self.keys.rows.storage_and_layout();
+        let (paths, paths_layout) = self.keys.paths.storage_and_layout();
+        let (Storage::Cuda(rows), Storage::Cuda(paths)) = (&*rows, &*paths) else {
+            candle_core::bail!("{MODULE}: its key tables are not on the GPU");
+        };
+        let rows = rows
+            .as_cuda_slice::<u32>()?
+            .slice(rows_layout.start_offset()..);
+        let paths = paths
+            .as_cuda_slice::<u32>()?
+            .slice(paths_layout.start_offset()..);
+        let out = dev.alloc_zeros::<T>(n * heads * d)?;
+        let func = dev.get_or_load_custom_func(name, MODULE, ptx()?)?;
+        let dims = [n, heads, kv_heads].map(|x| u32::try_from(x).unwrap_or(u32::MAX));
+        let kv_stride = lk.stride()[1] as u64;
+        let (d, max_path) = (d as u32, self.keys.max_path as u32);
+        let mut launch = func.builder();
+        launch
+            .arg(&q)
+            .arg(&k)
+            .arg(&v)
+            .arg(&rows)
+            .arg(&paths)
+            .arg(&out);
+        launch
+            .arg(&dims[0])
+            .arg(&dims[1])
+            .arg(&dims[2])
+            .arg(&kv_stride);
+        launch.arg(&d).arg(&max_path).arg(&self.scale);
+        let cfg = LaunchConfig {
+            grid_dim: (dims[1], dims[0], 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature (q, k, v of the shapes and strides
+        // checked above, the row table of 3n and the path table of n × max_path entries, the
+        // output of n · heads · d, then n, heads, kv_heads, the key heads' stride, d, max_path
+        // and the scale), and every key index the kernel reads is below the stored keys' count
+        // (the tables are built from it).
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((1, n, heads * d as usize)),
+        ))
+    }
+}
+
+impl CustomOp3 for Attend<'_> {
     fn name(&self) -> &'static str {
-        NAME
+        MODULE
     }
 
     fn cpu_fwd(
@@ -102,10 +203,9 @@ impl CustomOp3 for Attend {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("{NAME} runs on CUDA devices only")
+        candle_core::bail!("{MODULE} runs on CUDA devices only")
     }
 
-    #[allow(unsafe_code, reason = "launching a CUDA kernel is an FFI call")]
     fn cuda_fwd(
         &self,
         q: &CudaStorage,
@@ -115,55 +215,12 @@ impl CustomOp3 for Attend {
         v: &CudaStorage,
         lv: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (_, heads, n, d) = lq.shape().dims4()?;
-        let (_, kv_heads, total, kd) = lk.shape().dims4()?;
-        if kd != d || lv.shape() != lk.shape() || d > MAX_HEAD_DIM || heads % kv_heads != 0 {
-            candle_core::bail!(
-                "{NAME}: q {:?}, k {:?}, v {:?} (heads up to {MAX_HEAD_DIM} wide)",
-                lq.shape(),
-                lk.shape(),
-                lv.shape()
-            );
+        let args = ((q, lq), (k, lk), (v, lv));
+        match q.dtype() {
+            DType::F32 => self.launch::<f32>("tandem_attention_f32", args.0, args.1, args.2),
+            DType::BF16 => self.launch::<bf16>("tandem_attention_bf16", args.0, args.1, args.2),
+            DType::F16 => self.launch::<f16>("tandem_attention_f16", args.0, args.1, args.2),
+            other => candle_core::bail!("{MODULE}: no kernel for {other:?}"),
         }
-        if !(lq.is_contiguous() && lk.is_contiguous() && lv.is_contiguous()) {
-            candle_core::bail!("{NAME} takes contiguous tensors");
-        }
-        let dev = q.device();
-        let stream = dev.cuda_stream();
-        let q = q.as_cuda_slice::<f32>()?.slice(lq.start_offset()..);
-        let k = k.as_cuda_slice::<f32>()?.slice(lk.start_offset()..);
-        let v = v.as_cuda_slice::<f32>()?.slice(lv.start_offset()..);
-        let rows = stream.clone_htod(&self.rows).w()?;
-        let paths = stream.clone_htod(&self.paths).w()?;
-        let out = dev.alloc_zeros::<f32>(n * heads * d)?;
-        let func = dev.get_or_load_custom_func(NAME, NAME, ptx()?)?;
-        let dims = [n, heads, kv_heads, total, d, self.max_path]
-            .map(|x| u32::try_from(x).unwrap_or(u32::MAX));
-        let mut launch = func.builder();
-        launch
-            .arg(&q)
-            .arg(&k)
-            .arg(&v)
-            .arg(&rows)
-            .arg(&paths)
-            .arg(&out);
-        for dim in &dims {
-            launch.arg(dim);
-        }
-        launch.arg(&self.scale);
-        let cfg = LaunchConfig {
-            grid_dim: (dims[1], dims[0], 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match the kernel's signature (three f32 tensors of the shapes
-        // checked above, the row table of 3n and the path table of n × max_path entries, the
-        // output of n · heads · d, six u32 and one f32), and every index the kernel reads is
-        // within them (rows' ends ≤ total, paths' entries < total).
-        unsafe { launch.launch(cfg) }.w()?;
-        Ok((
-            CudaStorage::wrap_cuda_slice(out, dev.clone()),
-            Shape::from((1, n, heads * d)),
-        ))
     }
 }

@@ -58,6 +58,16 @@ const REPACKED_ROWS: usize = 16;
 /// rows reads the weights once per tile.
 const GPU_ROWS: usize = 64;
 
+/// Zero rows a forward pass of `rows` appends on `device` so that its products need no padding
+/// of their own (whole [`GPU_ROWS`] tiles off the CPU; none on it).
+pub(crate) fn tile_padding(device: &candle_core::Device, rows: usize) -> usize {
+    if device.is_cpu() {
+        0
+    } else {
+        rows.next_multiple_of(GPU_ROWS) - rows
+    }
+}
+
 /// A linear layer's weight and the kernel that multiplies by it.
 pub(crate) enum Matmul {
     /// A GGUF tensor on the CPU of a type stored in blocks of 32 ([`rows`]' or [`super::panels`]'

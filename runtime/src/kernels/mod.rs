@@ -51,8 +51,8 @@ mod x86_panels;
 pub(crate) use activation::{Gate, gated};
 pub(crate) use attention::{MAX_PIECES, MAX_TREE_DEPTH, Span, attention_cpu};
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::attention_cuda;
-pub(crate) use matmul::Matmul;
+pub(crate) use cuda::{KeyTables, attention_cuda};
+pub(crate) use matmul::{Matmul, tile_padding};
 
 /// Gives back the calling thread's kernel scratch past what a verify block needs: called after
 /// each forward, so a long prefill does not leave its buffers held for good.

@@ -237,14 +237,23 @@ impl Attention {
             let (ks, vs): (Vec<Tensor>, Vec<Tensor>) = pieces.into_iter().unzip();
             let (k, v) = (Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?);
             #[cfg(feature = "cuda")]
-            if xs.device().is_cuda() {
-                let paths = seq.paths.as_deref();
+            if let Some(keys) = &seq.keys[usize::from(self.local)] {
                 out.push(crate::kernels::attention_cuda(
-                    &q, &k, &v, paths, self.span,
+                    &q,
+                    &k,
+                    &v,
+                    keys,
+                    self.span.scale,
                 )?);
                 continue;
             }
             out.push(self.attend(&q, &k, &v, seq.masks[usize::from(self.local)].as_ref())?);
+        }
+        // Rows past the sequences' (whole tiles on a GPU) stay zero.
+        let pad = xs.dim(1)? - seqs.iter().map(|s| s.n).sum::<usize>();
+        if pad > 0 {
+            let width = self.num_heads * self.head_dim;
+            out.push(Tensor::zeros((1, pad, width), xs.dtype(), xs.device())?);
         }
         let ys = if cpu {
             attention_cpu(&on_cpu, &paths, self.span)?
@@ -376,7 +385,7 @@ fn cpu_kernel(device: &Device, dtype: DType) -> bool {
 /// Whether attention runs on candle's ops, which take a mask: neither the CPU kernel nor the
 /// CUDA one (which read each row's keys by construction) runs.
 fn masked(device: &Device, dtype: DType) -> bool {
-    !cpu_kernel(device, dtype) && !(cfg!(feature = "cuda") && device.is_cuda())
+    !cpu_kernel(device, dtype) && !device.is_cuda()
 }
 
 /// cos/sin rows of the positions of one block.
@@ -395,6 +404,10 @@ struct SeqRows<'a> {
     masks: Vec<Option<Tensor>>,
     /// A token tree's rows: the block rows each sees, its ancestors and itself.
     paths: Option<Vec<Vec<usize>>>,
+    /// On a GPU, the keys each row sees (global layers', then local layers'), for the CUDA
+    /// attention kernel.
+    #[cfg(feature = "cuda")]
+    keys: Vec<Option<crate::kernels::KeyTables>>,
     cache: &'a KvCache,
 }
 
@@ -514,6 +527,12 @@ impl Llama {
         if let Some(scale) = self.embed_scale {
             xs = (xs * scale)?;
         }
+        // Off the CPU, zero rows to whole tiles of the products (each layer keeps them).
+        let pad = crate::kernels::tile_padding(device, ids.dim(0)?);
+        if pad > 0 {
+            let zeros = Tensor::zeros((1, pad, xs.dim(2)?), xs.dtype(), device)?;
+            xs = Tensor::cat(&[xs, zeros], 1)?;
+        }
         let mut offset = 0;
         let mut seqs = Vec::with_capacity(items.len());
         for item in items.iter() {
@@ -551,12 +570,31 @@ impl Llama {
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
+            #[cfg(feature = "cuda")]
+            let keys = self
+                .windows
+                .iter()
+                .map(|&window| {
+                    // A windowed layer's keys start at the cache's base.
+                    let stored = if window == usize::MAX {
+                        pos
+                    } else {
+                        pos - item.cache.base()
+                    };
+                    device
+                        .is_cuda()
+                        .then(|| crate::kernels::KeyTables::new(n, stored, window, None, device))
+                        .transpose()
+                })
+                .collect::<Result<Vec<_>>>()?;
             seqs.push(SeqRows {
                 offset,
                 n,
                 rope,
                 masks,
                 paths: None,
+                #[cfg(feature = "cuda")]
+                keys,
                 cache: &*item.cache,
             });
             offset += n;
@@ -654,12 +692,21 @@ impl Llama {
         let mask = masked(device, self.dtype)
             .then(|| tree_mask(&paths, pos, self.dtype, device))
             .transpose()?;
+        #[cfg(feature = "cuda")]
+        let keys = vec![
+            device
+                .is_cuda()
+                .then(|| crate::kernels::KeyTables::new(n, pos, usize::MAX, Some(&paths), device))
+                .transpose()?,
+        ];
         Ok(SeqRows {
             offset,
             n,
             rope,
             masks: vec![mask],
             paths: Some(paths),
+            #[cfg(feature = "cuda")]
+            keys,
             cache: &*item.cache,
         })
     }
