@@ -9,9 +9,10 @@
 #   gpu/bin/deps/verify-stock    the same bench over the runtime before the CUDA path
 #                                (candle's kernels: GPU_STOCK_REV, default the commit before it)
 #   gpu/bin/deps/concurrency     tests/benches/concurrency.rs (spawns gpu/bin's binaries)
+#   gpu/bin/deps/link            tests/benches/link.rs (likewise, the draft behind a delaying link)
 # Then, there: `scripts/gpu-check.sh [OUT_DIR] [STEP...]` runs each check with a deadline, its
-# output to OUT_DIR (default ./gpu-out) and the terminal; steps: tests, verify, concurrency
-# (default all three).
+# output to OUT_DIR (default ./gpu-out) and the terminal; steps: tests, verify, concurrency, link
+# (default all four).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,10 +30,13 @@ if [ "${1:-}" = "--build" ]; then
         unset CARGO_TARGET_DIR RUSTFLAGS
         cargo build --release -p tandem-coordinator -p tandem-draft-node --bins
         for b in coordinator draft-node; do cp "target/release/$b" gpu/bin/; done
-        cargo bench -p tandem-tests --bench concurrency --no-run --message-format=json \
-            | jq -r 'select(.executable != null) | .executable' >target/concurrency.path
+        for bench in concurrency link; do
+            cargo bench -p tandem-tests --bench $bench --no-run --message-format=json \
+                | jq -r 'select(.executable != null) | .executable' >target/$bench.path
+        done
     )
     cp "$(cat target/concurrency.path)" gpu/bin/deps/concurrency
+    cp "$(cat target/link.path)" gpu/bin/deps/link
     cp "$tests" gpu/bin/deps/cuda
     cp "$bench" gpu/bin/deps/verify
     # The stock bench: the runtime as it was, this tree's bench file.
@@ -56,7 +60,7 @@ fi
 
 out=${1:-gpu-out}
 shift || true
-steps=${*:-tests verify concurrency}
+steps=${*:-tests verify concurrency link}
 mkdir -p "$out"
 [ -d gpu/bin ] || xz -dc gpu/bin.tar.xz | tar -C gpu -xf -
 built=$(cat gpu/built-at)
@@ -93,3 +97,5 @@ done
 BENCH_TARGET_ARGS="--device cuda" BENCH_SESSIONS=${GPU_SESSIONS:-1,8,32,64} \
     BENCH_VARIANTS=target-only,auto,4 BENCH_BATCH=64 BENCH_CPUS=8-15,0-7 \
     step concurrency 280 gpu/bin/deps/concurrency
+BENCH_TARGET_ARGS="--device cuda" BENCH_RTT_MS=0,20 BENCH_MBIT=0 BENCH_VARIANTS=target-only,auto \
+    BENCH_REPS=3 BENCH_CPUS=8-15,0-7 step link 200 gpu/bin/deps/link

@@ -24,7 +24,7 @@ use serde_json::json;
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
-use tandem_tests::bench::{env_list, median, pairs};
+use tandem_tests::bench::{env_list, median, pairs, target_args};
 use tandem_tests::processes::Proc;
 use tandem_tests::tokenizer;
 
@@ -106,8 +106,7 @@ async fn main() -> anyhow::Result<()> {
     let batches = env_list("BENCH_BATCH", "64,1");
     let tokens = numbers("BENCH_TOKENS", "64")?[0];
     let variants = env_list("BENCH_VARIANTS", "target-only,auto,4");
-    let target_args = std::env::var("BENCH_TARGET_ARGS").unwrap_or_default();
-    let target_args: Vec<&str> = target_args.split_whitespace().collect();
+    let target_args = target_args();
     let cpus: Vec<String> = std::env::var("BENCH_CPUS")
         .map(|v| v.split(',').map(str::to_string).collect())
         .unwrap_or_default();
@@ -143,7 +142,7 @@ async fn main() -> anyhow::Result<()> {
         let draft = node("draft-node", &pair.draft, &[], draft_cpus);
         let mut setups = Vec::new();
         for max_batch in &batches {
-            let mut args = target_args.clone();
+            let mut args: Vec<&str> = target_args.iter().map(String::as_str).collect();
             args.push("--max-batch");
             match max_batch.split_once(':') {
                 Some((batch, wait)) => args.extend([batch, "--batch-wait-us", wait]),

@@ -15,7 +15,8 @@
 //! `qwen-prose`, `qwen-code`), BENCH_RTT_MS (default `0,5,20,50`), BENCH_MBIT (default `0,100,10`;
 //! 0 is unlimited), BENCH_VARIANTS (default `target-only,auto,4,8`; a number is a fixed K),
 //! BENCH_DRAFTER (default `auto`), BENCH_TEMPERATURE (default 0, greedy), BENCH_CPUS (default
-//! `0,1`: the target's and the draft's core).
+//! `0,1`: the target's and the draft's core), BENCH_TARGET_ARGS (more arguments of the
+//! target-node, e.g. `--device cuda`).
 
 use std::time::Duration;
 
@@ -23,7 +24,7 @@ use serde_json::json;
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
-use tandem_tests::bench::{env_list, env_usize, median, pairs};
+use tandem_tests::bench::{env_list, env_usize, median, pairs, target_args};
 use tandem_tests::link::{Link, LinkSpec};
 use tandem_tests::processes::Proc;
 use tandem_tests::tokenizer;
@@ -55,9 +56,11 @@ struct Samples {
     outside_ms: Vec<f64>,
 }
 
-fn node(name: &str, model: &std::path::Path, cpu: &str) -> Proc {
+fn node(name: &str, model: &std::path::Path, cpu: &str, extra: &[String]) -> Proc {
     let model = model.display().to_string();
-    Proc::start_pinned(name, &["--model", &model, "--listen", "127.0.0.1:0"], cpu)
+    let mut args = vec!["--model", &model, "--listen", "127.0.0.1:0"];
+    args.extend(extra.iter().map(String::as_str));
+    Proc::start_pinned(name, &args, cpu)
 }
 
 // The link's tasks run on a worker thread: the main one blocks while a process starts.
@@ -91,8 +94,8 @@ async fn main() -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for pair in &pairs {
         let prompt = tokenizer(&pair.target).encode(pair.prompt)?;
-        let target = node("target-node", &pair.target, &target_cpu);
-        let draft = node("draft-node", &pair.draft, &draft_cpu);
+        let target = node("target-node", &pair.target, &target_cpu, &target_args());
+        let draft = node("draft-node", &pair.draft, &draft_cpu, &[]);
         for &rtt in &rtts {
             for &mbit in &mbits {
                 let spec = LinkSpec {

@@ -80,6 +80,16 @@ pub fn env_list(name: &str, default: &str) -> Vec<String> {
         .collect()
 }
 
+/// More arguments of the benchmarks' target-nodes, from BENCH_TARGET_ARGS (whitespace-separated,
+/// e.g. `--device cuda`).
+pub fn target_args() -> Vec<String> {
+    std::env::var("BENCH_TARGET_ARGS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
 /// The number in environment variable `name`, or `default` when it is unset or not one.
 pub fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
