@@ -87,6 +87,7 @@ impl Session for DraftSession {
                     drafter,
                     log: log.tokens(),
                     k: step.k as usize,
+                    branches: step.branches as usize,
                 });
             }
         }
@@ -140,7 +141,17 @@ impl DraftSession {
     /// Checks the step and brings the log to it; returns the prefix the step named.
     fn plan(&mut self, state: &NodeState, step: &v1::DraftStep) -> Result<Prefix> {
         let committed = prefix_from_wire(step.committed)?;
-        state.check_step(committed.len, &step.new_tokens, step.k as usize, 0)?;
+        if step.branches > step.k {
+            return Err(tandem_runtime::Error::invalid(
+                "branches",
+                step.branches,
+                format!("at most k ({}): one sibling beside a draft", step.k),
+            )
+            .into());
+        }
+        // A tree's drafts and siblings together count against --max-draft-tokens.
+        let tokens = step.k as usize + step.branches as usize;
+        state.check_step(committed.len, &step.new_tokens, tokens, 0)?;
         self.log.rollback_to(committed)?;
         self.log.extend(&step.new_tokens);
         Ok(committed)
@@ -166,6 +177,7 @@ impl DraftSession {
             tokens: proposal.tokens,
             q: proposal.q.iter().map(distribution_to_wire).collect(),
             compute_micros,
+            parents: proposal.parents,
         })))
     }
 }

@@ -245,10 +245,7 @@ impl<'a> SpeculativeGenerator<'a> {
                     stats.draft_seconds += secs;
                     p?
                 }
-                None => Proposal {
-                    tokens: Vec::new(),
-                    q: Vec::new(),
-                },
+                None => Proposal::default(),
             };
             let (verified, secs) =
                 timed(|| verifier.verify(&log, &proposal.tokens, &proposal.q, k));

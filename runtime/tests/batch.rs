@@ -264,7 +264,12 @@ fn batched_draft_steps_propose_what_each_drafter_proposes_alone() {
             .iter_mut()
             .zip(&prompts)
             .zip(ks)
-            .map(|((drafter, log), k)| ProposeJob { drafter, log, k })
+            .map(|((drafter, log), k)| ProposeJob {
+                drafter,
+                log,
+                k,
+                branches: 0,
+            })
             .collect();
         let together = Drafter::propose_batch(&mut jobs);
         drop(jobs);

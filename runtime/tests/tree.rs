@@ -171,3 +171,61 @@ fn a_verifier_decodes_through_trees_as_through_plain_steps() {
         log.extend_from_slice(&b.committed);
     }
 }
+
+/// A drafter asked for sibling leaves proposes a tree (its chain, then each sibling beside the
+/// chain's draft at its depth, a token the chain does not have there), and greedy decoding
+/// through those trees commits target-only's text, some rounds by a sibling.
+#[test]
+fn a_drafters_trees_decode_as_target_only() {
+    use tandem_runtime::speculative::ProposeJob;
+    use tandem_runtime::speculative::tree::{DraftTree, TreeLimits};
+    use tandem_runtime::{Drafter, SamplingParams, Verifier};
+    let target = load(&stories_dir());
+    let draft = load(&stories_gguf(QuantType::Q4_0));
+    let prompt = &story_tokens()[..8];
+    let limits = TreeLimits {
+        max_nodes: 16,
+        max_depth: 8,
+    };
+    let mut plain = Verifier::new(&target, SamplingParams::greedy());
+    plain.prefill(prompt).expect("prefill");
+    let mut want = prompt.to_vec();
+    while want.len() < prompt.len() + 80 {
+        let v = plain.verify(&want, &[], &[], 0).expect("step");
+        want.push(v.verdict.next);
+    }
+    let mut drafter = Drafter::new(&draft, SamplingParams::greedy());
+    let mut verifier = Verifier::new(&target, SamplingParams::greedy());
+    verifier.prefill(prompt).expect("prefill");
+    let (mut log, mut sibling_hits) = (prompt.to_vec(), 0);
+    while log.len() < want.len() {
+        let mut jobs = [ProposeJob {
+            drafter: &mut drafter,
+            log: &log,
+            k: 4,
+            branches: 3,
+        }];
+        let proposal = Drafter::propose_batch(&mut jobs)
+            .remove(0)
+            .expect("proposal");
+        assert_eq!(proposal.tokens.len(), 7, "four drafts and three siblings");
+        assert_eq!(&proposal.parents[..4], &[0, 1, 2, 3], "the chain first");
+        for j in 4..7 {
+            let depth = proposal.parents[j] as usize;
+            assert_ne!(
+                proposal.tokens[j], proposal.tokens[depth],
+                "a sibling differs"
+            );
+        }
+        let tree = DraftTree::new(&proposal.tokens, &proposal.parents, limits).expect("a tree");
+        let v = verifier
+            .verify_tree(&log, &tree, &proposal.q, 16)
+            .expect("verify");
+        assert!(v.refused.is_none(), "{:?}", v.refused);
+        sibling_hits += usize::from(v.verdict.path.iter().any(|&n| n >= 4));
+        log.extend(&v.committed);
+    }
+    log.truncate(want.len());
+    assert_eq!(log, want);
+    assert!(sibling_hits > 0, "no sibling was ever right");
+}

@@ -202,13 +202,15 @@ fn verify() -> impl Strategy<Value = v1::VerifyBlock> {
 }
 
 fn step() -> impl Strategy<Value = v1::DraftStep> {
-    (prefix(), tokens(6), prop_oneof![0u32..12, any::<u32>()]).prop_map(
-        |(committed, new_tokens, k)| v1::DraftStep {
+    let count = || prop_oneof![0u32..12, any::<u32>()];
+    (prefix(), tokens(6), count(), count()).prop_map(|(committed, new_tokens, k, branches)| {
+        v1::DraftStep {
             committed,
             new_tokens,
             k,
-        },
-    )
+            branches,
+        }
+    })
 }
 
 /// What the cases reached: sessions opened, work answered (a verdict, a proposal, or an

@@ -30,6 +30,7 @@ pub fn request_from_args(args: &GenerateArgs) -> v1::GenerateRequest {
             frequency_penalty: s.frequency_penalty,
         }),
         draft_tokens: args.draft_tokens.0.map(|k| k as u32),
+        draft_branches: None,
         drafter: args.drafter.clone(),
         pipeline: args.no_pipeline.then_some(false),
         stop: args.stop.clone(),

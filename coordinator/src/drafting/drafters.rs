@@ -76,6 +76,8 @@ impl std::fmt::Display for StepFailure {
 pub struct Proposal {
     pub tokens: Vec<u32>,
     pub q: Vec<v1::Distribution>,
+    /// A token tree's parents (`v1::VerifyBlock::parents`); empty for a chain.
+    pub parents: Vec<u32>,
     /// The drafter's compute (the node's report; the lookup's own time).
     pub compute_secs: f64,
     /// From asking to having the drafts.
@@ -83,10 +85,11 @@ pub struct Proposal {
 }
 
 impl Proposal {
-    /// The first `k` drafts (and their q).
+    /// The first `k` drafts (and their q; a tree stays one, its parents before its children).
     pub fn truncated(mut self, k: usize) -> Self {
         self.tokens.truncate(k);
         self.q.truncate(k);
+        self.parents.truncate(k);
         self
     }
 }
@@ -136,12 +139,18 @@ enum Background {
 type Lent = (NodeSession<Draft>, Option<(usize, Proposal)>);
 
 /// A draft step of `k` tokens after feeding `new_tokens` past `committed`.
-fn draft_step(committed: v1::Prefix, new_tokens: Vec<u32>, k: usize) -> v1::DraftRequest {
+fn draft_step(
+    committed: v1::Prefix,
+    new_tokens: Vec<u32>,
+    k: usize,
+    branches: usize,
+) -> v1::DraftRequest {
     v1::DraftRequest {
         kind: Some(v1::draft_request::Kind::Step(v1::DraftStep {
             committed: Some(committed),
             new_tokens,
             k: k as u32,
+            branches: branches as u32,
         })),
     }
 }
@@ -290,10 +299,14 @@ impl ModelDrafter {
         tokio::spawn(async move {
             let run = async {
                 if let Some(behind) = &behind {
-                    session.call(behind, |c, new| draft_step(c, new, 0)).await?;
+                    session
+                        .call(behind, |c, new| draft_step(c, new, 0, 0))
+                        .await?;
                 }
                 let start = Instant::now();
-                let p = session.call(&log, |c, new| draft_step(c, new, k)).await?;
+                let p = session
+                    .call(&log, |c, new| draft_step(c, new, k, 0))
+                    .await?;
                 Ok::<_, Error>((p, start.elapsed().as_secs_f64()))
             };
             let result = match tokio::time::timeout(deadline, run).await {
@@ -306,7 +319,7 @@ impl ModelDrafter {
                             compute_secs: p.compute_micros as f64 * 1e-6,
                             wall_secs,
                             tokens: p.tokens,
-                            q: Vec::new(),
+                            ..Proposal::default()
                         };
                         (from, step)
                     }),
@@ -329,10 +342,10 @@ impl ModelDrafter {
     pub async fn step(
         &mut self,
         log: &TokenLog,
-        k: usize,
+        (k, branches): (usize, usize),
         expected: Option<f64>,
     ) -> Result<Proposal, StepFailure> {
-        self.step_from(log, log, k, expected).await
+        self.step_from(log, log, (k, branches), expected).await
     }
 
     /// [`Self::step`] on `log`, re-attaching from `committed` (a prefix of it) on failure.
@@ -340,7 +353,7 @@ impl ModelDrafter {
         &mut self,
         log: &TokenLog,
         committed: &TokenLog,
-        k: usize,
+        (k, branches): (usize, usize),
         expected: Option<f64>,
     ) -> Result<Proposal, StepFailure> {
         let Some(session) = self.session.as_mut() else {
@@ -355,7 +368,7 @@ impl ModelDrafter {
         });
         let start = Instant::now();
         let call = session.call(log, |committed, new_tokens| {
-            draft_step(committed, new_tokens, k)
+            draft_step(committed, new_tokens, k, branches)
         });
         let outcome = match tokio::time::timeout(deadline, call).await {
             Ok(r) => r.map_err(StepFailure::Failed),
@@ -368,6 +381,7 @@ impl ModelDrafter {
                 Ok(Proposal {
                     tokens: p.tokens,
                     q: p.q,
+                    parents: p.parents,
                     compute_secs: p.compute_micros as f64 * 1e-6,
                     wall_secs: start.elapsed().as_secs_f64(),
                 })
@@ -399,7 +413,7 @@ impl ModelDrafter {
         ahead.extend(drafts);
         // On failure the session is re-attached from what is committed, not from the drafts
         // being verified.
-        let proposal = self.step_from(&ahead, log, k, expected).await?;
+        let proposal = self.step_from(&ahead, log, (k, 0), expected).await?;
         if let Some(session) = self.session.as_mut() {
             session.hold_at_most(log.prefix());
         }
@@ -446,6 +460,7 @@ pub fn ngram_proposal(
         q,
         compute_secs: secs,
         wall_secs: secs,
+        ..Proposal::default()
     };
     (proposal, matched)
 }

@@ -319,6 +319,8 @@ pub struct KPolicy {
     pipelining: bool,
     /// Drafts of background steps the target would have accepted, and those compared.
     shadow: [u32; 2],
+    /// How often a token tree's sibling leaves are right ([`tree`]).
+    siblings: tree::Siblings,
 }
 
 impl KPolicy {
@@ -342,6 +344,7 @@ impl KPolicy {
             drafted_rounds: 0,
             pipelining: true,
             shadow: [0, 0],
+            siblings: tree::Siblings::default(),
         }
     }
 
@@ -362,6 +365,7 @@ impl KPolicy {
         next.verify = self.early_verify.as_ref().unwrap_or(&self.verify).clone();
         next.guess = self.guess;
         next.guesses = self.guesses.min(CARRIED_TRIALS);
+        next.siblings = self.siblings.clone();
         for (to, from) in std::iter::once((&mut next.model, &self.model))
             .chain(next.ngram.iter_mut().zip(&self.ngram))
         {
@@ -785,3 +789,4 @@ pub struct RoundCosts {
 
 #[cfg(test)]
 mod tests;
+mod tree;

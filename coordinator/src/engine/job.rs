@@ -50,6 +50,9 @@ pub struct Job {
     /// The grammar the output follows (compiled once by the coordinator to check it), with
     /// `start` the prompt's length.
     pub constraint: Option<v1::Constraint>,
+    /// Sibling leaves beside the model's drafts (a token tree): fixed, or (`None`) chosen each
+    /// round by the policy where K is adaptive.
+    pub branches: Option<usize>,
 }
 
 impl std::ops::Deref for Job {
@@ -136,9 +139,21 @@ impl super::rounds::Engine {
             request.constraint.as_ref(),
             request_job.prompt.len(),
         )?;
+        let branches = request.draft_branches.map(|b| b as usize);
+        if let Some(b) = branches {
+            let k = request_job.draft_tokens;
+            if b > k || k + b > limits.max_draft_tokens {
+                let limit = format!(
+                    "at most draft_tokens ({k}), with them at most {}{}",
+                    limits.max_draft_tokens, limits.draft_limit_source
+                );
+                return Err(tandem_runtime::Error::invalid("draft_branches", b, limit).into());
+            }
+        }
         Ok(Job {
             request: request_job,
             adaptive,
+            branches: branches.or(if adaptive { None } else { Some(0) }),
             drafter: DrafterChoice::parse(&request.drafter)?,
             pipeline: request.pipeline.unwrap_or(true),
             top_logprobs: request.top_logprobs,

@@ -1,5 +1,6 @@
 //! The round loop ([`rounds`]): one generation's rounds of drafting, verifying and committing,
-//! with the requests it runs ([`job`]), their statistics ([`stats`]) and the coordinator's
+//! with the requests it runs ([`job`]), what a token tree's verdict commits ([`tree`]), their
+//! statistics ([`stats`]) and the coordinator's
 //! metrics ([`metrics`]); an engine that may still be connecting ([`late`]), and the engine of
 //! the in-process cluster ([`local`]).
 //!
@@ -11,6 +12,7 @@ pub mod local;
 pub mod metrics;
 pub mod rounds;
 pub mod stats;
+pub mod tree;
 
 pub use job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
 pub use late::LateEngine;

@@ -14,9 +14,7 @@ use std::time::{Duration, Instant};
 use tandem_proto::tls::ClientTls;
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
-use tandem_runtime::{
-    Constraint, DraftRefusal, RefusalReason, TokenLog, Tokenizer, Transcript, Verdict,
-};
+use tandem_runtime::{Constraint, DraftRefusal, RefusalReason, TokenLog, Tokenizer, Transcript};
 use tracing::Instrument;
 
 use crate::constraints::Grammars;
@@ -353,6 +351,14 @@ impl Engine {
                 .take()
                 .filter(|_| plan.drafter == Some(Drafter::Model));
             let drafted_ahead = ready.is_some();
+            // Sibling leaves beside the model's drafts (a token tree): the request's, or as
+            // many as the policy expects to pay.
+            let room = max_draft.saturating_sub(plan.k).min(plan.k);
+            let branches = match (plan.drafter, job.branches) {
+                (Some(Drafter::Model), Some(b)) if !drafted_ahead => b.min(room),
+                (Some(Drafter::Model), None) if !drafted_ahead => policy.branches(plan.k, room),
+                _ => 0,
+            };
             let proposal = match plan.drafter {
                 Some(Drafter::Model) if let Some(ready) = ready => {
                     stats.pipeline_hits += 1;
@@ -362,7 +368,7 @@ impl Engine {
                     let m = model.as_mut().expect("attached");
                     let expected = policy.expected_draft_seconds(plan.k);
                     match m
-                        .step(&log, plan.k, expected)
+                        .step(&log, (plan.k, branches), expected)
                         .instrument(tracing::info_span!(parent: &round, "draft", k = plan.k))
                         .await
                     {
@@ -382,21 +388,22 @@ impl Engine {
             let Proposal {
                 tokens: mut drafts,
                 mut q,
+                mut parents,
                 compute_secs: draft_secs,
                 wall_secs: draft_wall,
             } = proposal;
             // More drafts than asked for: refused here, the round is a plain target step.
-            if drafts.len() > plan.k {
+            if drafts.len() > plan.k + branches {
                 let refusal = DraftRefusal::new(
-                    plan.k,
+                    plan.k + branches,
                     RefusalReason::TooManyDrafts,
-                    format!("{} drafts, {} asked for", drafts.len(), plan.k),
+                    format!("{} drafts, {} asked for", drafts.len(), plan.k + branches),
                 );
                 tracing::info!(%refusal, "draft block refused");
                 self.refused(&mut stats, &mut model, refusal.reason.as_str(), || {
                     refusal.to_string()
                 });
-                (drafts, q) = (Vec::new(), Vec::new());
+                (drafts, q, parents) = (Vec::new(), Vec::new(), Vec::new());
             }
             stats.base.draft_seconds += draft_secs;
             let expected_verify = policy.expected_verify_seconds(drafts.len() + 1);
@@ -404,7 +411,7 @@ impl Engine {
             // The verify's own time, whatever the draft-node does meanwhile.
             let verify = async {
                 let verdict = self
-                    .verify(&mut target, &log, &drafts, &q, expected_verify)
+                    .verify(&mut target, &log, (&drafts, &q, &parents), expected_verify)
                     .instrument(
                         tracing::info_span!(parent: &round, "verify", drafts = drafts.len()),
                     )
@@ -428,6 +435,7 @@ impl Engine {
             .min(max_draft.saturating_sub(1));
             let ahead_k = Some(next).filter(|&next| {
                 k > 0
+                    && parents.is_empty()
                     && next >= k
                     && transcript.remaining() >= k + next + 2
                     && drafts.iter().all(|&t| t < vocab)
@@ -452,11 +460,12 @@ impl Engine {
             let verify_secs = verdict.compute_micros as f64 * 1e-6;
             stats.base.target_seconds += verify_secs;
             let accepted = verdict.accepted as usize;
-            if accepted > drafts.len() || (verdict.draft_refused.is_some() && accepted > 0) {
-                break Err(Error::Protocol {
-                    node: "target-node",
-                    what: format!("accepted {accepted} of {} drafts", drafts.len()),
-                });
+            let tree = match super::tree::committed(&drafts, &parents, &verdict) {
+                Ok(t) => t,
+                Err(e) => break Err(e),
+            };
+            if let Some(right) = tree.sibling {
+                policy.observe_sibling(right);
             }
             if let Some(r) = &verdict.draft_refused {
                 self.refused(&mut stats, &mut model, &r.reason, || r.message.clone());
@@ -498,16 +507,15 @@ impl Engine {
                 Some(Drafter::Ngram) => stats.ngram_rounds += 1,
                 None => stats.target_only_rounds += 1,
             }
+            // The policy learns the chain's acceptance by depth (siblings: observe_sibling).
+            let (chain, chain_accepted) = tree.chain;
             policy.observe(
-                Plan {
-                    drafter,
-                    k: drafts.len(),
-                },
+                Plan { drafter, k: chain },
                 &RoundCosts {
-                    drafted: drafts.len(),
+                    drafted: chain,
                     drafted_ahead,
                     drafted_next: ahead_tokens,
-                    accepted,
+                    accepted: chain_accepted,
                     draft_wall,
                     draft_compute: draft_secs,
                     verify_wall,
@@ -523,12 +531,7 @@ impl Engine {
                 draft_secs,
                 verify_secs,
             );
-            let round = Verdict {
-                accepted,
-                next: verdict.next_token,
-            }
-            .committed(&drafts);
-            let commit = match transcript.commit(&round) {
+            let commit = match transcript.commit(&tree.tokens) {
                 Ok(c) => c,
                 Err(e) => break Err(e.into()),
             };
@@ -665,8 +668,7 @@ impl Engine {
         &self,
         target: &mut NodeSession<Target>,
         log: &TokenLog,
-        drafts: &[u32],
-        q: &[v1::Distribution],
+        (drafts, q, parents): (&[u32], &[v1::Distribution], &[u32]),
         expected: Option<f64>,
     ) -> Result<v1::VerdictReply> {
         let make = |committed, new_tokens| v1::TargetRequest {
@@ -675,9 +677,7 @@ impl Engine {
                 new_tokens,
                 drafts: drafts.to_vec(),
                 q: q.to_vec(),
-                // The coordinator drafts chains (trees are verified by the target-node, not
-                // yet built by the draft-node).
-                parents: Vec::new(),
+                parents: parents.to_vec(),
             })),
         };
         let give_up = Instant::now() + self.target_retry;

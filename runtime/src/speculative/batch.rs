@@ -34,6 +34,9 @@ pub struct ProposeJob<'a> {
     pub log: &'a [u32],
     /// Tokens to draft; 0 only catches the cache up with the log.
     pub k: usize,
+    /// The most sibling leaves to add (a token tree): at the depths where the draft itself is
+    /// least sure, its runner-up beside the drafted token; 0 for a chain.
+    pub branches: usize,
 }
 
 /// One sequence's block in a forward pass over many.
@@ -209,6 +212,11 @@ struct Drafting {
     left: usize,
     catch_up: bool,
     error: Option<Error>,
+    /// The draft's own chance of reaching the next depth (the product of its probabilities of
+    /// the drafts so far), and each depth's runner-up: (its chance of being right there, token,
+    /// depth).
+    reach: f32,
+    runners_up: Vec<(f32, u32, usize)>,
 }
 
 impl Drafter {
@@ -247,9 +255,10 @@ impl Drafter {
         }
         steps
             .into_iter()
-            .map(|s| match s.error {
+            .zip(jobs.iter())
+            .map(|(s, job)| match s.error {
                 Some(e) => Err(e),
-                None => Ok(s.proposal),
+                None => Ok(s.with_siblings(job.branches)),
             })
             .collect()
     }
@@ -264,10 +273,13 @@ impl ProposeJob<'_> {
             proposal: Proposal {
                 tokens: Vec::with_capacity(self.k),
                 q: Vec::with_capacity(self.k),
+                parents: Vec::new(),
             },
             left: self.k,
             catch_up: false,
             error: None,
+            reach: 1.0,
+            runners_up: Vec::new(),
         };
         match self.drafter.0.seq.sync(self.log) {
             Ok(feed) if self.k > 0 => step.feed = feed.to_vec(),
@@ -294,6 +306,13 @@ impl ProposeJob<'_> {
         let row = rows.last().ok_or_else(|| failed("no logits"))?;
         let q = draft_support(st.distribution(row, &step.context)?);
         let token = q.sample(st.draws.uniform(step.context.len(), SAMPLE_DRAW));
+        if self.branches > 0 {
+            let (p_token, runner_up, p_runner_up) = runner_up(row, token);
+            let depth = step.proposal.tokens.len();
+            step.runners_up
+                .push((step.reach * p_runner_up, runner_up, depth));
+            step.reach *= p_token;
+        }
         step.context.push(token);
         step.proposal.tokens.push(token);
         step.proposal.q.push(q);
@@ -301,4 +320,44 @@ impl ProposeJob<'_> {
         step.left -= 1;
         Ok(())
     }
+}
+
+impl Drafting {
+    /// The proposal, with at most `branches` sibling leaves: the runners-up most likely to be
+    /// right by the draft's own probabilities, each beside the draft at its depth (one-hot q: a
+    /// chosen child). A chain when none is asked for or none differs.
+    fn with_siblings(mut self, branches: usize) -> Proposal {
+        let mut picked = std::mem::take(&mut self.runners_up);
+        picked.sort_by(|a, b| b.0.total_cmp(&a.0));
+        picked.truncate(branches);
+        picked.sort_by_key(|&(_, _, depth)| depth);
+        let mut proposal = self.proposal;
+        if picked.is_empty() {
+            return proposal;
+        }
+        // Wire form: the chain's draft i is a child of draft i - 1 (i), its first of the root.
+        proposal.parents = (0..proposal.tokens.len() as u32).collect();
+        for (_, token, depth) in picked {
+            proposal.tokens.push(token);
+            proposal.q.push(Distribution::OneHot(token));
+            proposal.parents.push(depth as u32);
+        }
+        proposal
+    }
+}
+
+/// The draft's probability (softmax of `row`) of `token`, the most likely other token, and that
+/// token's probability.
+fn runner_up(row: &[f32], token: u32) -> (f32, u32, f32) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let total: f32 = row.iter().map(|&l| (l - max).exp()).sum();
+    let (mut best, mut best_logit) = (u32::MAX, f32::NEG_INFINITY);
+    for (i, &l) in row.iter().enumerate() {
+        if i as u32 != token && l > best_logit {
+            (best, best_logit) = (i as u32, l);
+        }
+    }
+    let p = |l: f32| (l - max).exp() / total;
+    let p_token = row.get(token as usize).map_or(0.0, |&l| p(l));
+    (p_token, best, p(best_logit))
 }

@@ -226,6 +226,9 @@ sequence_side!(Verifier);
 pub struct Proposal {
     pub tokens: Vec<u32>,
     pub q: Vec<Distribution>,
+    /// A token tree's parents in wire form ([`tree::DraftTree::new`]: 0 for a child of the
+    /// committed tokens, j + 1 for a child of draft j); empty for a chain.
+    pub parents: Vec<u32>,
 }
 
 /// The draft side of one sequence.
@@ -245,6 +248,7 @@ impl Drafter {
             drafter: self,
             log,
             k,
+            branches: 0,
         }];
         one(Self::propose_batch(&mut jobs))
     }
