@@ -467,6 +467,10 @@ impl Engine {
             if let Some(right) = tree.sibling {
                 policy.observe_sibling(right);
             }
+            if !parents.is_empty() {
+                stats.tree_rounds += 1;
+                stats.sibling_hits += u32::from(tree.sibling == Some(true));
+            }
             if let Some(r) = &verdict.draft_refused {
                 self.refused(&mut stats, &mut model, &r.reason, || r.message.clone());
             }

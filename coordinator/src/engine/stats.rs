@@ -37,6 +37,9 @@ pub struct Stats {
     pub draft_node_tokens: u32,
     /// Prompt tokens the target-node took from its prefix cache.
     pub cached_tokens: u32,
+    /// Rounds verified as token trees, and rounds that committed a sibling leaf.
+    pub tree_rounds: u32,
+    pub sibling_hits: u32,
 }
 
 impl Stats {
