@@ -13,7 +13,8 @@
 //!
 //! Environment: BENCH_REPS (default 3), BENCH_PAIRS (default `110m-q8_0`; also `stories260k`,
 //! `qwen-prose`, `qwen-code`), BENCH_RTT_MS (default `0,5,20,50`), BENCH_MBIT (default `0,100,10`;
-//! 0 is unlimited), BENCH_VARIANTS (default `target-only,auto,4,8`; a number is a fixed K),
+//! 0 is unlimited), BENCH_VARIANTS (default `target-only,auto,4,8`; a number is a fixed K,
+//! `K+B` K drafts and B sibling leaves: a token tree of K + B positions),
 //! BENCH_DRAFTER (default `auto`), BENCH_TEMPERATURE (default 0, greedy), BENCH_CPUS (default
 //! `0,1`: the target's and the draft's core), BENCH_TARGET_ARGS (more arguments of the
 //! target-node, e.g. `--device cuda`).
@@ -46,6 +47,8 @@ struct Samples {
     speedup: Vec<f64>,
     alpha: Vec<f64>,
     bytes_per_round: Vec<f64>,
+    /// Committed tokens per round.
+    tokens_per_round: Vec<f64>,
     rounds: [u32; 3],
     /// Blocks drafted ahead during a verify, and those used.
     pipeline: [u32; 2],
@@ -89,7 +92,7 @@ async fn main() -> anyhow::Result<()> {
         SamplingParams::greedy()
     };
     println!(
-        "| pair | link | variant | tok/s | speedup | α | rounds model / n-gram / target | drafted ahead / used | mean K drafted | bytes/round | outside nodes ms/round |"
+        "| pair | link | variant | tok/s | speedup | tokens/round | α | rounds model / n-gram / target | drafted ahead / used | mean K drafted | bytes/round | outside nodes ms/round |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for pair in &pairs {
@@ -112,6 +115,10 @@ async fn main() -> anyhow::Result<()> {
                     let (k, serial) = variant
                         .strip_suffix("-serial")
                         .map_or((variant, false), |k| (k, true));
+                    // `K+B`: K drafts and B sibling leaves (a token tree).
+                    let (k, branches) = k
+                        .split_once('+')
+                        .map_or((k, None), |(k, b)| (k, b.parse().ok()));
                     v1::GenerateRequest {
                         prompt_tokens: prompt.clone(),
                         max_tokens: pair.max_new_tokens as u32,
@@ -121,6 +128,7 @@ async fn main() -> anyhow::Result<()> {
                             "auto" => None,
                             k => Some(k.parse().expect("a variant is target-only, auto or K")),
                         },
+                        draft_branches: branches,
                         drafter: drafter.clone(),
                         pipeline: serial.then_some(false),
                         ignore_eos: true,
@@ -160,6 +168,7 @@ async fn main() -> anyhow::Result<()> {
                         );
                         s.bytes_per_round
                             .push((st.bytes_sent + st.bytes_received) as f64 / rounds);
+                        s.tokens_per_round.push(done.token_ids.len() as f64 / rounds);
                         s.rounds[0] += st.model_rounds;
                         s.rounds[1] += st.ngram_rounds;
                         s.rounds[2] += st.target_only_rounds;
@@ -186,14 +195,16 @@ async fn main() -> anyhow::Result<()> {
                         "stalls_reattached": s.stalls,
                         "mean_k_drafted": median(s.drafted_k.clone()),
                         "bytes_per_round": median(s.bytes_per_round.clone()),
+                        "tokens_per_round": median(s.tokens_per_round.clone()),
                         "outside_nodes_ms_per_round": median(s.outside_ms.clone()),
                     });
                     println!(
-                        "| {} | {} | {variant} | {:.1} | {:.2}× | {:.2} | {} / {} / {} | {} / {} | {:.1} | {:.0} | {:.1} |",
+                        "| {} | {} | {variant} | {:.1} | {:.2}× | {:.2} | {:.2} | {} / {} / {} | {} / {} | {:.1} | {:.0} | {:.1} |",
                         pair.name,
                         spec.label(),
                         median(s.tps),
                         median(s.speedup),
+                        median(s.tokens_per_round),
                         median(s.alpha),
                         s.rounds[0],
                         s.rounds[1],

@@ -202,8 +202,10 @@ fn verify() -> impl Strategy<Value = v1::VerifyBlock> {
 }
 
 fn step() -> impl Strategy<Value = v1::DraftStep> {
-    let count = || prop_oneof![0u32..12, any::<u32>()];
-    (prefix(), tokens(6), count(), count()).prop_map(|(committed, new_tokens, k, branches)| {
+    let k = prop_oneof![0u32..12, any::<u32>()];
+    // Mostly chains (a tree's siblings past K or the limit are refused before any drafting).
+    let branches = prop_oneof![3 => Just(0u32), 1 => 0u32..6, 1 => any::<u32>()];
+    (prefix(), tokens(6), k, branches).prop_map(|(committed, new_tokens, k, branches)| {
         v1::DraftStep {
             committed,
             new_tokens,
