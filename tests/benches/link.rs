@@ -168,7 +168,8 @@ async fn main() -> anyhow::Result<()> {
                         );
                         s.bytes_per_round
                             .push((st.bytes_sent + st.bytes_received) as f64 / rounds);
-                        s.tokens_per_round.push(done.token_ids.len() as f64 / rounds);
+                        s.tokens_per_round
+                            .push(done.token_ids.len() as f64 / rounds);
                         s.rounds[0] += st.model_rounds;
                         s.rounds[1] += st.ngram_rounds;
                         s.rounds[2] += st.target_only_rounds;

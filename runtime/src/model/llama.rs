@@ -542,18 +542,22 @@ impl Llama {
                 offset += n;
                 continue;
             }
+            // The keys a layer holds before the block: a windowed layer's start at the cache's
+            // base.
+            let held = |window: usize| {
+                if window == usize::MAX {
+                    pos
+                } else {
+                    pos - item.cache.base()
+                }
+            };
             // The attention kernels mask by construction; candle's attention needs a mask (a
             // decode row of a windowed layer too).
             let masks = self
                 .windows
                 .iter()
                 .map(|&window| {
-                    // A windowed layer's keys start at the cache's base.
-                    let held = if window == usize::MAX {
-                        pos
-                    } else {
-                        pos - item.cache.base()
-                    };
+                    let held = held(window);
                     let needed = (n > 1 || held + n > window) && masked(device, self.dtype);
                     needed
                         .then(|| causal_mask(n, held, window, self.dtype, device))
@@ -575,15 +579,11 @@ impl Llama {
                 .windows
                 .iter()
                 .map(|&window| {
-                    // A windowed layer's keys start at the cache's base.
-                    let stored = if window == usize::MAX {
-                        pos
-                    } else {
-                        pos - item.cache.base()
-                    };
                     device
                         .is_cuda()
-                        .then(|| crate::kernels::KeyTables::new(n, stored, window, None, device))
+                        .then(|| {
+                            crate::kernels::KeyTables::new(n, held(window), window, None, device)
+                        })
                         .transpose()
                 })
                 .collect::<Result<Vec<_>>>()?;
