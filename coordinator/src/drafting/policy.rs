@@ -453,7 +453,7 @@ impl KPolicy {
         } else {
             costs.draft_seconds(k)
         };
-        let verify = self.verify_seconds(k + 1);
+        let verify = self.verify_seconds(k + round.siblings + 1);
         if round.drafted_next > 0 {
             draft + verify.max(costs.draft_seconds(round.drafted_next))
         } else {
@@ -751,7 +751,8 @@ impl KPolicy {
                 costs.observe_costs(round.drafted, round.draft_wall, round.draft_compute);
             }
         }
-        self.verify.observe(round.drafted + 1, round.verify_wall);
+        self.verify
+            .observe(round.drafted + round.siblings + 1, round.verify_wall);
         self.rounds = self.rounds.saturating_add(1);
         if self.rounds == EARLY_ROUNDS {
             self.early_verify = Some(self.verify.clone());
@@ -774,6 +775,8 @@ pub struct Timing {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RoundCosts {
     pub drafted: usize,
+    /// A token tree's sibling leaves besides the `drafted` chain (verified positions too).
+    pub siblings: usize,
     /// The drafts were drafted ahead, during the previous round's verify.
     pub drafted_ahead: bool,
     /// Tokens the draft-node drafted during this round's verify, its guess of the bonus token

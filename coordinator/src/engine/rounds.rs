@@ -517,6 +517,7 @@ impl Engine {
                 Plan { drafter, k: chain },
                 &RoundCosts {
                     drafted: chain,
+                    siblings: drafts.len() - chain,
                     drafted_ahead,
                     drafted_next: ahead_tokens,
                     accepted: chain_accepted,

@@ -113,6 +113,7 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
                 verify_wall: verify,
                 // The engine does not calibrate on a round whose step ahead failed.
                 round_wall: if stalled { 0.0 } else { round + hidden },
+                siblings: 0,
             },
         );
         plans.push(plan);

@@ -112,6 +112,31 @@ mod tests {
     }
 
     #[test]
+    fn a_trees_verify_is_learnt_at_its_positions() {
+        use crate::drafting::policy::{Plan, RoundCosts};
+        // Rounds of a chain of 2 and 6 siblings: 9 positions verified in 40 ms each; chains of
+        // 2 (3 positions) in 10 ms.
+        let mut policy = KPolicy::new(8);
+        for siblings in [6, 0].repeat(20) {
+            let plan = Plan {
+                drafter: Some(Drafter::Model),
+                k: 2,
+            };
+            let round = RoundCosts {
+                drafted: 2,
+                siblings,
+                accepted: 1,
+                verify_wall: if siblings > 0 { 0.040 } else { 0.010 },
+                ..RoundCosts::default()
+            };
+            policy.observe(plan, &round);
+        }
+        let (three, nine) = (policy.verify_seconds(3), policy.verify_seconds(9));
+        assert!((three - 0.010).abs() < 0.002, "3 positions: {three}");
+        assert!((nine - 0.040).abs() < 0.008, "9 positions: {nine}");
+    }
+
+    #[test]
     fn the_rate_follows_what_was_seen() {
         let mut s = Siblings::default();
         assert!((s.rate() - 0.25).abs() < 1e-9);
