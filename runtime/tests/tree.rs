@@ -35,6 +35,19 @@ fn sharing(model: &Model, tokens: &[u32]) -> KvCache {
     cache
 }
 
+/// `prompt` and `n` tokens of the model's greedy decoding after it, by plain target steps.
+fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    use tandem_runtime::{SamplingParams, Verifier};
+    let mut plain = Verifier::new(model, SamplingParams::greedy());
+    plain.prefill(prompt).expect("prefill");
+    let mut tokens = prompt.to_vec();
+    for _ in 0..n {
+        let v = plain.verify(&tokens, &[], &[], 0).expect("step");
+        tokens.push(v.verdict.next);
+    }
+    tokens
+}
+
 /// Row i's path (its ancestors and itself, root first).
 fn path(parents: &[Option<usize>], i: usize) -> Vec<usize> {
     let mut path = vec![i];
@@ -116,13 +129,7 @@ fn a_verifier_decodes_through_trees_as_through_plain_steps() {
         max_nodes: 8,
         max_depth: 4,
     };
-    let mut plain = Verifier::new(&model, SamplingParams::greedy());
-    plain.prefill(prompt).expect("prefill");
-    let mut want = prompt.to_vec();
-    for _ in 0..30 {
-        let v = plain.verify(&want, &[], &[], 0).expect("step");
-        want.push(v.verdict.next);
-    }
+    let want = greedy(&model, prompt, 30);
     let mut v = Verifier::new(&model, SamplingParams::greedy());
     v.prefill(prompt).expect("prefill");
     let mut log = prompt.to_vec();
@@ -187,13 +194,7 @@ fn a_drafters_trees_decode_as_target_only() {
         max_nodes: 16,
         max_depth: 8,
     };
-    let mut plain = Verifier::new(&target, SamplingParams::greedy());
-    plain.prefill(prompt).expect("prefill");
-    let mut want = prompt.to_vec();
-    while want.len() < prompt.len() + 80 {
-        let v = plain.verify(&want, &[], &[], 0).expect("step");
-        want.push(v.verdict.next);
-    }
+    let want = greedy(&target, prompt, 80);
     let mut drafter = Drafter::new(&draft, SamplingParams::greedy());
     let mut verifier = Verifier::new(&target, SamplingParams::greedy());
     verifier.prefill(prompt).expect("prefill");

@@ -163,14 +163,12 @@ impl<'a> Vb<'a> {
         let name = self.name("weight");
         match self.weights {
             Weights::Dense { .. } => Matmul::dense(self.weights.dense(&name, &[out_dim, in_dim])?),
+            // Off the CPU a quantized weight is dequantized once, to the model's dtype.
+            Weights::Gguf { tensors, .. } if !tensors.device().is_cpu() => {
+                Matmul::dense(self.tensor("weight", &[out_dim, in_dim])?)
+            }
             Weights::Gguf { .. } => {
-                let t = self.weights.qtensor(&name, &[out_dim, in_dim])?;
-                if t.device().is_cpu() {
-                    Matmul::quantized(t)
-                } else {
-                    // Off the CPU a quantized weight is dequantized once, to the model's dtype.
-                    Matmul::dense(t.dequantize(&t.device())?.to_dtype(self.dtype)?)
-                }
+                Matmul::quantized(self.weights.qtensor(&name, &[out_dim, in_dim])?)
             }
         }
     }
