@@ -33,6 +33,11 @@ pub struct ModelSource {
     /// Device: cpu, or cuda:N (needs the `cuda` feature).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: String,
+    /// Weights and activations type on a GPU: f32, f16 or bf16 (default bf16; a GGUF file's
+    /// weights are dequantized to it once, at load). On the CPU, f32 (a GGUF file keeps its
+    /// quantized types).
+    #[arg(long, env = "TANDEM_DTYPE")]
+    pub dtype: Option<String>,
     /// Caps the context below the model's own (sizes rope tables and caches).
     #[arg(long, env = "TANDEM_MAX_CONTEXT")]
     pub max_context: Option<usize>,
@@ -55,16 +60,16 @@ pub struct LimitsArgs {
     #[arg(long, env = "TANDEM_IDLE_TIMEOUT_SECS", default_value_t = 300)]
     pub idle_timeout_secs: u64,
     /// KV-cache memory, in bytes, that all sessions together may grow to; a session that would
-    /// pass it is refused at once (RESOURCE_EXHAUSTED). 0: 80 % of the memory available once
-    /// the model is loaded (CPU); no limit on a GPU, where it must be set.
+    /// pass it is refused at once (RESOURCE_EXHAUSTED). 0: 80 % of the memory free once the
+    /// model is loaded (the host's on the CPU, the GPU's on CUDA).
     #[arg(long, env = "TANDEM_KV_CACHE_BYTES", default_value_t = 0)]
     pub kv_cache_bytes: u64,
     /// Most bytes the prefix cache may hold: what finished sessions computed, for a session
     /// whose prompt starts with the same tokens (a chat's next turn, a repeated system prompt)
     /// to start with instead of prefilling it. It holds only what the sessions do not reserve of
     /// --kv-cache-bytes, and gives way (least recently used first) to a session admitted. 0:
-    /// off. Default: the KV-cache budget where it is known (CPU, or --kv-cache-bytes set), off
-    /// otherwise.
+    /// off. Default: the KV-cache budget (off where the device's free memory is unknown and
+    /// --kv-cache-bytes is not set).
     #[arg(long, env = "TANDEM_PREFIX_CACHE_BYTES")]
     pub prefix_cache_bytes: Option<u64>,
     /// Prompt tokens prefilled in one forward pass: a longer prompt is fed in chunks, and the

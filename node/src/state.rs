@@ -6,7 +6,7 @@ use tandem_proto::{Error, Result};
 use tandem_runtime::sampling::MAX_TOP_LOGPROBS;
 use tandem_runtime::{
     Constraint, LazyGrammars, LoadOptions, Model, SamplingParams, Tokenizer, default_stop_tokens,
-    model::hub, model::parse_device,
+    model::free_memory, model::hub, model::parse_device, model::parse_dtype,
 };
 
 use crate::config::{LimitsArgs, ModelSource};
@@ -68,8 +68,18 @@ pub struct NodeState {
 impl NodeState {
     /// Loads the model and tokenizer `source` names (blocking: call before serving).
     pub fn load(role: Role, source: &ModelSource, limits: &LimitsArgs) -> Result<Self> {
+        let device = parse_device(&source.device)?;
+        let dtype = source.dtype.as_deref().map(parse_dtype).transpose()?;
+        if let Some(spec) = source
+            .dtype
+            .as_deref()
+            .filter(|d| device.is_cpu() && *d != "f32")
+        {
+            return Err(tandem_runtime::Error::invalid("dtype", spec, "the CPU runs f32").into());
+        }
         let options = LoadOptions {
-            device: parse_device(&source.device)?,
+            device,
+            dtype,
             max_context: source.max_context,
             ..LoadOptions::default()
         };
@@ -97,8 +107,7 @@ impl NodeState {
             n => n.min(context),
         };
         let kv_cache_bytes = match limits.kv_cache_bytes {
-            0 if device == "cpu" => available_memory().map_or(usize::MAX, |m| m / 5 * 4),
-            0 => usize::MAX,
+            0 => free_memory(model.device()).map_or(usize::MAX, |m| m / 5 * 4),
             n => usize::try_from(n).unwrap_or(usize::MAX),
         };
         // Within the sessions' budget: what they do not reserve. Off for a model whose
@@ -327,12 +336,4 @@ impl NodeState {
 
 fn invalid(field: &'static str, value: impl ToString, limit: impl ToString) -> Error {
     tandem_runtime::Error::invalid(field, value, limit).into()
-}
-
-/// Memory the kernel says is available now (`MemAvailable`), in bytes.
-fn available_memory() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }

@@ -15,8 +15,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::DType;
-use tandem_runtime::model::{Architecture, parse_device};
+use tandem_runtime::model::{Architecture, parse_device, parse_dtype};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
 use tandem_runtime::{LoadOptions, Logits, Model};
 
@@ -70,11 +69,9 @@ fn main() -> anyhow::Result<()> {
         .split(',')
         .map(str::parse)
         .collect::<Result<_, _>>()?;
-    let dtype = match std::env::var("BENCH_DTYPE").as_deref() {
-        Ok("f32") => Some(DType::F32),
-        Ok("bf16") => Some(DType::BF16),
-        Ok("f16") => Some(DType::F16),
-        _ => None,
+    let dtype = match std::env::var("BENCH_DTYPE") {
+        Ok(spec) => Some(parse_dtype(&spec)?),
+        Err(_) => None,
     };
     let options = LoadOptions {
         device: parse_device(&std::env::var("BENCH_DEVICE").unwrap_or_else(|_| "cpu".into()))?,

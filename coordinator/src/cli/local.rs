@@ -16,6 +16,7 @@ fn load_node(role: Role, model: &str, device: &str) -> anyhow::Result<NodeState>
     let source = ModelSource {
         model: model.to_string(),
         device: device.to_string(),
+        dtype: None,
         max_context: None,
     };
     NodeState::load(role, &source, &LimitsArgs::default())

@@ -62,6 +62,33 @@ pub fn parse_device(spec: &str) -> Result<Device> {
     }
 }
 
+/// Parses a weights and activations type: `f32`, `f16` or `bf16`.
+pub fn parse_dtype(spec: &str) -> Result<DType> {
+    match spec {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        _ => Err(Error::invalid("dtype", spec, "expected f32, f16 or bf16")),
+    }
+}
+
+/// Memory free for new allocations on `device`, in bytes, where it can be known: the host's
+/// available memory for the CPU (`MemAvailable`), the GPU's free memory for CUDA.
+pub fn free_memory(device: &Device) -> Option<usize> {
+    match device {
+        Device::Cpu => {
+            let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+            let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+            kib.checked_mul(1024)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => gpu.cuda_stream().context().mem_get_info().ok().map(|m| m.0),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    }
+}
+
 /// The on-disk format a model came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelFormat {
@@ -308,5 +335,27 @@ impl Model {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_and_dtypes_are_parsed_and_a_bad_one_is_named() {
+        assert!(parse_device("cpu").unwrap().is_cpu());
+        let bad = parse_device("tpu").unwrap_err().to_string();
+        assert!(bad.contains("device") && bad.contains("tpu"), "{bad}");
+        assert_eq!(parse_dtype("f16").unwrap(), DType::F16);
+        assert_eq!(parse_dtype("bf16").unwrap(), DType::BF16);
+        let bad = parse_dtype("f8").unwrap_err().to_string();
+        assert!(bad.contains("dtype") && bad.contains("f32, f16 or bf16"), "{bad}");
+    }
+
+    #[test]
+    fn the_hosts_free_memory_is_known_on_the_cpu() {
+        let free = free_memory(&Device::Cpu).expect("MemAvailable");
+        assert!(free > 1 << 20, "{free}");
     }
 }
