@@ -81,7 +81,6 @@ impl NodeState {
             device,
             dtype,
             max_context: source.max_context,
-            ..LoadOptions::default()
         };
         let path = hub::resolve(&source.model)?;
         let model = Model::load(&path, &options)?;

@@ -344,12 +344,12 @@ mod tests {
 
     #[test]
     fn devices_and_dtypes_are_parsed_and_a_bad_one_is_named() {
-        assert!(parse_device("cpu").unwrap().is_cpu());
-        let bad = parse_device("tpu").unwrap_err().to_string();
+        assert!(parse_device("cpu").expect("cpu").is_cpu());
+        let bad = parse_device("tpu").expect_err("tpu").to_string();
         assert!(bad.contains("device") && bad.contains("tpu"), "{bad}");
-        assert_eq!(parse_dtype("f16").unwrap(), DType::F16);
-        assert_eq!(parse_dtype("bf16").unwrap(), DType::BF16);
-        let bad = parse_dtype("f8").unwrap_err().to_string();
+        assert_eq!(parse_dtype("f16").expect("f16"), DType::F16);
+        assert_eq!(parse_dtype("bf16").expect("bf16"), DType::BF16);
+        let bad = parse_dtype("f8").expect_err("f8").to_string();
         assert!(bad.contains("dtype") && bad.contains("f32, f16 or bf16"), "{bad}");
     }
 
