@@ -1,12 +1,14 @@
 //! Continuous batching: a forward over the rows of several sequences gives each the logits it
 //! gets alone, and verifying the blocks of many sessions in one pass commits, per session, the
-//! tokens it commits alone, whoever joins, leaves or sends a bad block.
+//! tokens it commits alone, whoever joins, leaves or sends a bad block, chains and token trees
+//! together.
 
 mod common;
 
 use common::*;
 use tandem_runtime::quantize::QuantType;
-use tandem_runtime::speculative::{Drafter, ProposeJob, Verifier, VerifyJob};
+use tandem_runtime::speculative::tree::{DraftTree, TreeLimits};
+use tandem_runtime::speculative::{BlockVerified, Drafter, ProposeJob, Verifier, VerifyJob};
 use tandem_runtime::{Logits, Model, SamplingParams};
 
 /// A matmul over more rows may sum in another order: logits agree to this much.
@@ -75,6 +77,8 @@ struct Session {
     prompt_len: usize,
     max_new: usize,
     k: usize,
+    /// Sibling leaves its draft adds (a token tree); 0: chains.
+    branches: usize,
     /// Its drafts are replaced by ids outside the vocabulary: every block is refused.
     lying: bool,
 }
@@ -92,6 +96,7 @@ impl Session {
             prompt_len: prompt.len(),
             max_new,
             k,
+            branches: 0,
             lying: false,
         }
     }
@@ -116,10 +121,12 @@ fn target_only(target: &Model, prompt: &[u32], max_new: usize) -> Vec<u32> {
 #[test]
 fn batched_verification_commits_what_each_session_commits_alone() {
     let target = load(&stories_dir());
-    let draft = load(&stories_gguf(QuantType::Q8_0));
+    // A Q4_0 draft: wrong often enough that trees commit siblings.
+    let draft = load(&stories_gguf(QuantType::Q4_0));
     let vocab = target.config().vocab_size as u32;
     let prompts = prompts();
-    // Sessions of different lengths and K, joining at different rounds; one lies.
+    // Sessions of different lengths and K, joining at different rounds; two send trees, one
+    // lies.
     let plan: Vec<(usize, usize, usize)> = vec![(0, 40, 4), (0, 25, 2), (3, 30, 8), (6, 20, 1)];
     let mut waiting: Vec<(usize, usize, Session)> = plan
         .iter()
@@ -130,6 +137,13 @@ fn batched_verification_commits_what_each_session_commits_alone() {
         })
         .collect();
     waiting[3].2.lying = true;
+    waiting[0].2.branches = 3;
+    waiting[2].2.branches = 2;
+    let limits = TreeLimits {
+        max_nodes: 16,
+        max_depth: 16,
+    };
+    let (mut mixed_batches, mut sibling_hits) = (0, 0);
     let mut active: Vec<(usize, Session)> = Vec::new();
     let mut finished: Vec<(usize, Session)> = Vec::new();
     let mut refusals = 0;
@@ -147,36 +161,66 @@ fn batched_verification_commits_what_each_session_commits_alone() {
         let mut blocks = Vec::new();
         for (_, s) in &mut active {
             let room = s.max_new - (s.log.len() - s.prompt_len) - 1;
-            let mut p = s.drafter.propose(&s.log, s.k.min(room)).expect("propose");
+            let k = s.k.min(room);
+            let mut job = [ProposeJob {
+                drafter: &mut s.drafter,
+                log: &s.log,
+                k,
+                branches: s.branches.min(k),
+            }];
+            let mut p = Drafter::propose_batch(&mut job)
+                .pop()
+                .expect("one")
+                .expect("propose");
             if s.lying {
                 p.tokens.iter_mut().for_each(|t| *t = vocab + 7);
             }
-            blocks.push(p);
+            let tree = (!p.parents.is_empty())
+                .then(|| DraftTree::new(&p.tokens, &p.parents, limits).expect("a tree"));
+            blocks.push((p, tree));
         }
         let mut jobs: Vec<VerifyJob<'_>> = active
             .iter_mut()
             .zip(&blocks)
-            .map(|((_, s), p)| VerifyJob {
+            .map(|((_, s), (p, tree))| VerifyJob {
                 verifier: &mut s.verifier,
                 log: &s.log,
                 drafts: &p.tokens,
                 q: &p.q,
-                max_drafts: 8,
+                max_drafts: 16,
                 refused: None,
+                tree: tree.as_ref(),
             })
             .collect();
         widest = widest.max(jobs.len());
+        let trees = jobs.iter().filter(|j| j.tree.is_some()).count();
+        mixed_batches += usize::from(trees > 0 && jobs.len() > trees);
         let results = Verifier::verify_batch(&mut jobs);
         drop(jobs);
-        for (((_, s), p), r) in active.iter_mut().zip(&blocks).zip(results) {
-            let v = r.expect("verified");
-            refusals += usize::from(v.refused.is_some());
-            let drafts = if v.refused.is_some() {
-                &[][..]
-            } else {
-                &p.tokens
+        for (((_, s), (p, tree)), r) in active.iter_mut().zip(&blocks).zip(results) {
+            let committed = match r.expect("verified") {
+                BlockVerified::Chain(v) => {
+                    assert!(tree.is_none(), "a tree's block got a chain's verdict");
+                    refusals += usize::from(v.refused.is_some());
+                    let drafts = if v.refused.is_some() {
+                        &[][..]
+                    } else {
+                        &p.tokens
+                    };
+                    v.verdict.committed(drafts)
+                }
+                BlockVerified::Tree(t) => {
+                    assert!(tree.is_some(), "a chain's block got a tree's verdict");
+                    // The chain's drafts come first (node i the child of node i - 1), then the
+                    // siblings.
+                    let chain = (p.parents.iter().enumerate())
+                        .take_while(|&(i, &parent)| parent as usize == i)
+                        .count();
+                    sibling_hits += usize::from(t.verdict.path.iter().any(|&n| n >= chain));
+                    t.committed
+                }
             };
-            s.log.extend(v.verdict.committed(drafts));
+            s.log.extend(committed);
         }
         // ...and leave when done.
         let (done, going): (Vec<_>, Vec<_>) = active.into_iter().partition(|(_, s)| s.done());
@@ -184,6 +228,8 @@ fn batched_verification_commits_what_each_session_commits_alone() {
         active = going;
     }
     assert_eq!(widest, 4, "all four sessions shared a batch at some point");
+    assert!(mixed_batches > 0, "trees and chains shared a batch");
+    assert!(sibling_hits > 0, "a tree committed a sibling");
     assert!(refusals > 0, "the lying session's blocks were refused");
     assert_eq!(finished.len(), prompts.len());
     for (i, s) in &finished {
@@ -211,6 +257,7 @@ fn a_block_that_cannot_run_fails_alone() {
             q: &[],
             max_drafts: 8,
             refused: None,
+            tree: None,
         },
         VerifyJob {
             verifier: &mut ok,
@@ -219,20 +266,17 @@ fn a_block_that_cannot_run_fails_alone() {
             q: &[],
             max_drafts: 8,
             refused: None,
+            tree: None,
         },
     ];
     let results = Verifier::verify_batch(&mut jobs);
     let err = results[0].as_ref().expect_err("over the context");
     assert!(err.to_string().contains("exceeds the context"), "{err}");
     let alone = target_only(&model, &prompts[0], 1);
-    assert_eq!(
-        results[1]
-            .as_ref()
-            .expect("the other job runs")
-            .verdict
-            .next,
-        alone[prompts[0].len()]
-    );
+    let Ok(BlockVerified::Chain(v)) = &results[1] else {
+        panic!("the other job runs: {:?}", results[1]);
+    };
+    assert_eq!(v.verdict.next, alone[prompts[0].len()]);
 }
 
 #[test]

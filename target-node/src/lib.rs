@@ -16,8 +16,8 @@ use tandem_proto::v1::target_service_server::{TargetService, TargetServiceServer
 use tandem_proto::v1::{self, target_request::Kind};
 use tandem_proto::{Error, Result, distribution_from_wire, prefix_from_wire, prefix_to_wire};
 use tandem_runtime::draft_check::check_counts;
-use tandem_runtime::speculative::VerifyJob;
-use tandem_runtime::speculative::tree::{DraftTree, MAX_TREE_DEPTH, TreeLimits, TreeVerified};
+use tandem_runtime::speculative::tree::{DraftTree, MAX_TREE_DEPTH, TreeLimits};
+use tandem_runtime::speculative::{BlockVerified, VerifyJob};
 use tandem_runtime::{
     Distribution, DraftRefusal, KvPrefix, Prefix, RefusalReason, SequenceState, TokenLog, Verified,
     Verifier,
@@ -109,28 +109,6 @@ impl Session for TargetSession {
             results.push(result);
             plans.push(plan);
         }
-        // Trees are verified one by one (their forward is not batched yet).
-        for (i, ((s, block, span), plan)) in items.iter_mut().zip(&mut plans).enumerate() {
-            if let Some(Plan {
-                tree: Some(tree),
-                q,
-                max_drafts,
-                committed,
-                ..
-            }) = plan.take_if(|p| p.tree.is_some())
-            {
-                let tree_start = std::time::Instant::now();
-                let verified = span.in_scope(|| {
-                    s.verifier
-                        .verify_tree(s.log.tokens(), &tree, &q, max_drafts)
-                        .map(Checked::Tree)
-                });
-                let micros = tree_start.elapsed().as_micros() as u64;
-                let reply =
-                    span.in_scope(|| s.answer(state, block.clone(), committed, verified, micros));
-                results[i] = Some(reply);
-            }
-        }
         let mut jobs = Vec::new();
         let mut verifying = Vec::new();
         for (i, ((s, block, _), plan)) in items.iter_mut().zip(&mut plans).enumerate() {
@@ -143,6 +121,7 @@ impl Session for TargetSession {
                     q: &plan.q,
                     max_drafts: plan.max_drafts,
                     refused: plan.refused.take(),
+                    tree: plan.tree.as_ref(),
                 });
                 verifying.push((i, plan.committed));
             }
@@ -152,7 +131,6 @@ impl Session for TargetSession {
         let compute_micros = start.elapsed().as_micros() as u64;
         for ((i, committed), verified) in verifying.into_iter().zip(verified) {
             let (s, block, span) = &mut items[i];
-            let verified = verified.map(Checked::Chain);
             let reply = span
                 .in_scope(|| s.answer(state, block.clone(), committed, verified, compute_micros));
             results[i] = Some(reply);
@@ -209,14 +187,8 @@ struct Plan {
     q: Vec<Distribution>,
     refused: Option<DraftRefusal>,
     max_drafts: usize,
-    /// The drafts' tree, when the block names parents (verified alone, not in the batch).
+    /// The drafts' tree, when the block names parents.
     tree: Option<DraftTree>,
-}
-
-/// What verifying a block gave: a chain's verdict or a tree's.
-enum Checked {
-    Chain(Verified),
-    Tree(TreeVerified),
 }
 
 impl TargetSession {
@@ -277,7 +249,7 @@ impl TargetSession {
         state: &NodeState,
         block: v1::VerifyBlock,
         committed: Prefix,
-        verified: tandem_runtime::Result<Checked>,
+        verified: tandem_runtime::Result<BlockVerified>,
         compute_micros: u64,
     ) -> Result<v1::TargetResponse> {
         let checked = match verified {
@@ -288,7 +260,7 @@ impl TargetSession {
             }
         };
         let (tokens, path, next, refused, logprobs) = match checked {
-            Checked::Chain(Verified {
+            BlockVerified::Chain(Verified {
                 verdict,
                 refused,
                 logprobs,
@@ -307,7 +279,7 @@ impl TargetSession {
                     logprobs,
                 )
             }
-            Checked::Tree(t) => {
+            BlockVerified::Tree(t) => {
                 let path = t.verdict.path.iter().map(|&n| n as u32).collect();
                 (t.committed, path, t.verdict.next, t.refused, Vec::new())
             }

@@ -1,6 +1,9 @@
 //! Token trees across the services (issue 31): the draft-node adds sibling leaves where the
 //! coordinator asks (a fixed number, or as many as the policy expects to pay), the target-node
-//! verifies the tree in one pass, and the generation is exactly target-only's.
+//! verifies the tree in one pass, and the generation is exactly target-only's; concurrent
+//! sessions' trees and chains are verified together in one forward pass.
+
+use std::sync::Arc;
 
 use tandem_coordinator::engine::Outcome;
 use tandem_node::LimitsArgs;
@@ -8,12 +11,17 @@ use tandem_runtime::SamplingParams;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_tests::*;
 
+/// A Q4_0 copy of the story model in `dir`: a draft often right, sometimes second-best.
+fn q4_draft(dir: &std::path::Path) -> std::path::PathBuf {
+    let draft = dir.join("stories260K-q4_0.gguf");
+    quantize_to_gguf(&stories(), &draft, QuantType::Q4_0).expect("quantize");
+    draft
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn trees_of_drafts_generate_target_only_text() {
-    // A Q4_0 copy of the story model: a draft often right, sometimes second-best.
     let dir = tempfile::tempdir().expect("temp dir");
-    let draft = dir.path().join("stories260K-q4_0.gguf");
-    quantize_to_gguf(&stories(), &draft, QuantType::Q4_0).expect("quantize");
+    let draft = q4_draft(dir.path());
     let cluster = cluster(&stories(), Some(&draft), &LimitsArgs::default()).await;
     let engine = patient_engine(&cluster, 4).await;
     let prompt = tokenizer(&stories())
@@ -50,4 +58,56 @@ async fn trees_of_drafts_generate_target_only_text() {
         let err = engine.prepare(&req).expect_err("too many siblings");
         assert!(err.to_string().contains("draft_branches"), "{err}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_trees_and_chains_equal_the_same_requests_alone() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let cluster = cluster(
+        &stories(),
+        Some(&q4_draft(dir.path())),
+        &LimitsArgs::default(),
+    )
+    .await;
+    let engine = Arc::new(patient_engine(&cluster, 4).await);
+    let tok = tokenizer(&stories());
+    let texts = [
+        "Once upon a time",
+        "Tom and Sue went",
+        "The cat",
+        "Lily saw a",
+    ];
+    // Trees of several shapes and chains, greedy and sampled, side by side.
+    let requests: Vec<_> = (0..8u32)
+        .map(|i| {
+            let prompt = tok.encode(texts[i as usize % texts.len()]).expect("encode");
+            let sampling = match i % 3 {
+                2 => sampled(u64::from(i)),
+                _ => SamplingParams::greedy(),
+            };
+            let mut req = request(&prompt, 48, 2 + i % 5, &sampling);
+            req.draft_branches = (i % 2 == 0).then_some(1 + i % 3);
+            req.drafter = "model".into();
+            req
+        })
+        .collect();
+    let together = generate_concurrently(&engine, &requests).await;
+    let mut trees = 0;
+    for (req, concurrent) in requests.iter().zip(&together) {
+        let alone = generate(&engine, req).await;
+        assert_eq!(
+            concurrent.token_ids, alone.token_ids,
+            "{:?}",
+            req.draft_branches
+        );
+        trees += concurrent.stats.tree_rounds;
+    }
+    assert!(trees > 0, "no round was a tree");
+    let m = &cluster.target.metrics;
+    assert!(
+        m.batched_requests.get() > m.batches.get(),
+        "no batch held more than one session: {} requests in {} batches",
+        m.batched_requests.get(),
+        m.batches.get()
+    );
 }

@@ -5,7 +5,7 @@ pub(crate) use config::read_json;
 pub(crate) mod gguf;
 pub(crate) mod gguf_tokenizer;
 pub mod hub;
-mod llama;
+pub(crate) mod llama;
 pub(crate) mod weights;
 
 use std::path::{Path, PathBuf};
@@ -267,9 +267,6 @@ impl Model {
         &self,
         items: &mut [(&[u32], &mut KvCache, Logits)],
     ) -> Result<Vec<Vec<Vec<f32>>>> {
-        for (tokens, cache, _) in items.iter() {
-            self.check_block(tokens, cache)?;
-        }
         let mut batch: Vec<llama::BatchItem<'_>> = items
             .iter_mut()
             .map(|(tokens, cache, logits)| llama::BatchItem {
@@ -279,8 +276,19 @@ impl Model {
                 parents: None,
             })
             .collect();
+        self.forward_items(&mut batch)
+    }
+
+    /// [`Self::forward_batch`] where any item may be a token tree ([`Self::forward_tree`]).
+    pub(crate) fn forward_items(
+        &self,
+        items: &mut [llama::BatchItem<'_>],
+    ) -> Result<Vec<Vec<Vec<f32>>>> {
+        for item in items.iter() {
+            self.check_block(item.tokens, item.cache)?;
+        }
         self.llama
-            .forward(&mut batch)?
+            .forward(items)?
             .into_iter()
             .map(|t| Ok(t.to_vec2::<f32>()?))
             .collect()
@@ -297,19 +305,13 @@ impl Model {
         parents: &[Option<usize>],
         cache: &mut KvCache,
     ) -> Result<Vec<Vec<f32>>> {
-        self.check_block(tokens, cache)?;
         let mut batch = [llama::BatchItem {
             tokens,
             cache,
             logits: Logits::All,
             parents: Some(parents),
         }];
-        let mut rows = self.llama.forward(&mut batch)?;
-        Ok(rows
-            .pop()
-            .map(|t| t.to_vec2::<f32>())
-            .transpose()?
-            .unwrap_or_default())
+        Ok(self.forward_items(&mut batch)?.pop().unwrap_or_default())
     }
 
     /// Whether both share the same loaded weights (clones of one load).
@@ -350,7 +352,10 @@ mod tests {
         assert_eq!(parse_dtype("f16").expect("f16"), DType::F16);
         assert_eq!(parse_dtype("bf16").expect("bf16"), DType::BF16);
         let bad = parse_dtype("f8").expect_err("f8").to_string();
-        assert!(bad.contains("dtype") && bad.contains("f32, f16 or bf16"), "{bad}");
+        assert!(
+            bad.contains("dtype") && bad.contains("f32, f16 or bf16"),
+            "{bad}"
+        );
     }
 
     #[test]

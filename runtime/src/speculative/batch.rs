@@ -3,11 +3,12 @@
 //! attending over its own cache ([`Model::forward_batch`]), each job's result what it would be
 //! alone. A job that cannot run (a block past the context) fails alone, before the forward.
 
+use super::tree::{DraftTree, TreeVerified};
 use super::{CachedSequence, Drafter, Proposal, SequenceState, Verified, Verifier};
-use crate::model::{Logits, Model};
+use crate::model::{Logits, Model, llama::BatchItem};
 use crate::sampling::rng::SAMPLE_DRAW;
 use crate::sampling::{Distribution, draft_support, logprobs};
-use crate::speculative::acceptance;
+use crate::speculative::acceptance::{self, TreeVerdict, verify_tree};
 use crate::speculative::draft_check::{BlockRules, DraftRefusal, check_block};
 use crate::{Error, Result};
 
@@ -24,6 +25,15 @@ pub struct VerifyJob<'a> {
     /// Set when the block was refused before it reached the verifier (its q did not decode):
     /// the job is one plain target step.
     pub refused: Option<DraftRefusal>,
+    /// The drafts' token tree (`drafts` are its tokens); none for a chain.
+    pub tree: Option<&'a DraftTree>,
+}
+
+/// What verifying a block gave: a chain's verdict or a tree's.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BlockVerified {
+    Chain(Verified),
+    Tree(TreeVerified),
 }
 
 /// One step of a batch of draft steps ([`Drafter::propose_batch`]).
@@ -45,6 +55,8 @@ struct Feed<'a> {
     tokens: &'a [u32],
     seq: &'a mut CachedSequence,
     logits: Logits,
+    /// A token tree's rows' parents ([`Model::forward_tree`]); none for a plain block.
+    parents: Option<&'a [Option<usize>]>,
 }
 
 /// Runs every feed's tokens on its own cache, one forward pass per set of feeds that share
@@ -61,10 +73,15 @@ fn forward_all(feeds: &mut [Feed<'_>]) -> Vec<Result<Vec<Vec<f32>>>> {
         for (i, (f, r)) in feeds.iter_mut().zip(&results).enumerate() {
             if r.is_none() && f.model.same_weights(&model) {
                 members.push(i);
-                items.push((f.tokens, &mut f.seq.cache, f.logits));
+                items.push(BatchItem {
+                    tokens: f.tokens,
+                    cache: &mut f.seq.cache,
+                    logits: f.logits,
+                    parents: f.parents,
+                });
             }
         }
-        let rows = model.forward_batch(&mut items);
+        let rows = model.forward_items(&mut items);
         drop(items);
         match rows {
             Ok(rows) => {
@@ -88,7 +105,7 @@ fn forward_all(feeds: &mut [Feed<'_>]) -> Vec<Result<Vec<Vec<f32>>>> {
         .collect()
 }
 
-fn failed(what: &str) -> Error {
+pub(super) fn failed(what: &str) -> Error {
     Error::Candle(candle_core::Error::Msg(what.to_string()))
 }
 
@@ -100,21 +117,22 @@ pub(super) fn one<T>(mut results: Vec<Result<T>>) -> Result<T> {
 }
 
 impl Verifier {
-    /// [`Self::verify`] for the blocks of several sequences in one forward pass over all their
-    /// rows (a job with `refused` set is one plain target step).
-    pub fn verify_batch(jobs: &mut [VerifyJob<'_>]) -> Vec<Result<Verified>> {
-        let prepared: Vec<Result<(Vec<u32>, Option<DraftRefusal>)>> =
-            jobs.iter_mut().map(VerifyJob::prepare).collect();
+    /// [`Self::verify`] (or, for a job with a tree, [`Self::verify_tree`]) for the blocks of
+    /// several sequences in one forward pass over all their rows (a job with `refused` set is
+    /// one plain target step).
+    pub fn verify_batch(jobs: &mut [VerifyJob<'_>]) -> Vec<Result<BlockVerified>> {
+        let prepared: Vec<Result<Prepared>> = jobs.iter_mut().map(VerifyJob::prepare).collect();
         let mut feeds = Vec::new();
         for (job, p) in jobs.iter_mut().zip(&prepared) {
-            if let Ok((block, refused)) = p {
+            if let Ok(p) = p {
                 let SequenceState { model, seq, .. } = &mut job.verifier.0;
-                let scored = refused.is_none() && !job.drafts.is_empty();
+                let scored = p.refused.is_none() && !job.drafts.is_empty();
                 feeds.push(Feed {
                     model,
-                    tokens: block,
+                    tokens: &p.feed,
                     seq,
                     logits: if scored { Logits::All } else { Logits::Last },
+                    parents: p.parents.as_deref(),
                 });
             }
         }
@@ -124,18 +142,32 @@ impl Verifier {
         jobs.iter_mut()
             .zip(prepared)
             .map(|(job, p)| {
-                let (_, refused) = p?;
+                let p = p?;
                 let rows = rows.next().unwrap_or_else(|| Err(failed("no logits")))?;
-                job.finish(refused, &rows)
+                match job.tree.filter(|_| p.refused.is_none()) {
+                    Some(tree) => job.finish_tree(tree, &rows).map(BlockVerified::Tree),
+                    None => job.finish(p.refused, &rows),
+                }
             })
             .collect()
     }
 }
 
+/// A verify job made ready for the forward pass.
+struct Prepared {
+    /// The tokens to feed: the log's uncached tail, then the drafts unless they were refused.
+    feed: Vec<u32>,
+    refused: Option<DraftRefusal>,
+    /// A tree's rows' parents: its root (the log's last token), then its nodes.
+    parents: Option<Vec<Option<usize>>>,
+}
+
 impl VerifyJob<'_> {
     /// Checks the block and brings the cache in step with the log: returns the tokens to feed
-    /// and the refusal, if the block is refused (then only the log's tail is fed).
-    fn prepare(&mut self) -> Result<(Vec<u32>, Option<DraftRefusal>)> {
+    /// and the refusal, if the block is refused (then only the log's tail is fed). A tree's
+    /// root is the log's last token: a longer uncached tail (after a rollback) is fed first,
+    /// alone, as a chain.
+    fn prepare(&mut self) -> Result<Prepared> {
         let st = &mut self.verifier.0;
         let rules = BlockRules {
             vocab_size: st.model.config().vocab_size,
@@ -147,15 +179,37 @@ impl VerifyJob<'_> {
             None => check_block(self.drafts, self.q, &rules).err(),
         };
         let mut feed = st.seq.sync(self.log)?.to_vec();
+        let mut parents = None;
         if refused.is_none() {
+            if let Some(tree) = self.tree {
+                if feed.len() > 1 {
+                    let before = &feed[..feed.len() - 1];
+                    st.seq.forward(&st.model, before, Logits::Last)?;
+                    feed.drain(..feed.len() - 1);
+                }
+                parents = Some(
+                    std::iter::once(None)
+                        .chain((0..tree.len()).map(|j| Some(tree.parent(j).map_or(0, |p| p + 1))))
+                        .collect(),
+                );
+            }
             feed.extend_from_slice(self.drafts);
         }
-        Ok((feed, refused))
+        Ok(Prepared {
+            feed,
+            refused,
+            parents,
+        })
     }
 
     /// The acceptance rule on the block's logits (the last rows: one per draft scored, plus
-    /// one); the cache keeps the log and the accepted drafts.
-    fn finish(&mut self, refused: Option<DraftRefusal>, rows: &[Vec<f32>]) -> Result<Verified> {
+    /// one); the cache keeps the log and the accepted drafts. A refused tree is one plain
+    /// step, answered as a tree's verdict.
+    fn finish(
+        &mut self,
+        refused: Option<DraftRefusal>,
+        rows: &[Vec<f32>],
+    ) -> Result<BlockVerified> {
         let st = &mut self.verifier.0;
         let (drafts, q) = match refused {
             Some(_) => (&[][..], &[][..]),
@@ -184,6 +238,16 @@ impl VerifyJob<'_> {
         let (drafts, q) = (&drafts[..scored], &q[..scored]);
         let verdict = acceptance::verify(drafts, q, &p, &st.draws, self.log.len());
         st.seq.truncate(self.log.len() + verdict.accepted)?;
+        if self.tree.is_some() {
+            return Ok(BlockVerified::Tree(TreeVerified {
+                verdict: TreeVerdict {
+                    path: Vec::new(),
+                    next: verdict.next,
+                },
+                committed: vec![verdict.next],
+                refused,
+            }));
+        }
         let logprobs = match st.logprobs {
             Some(top) => (0..=verdict.accepted)
                 .map(|i| {
@@ -193,10 +257,35 @@ impl VerifyJob<'_> {
                 .collect(),
             None => Vec::new(),
         };
-        Ok(Verified {
+        Ok(BlockVerified::Chain(Verified {
             verdict,
             refused,
             logprobs,
+        }))
+    }
+
+    /// The tree's acceptance rule ([`verify_tree`]) on its rows' logits (the root's, then each
+    /// node's, seeing its own path); the cache keeps the log and the accepted path, as if they
+    /// had been fed as a chain.
+    fn finish_tree(&mut self, tree: &DraftTree, rows: &[Vec<f32>]) -> Result<TreeVerified> {
+        let st = &mut self.verifier.0;
+        let log = self.log;
+        let mut p = Vec::with_capacity(tree.len() + 1);
+        p.push(st.distribution(&rows[0], log)?);
+        for (j, row) in rows[1..].iter().enumerate() {
+            let context = [log, &tree.path_tokens(j)[..]].concat();
+            p.push(st.distribution(row, &context)?);
+        }
+        let verdict = verify_tree(tree, self.q, &p, &st.draws, log.len());
+        st.seq.cache.keep_rows(log.len(), &verdict.path)?;
+        let mut committed: Vec<u32> = verdict.path.iter().map(|&n| tree.tokens()[n]).collect();
+        st.seq.tokens.truncate(log.len());
+        st.seq.tokens.extend_from_slice(&committed);
+        committed.push(verdict.next);
+        Ok(TreeVerified {
+            verdict,
+            committed,
+            refused: None,
         })
     }
 }
@@ -236,6 +325,7 @@ impl Drafter {
                         tokens: &step.feed,
                         seq,
                         logits: Logits::Last,
+                        parents: None,
                     });
                     fed.push(i);
                 }

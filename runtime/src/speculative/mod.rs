@@ -23,7 +23,7 @@ use crate::{Error, Result};
 mod batch;
 
 use batch::one;
-pub use batch::{ProposeJob, VerifyJob};
+pub use batch::{BlockVerified, ProposeJob, VerifyJob};
 
 /// Stream separation so that the draft's and the target's draws never coincide.
 const DRAFT_STREAM: u64 = 0x5eed_d4af_7000_0001;
@@ -299,8 +299,12 @@ impl Verifier {
             q,
             max_drafts,
             refused: None,
+            tree: None,
         }];
-        one(Self::verify_batch(&mut jobs))
+        match one(Self::verify_batch(&mut jobs))? {
+            BlockVerified::Chain(verified) => Ok(verified),
+            BlockVerified::Tree(_) => Err(batch::failed("a chain was verified as a tree")),
+        }
     }
 }
 

@@ -6,10 +6,11 @@
 //! a verifier needs — each node's depth (its position past the committed prefix), its
 //! ancestors (what its attention sees of the block), the paths — is read from it.
 
+use super::batch::{BlockVerified, VerifyJob, failed, one};
 use crate::sampling::Distribution;
 use crate::speculative::Verifier;
-use crate::speculative::acceptance::{TreeVerdict, verify_tree};
-use crate::speculative::draft_check::{BlockRules, DraftRefusal, check_block};
+use crate::speculative::acceptance::TreeVerdict;
+use crate::speculative::draft_check::DraftRefusal;
 use crate::{Error, Result};
 
 /// Bounds a tree is checked against.
@@ -189,57 +190,19 @@ impl Verifier {
         q: &[Distribution],
         max_drafts: usize,
     ) -> Result<TreeVerified> {
-        let rules = BlockRules {
-            vocab_size: self.0.model.config().vocab_size,
+        let mut jobs = [VerifyJob {
+            verifier: self,
+            log,
+            drafts: tree.tokens(),
+            q,
             max_drafts,
-            greedy: self.0.params.is_greedy(),
-        };
-        if let Err(refusal) = check_block(tree.tokens(), q, &rules) {
-            let plain = self.verify(log, &[], &[], 0)?;
-            let next = plain.verdict.next;
-            return Ok(TreeVerified {
-                verdict: TreeVerdict {
-                    path: Vec::new(),
-                    next,
-                },
-                committed: vec![next],
-                refused: Some(refusal),
-            });
-        }
-        let st = &mut self.0;
-        let tail = st.seq.sync(log)?.to_vec();
-        // A long uncached tail (after a rollback) goes in first as a chain: the tree's root is
-        // the log's last token.
-        let (before, root) = tail.split_at(tail.len() - 1);
-        if !before.is_empty() {
-            st.seq.forward(&st.model, before, crate::Logits::Last)?;
-        }
-        let mut tokens = root.to_vec();
-        tokens.extend_from_slice(tree.tokens());
-        let parents: Vec<Option<usize>> = std::iter::once(None)
-            .chain((0..tree.len()).map(|j| Some(tree.parent(j).map_or(0, |p| p + 1))))
-            .collect();
-        let rows = st
-            .model
-            .forward_tree(&tokens, &parents, &mut st.seq.cache)?;
-        st.seq.tokens.extend_from_slice(&tokens);
-        let mut p = Vec::with_capacity(tree.len() + 1);
-        p.push(st.distribution(&rows[0], log)?);
-        for (j, row) in rows[1..].iter().enumerate() {
-            let context = [log, &tree.path_tokens(j)[..]].concat();
-            p.push(st.distribution(row, &context)?);
-        }
-        let verdict = verify_tree(tree, q, &p, &st.draws, log.len());
-        st.seq.cache.keep_rows(log.len(), &verdict.path)?;
-        let mut committed: Vec<u32> = verdict.path.iter().map(|&n| tree.tokens()[n]).collect();
-        st.seq.tokens.truncate(log.len());
-        st.seq.tokens.extend_from_slice(&committed);
-        committed.push(verdict.next);
-        Ok(TreeVerified {
-            verdict,
-            committed,
             refused: None,
-        })
+            tree: Some(tree),
+        }];
+        match one(Self::verify_batch(&mut jobs))? {
+            BlockVerified::Tree(verified) => Ok(verified),
+            BlockVerified::Chain(_) => Err(failed("a tree was verified as a chain")),
+        }
     }
 }
 
