@@ -13,7 +13,8 @@
 #   gpu/bin/deps/link            tests/benches/link.rs (likewise, the draft behind a delaying link)
 # Then, there: `scripts/gpu-check.sh [OUT_DIR] [STEP...]` runs each check with a deadline, its
 # output to OUT_DIR (default ./gpu-out) and the terminal; steps: tests, verify, concurrency, link
-# (default these four), and with the real Qwen2.5-Coder pair: qwen (every variant's output equal to
+# (default these four), and with the real Qwen2.5-Coder pair: kv (the target's default KV-cache
+# budget on the GPU), qwen (every variant's output equal to
 # target-only's, 1 and 64 sessions, bf16 and f16), qlink (the CPU draft's speedup at RTT 0 and
 # 20 ms), llamacpp (llama.cpp built with CUDA on the same files: `--llama`). The GPU's memory in use
 # is sampled all along (gpu-memory.csv).
@@ -124,12 +125,23 @@ done
 export TANDEM_PREBUILT=1 RUST_LOG=warn
 qwen() { # joins the pieces once, checks them, points the tests at them
     export TANDEM_QWEN_DIR=$PWD/gpu/qwen
-    mkdir -p "$TANDEM_QWEN_DIR"
-    for f in $qwen_files; do
-        [ -f "$TANDEM_QWEN_DIR/$f" ] || cat gpu/pieces/"${f%%-instruct*}".* | zstd -dq -o "$TANDEM_QWEN_DIR/$f"
-    done
-    (cd "$TANDEM_QWEN_DIR" && sha256sum $qwen_files | cut -d' ' -f1 | diff - <(echo "$qwen_sums")) \
-        || { echo "the Qwen pair's checksums differ"; return 1; }
+    mkdir -p "$TANDEM_QWEN_DIR" && find "$TANDEM_QWEN_DIR" -type l -delete
+    local files=($qwen_files) sums=($qwen_sums) i f
+    for i in "${!files[@]}"; do
+        f=${files[i]}
+        if [ ! -f "$TANDEM_QWEN_DIR/$f" ]; then
+            cat gpu/pieces/"${f%%-instruct*}".* 2>/dev/null | zstd -dq -o "$TANDEM_QWEN_DIR/$f" 2>/dev/null
+        fi
+        if [ "$(sha256sum <"$TANDEM_QWEN_DIR/$f" 2>/dev/null | cut -d' ' -f1)" != "${sums[i]}" ]; then
+            echo "$f: incomplete ($(ls gpu/pieces | grep -c "${f%%-instruct*}") pieces)"
+            rm -f "$TANDEM_QWEN_DIR/$f"
+        fi
+    done | tee "$out/qwen.txt"
+    local target=$TANDEM_QWEN_DIR/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+    local draft=$TANDEM_QWEN_DIR/qwen2.5-coder-0.5b-instruct.gguf
+    [ -f "$draft" ] || return 1
+    # Without the 1.5B (the pair takes 30 calls to carry): the 0.5B is the target and the draft.
+    [ -f "$target" ] || { ln -s "$draft" "$target" && echo "TARGET = the 0.5B" | tee -a "$out/qwen.txt"; }
 }
 step() { # NAME SECONDS COMMAND...
     local name=$1 secs=$2
@@ -143,7 +155,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv -lms 250 >"$out/gpu-memory.csv" &
 sampler=$!
 trap 'kill $sampler 2>/dev/null' EXIT
-case " $steps " in *" qwen "* | *" qlink "* | *" llamacpp "*) qwen || exit 1 ;; esac
+case " $steps " in *" qwen "* | *" qlink "* | *" kv "* | *" llamacpp "*) qwen || exit 1 ;; esac
 step tests 150 gpu/bin/deps/cuda --test-threads 1
 # Writes the random 1.5B-shape model once (single-threaded, ~a minute), then alternates.
 BENCH_DEVICE=cuda BENCH_MODEL=random-1.5b BENCH_ROWS=1 BENCH_ITERS=1 \
@@ -161,15 +173,32 @@ BENCH_TARGET_ARGS="--device cuda" BENCH_SESSIONS=${GPU_SESSIONS:-1,8,32,64} \
     step concurrency 280 gpu/bin/deps/concurrency
 BENCH_TARGET_ARGS="--device cuda" BENCH_RTT_MS=0,20 BENCH_MBIT=0 BENCH_VARIANTS=target-only,auto \
     BENCH_REPS=3 BENCH_CPUS=8-15,0-7 step link 200 gpu/bin/deps/link
+# The KV-cache budget a target-node on the GPU takes by default (80 % of the GPU's free memory once
+# the model is loaded), against the memory the GPU has: gpu-memory.csv shows what the runs used.
+kv() {
+    local log=$out/kv-node.log addr
+    gpu/bin/target-node --model "$TANDEM_QWEN_DIR/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf" \
+        --device cuda --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 >"$log" 2>&1 &
+    local node=$!
+    for _ in $(seq 120); do grep -q '^listening' "$log" && break; sleep 0.5; done
+    addr=$(grep -o 'http=[^ ]*' "$log" | cut -d= -f2)
+    python3 -c "import urllib.request as u; print(u.urlopen('http://$addr/metrics').read().decode())" \
+        | grep -E '^tandem_node_kv_cache|^tandem_node_prefix_cache_budget'
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+    kill $node
+}
+export out && export -f kv
+step kv 90 bash -c kv
 # The real pair: the target's GGUF on the GPU (its weights dequantized to bf16, then to f16), the
 # 0.5B draft on 8 pinned cores; every output checked equal to its prompt's lone target-only run.
-for dtype in bf16 f16; do
-    BENCH_PAIRS=qwen-code BENCH_TARGET_ARGS="--device cuda --dtype $dtype" BENCH_SESSIONS=1,64 \
-        BENCH_VARIANTS=target-only,1,4,8,auto BENCH_BATCH=64 BENCH_CPUS=8-15,0-7 \
-        step "qwen-$dtype" 240 gpu/bin/deps/concurrency
-done
+BENCH_PAIRS=qwen-code BENCH_TARGET_ARGS="--device cuda" BENCH_SESSIONS=1,64 \
+    BENCH_VARIANTS=target-only,1,4,8,auto BENCH_BATCH=64 BENCH_CPUS=8-15,0-7 \
+    step qwen-bf16 240 gpu/bin/deps/concurrency
+BENCH_PAIRS=qwen-code BENCH_TARGET_ARGS="--device cuda --dtype f16" BENCH_SESSIONS=1,64 \
+    BENCH_VARIANTS=target-only,4,auto BENCH_BATCH=64 BENCH_CPUS=8-15,0-7 \
+    step qwen-f16 180 gpu/bin/deps/concurrency
 BENCH_PAIRS=qwen-prose,qwen-code BENCH_TARGET_ARGS="--device cuda" BENCH_RTT_MS=0,20 BENCH_MBIT=0 \
-    BENCH_VARIANTS=target-only,auto,4,8 BENCH_REPS=3 BENCH_CPUS=8-15,0-7 step qlink 200 gpu/bin/deps/link
+    BENCH_VARIANTS=target-only,auto,4,8 BENCH_REPS=2 BENCH_CPUS=8-15,0-7 step qlink 200 gpu/bin/deps/link
 if [ -f gpu/llama.tar.xz ] && case " $steps " in *" llamacpp "*) true ;; *) false ;; esac; then
     [ -d gpu/llama ] || xz -dc gpu/llama.tar.xz | tar -C gpu -xf -
     export LD_LIBRARY_PATH="$PWD/gpu/llama:$LD_LIBRARY_PATH"

@@ -37,6 +37,14 @@ impl From<&SamplingParams> for v1::SamplingParams {
     }
 }
 
+impl v1::GenerationStats {
+    /// Decode time outside the nodes' compute that the rounds waited for: the network, the
+    /// queues and the bookkeeping (drafting done during a verify is not in it twice).
+    pub fn overhead_seconds(&self) -> f64 {
+        self.decode_seconds - self.draft_waited_seconds - self.target_seconds
+    }
+}
+
 impl v1::SamplingParams {
     /// The runtime's parameters, zero meaning "default" where zero is not a meaningful value,
     /// checked against their ranges. No seed gets a random one.

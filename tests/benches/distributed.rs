@@ -80,7 +80,8 @@ async fn main() -> anyhow::Result<()> {
                 s.extra_us
                     .push(1e6 * (st.decode_seconds - l.stats.decode_seconds) / rounds);
                 s.outside_us.push(
-                    1e6 * (st.decode_seconds - st.draft_seconds - st.target_seconds) / rounds,
+                    1e6 * tandem_coordinator::service::stats_to_wire(&d).overhead_seconds()
+                        / rounds,
                 );
                 s.bytes
                     .push((d.stats.traffic.sent + d.stats.traffic.received) as f64 / rounds);

@@ -162,10 +162,7 @@ async fn main() -> anyhow::Result<()> {
                             s.speedup.push(st.tokens_per_second / base);
                         }
                         s.alpha.push(st.acceptance_rate);
-                        s.outside_ms.push(
-                            1e3 * (st.decode_seconds - st.draft_seconds - st.target_seconds)
-                                / rounds,
-                        );
+                        s.outside_ms.push(1e3 * st.overhead_seconds() / rounds);
                         s.bytes_per_round
                             .push((st.bytes_sent + st.bytes_received) as f64 / rounds);
                         s.tokens_per_round

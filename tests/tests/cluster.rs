@@ -253,3 +253,41 @@ async fn a_late_call_the_node_works_on_is_waited_for_not_replayed() {
     let alone = in_process(&stories(), None, &req);
     assert_eq!(out.token_ids, alone.token_ids);
 }
+
+#[tokio::test]
+async fn the_reported_times_add_up_and_drafting_ahead_is_counted_once() {
+    let (target, draft) = (stories(), stories_q8());
+    let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
+    let engine = patient_engine(&cluster, 4).await;
+    // A draft that agrees with the target: every draft accepted, blocks drafted during the
+    // verify are used.
+    let out = generate(
+        &engine,
+        &request(
+            &prompt("Once upon a time"),
+            96,
+            4,
+            &SamplingParams::greedy(),
+        ),
+    )
+    .await;
+    let st = tandem_coordinator::service::stats_to_wire(&out);
+    assert!(
+        st.pipeline_rounds > 0,
+        "no block was drafted during a verify: {st:?}"
+    );
+    let during_verify = st.draft_seconds - st.draft_waited_seconds;
+    assert!(
+        during_verify > 0.0,
+        "drafting during the verify was not counted apart: {st:?}"
+    );
+    assert!(
+        st.draft_waited_seconds > 0.0 && st.target_seconds > 0.0,
+        "{st:?}"
+    );
+    assert!(st.overhead_seconds() >= 0.0, "a negative overhead: {st:?}");
+    assert!(
+        st.draft_waited_seconds + st.target_seconds <= st.decode_seconds,
+        "the nodes' waited-for compute exceeds the decode time: {st:?}"
+    );
+}

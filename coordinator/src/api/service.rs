@@ -48,6 +48,7 @@ pub fn stats_to_wire(o: &Outcome) -> v1::GenerationStats {
         draft_stalls: s.draft_stalls,
         pipeline_rounds: s.pipeline_rounds,
         pipeline_hits: s.pipeline_hits,
+        draft_waited_seconds: s.draft_waited_seconds,
         draft_node_tokens: s.draft_node_tokens,
     }
 }

@@ -489,10 +489,14 @@ impl Engine {
                 }
                 _ => None,
             };
+            // The draft's compute the round waited for: its step, and of a block drafted during
+            // the verify what ran past the verdict.
+            let mut draft_waited = draft_secs;
             if let Some(next) = drafted_next {
                 stats.pipeline_rounds += 1;
                 stats.draft_node_tokens += next.tokens.len() as u32;
                 stats.base.draft_seconds += next.compute_secs;
+                draft_waited += (next.compute_secs - verify_wall).max(0.0);
                 if accepted == drafts.len() {
                     let right = next.tokens.first() == Some(&verdict.next_token);
                     policy.observe_guess(right);
@@ -528,12 +532,13 @@ impl Engine {
                 },
             );
             stats.base.record_round(drafts.len(), accepted);
+            stats.draft_waited_seconds += draft_waited;
             let wall = round_start.elapsed().as_secs_f64();
             self.metrics.round(
                 drafter,
                 (drafts.len(), accepted),
                 wall,
-                draft_secs,
+                draft_waited,
                 verify_secs,
             );
             let commit = match transcript.commit(&tree.tokens) {

@@ -35,6 +35,9 @@ pub struct Stats {
     pub pipeline_hits: u32,
     /// Tokens the draft-node drafted (its steps and the blocks it drafted ahead).
     pub draft_node_tokens: u32,
+    /// Of `base.draft_seconds`, what the rounds waited for: the draft steps, and of a block
+    /// drafted during the verify only what ran past the verdict (drafting ahead counted once).
+    pub draft_waited_seconds: f64,
     /// Prompt tokens the target-node took from its prefix cache.
     pub cached_tokens: u32,
     /// Rounds verified as token trees, and rounds that committed a sibling leaf.
