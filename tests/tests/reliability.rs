@@ -170,11 +170,39 @@ async fn a_coordinator_started_before_its_nodes_is_not_ready_until_they_answer()
     let (_, done) = stream(coordinator.url(), story(8, 4)).await;
     let status = done.expect_err("not ready");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    // `generate --endpoint` waits for readiness up to --wait-ready, then says what it waited for.
+    let url = coordinator.url().to_string();
+    let out = std::process::Command::new(processes::binary("coordinator"))
+        .args(["generate", "--endpoint", &url, "--wait-ready", "1"])
+        .args(["--max-tokens", "4", "--no-baseline"])
+        .output()
+        .expect("run coordinator generate");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("waited 1 s") && stderr.contains("not ready"),
+        "{stderr}"
+    );
+    assert!(stderr.contains(&target_link.addr.to_string()), "{stderr}");
+    // Sent before the nodes are up, with the default wait: it is answered once they are.
+    let waiting = std::thread::spawn(move || {
+        let args = [
+            "--endpoint",
+            &url,
+            "--max-tokens",
+            "8",
+            "--draft-tokens",
+            "4",
+        ];
+        processes::generate_cli(&args, &[])
+    });
     // The nodes come up: the coordinator finds them and serves.
     let target = start_target(&stories());
     let draft = start_draft();
     target_link.point_to(target.addr);
     draft_link.point_to(draft.addr);
+    let ids = waiting.join().expect("generate --endpoint waited");
+    assert_eq!(ids, in_process(&stories(), None, &story(8, 0)).token_ids);
     let deadline = Instant::now() + Duration::from_secs(60);
     while http_request(http, "GET", "/ready", "").await.0 != 200 {
         assert!(

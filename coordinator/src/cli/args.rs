@@ -101,6 +101,10 @@ pub struct GenerateArgs {
     /// A running coordinator (e.g. http://coordinator:50050); unset runs everything here.
     #[arg(long, env = "TANDEM_ENDPOINT")]
     pub endpoint: Option<String>,
+    /// Seconds to wait for the coordinator at --endpoint to be reachable and ready (its nodes
+    /// answering) before the request is sent; 0 sends it at once.
+    #[arg(long, env = "TANDEM_WAIT_READY", default_value_t = 60)]
+    pub wait_ready: u64,
     #[command(flatten)]
     pub models: ModelArgs,
     #[command(flatten)]

@@ -68,21 +68,70 @@ fn emit(text: &str) {
         .and_then(|()| stdout.flush());
 }
 
+/// Connects to the coordinator at `url` and waits, up to `wait`, until it is reachable and
+/// says it is ready (gRPC health SERVING: its nodes answer), as a client library retrying an
+/// UNAVAILABLE service would. Past `wait` it goes on with what it has: a coordinator that is
+/// up but not ready refuses the request, naming what it waits for.
+async fn connect_when_ready(
+    endpoint: tonic::transport::Endpoint,
+    url: &str,
+    wait: std::time::Duration,
+) -> anyhow::Result<Channel> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let deadline = tokio::time::Instant::now() + wait;
+    // The interval between tries: short at first, at most a second.
+    let mut pause = std::time::Duration::from_millis(50);
+    let channel = loop {
+        match endpoint.connect().await {
+            Ok(channel) => break channel,
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                anyhow::bail!(
+                    "cannot connect to the coordinator at {url}{}: {}",
+                    waited(wait),
+                    crate::nodes::connect_error(&e, url)
+                );
+            }
+            Err(_) => {}
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(std::time::Duration::from_secs(1));
+    };
+    let mut health = HealthClient::new(channel.clone());
+    let check = HealthCheckRequest {
+        service: "tandem.v1.Coordinator".into(),
+    };
+    while tokio::time::Instant::now() < deadline {
+        let status = health
+            .check(check.clone())
+            .await
+            .map(|r| r.into_inner().status);
+        if status.is_ok_and(|s| s == ServingStatus::Serving as i32) {
+            break;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(std::time::Duration::from_secs(1));
+    }
+    Ok(channel)
+}
+
+/// How long a client waited for the coordinator, for an error that says so.
+fn waited(wait: std::time::Duration) -> String {
+    match wait.as_secs() {
+        0 => String::new(),
+        s => format!(" (waited {s} s for it, --wait-ready)"),
+    }
+}
+
 /// `coordinator generate` against the coordinator at `url`.
 pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
-    let channel = args
+    let endpoint = args
         .tls
         .load()?
         .endpoint(url, std::time::Duration::from_secs(10))
-        .map_err(|e| anyhow::anyhow!("--endpoint: {e}"))?
-        .connect()
-        .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "cannot connect to the coordinator at {url}: {}",
-                crate::nodes::connect_error(&e, url)
-            )
-        })?;
+        .map_err(|e| anyhow::anyhow!("--endpoint: {e}"))?;
+    let wait = std::time::Duration::from_secs(args.wait_ready);
+    let channel = connect_when_ready(endpoint, url, wait).await?;
     let mut client = CoordinatorClient::new(channel);
     let request = request_from_args(args);
     if !args.json {
@@ -95,8 +144,12 @@ pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
     })
     .await
     .map_err(|status| {
+        let waited = match status.code() {
+            tonic::Code::Unavailable => waited(wait),
+            _ => String::new(),
+        };
         anyhow::anyhow!(
-            "the coordinator at {url}: {}",
+            "the coordinator at {url}{waited}: {}",
             crate::nodes::connect_error(&status, url)
         )
     })?;
