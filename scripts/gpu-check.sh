@@ -96,9 +96,10 @@ case "${1:-}" in
 --llama)
     set -e
     rm -rf gpu/llama && mkdir -p gpu/llama
-    cp "$2"/bin/llama-bench "$2"/bin/llama-speculative "$2"/bin/lib*.so* gpu/llama/
-    git -C "$2/.." log -1 --format=%H >gpu/llama/commit 2>/dev/null \
-        || grep -o 'LLAMA_BUILD_COMMIT[^ ]*' "$2/CMakeCache.txt" >gpu/llama/commit || true
+    cp -P "$2"/bin/llama-bench "$2"/bin/llama-speculative "$2"/bin/lib*.so* gpu/llama/
+    # The commit measured: the source's git, or GPU_LLAMA_COMMIT (a source release has no git).
+    echo "${GPU_LLAMA_COMMIT:-$(git -C "$2/.." rev-parse HEAD 2>/dev/null || echo unknown)}" \
+        >gpu/llama/commit
     strip gpu/llama/* 2>/dev/null || true
     tar -C gpu -cf - llama | xz -T2 -9 >gpu/llama.tar.xz
     rm -rf gpu/llama
@@ -199,7 +200,9 @@ BENCH_PAIRS=qwen-code BENCH_TARGET_ARGS="--device cuda --dtype f16" BENCH_SESSIO
     step qwen-f16 180 gpu/bin/deps/concurrency
 BENCH_PAIRS=qwen-prose,qwen-code BENCH_TARGET_ARGS="--device cuda" BENCH_RTT_MS=0,20 BENCH_MBIT=0 \
     BENCH_VARIANTS=target-only,auto,4,8 BENCH_REPS=2 BENCH_CPUS=8-15,0-7 step qlink 200 gpu/bin/deps/link
-if [ -f gpu/llama.tar.xz ] && case " $steps " in *" llamacpp "*) true ;; *) false ;; esac; then
+# llama.cpp's pack may come in pieces too (llama.*, cut with split like the pair's).
+[ -f gpu/llama.tar.xz ] || cat gpu/pieces/llama.* >gpu/llama.tar.xz 2>/dev/null || rm -f gpu/llama.tar.xz
+if [ -s gpu/llama.tar.xz ] && case " $steps " in *" llamacpp "*) true ;; *) false ;; esac; then
     [ -d gpu/llama ] || xz -dc gpu/llama.tar.xz | tar -C gpu -xf -
     export LD_LIBRARY_PATH="$PWD/gpu/llama:$LD_LIBRARY_PATH"
     echo "llama.cpp $(cat gpu/llama/commit)" | tee "$out/llamacpp.txt"
