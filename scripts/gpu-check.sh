@@ -124,6 +124,23 @@ for lib in libcublas.so.13 libcudart.so.13 libcurand.so.10 libnvrtc.so.13; do
     export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
 done
 export TANDEM_PREBUILT=1 RUST_LOG=warn
+unzstd() { # stdin to stdout: zstd, or Python's (3.14), or pyarrow's where zstd is missing
+    if command -v zstd >/dev/null; then
+        zstd -dcq
+    else
+        python3 -c '
+import shutil, sys
+try:
+    from compression import zstd
+    shutil.copyfileobj(zstd.ZstdFile(sys.stdin.buffer), sys.stdout.buffer, 1 << 24)
+except ImportError:
+    import pyarrow as pa
+    with pa.CompressedInputStream(pa.PythonFile(sys.stdin.buffer, mode="r"), "zstd") as f:
+        while chunk := f.read(1 << 24):
+            sys.stdout.buffer.write(chunk)
+'
+    fi
+}
 qwen() { # joins the pieces once, checks them, points the tests at them
     export TANDEM_QWEN_DIR=$PWD/gpu/qwen
     mkdir -p "$TANDEM_QWEN_DIR" && find "$TANDEM_QWEN_DIR" -type l -delete
@@ -131,7 +148,7 @@ qwen() { # joins the pieces once, checks them, points the tests at them
     for i in "${!files[@]}"; do
         f=${files[i]}
         if [ ! -f "$TANDEM_QWEN_DIR/$f" ]; then
-            cat gpu/pieces/"${f%%-instruct*}".* 2>/dev/null | zstd -dq -o "$TANDEM_QWEN_DIR/$f" 2>/dev/null
+            cat gpu/pieces/"${f%%-instruct*}".* 2>/dev/null | unzstd >"$TANDEM_QWEN_DIR/$f"
         fi
         if [ "$(sha256sum <"$TANDEM_QWEN_DIR/$f" 2>/dev/null | cut -d' ' -f1)" != "${sums[i]}" ]; then
             echo "$f: incomplete ($(ls gpu/pieces | grep -c "${f%%-instruct*}") pieces)"
@@ -200,10 +217,11 @@ BENCH_PAIRS=qwen-code BENCH_TARGET_ARGS="--device cuda --dtype f16" BENCH_SESSIO
     step qwen-f16 180 gpu/bin/deps/concurrency
 BENCH_PAIRS=qwen-prose,qwen-code BENCH_TARGET_ARGS="--device cuda" BENCH_RTT_MS=0,20 BENCH_MBIT=0 \
     BENCH_VARIANTS=target-only,auto,4,8 BENCH_REPS=2 BENCH_CPUS=8-15,0-7 step qlink 200 gpu/bin/deps/link
-# llama.cpp's pack may come in pieces too (llama.*, cut with split like the pair's).
-[ -f gpu/llama.tar.xz ] || cat gpu/pieces/llama.* >gpu/llama.tar.xz 2>/dev/null || rm -f gpu/llama.tar.xz
-if [ -s gpu/llama.tar.xz ] && case " $steps " in *" llamacpp "*) true ;; *) false ;; esac; then
-    [ -d gpu/llama ] || xz -dc gpu/llama.tar.xz | tar -C gpu -xf -
+if case " $steps " in *" llamacpp "*) true ;; *) false ;; esac; then
+    # llama.cpp's pack, carried whole or in pieces (llama.*, cut with split like the pair's).
+    pack=gpu/llama.tar.xz
+    [ -f $pack ] || pack=<(cat gpu/pieces/llama.*)
+    rm -rf gpu/llama && xz -dc "$pack" | tar -C gpu -xf - || { echo "llama.cpp's pack is incomplete"; exit 1; }
     export LD_LIBRARY_PATH="$PWD/gpu/llama:$LD_LIBRARY_PATH"
     echo "llama.cpp $(cat gpu/llama/commit)" | tee "$out/llamacpp.txt"
     t=$TANDEM_QWEN_DIR/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
@@ -212,6 +230,6 @@ if [ -s gpu/llama.tar.xz ] && case " $steps " in *" llamacpp "*) true ;; *) fals
     step llamacpp-bench 60 gpu/llama/llama-bench -m "$t" -ngl 99 -p 0,9 -n 64 -r 5
     for k in 4 8; do
         step "llamacpp-spec$k" 60 taskset -c 0-7 gpu/llama/llama-speculative -m "$t" -md "$d" \
-            -ngl 99 -ngld 0 -td 8 --draft-max $k --draft-min 0 --temp 0 -n 64 -p "$prompt"
+            -ngl 99 -ngld 0 -td 8 --spec-draft-n-max $k --temp 0 -n 64 -p "$prompt"
     done
 fi
