@@ -130,7 +130,17 @@ fn a_verifier_decodes_through_trees_as_through_plain_steps() {
         max_depth: 4,
     };
     let want = greedy(&model, prompt, 30);
+    // Each token's log-probabilities as plain steps report them.
+    let mut steps = Verifier::new(&model, SamplingParams::greedy());
+    steps.report_logprobs(Some(3));
+    steps.prefill(prompt).expect("prefill");
+    let mut stepped = Vec::new();
+    while prompt.len() + stepped.len() < want.len() {
+        let log = &want[..prompt.len() + stepped.len()];
+        stepped.extend(steps.verify(log, &[], &[], 0).expect("step").logprobs);
+    }
     let mut v = Verifier::new(&model, SamplingParams::greedy());
+    v.report_logprobs(Some(3));
     v.prefill(prompt).expect("prefill");
     let mut log = prompt.to_vec();
     while log.len() + 3 <= want.len() {
@@ -152,6 +162,12 @@ fn a_verifier_decodes_through_trees_as_through_plain_steps() {
             .collect();
         let verified = v.verify_tree(&log, &tree, &q, 8).expect("verify");
         assert_eq!(verified.verdict.path, [1, 2]);
+        // One log-probability per committed token, the plain steps' (the path's rows).
+        let at = log.len() - prompt.len();
+        assert_eq!(
+            verified.logprobs,
+            stepped[at..at + verified.committed.len()]
+        );
         log.extend_from_slice(&verified.committed);
         assert_eq!(log[..], want[..log.len()]);
     }

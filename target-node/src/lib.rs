@@ -281,7 +281,7 @@ impl TargetSession {
             }
             BlockVerified::Tree(t) => {
                 let path = t.verdict.path.iter().map(|&n| n as u32).collect();
-                (t.committed, path, t.verdict.next, t.refused, Vec::new())
+                (t.committed, path, t.verdict.next, t.refused, t.logprobs)
             }
         };
         if let Some(r) = &refused {

@@ -238,16 +238,6 @@ impl VerifyJob<'_> {
         let (drafts, q) = (&drafts[..scored], &q[..scored]);
         let verdict = acceptance::verify(drafts, q, &p, &st.draws, self.log.len());
         st.seq.truncate(self.log.len() + verdict.accepted)?;
-        if self.tree.is_some() {
-            return Ok(BlockVerified::Tree(TreeVerified {
-                verdict: TreeVerdict {
-                    path: Vec::new(),
-                    next: verdict.next,
-                },
-                committed: vec![verdict.next],
-                refused,
-            }));
-        }
         let logprobs = match st.logprobs {
             Some(top) => (0..=verdict.accepted)
                 .map(|i| {
@@ -257,6 +247,17 @@ impl VerifyJob<'_> {
                 .collect(),
             None => Vec::new(),
         };
+        if self.tree.is_some() {
+            return Ok(BlockVerified::Tree(TreeVerified {
+                verdict: TreeVerdict {
+                    path: Vec::new(),
+                    next: verdict.next,
+                },
+                committed: vec![verdict.next],
+                refused,
+                logprobs,
+            }));
+        }
         Ok(BlockVerified::Chain(Verified {
             verdict,
             refused,
@@ -282,10 +283,22 @@ impl VerifyJob<'_> {
         st.seq.tokens.truncate(log.len());
         st.seq.tokens.extend_from_slice(&committed);
         committed.push(verdict.next);
+        // Committed token i was scored on the row of the path's node before it (the root's row
+        // for the first).
+        let logprobs = match st.logprobs {
+            Some(top) => (committed.iter().enumerate())
+                .map(|(i, &token)| {
+                    let row = if i == 0 { 0 } else { verdict.path[i - 1] + 1 };
+                    logprobs(&rows[row], token, top)
+                })
+                .collect(),
+            None => Vec::new(),
+        };
         Ok(TreeVerified {
             verdict,
             committed,
             refused: None,
+            logprobs,
         })
     }
 }

@@ -170,6 +170,9 @@ pub struct TreeVerified {
     pub verdict: TreeVerdict,
     pub committed: Vec<u32>,
     pub refused: Option<DraftRefusal>,
+    /// With [`Verifier::report_logprobs`]: one per committed token, from the target's logits
+    /// at its place on the path.
+    pub logprobs: Vec<crate::sampling::TokenLogprobs>,
 }
 
 /// The deepest tree a verifier scores (its attention reads a path of at most this many nodes).
