@@ -47,6 +47,16 @@ async fn trees_of_drafts_generate_target_only_text() {
         hits += out.stats.sibling_hits;
     }
     assert!(hits > 0, "no sibling committed in {trees} tree rounds");
+    // The n-gram drafter's trees: the other earlier continuations of the text's last tokens.
+    let repeats = tokenizer(&stories())
+        .encode("Tom had a cat. Tom had a dog. Tom had a hat. Tom had a")
+        .expect("encode");
+    let mut req = request(&repeats, 48, 4, &greedy);
+    let reference = generate(&engine, &request(&repeats, 48, 0, &greedy)).await;
+    (req.drafter, req.draft_branches) = ("ngram".into(), Some(4));
+    let out = generate(&engine, &req).await;
+    assert_eq!(out.token_ids, reference.token_ids, "n-gram trees");
+    assert!(out.stats.tree_rounds > 0, "no n-gram round was a tree");
     // Fixed K without siblings stays a chain.
     let chain = run(4, None).await;
     assert_eq!(chain.token_ids, alone.token_ids);

@@ -434,17 +434,20 @@ impl ModelDrafter {
 
 /// N-gram drafts with one-hot q: exact under the acceptance rule, whatever the sampling, cut
 /// before the first one the generation's grammar forbids; and the length of the match they
-/// continue.
+/// continue. With `branches`, a token tree of other earlier continuations (none under a
+/// grammar: it checks the chain).
 pub fn ngram_proposal(
     log: &TokenLog,
-    k: usize,
+    (k, branches): (usize, usize),
     grammar: Option<&mut Constraint>,
 ) -> (Proposal, usize) {
     let start = Instant::now();
+    let branches = if grammar.is_some() { 0 } else { branches };
     let crate::drafting::ngram::Lookup {
         mut tokens,
         matched,
-    } = crate::drafting::ngram::propose(log.tokens(), k);
+        parents,
+    } = crate::drafting::ngram::propose_tree(log.tokens(), k, branches);
     // A grammar state that cannot follow the log proposes nothing (the target decides).
     let valid = cut(grammar, log.tokens(), &tokens).unwrap_or(0);
     tokens.truncate(valid);
@@ -458,9 +461,9 @@ pub fn ngram_proposal(
     let proposal = Proposal {
         tokens,
         q,
+        parents,
         compute_secs: secs,
         wall_secs: secs,
-        ..Proposal::default()
     };
     (proposal, matched)
 }

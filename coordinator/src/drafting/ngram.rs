@@ -2,7 +2,8 @@
 //! session's last tokens, in the prompt and the text generated so far. It needs no model and
 //! runs in the coordinator in microseconds; code editing, quoting and repetitive text accept
 //! most of it. Its q is one-hot on each proposed token (the proposal is deterministic), which the
-//! acceptance rule handles exactly.
+//! acceptance rule handles exactly. Asked for branches, it makes a token tree of the other
+//! earlier occurrences' continuations where they part from the chosen one.
 
 /// Longest and shortest suffix looked up; a longer match is tried first.
 const MAX_MATCH: usize = 8;
@@ -14,6 +15,9 @@ const MIN_MATCH: usize = 2;
 pub struct Lookup {
     pub tokens: Vec<u32>,
     pub matched: usize,
+    /// A token tree's parents in wire form (0: a child of the log, j + 1: of node j): the
+    /// chain of `k` tokens, then the branches; empty for a chain.
+    pub parents: Vec<u32>,
 }
 
 /// Classes of match length, each with its own acceptance in the policy.
@@ -33,27 +37,33 @@ pub fn class(matched: usize) -> usize {
 /// tokens back says the text repeats with period `d`: the proposal follows that period past
 /// the end of the log, so a loop of any length is proposed `k` tokens at a time.
 pub fn propose(tokens: &[u32], k: usize) -> Lookup {
+    propose_tree(tokens, k, 0)
+}
+
+/// [`propose`], and up to `branches` more tokens from the other earlier occurrences of a suffix
+/// (the longest matches first, the latest among equals): each continuation follows the tree
+/// while it agrees with a path and branches off where it parts from it, as deep as `k`.
+pub fn propose_tree(tokens: &[u32], k: usize, branches: usize) -> Lookup {
     let len = tokens.len();
-    // One pass from the latest occurrence back: the length of the match ending at each earlier
-    // position (most fail at the first token); the longest wins, the latest among equals.
-    let (mut matched, mut end) = (0, 0);
-    for e in (0..len.saturating_sub(1)).rev() {
-        let n = (0..MAX_MATCH.min(e + 1))
-            .take_while(|&m| tokens[e - m] == tokens[len - 1 - m])
-            .count();
-        if n > matched {
-            (matched, end) = (n, e);
-            if n == MAX_MATCH {
-                break;
-            }
-        }
-    }
-    if matched < MIN_MATCH {
+    // The length of the match ending at each earlier position (most fail at the first token),
+    // the latest first; then the longest first, the latest among equals (a stable sort).
+    let mut found: Vec<(usize, usize)> = (0..len.saturating_sub(1))
+        .rev()
+        .map(|e| {
+            let n = (0..MAX_MATCH.min(e + 1))
+                .take_while(|&m| tokens[e - m] == tokens[len - 1 - m])
+                .count();
+            (n, e)
+        })
+        .filter(|&(n, _)| n >= MIN_MATCH)
+        .collect();
+    found.sort_by_key(|&(n, _)| std::cmp::Reverse(n));
+    let Some(&(matched, end)) = found.first() else {
         return Lookup::default();
-    }
+    };
     // The occurrence ends `period` tokens before the log does.
     let period = len - 1 - end;
-    let mut proposal: Vec<u32> = Vec::with_capacity(k);
+    let mut proposal: Vec<u32> = Vec::with_capacity(k + branches);
     for i in 0..k {
         let next = if i < period {
             tokens[len - period + i]
@@ -62,15 +72,43 @@ pub fn propose(tokens: &[u32], k: usize) -> Lookup {
         };
         proposal.push(next);
     }
+    let mut parents = Vec::new();
+    if branches > 0 && k > 0 {
+        parents.extend(0..k as u32);
+        let mut left = branches;
+        for &(_, e) in &found[1..] {
+            let mut at = 0; // wire form: the node the continuation has reached
+            for &t in &tokens[e + 1..len.min(e + 1 + k)] {
+                let child = (0..proposal.len()).find(|&j| parents[j] == at && proposal[j] == t);
+                match child {
+                    Some(j) => at = j as u32 + 1,
+                    None if left > 0 => {
+                        proposal.push(t);
+                        parents.push(at);
+                        at = proposal.len() as u32;
+                        left -= 1;
+                    }
+                    None => break,
+                }
+            }
+            if left == 0 {
+                break;
+            }
+        }
+        if parents.len() == k {
+            parents.clear();
+        }
+    }
     Lookup {
         tokens: proposal,
         matched,
+        parents,
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{class, propose};
+    use super::{class, propose, propose_tree};
 
     fn propose_tokens(tokens: &[u32], k: usize) -> Vec<u32> {
         propose(tokens, k).tokens
@@ -124,5 +162,25 @@ mod tests {
         assert_eq!(class(lookup.matched), 2);
         assert_eq!(class(2), 0);
         assert_eq!(propose(&[1, 2, 3], 2).matched, 0);
+    }
+
+    #[test]
+    fn other_continuations_branch_off_where_they_part() {
+        // "2 3" was followed by 4 5 6, later by 4 7 8, last by 9 9 9; the log ends in "2 3".
+        let tokens = [2, 3, 4, 5, 6, 1, 2, 3, 4, 7, 8, 1, 2, 3, 9, 9, 9, 1, 2, 3];
+        // The chain is the latest continuation (after "1 2 3", the longest match, latest).
+        assert_eq!(propose(&tokens, 3).tokens, [9, 9, 9]);
+        let tree = propose_tree(&tokens, 3, 8);
+        // Then 4 7 8 branches off at the root, and 4 5 6 follows it to 4 and parts there.
+        assert_eq!(tree.tokens, [9, 9, 9, 4, 7, 8, 5, 6]);
+        assert_eq!(tree.parents, [0, 1, 2, 0, 4, 5, 4, 7]);
+        // Budgeted: two more tokens at most.
+        let tree = propose_tree(&tokens, 3, 2);
+        assert_eq!((tree.tokens.len(), tree.parents), (5, vec![0, 1, 2, 0, 4]));
+        // No other continuation, or one that agrees with the chain: a chain (no parents).
+        let tree = propose_tree(&[5, 6, 7, 8, 5, 6], 2, 4);
+        assert_eq!((tree.tokens, tree.parents), (vec![7, 8], vec![]));
+        let tree = propose_tree(&[5, 6, 7, 5, 6, 7, 5, 6], 2, 4);
+        assert_eq!((tree.tokens, tree.parents), (vec![7, 5], vec![]));
     }
 }

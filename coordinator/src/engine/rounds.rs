@@ -357,6 +357,9 @@ impl Engine {
             let branches = match (plan.drafter, job.branches) {
                 (Some(Drafter::Model), Some(b)) if !drafted_ahead => b.min(room),
                 (Some(Drafter::Model), None) if !drafted_ahead => policy.branches(plan.k, room),
+                // The n-gram drafter's tree is the target's alone to take (the request's count,
+                // checked against its limit).
+                (Some(Drafter::Ngram), Some(b)) => b.min(plan.k),
                 _ => 0,
             };
             let proposal = match plan.drafter {
@@ -382,6 +385,8 @@ impl Engine {
                         }
                     }
                 }
+                // A tree (a fixed request's branches) is looked up at the round's K already.
+                Some(Drafter::Ngram) if !ngram.parents.is_empty() => ngram,
                 Some(Drafter::Ngram) => ngram.truncated(plan.k),
                 None => Proposal::default(),
             };
@@ -615,7 +620,10 @@ impl Engine {
                 },
             };
             let ngram = match plan.drafter {
-                Some(Drafter::Ngram) => ngram_proposal(log, cap, grammar).0,
+                // A fixed request's siblings: the n-gram drafter's other continuations.
+                Some(Drafter::Ngram) => {
+                    ngram_proposal(log, (cap, job.branches.unwrap_or(0).min(cap)), grammar).0
+                }
                 _ => Proposal::default(),
             };
             return (plan, ngram);
@@ -624,7 +632,7 @@ impl Engine {
             return (Plan::TARGET_ONLY, Proposal::default());
         }
         let (ngram, matched) = if job.drafter.uses_ngram() {
-            ngram_proposal(log, cap, grammar)
+            ngram_proposal(log, (cap, 0), grammar)
         } else {
             (Proposal::default(), 0)
         };
