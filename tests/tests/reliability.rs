@@ -184,17 +184,20 @@ async fn a_coordinator_started_before_its_nodes_is_not_ready_until_they_answer()
         "{stderr}"
     );
     assert!(stderr.contains(&target_link.addr.to_string()), "{stderr}");
-    // Sent before the nodes are up, with the default wait: it is answered once they are.
+    // Sent before the nodes are up: it is answered once they are. (The nodes' binaries are
+    // built first: the wait bounds a failure, not a build.)
+    processes::binary("target-node");
+    processes::binary("draft-node");
     let waiting = std::thread::spawn(move || {
-        let args = [
-            "--endpoint",
-            &url,
+        let wait = [
+            "--wait-ready",
+            "600",
             "--max-tokens",
             "8",
             "--draft-tokens",
             "4",
         ];
-        processes::generate_cli(&args, &[])
+        processes::generate_cli(&[&["--endpoint", url.as_str()][..], &wait].concat(), &[])
     });
     // The nodes come up: the coordinator finds them and serves.
     let target = start_target(&stories());
