@@ -312,6 +312,17 @@ pub async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) ->
         .unwrap_or_else(|_| panic!("{what}: no answer within {} s", HANG.as_secs()))
 }
 
+/// The cluster's target-node verified blocks of several sessions in one forward pass.
+pub fn assert_target_batched(cluster: &LocalCluster) {
+    let m = &cluster.target.metrics;
+    assert!(
+        m.batched_requests.get() > m.batches.get(),
+        "no batch held more than one session: {} requests in {} batches",
+        m.batched_requests.get(),
+        m.batches.get()
+    );
+}
+
 /// Polls until `f` holds, for up to a minute (a loaded machine is slow, not wrong).
 pub async fn eventually(mut f: impl AsyncFnMut() -> bool) -> bool {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);

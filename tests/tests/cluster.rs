@@ -141,13 +141,7 @@ async fn eight_concurrent_sessions_equal_the_same_requests_alone() {
         assert_eq!(concurrent.token_ids, alone.token_ids);
     }
     // The target verified blocks of several sessions in one forward pass.
-    let m = &cluster.target.metrics;
-    assert!(
-        m.batched_requests.get() > m.batches.get(),
-        "no batch held more than one session: {} requests in {} batches",
-        m.batched_requests.get(),
-        m.batches.get()
-    );
+    assert_target_batched(&cluster);
     for addr in [cluster.target_addr, cluster.draft_addr.expect("draft")] {
         assert!(
             eventually(async || node_info(addr).await.active_sessions == 0).await,

@@ -113,11 +113,5 @@ async fn concurrent_trees_and_chains_equal_the_same_requests_alone() {
         trees += concurrent.stats.tree_rounds;
     }
     assert!(trees > 0, "no round was a tree");
-    let m = &cluster.target.metrics;
-    assert!(
-        m.batched_requests.get() > m.batches.get(),
-        "no batch held more than one session: {} requests in {} batches",
-        m.batched_requests.get(),
-        m.batches.get()
-    );
+    assert_target_batched(&cluster);
 }
