@@ -46,17 +46,20 @@ pub fn propose(tokens: &[u32], k: usize) -> Lookup {
 pub fn propose_tree(tokens: &[u32], k: usize, branches: usize) -> Lookup {
     let len = tokens.len();
     // The length of the match ending at each earlier position (most fail at the first token),
-    // the latest first; then the longest first, the latest among equals (a stable sort).
-    let mut found: Vec<(usize, usize)> = (0..len.saturating_sub(1))
-        .rev()
-        .map(|e| {
-            let n = (0..MAX_MATCH.min(e + 1))
-                .take_while(|&m| tokens[e - m] == tokens[len - 1 - m])
-                .count();
-            (n, e)
-        })
-        .filter(|&(n, _)| n >= MIN_MATCH)
-        .collect();
+    // the latest first; then the longest first, the latest among equals (a stable sort). A
+    // chain alone needs no other occurrence: the latest match of the longest length wins at once.
+    let mut found: Vec<(usize, usize)> = Vec::new();
+    for e in (0..len.saturating_sub(1)).rev() {
+        let n = (0..MAX_MATCH.min(e + 1))
+            .take_while(|&m| tokens[e - m] == tokens[len - 1 - m])
+            .count();
+        if n >= MIN_MATCH {
+            found.push((n, e));
+            if branches == 0 && n == MAX_MATCH {
+                break;
+            }
+        }
+    }
     found.sort_by_key(|&(n, _)| std::cmp::Reverse(n));
     let Some(&(matched, end)) = found.first() else {
         return Lookup::default();
