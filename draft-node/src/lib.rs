@@ -145,7 +145,7 @@ impl DraftSession {
             return Err(tandem_runtime::Error::invalid(
                 "branches",
                 step.branches,
-                format!("at most k ({}): one sibling beside a draft", step.k),
+                format!("at most k ({}): a tree of at most twice its drafts", step.k),
             )
             .into());
         }

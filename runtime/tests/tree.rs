@@ -97,6 +97,56 @@ fn each_row_of_a_tree_gets_its_paths_logits_and_one_path_is_kept() {
     }
 }
 
+/// A tree grown over several forward passes (as a draft grows one): the second pass's rows
+/// hang under rows the first fed, and each gets its path's logits; one path is kept after.
+#[test]
+fn a_tree_grown_over_two_passes_is_one_tree() {
+    let story = story_tokens();
+    let (prefix, next) = (&story[..20], &story[20..30]);
+    let models = [load(&stories_dir()), load(&stories_gguf(QuantType::Q8_0))];
+    for (model, start) in models
+        .iter()
+        .flat_map(|m| [(m, holding as fn(&Model, &[u32]) -> KvCache), (m, sharing)])
+    {
+        // Pass one: the story's next token and another beside it. Pass two: a child of each,
+        // and a grandchild of the story's path (rows 0, 2, 4 are the story).
+        let tokens = [next[0], 77, next[1], 91, next[2]];
+        let parents = [None, None, Some(0), Some(1), Some(2)];
+        let mut cache = start(model, prefix);
+        let first = model
+            .forward_tree(&tokens[..2], &parents[..2], &mut cache)
+            .expect("pass one");
+        let second = model
+            .forward_tree(&tokens[2..], &parents, &mut cache)
+            .expect("pass two");
+        assert_eq!((second.len(), cache.len()), (3, 25));
+        for (i, row) in first.iter().chain(&second).enumerate() {
+            let fed: Vec<u32> = path(&parents, i).iter().map(|&r| tokens[r]).collect();
+            let mut alone = holding(model, prefix);
+            let want = model
+                .forward(&fed, &mut alone, Logits::Last)
+                .expect("forward");
+            assert!(same_bits(row, &want[0]), "row {i}: {fed:?}");
+        }
+        cache.keep_rows(20, &[0, 2, 4]).expect("keep");
+        let on = model
+            .forward(&next[3..], &mut cache, Logits::All)
+            .expect("forward");
+        let fresh = fresh_logits(model, &story[..30]);
+        for (got, want) in on.iter().zip(&fresh[23..]) {
+            assert!(same_bits(got, want), "after keeping the path");
+        }
+        // Parents that name more cached rows than the cache holds past its start are refused.
+        let mut short = holding(model, &prefix[..1]);
+        let too_many = vec![None; 3];
+        assert!(
+            model
+                .forward_tree(&tokens[..1], &too_many, &mut short)
+                .is_err()
+        );
+    }
+}
+
 #[test]
 fn a_malformed_tree_is_refused_and_the_cache_untouched() {
     let model = load(&stories_dir());
@@ -195,9 +245,10 @@ fn a_verifier_decodes_through_trees_as_through_plain_steps() {
     }
 }
 
-/// A drafter asked for sibling leaves proposes a tree (its chain, then each sibling beside the
-/// chain's draft at its depth, a token the chain does not have there), and greedy decoding
-/// through those trees commits target-only's text, some rounds by a sibling.
+/// A drafter asked for more nodes than drafts grows a tree (its chain of its own choices first,
+/// branches where it is least sure, some with drafts of their own, no deeper than its drafts),
+/// greedy decoding through those trees commits target-only's text, some rounds down a branch,
+/// and the draft's cache after each tree (its chain kept) proposes what a fresh draft would.
 #[test]
 fn a_drafters_trees_decode_as_target_only() {
     use tandem_runtime::speculative::ProposeJob;
@@ -211,38 +262,132 @@ fn a_drafters_trees_decode_as_target_only() {
         max_depth: 8,
     };
     let want = greedy(&target, prompt, 80);
+    let propose = |drafter: &mut Drafter, log: &[u32]| {
+        let mut jobs = [ProposeJob {
+            drafter,
+            log,
+            k: 4,
+            branches: 4,
+        }];
+        Drafter::propose_batch(&mut jobs)
+            .remove(0)
+            .expect("proposal")
+    };
     let mut drafter = Drafter::new(&draft, SamplingParams::greedy());
     let mut verifier = Verifier::new(&target, SamplingParams::greedy());
     verifier.prefill(prompt).expect("prefill");
-    let (mut log, mut sibling_hits) = (prompt.to_vec(), 0);
+    let (mut log, mut branch_hits, mut deep_branches) = (prompt.to_vec(), 0, 0);
     while log.len() < want.len() {
-        let mut jobs = [ProposeJob {
-            drafter: &mut drafter,
-            log: &log,
-            k: 4,
-            branches: 3,
-        }];
-        let proposal = Drafter::propose_batch(&mut jobs)
-            .remove(0)
-            .expect("proposal");
-        assert_eq!(proposal.tokens.len(), 7, "four drafts and three siblings");
-        assert_eq!(&proposal.parents[..4], &[0, 1, 2, 3], "the chain first");
-        for j in 4..7 {
-            let depth = proposal.parents[j] as usize;
-            assert_ne!(
-                proposal.tokens[j], proposal.tokens[depth],
-                "a sibling differs"
-            );
-        }
+        let proposal = propose(&mut drafter, &log);
+        let mut fresh = Drafter::new(&draft, SamplingParams::greedy());
+        fresh.prefill(&log).expect("prefill");
+        assert_eq!(
+            proposal,
+            propose(&mut fresh, &log),
+            "as a fresh draft proposes"
+        );
+        assert_eq!(
+            proposal.tokens.len(),
+            8,
+            "the budget: four drafts and four more"
+        );
+        assert_eq!(
+            &proposal.parents[..4],
+            &[0, 1, 2, 3],
+            "the chain of four drafts first"
+        );
         let tree = DraftTree::new(&proposal.tokens, &proposal.parents, limits).expect("a tree");
+        assert!(tree.max_depth() <= 4, "no deeper than the drafts");
+        let chain = (0..tree.len())
+            .take_while(|&i| tree.parent(i) == i.checked_sub(1))
+            .count();
+        deep_branches += usize::from((chain..tree.len()).any(|i| tree.parent(i) >= Some(chain)));
         let v = verifier
             .verify_tree(&log, &tree, &proposal.q, 16)
             .expect("verify");
         assert!(v.refused.is_none(), "{:?}", v.refused);
-        sibling_hits += usize::from(v.verdict.path.iter().any(|&n| n >= 4));
+        branch_hits += usize::from(v.verdict.path.iter().any(|&n| n >= chain));
         log.extend(&v.committed);
     }
     log.truncate(want.len());
     assert_eq!(log, want);
-    assert!(sibling_hits > 0, "no sibling was ever right");
+    assert!(branch_hits > 0, "no branch was ever right");
+    assert!(deep_branches > 0, "no branch had drafts of its own");
+}
+
+/// Sampled speculation through the draft's grown trees (temperature 1, a low-acceptance pair:
+/// many rejections, so residuals after rejected siblings are drawn from): the first generated
+/// token follows the target's p exactly, and the second, given the most frequent first, its
+/// conditional p; the trees branch at the first depth and at the second, and paths down a
+/// branch commit.
+#[test]
+fn sampled_trees_follow_the_target_distribution() {
+    use tandem_runtime::sampling::distribution;
+    use tandem_runtime::speculative::ProposeJob;
+    use tandem_runtime::speculative::tree::{DraftTree, TreeLimits};
+    use tandem_runtime::{Distribution, Drafter, SamplingParams, Verifier};
+    let (target, draft) = (load(&tiny_random(21)), load(&tiny_random(22)));
+    let prompt = tokenizer().encode("Once upon a time").expect("encode");
+    let limits = TreeLimits {
+        max_nodes: 8,
+        max_depth: 4,
+    };
+    let (mut pairs, mut later_branches, mut branch_paths) = (Vec::new(), 0, 0);
+    for seed in 0..12_000u64 {
+        let sampling = SamplingParams {
+            temperature: 1.0,
+            seed,
+            ..Default::default()
+        };
+        let mut drafter = Drafter::new(&draft, sampling.clone());
+        let mut verifier = Verifier::new(&target, sampling);
+        verifier.prefill(&prompt).expect("prefill");
+        let mut log = prompt.clone();
+        while log.len() < prompt.len() + 2 {
+            let mut jobs = [ProposeJob {
+                drafter: &mut drafter,
+                log: &log,
+                k: 2,
+                branches: 2,
+            }];
+            let proposal = Drafter::propose_batch(&mut jobs)
+                .remove(0)
+                .expect("proposal");
+            let tree = DraftTree::new(&proposal.tokens, &proposal.parents, limits).expect("a tree");
+            let branching = |depth: usize| {
+                (0..tree.len())
+                    .filter(|&n| tree.depth(n) == depth - 1)
+                    .any(|n| tree.children(Some(n)).count() > 1)
+            };
+            later_branches += usize::from(branching(2));
+            let v = verifier
+                .verify_tree(&log, &tree, &proposal.q, 8)
+                .expect("verify");
+            branch_paths += usize::from(v.verdict.path.iter().any(|&n| n >= 2));
+            log.extend(&v.committed);
+        }
+        pairs.push((log[prompt.len()], log[prompt.len() + 1]));
+    }
+    assert!(
+        later_branches > 100,
+        "trees branched past the first depth {later_branches} times"
+    );
+    assert!(
+        branch_paths > 100,
+        "paths went down a branch {branch_paths} times"
+    );
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let exact = |context: &[u32]| -> Vec<f32> {
+        let rows = target
+            .forward(context, &mut target.new_cache(), Logits::Last)
+            .expect("forward");
+        match distribution(&rows[0], &sampling, context).expect("finite logits") {
+            Distribution::Dense(p) => p,
+            other => panic!("expected dense, got {other:?}"),
+        }
+    };
+    assert_first_two_follow(&pairs, &prompt, exact, "sampled trees");
 }

@@ -14,7 +14,7 @@
 //! Environment: BENCH_REPS (default 3), BENCH_PAIRS (default `110m-q8_0`; also `stories260k`,
 //! `qwen-prose`, `qwen-code`), BENCH_RTT_MS (default `0,5,20,50`), BENCH_MBIT (default `0,100,10`;
 //! 0 is unlimited), BENCH_VARIANTS (default `target-only,auto,4,8`; a number is a fixed K,
-//! `K+B` K drafts and B sibling leaves: a token tree of K + B positions),
+//! `K+B` a token tree of K + B positions no deeper than K),
 //! BENCH_DRAFTER (default `auto`), BENCH_TEMPERATURE (default 0, greedy), BENCH_CPUS (default
 //! `0,1`: the target's and the draft's core), BENCH_TARGET_ARGS (more arguments of the
 //! target-node, e.g. `--device cuda`).
@@ -115,7 +115,7 @@ async fn main() -> anyhow::Result<()> {
                     let (k, serial) = variant
                         .strip_suffix("-serial")
                         .map_or((variant, false), |k| (k, true));
-                    // `K+B`: K drafts and B sibling leaves (a token tree).
+                    // `K+B`: a token tree of K + B nodes, no deeper than K.
                     let (k, branches) = k
                         .split_once('+')
                         .map_or((k, None), |(k, b)| (k, b.parse().ok()));

@@ -1,4 +1,4 @@
-//! Token trees across the services (issue 31): the draft-node adds sibling leaves where the
+//! Token trees across the services (issue 31): the draft-node grows trees where the
 //! coordinator asks (a fixed number, or as many as the policy expects to pay), the target-node
 //! verifies the tree in one pass, and the generation is exactly target-only's; concurrent
 //! sessions' trees and chains are verified together in one forward pass.

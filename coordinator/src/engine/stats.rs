@@ -40,7 +40,7 @@ pub struct Stats {
     pub draft_waited_seconds: f64,
     /// Prompt tokens the target-node took from its prefix cache.
     pub cached_tokens: u32,
-    /// Rounds verified as token trees, and rounds that committed a sibling leaf.
+    /// Rounds verified as token trees, and rounds whose path left the chain for a branch.
     pub tree_rounds: u32,
     pub sibling_hits: u32,
 }

@@ -1,6 +1,6 @@
 //! A token tree's round (issue 31): which drafts the target's verdict committed, and what the
 //! policy learns from it. A chain is the tree of one path; the draft-node's trees are its
-//! chain of drafts, then sibling leaves (each beside the chain's draft at its depth).
+//! chain of drafts (its own choices), then the branches off it.
 
 use tandem_proto::v1;
 

@@ -53,14 +53,14 @@ pub(crate) struct Span {
 /// whose rows are contiguous (those of a preallocated cache) are read in place; others are
 /// copied first.
 ///
-/// A sequence's block may be a token tree: `paths[s]`, when given, holds
-/// for each of sequence s's query rows the block rows it sees (its ancestors and itself,
-/// ascending); it sees every position before the block too. Such a row's keys are those of its
-/// path read as one sequence would hold them, so its output is the same bits as that path's
-/// alone. (`paths` empty: no tree; the span's window is not applied to trees.)
+/// A sequence's block may be a token tree's rows: `paths[s]`, when given, says for each of
+/// sequence s's query rows the tree rows it sees ([`TreePaths`]); it sees every position before
+/// the tree too. Such a row's keys are those of its path read as one sequence would hold them,
+/// so its output is the same bits as that path's alone. (`paths` empty: no tree; the span's
+/// window is not applied to trees.)
 pub(crate) fn attention_cpu(
     seqs: &[(Tensor, Vec<(Tensor, Tensor)>)],
-    paths: &[Option<&[Vec<usize>]>],
+    paths: &[Option<&TreePaths>],
     span: Span,
 ) -> Result<Tensor> {
     let rows = |t: &Tensor| -> Result<Tensor> {
@@ -125,8 +125,7 @@ pub(crate) fn attention_cpu(
             return Err(bad("fewer keys than query rows"));
         }
         let rows_paths = paths.get(index).copied().flatten();
-        let fits = |p: &Vec<usize>| p.len() <= MAX_TREE_DEPTH + 1 && p.iter().all(|&r| r < n);
-        if rows_paths.is_some_and(|ps| ps.len() != n || !ps.iter().all(fits)) {
+        if rows_paths.is_some_and(|t| !t.fit(n, seen - n)) {
             return Err(bad("a tree's paths do not fit its block"));
         }
         let s = AttentionShape {
@@ -181,8 +180,8 @@ struct Call<'a> {
     q: &'a [f32],
     pieces: Vec<Piece<'a>>,
     s: AttentionShape,
-    /// A token tree's rows: the block rows each sees ([`attention_cpu`]).
-    paths: Option<&'a [Vec<usize>]>,
+    /// A token tree's rows: the tree rows each sees ([`attention_cpu`]).
+    paths: Option<&'a TreePaths>,
 }
 
 /// Every call's (n, heads · d) rows, one call after the other (the calls share `heads` and
@@ -239,10 +238,11 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
                 let seen = s.pos + i + 1;
                 take(seen.saturating_sub(span.window), seen);
             }
-            Some(paths) => {
-                // Everything before the block, then the row's path in runs of adjacent rows.
-                take(0, s.pos);
-                let path = &paths[i];
+            Some(tree) => {
+                // Everything before the tree, then the row's path in runs of adjacent rows.
+                let base = s.pos - tree.earlier;
+                take(0, base);
+                let path = &tree.paths[i];
                 let mut k = 0;
                 while k < path.len() {
                     let start = path[k];
@@ -252,7 +252,7 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
                         end += 1;
                         k += 1;
                     }
-                    take(s.pos + start, s.pos + end);
+                    take(base + start, base + end);
                 }
             }
         }
@@ -288,6 +288,27 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
         out.chunks_mut(d).enumerate().for_each(one);
     }
     out
+}
+
+/// A token tree's query rows: for each, the tree rows it sees (its ancestors and itself,
+/// ascending), counted from the tree's first row, which is `earlier` positions before the block:
+/// rows an earlier forward fed and the cache kept (0: the whole tree is in the block).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TreePaths {
+    pub(crate) paths: Vec<Vec<usize>>,
+    pub(crate) earlier: usize,
+}
+
+impl TreePaths {
+    /// Whether these are the paths of a block of `n` rows after `pos` positions: one per row,
+    /// each within the tree's rows and no deeper than the attention reads.
+    pub(crate) fn fit(&self, n: usize, pos: usize) -> bool {
+        let rows = self.earlier + n;
+        self.earlier <= pos
+            && self.paths.len() == n
+            && (self.paths.iter())
+                .all(|p| p.len() <= MAX_TREE_DEPTH + 1 && p.iter().all(|&r| r < rows))
+    }
 }
 
 /// The keys and values one query row sees, in pieces (each (keys, values) of the same

@@ -49,13 +49,13 @@ pub(crate) struct KeyTables {
 
 impl KeyTables {
     /// The tables of a block of `n` rows whose keys are stored after `stored` others: each row
-    /// sees the keys before it within `window`, or a tree row (`paths`: the block rows it sees,
-    /// its ancestors and itself) the stored keys and its path.
+    /// sees the keys before it within `window`, or a tree row ([`super::TreePaths`]: the tree
+    /// rows it sees, its ancestors and itself) the keys stored before the tree and its path.
     pub(crate) fn new(
         n: usize,
         stored: usize,
         window: usize,
-        paths: Option<&[Vec<usize>]>,
+        paths: Option<&super::TreePaths>,
         device: &Device,
     ) -> Result<Self> {
         let as_u32 = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
@@ -70,11 +70,12 @@ impl KeyTables {
                 }
                 table.push(0);
             }
-            Some(paths) => {
-                max_path = paths.iter().map(Vec::len).max().unwrap_or(1).max(1);
-                for path in paths {
-                    rows.extend([0, as_u32(stored), as_u32(path.len())]);
-                    let mut row: Vec<u32> = path.iter().map(|&r| as_u32(stored + r)).collect();
+            Some(tree) => {
+                let base = stored - tree.earlier;
+                max_path = tree.paths.iter().map(Vec::len).max().unwrap_or(1).max(1);
+                for path in &tree.paths {
+                    rows.extend([0, as_u32(base), as_u32(path.len())]);
+                    let mut row: Vec<u32> = path.iter().map(|&r| as_u32(base + r)).collect();
                     row.resize(max_path, 0);
                     table.extend(row);
                 }

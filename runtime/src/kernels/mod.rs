@@ -49,7 +49,7 @@ mod x86_kpanels;
 mod x86_panels;
 
 pub(crate) use activation::{Gate, gated};
-pub(crate) use attention::{MAX_PIECES, MAX_TREE_DEPTH, Span, attention_cpu};
+pub(crate) use attention::{MAX_PIECES, MAX_TREE_DEPTH, Span, TreePaths, attention_cpu};
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::{KeyTables, attention_cuda};
 pub(crate) use matmul::{Matmul, tile_padding};

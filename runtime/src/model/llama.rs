@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use super::config::{Activation, Architecture, ModelConfig, RopeScaling};
 use super::weights::Vb;
 use crate::Result;
-use crate::kernels::{Gate, Matmul, Span, attention_cpu, gated};
+use crate::kernels::{Gate, Matmul, Span, TreePaths, attention_cpu, gated};
 use crate::kv_cache::KvCache;
 
 /// A linear layer whose weight may be quantized, with an optional bias.
@@ -220,7 +220,7 @@ impl Attention {
         // the threads together); elsewhere sequence by sequence.
         let cpu = cpu_kernel(xs.device(), xs.dtype());
         let (mut on_cpu, mut out) = (Vec::new(), Vec::new());
-        let paths: Vec<Option<&[Vec<usize>]>> = seqs.iter().map(|s| s.paths.as_deref()).collect();
+        let paths: Vec<Option<&TreePaths>> = seqs.iter().map(|s| s.paths.as_ref()).collect();
         for seq in seqs {
             let rows = |t: &Tensor| t.narrow(1, seq.offset, seq.n);
             let (q_norm, k_norm) = self.qk_norm.as_ref().map(|(q, k)| (q, k)).unzip();
@@ -402,8 +402,8 @@ struct SeqRows<'a> {
     /// The global layers' rotary embeddings and mask, then the local layers' (if any).
     rope: Vec<Rope>,
     masks: Vec<Option<Tensor>>,
-    /// A token tree's rows: the block rows each sees, its ancestors and itself.
-    paths: Option<Vec<Vec<usize>>>,
+    /// A token tree's rows: the tree rows each sees, its ancestors and itself.
+    paths: Option<TreePaths>,
     /// On a GPU, the keys each row sees (global layers', then local layers'), for the CUDA
     /// attention kernel.
     #[cfg(feature = "cuda")]
@@ -417,8 +417,10 @@ pub(crate) struct BatchItem<'a> {
     pub(crate) tokens: &'a [u32],
     pub(crate) cache: &'a mut KvCache,
     pub(crate) logits: Logits,
-    /// A token tree: each row's parent row in the block (none: the row follows the cache),
-    /// parents before children; none for a plain block (each row after the one before).
+    /// A token tree: each tree row's parent row (none: the row follows the cache before the
+    /// tree), parents before children. The tree's first rows may be the cache's last (an
+    /// earlier forward's, kept): `parents` then holds theirs first, then the block's. None for
+    /// a plain block (each row after the one before).
     pub(crate) parents: Option<&'a [Option<usize>]>,
 }
 
@@ -641,9 +643,14 @@ impl Llama {
 }
 
 impl Llama {
+    /// Whether token trees run on this model: none with sliding-window layers.
+    pub(crate) fn takes_trees(&self) -> bool {
+        self.windows.iter().all(|&w| w == usize::MAX)
+    }
+
     /// A token tree's rows ([`BatchItem::parents`]): each at the position of its depth past the
-    /// cache, seeing the cache and its path (its ancestors and itself). Models with
-    /// sliding-window layers take no trees.
+    /// cache before the tree, seeing that cache and its path (its ancestors and itself). Models
+    /// with sliding-window layers take no trees.
     fn tree_rows<'a>(
         &self,
         item: &'a BatchItem<'_>,
@@ -652,15 +659,17 @@ impl Llama {
     ) -> Result<SeqRows<'a>> {
         let (n, pos) = (item.tokens.len(), item.cache.len());
         let bad = |why: &str| crate::Error::invalid("tree", format!("{n} rows"), why);
-        if parents.len() != n {
-            return Err(bad("one parent per row"));
-        }
-        if self.windows.iter().any(|&w| w != usize::MAX) {
+        let Some(earlier) = parents.len().checked_sub(n).filter(|&e| e <= pos) else {
+            return Err(bad(
+                "one parent per row: the cached tree rows' first, then the block's",
+            ));
+        };
+        if !self.takes_trees() {
             return Err(bad(
                 "a model with sliding-window layers verifies chains only",
             ));
         }
-        let mut paths: Vec<Vec<usize>> = Vec::with_capacity(n);
+        let mut paths: Vec<Vec<usize>> = Vec::with_capacity(parents.len());
         for (i, parent) in parents.iter().enumerate() {
             let mut path = match parent {
                 None => Vec::new(),
@@ -673,10 +682,14 @@ impl Llama {
             path.push(i);
             paths.push(path);
         }
+        let paths = TreePaths {
+            paths: paths.split_off(earlier),
+            earlier,
+        };
+        let base = pos - earlier;
         let device = self.embed_tokens.device();
-        let positions: Vec<u32> = paths
-            .iter()
-            .map(|p| u32::try_from(pos + p.len() - 1).unwrap_or(u32::MAX))
+        let positions: Vec<u32> = (paths.paths.iter())
+            .map(|p| u32::try_from(base + p.len() - 1).unwrap_or(u32::MAX))
             .collect();
         let positions = Tensor::new(positions.as_slice(), device)?;
         let rope = self
@@ -712,16 +725,17 @@ impl Llama {
     }
 }
 
-/// (n, pos + n) additive mask of a token tree's rows: row i sees the `pos` cached positions and
-/// the block rows of its path.
-fn tree_mask(paths: &[Vec<usize>], pos: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let n = paths.len();
+/// (n, pos + n) additive mask of a token tree's rows: row i sees the cached positions before
+/// the tree and the tree rows of its path.
+fn tree_mask(tree: &TreePaths, pos: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let n = tree.paths.len();
+    let base = pos - tree.earlier;
     let mut mask = vec![f32::NEG_INFINITY; n * (pos + n)];
-    for (i, path) in paths.iter().enumerate() {
+    for (i, path) in tree.paths.iter().enumerate() {
         let row = &mut mask[i * (pos + n)..][..pos + n];
-        row[..pos].fill(0.0);
+        row[..base].fill(0.0);
         for &r in path {
-            row[pos + r] = 0.0;
+            row[base + r] = 0.0;
         }
     }
     Ok(Tensor::from_vec(mask, (n, pos + n), device)?.to_dtype(dtype)?)

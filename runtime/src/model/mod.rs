@@ -298,7 +298,9 @@ impl Model {
     /// block: row i's parent is `parents[i]` (an earlier row; none: it follows the cache), it
     /// sits at the position of its depth and attends to the cache and its path. Each row's
     /// logits are those of its path fed alone, bit for bit (CPU). The rows' keys and values are
-    /// appended in row order: [`KvCache::keep_rows`] keeps one path of them.
+    /// appended in row order: [`KvCache::keep_rows`] keeps one path of them. A tree may grow
+    /// over several calls: `parents` then starts with the rows an earlier call fed (the cache's
+    /// last `parents.len() - tokens.len()`), and the new rows' parents count them.
     pub fn forward_tree(
         &self,
         tokens: &[u32],
@@ -312,6 +314,12 @@ impl Model {
             parents: Some(parents),
         }];
         Ok(self.forward_items(&mut batch)?.pop().unwrap_or_default())
+    }
+
+    /// Whether token trees run on this model ([`Self::forward_tree`]): none with
+    /// sliding-window layers.
+    pub fn takes_trees(&self) -> bool {
+        self.llama.takes_trees()
     }
 
     /// Whether both share the same loaded weights (clones of one load).

@@ -3,6 +3,7 @@
 //! attending over its own cache ([`Model::forward_batch`]), each job's result what it would be
 //! alone. A job that cannot run (a block past the context) fails alone, before the forward.
 
+use super::growth::Growth;
 use super::tree::{DraftTree, TreeVerified};
 use super::{CachedSequence, Drafter, Proposal, SequenceState, Verified, Verifier};
 use crate::model::{Logits, Model, llama::BatchItem};
@@ -44,8 +45,8 @@ pub struct ProposeJob<'a> {
     pub log: &'a [u32],
     /// Tokens to draft; 0 only catches the cache up with the log.
     pub k: usize,
-    /// The most sibling leaves to add (a token tree): at the depths where the draft itself is
-    /// least sure, its runner-up beside the drafted token; 0 for a chain.
+    /// The nodes to add to the `k` drafts (a token tree, [`Growth`]: grown where the draft
+    /// itself is least sure, no deeper than `k`); 0 for a chain.
     pub branches: usize,
 }
 
@@ -307,24 +308,25 @@ impl VerifyJob<'_> {
 struct Drafting {
     /// The committed tokens and the drafts so far.
     context: Vec<u32>,
-    /// What the next forward feeds: the log's uncached tail, then each draft.
+    /// What the next forward feeds: the log's uncached tail, then each draft, or a tree's next
+    /// rows (their parents given where they are tree rows, each row's logits wanted).
     feed: Vec<u32>,
+    parents: Option<Vec<Option<usize>>>,
+    logits: Logits,
     proposal: Proposal,
-    /// Tokens still to draft; a catch-up step (k = 0) feeds once and samples nothing.
+    /// Tokens still to draft (a tree: 1 until it is grown); a catch-up step (k = 0) feeds once
+    /// and samples nothing.
     left: usize,
     catch_up: bool,
     error: Option<Error>,
-    /// The draft's own chance of reaching the next depth (the product of its probabilities of
-    /// the drafts so far), and each depth's runner-up: (its chance of being right there, token,
-    /// depth).
-    reach: f32,
-    runners_up: Vec<(f32, u32, usize)>,
+    /// A token tree being grown (a step with branches).
+    tree: Option<Growth>,
 }
 
 impl Drafter {
     /// [`Self::propose`] for several sequences: each forward pass feeds every step that still
-    /// drafts (its first the log's uncached tail, then one token each), so that K draft tokens
-    /// of many sessions cost K passes, not K per session.
+    /// drafts (its first the log's uncached tail, then one token each, or a tree's next rows),
+    /// so that K draft tokens of many sessions cost K passes, not K per session.
     pub fn propose_batch(jobs: &mut [ProposeJob<'_>]) -> Vec<Result<Proposal>> {
         let mut steps: Vec<Drafting> = jobs.iter_mut().map(ProposeJob::start).collect();
         loop {
@@ -337,8 +339,8 @@ impl Drafter {
                         model,
                         tokens: &step.feed,
                         seq,
-                        logits: Logits::Last,
-                        parents: None,
+                        logits: step.logits,
+                        parents: step.parents.as_deref(),
                     });
                     fed.push(i);
                 }
@@ -358,11 +360,8 @@ impl Drafter {
         }
         steps
             .into_iter()
-            .zip(jobs.iter())
-            .map(|(s, job)| match s.error {
-                Some(e) => Err(e),
-                None => Ok(s.with_siblings(job.branches)),
-            })
+            .zip(jobs.iter_mut())
+            .map(|(s, job)| job.finish(s))
             .collect()
     }
 }
@@ -370,9 +369,14 @@ impl Drafter {
 impl ProposeJob<'_> {
     /// Brings the cache in step with the log and says what the first forward feeds.
     fn start(&mut self) -> Drafting {
+        let st = &self.drafter.0;
+        // Trees grow deep where the model takes them and no grammar must follow each branch.
+        let deep = st.model.takes_trees() && st.constraint.is_none();
         let mut step = Drafting {
             context: self.log.to_vec(),
             feed: Vec::new(),
+            parents: None,
+            logits: Logits::Last,
             proposal: Proposal {
                 tokens: Vec::with_capacity(self.k),
                 q: Vec::with_capacity(self.k),
@@ -381,8 +385,8 @@ impl ProposeJob<'_> {
             left: self.k,
             catch_up: false,
             error: None,
-            reach: 1.0,
-            runners_up: Vec::new(),
+            tree: (self.k > 0 && self.branches > 0)
+                .then(|| Growth::new(self.k, self.branches, deep)),
         };
         match self.drafter.0.seq.sync(self.log) {
             Ok(feed) if self.k > 0 => step.feed = feed.to_vec(),
@@ -399,23 +403,42 @@ impl ProposeJob<'_> {
         step
     }
 
-    /// Samples the next draft from the last forward's logits.
+    /// Samples the next draft from the last forward's logits (a tree: offers the fed nodes'
+    /// children and plans its next rows).
     fn sample(&mut self, step: &mut Drafting, rows: &[Vec<f32>]) -> Result<()> {
         if step.catch_up {
             step.catch_up = false;
             return Ok(());
         }
         let st = &mut self.drafter.0;
-        let row = rows.last().ok_or_else(|| failed("no logits"))?;
-        let q = draft_support(st.distribution(row, &step.context)?);
-        let token = q.sample(st.draws.uniform(step.context.len(), SAMPLE_DRAW));
-        if self.branches > 0 {
-            let (p_token, runner_up, p_runner_up) = runner_up(row, token);
-            let depth = step.proposal.tokens.len();
-            step.runners_up
-                .push((step.reach * p_runner_up, runner_up, depth));
-            step.reach *= p_token;
+        if let Some(tree) = step.tree.as_mut() {
+            let fed = tree.fed_paths();
+            if fed.is_empty() {
+                let row = rows.last().ok_or_else(|| failed("no logits"))?;
+                let drawn = draw(st, row, self.log)?;
+                tree.offer(None, row, Some(drawn));
+            } else {
+                for ((node, path), row) in fed.into_iter().zip(rows) {
+                    let drawn = if tree.on_chain(node) {
+                        Some(draw(st, row, &[self.log, &path[..]].concat())?)
+                    } else {
+                        None
+                    };
+                    tree.offer(Some(node), row, drawn);
+                }
+            }
+            match tree.next_pass() {
+                Some(tokens) => {
+                    step.feed = tokens;
+                    step.parents = tree.row_parents().map(<[_]>::to_vec);
+                    step.logits = Logits::All;
+                }
+                None => step.left = 0,
+            }
+            return Ok(());
         }
+        let row = rows.last().ok_or_else(|| failed("no logits"))?;
+        let (token, q) = draw(st, row, &step.context)?;
         step.context.push(token);
         step.proposal.tokens.push(token);
         step.proposal.q.push(q);
@@ -423,44 +446,39 @@ impl ProposeJob<'_> {
         step.left -= 1;
         Ok(())
     }
-}
 
-impl Drafting {
-    /// The proposal, with at most `branches` sibling leaves: the runners-up most likely to be
-    /// right by the draft's own probabilities, each beside the draft at its depth (one-hot q: a
-    /// chosen child). A chain when none is asked for or none differs.
-    fn with_siblings(mut self, branches: usize) -> Proposal {
-        let mut picked = std::mem::take(&mut self.runners_up);
-        picked.sort_by(|a, b| b.0.total_cmp(&a.0));
-        picked.truncate(branches);
-        picked.sort_by_key(|&(_, _, depth)| depth);
-        let mut proposal = self.proposal;
-        if picked.is_empty() {
-            return proposal;
+    /// The step's proposal. A tree's rows leave the draft's cache but for its chain (the
+    /// draft's own choices, the likeliest path), kept as if fed one by one; all of them on an
+    /// error.
+    fn finish(&mut self, step: Drafting) -> Result<Proposal> {
+        let Some(tree) = step.tree else {
+            return step.error.map_or(Ok(step.proposal), Err);
+        };
+        let seq = &mut self.drafter.0.seq;
+        let base = self.log.len();
+        if let Some(e) = step.error {
+            if seq.tokens.len() > base {
+                seq.truncate(base)?;
+            }
+            return Err(e);
         }
-        // Wire form: the chain's draft i is a child of draft i - 1 (i), its first of the root.
-        proposal.parents = (0..proposal.tokens.len() as u32).collect();
-        for (_, token, depth) in picked {
-            proposal.tokens.push(token);
-            proposal.q.push(Distribution::OneHot(token));
-            proposal.parents.push(depth as u32);
+        let (rows, tokens): (Vec<usize>, Vec<u32>) = tree.fed_chain().into_iter().unzip();
+        if rows.iter().enumerate().all(|(i, &r)| i == r) {
+            // The chain's rows came first (always where only the chain grows): nothing moves.
+            seq.truncate(base + rows.len())?;
+        } else {
+            seq.cache.keep_rows(base, &rows)?;
+            seq.tokens.truncate(base);
+            seq.tokens.extend_from_slice(&tokens);
         }
-        proposal
+        Ok(tree.proposal())
     }
 }
 
-/// The draft's probability (softmax of `row`) of `token`, the most likely other token, and that
-/// token's probability.
-fn runner_up(row: &[f32], token: u32) -> (f32, u32, f32) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let total: f32 = row.iter().map(|&l| (l - max).exp()).sum();
-    let (mut best, mut best_logit) = (u32::MAX, f32::NEG_INFINITY);
-    for (i, &l) in row.iter().enumerate() {
-        if i as u32 != token && l > best_logit {
-            (best, best_logit) = (i as u32, l);
-        }
-    }
-    let p = |l: f32| (l - max).exp() / total;
-    let p_token = row.get(token as usize).map_or(0.0, |&l| p(l));
-    (p_token, best, p(best_logit))
+/// The draft's choice at a row of its logits after `context`, and the distribution it was
+/// drawn from.
+fn draw(st: &mut SequenceState, row: &[f32], context: &[u32]) -> Result<(u32, Distribution)> {
+    let q = draft_support(st.distribution(row, context)?);
+    let token = q.sample(st.draws.uniform(context.len(), SAMPLE_DRAW));
+    Ok((token, q))
 }

@@ -21,6 +21,7 @@ use crate::speculative::draft_check::DraftRefusal;
 use crate::{Error, Result};
 
 mod batch;
+mod growth;
 
 use batch::one;
 pub use batch::{BlockVerified, ProposeJob, VerifyJob};
