@@ -12,7 +12,7 @@
 //! are checked equal to target-only's.
 //!
 //! Environment: BENCH_REPS (default 3), BENCH_PAIRS (default `110m-q8_0`; also `stories260k`,
-//! `qwen-prose`, `qwen-code`), BENCH_RTT_MS (default `0,5,20,50`), BENCH_MBIT (default `0,100,10`;
+//! `qwen-prose`, `qwen-code`), BENCH_TOKENS (default: the pair's), BENCH_RTT_MS (default `0,5,20,50`), BENCH_MBIT (default `0,100,10`;
 //! 0 is unlimited), BENCH_VARIANTS (default `target-only,auto,4,8`; a number is a fixed K,
 //! `K+B` a token tree of K + B positions no deeper than K),
 //! BENCH_DRAFTER (default `auto`), BENCH_TEMPERATURE (default 0, greedy), BENCH_CPUS (default

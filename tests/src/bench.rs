@@ -114,7 +114,8 @@ pub fn ks() -> anyhow::Result<Vec<usize>> {
 /// The pairs named in `wanted`: `stories260k` (the real stories260K, f32, with a Q8_0 copy as
 /// the draft), `110m-q8_0` / `110m-q4_0` (a random-weight model of the stories110M shape,
 /// 768 × 12 layers × the 32k Llama 2 vocabulary, f32, seed 110, with its own Q8_0 / Q4_0 copy)
-/// and `qwen-prose` / `qwen-code` (the real Qwen2.5-Coder pair, fetched by .ci/run).
+/// and `qwen-prose` / `qwen-code` (the real Qwen2.5-Coder pair, fetched by .ci/run), each
+/// generating its own number of tokens, or `BENCH_TOKENS` where set.
 pub fn pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
     let mut pairs = Vec::new();
     if wanted.iter().any(|w| w == "stories260k") {
@@ -170,6 +171,14 @@ pub fn pairs(scratch: &Path, wanted: &[String]) -> anyhow::Result<Vec<Pair>> {
                 max_new_tokens,
                 prompt,
             });
+        }
+    }
+    if let Some(tokens) = std::env::var("BENCH_TOKENS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+    {
+        for pair in &mut pairs {
+            pair.max_new_tokens = tokens;
         }
     }
     Ok(pairs)

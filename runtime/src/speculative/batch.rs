@@ -386,7 +386,7 @@ impl ProposeJob<'_> {
             catch_up: false,
             error: None,
             tree: (self.k > 0 && self.branches > 0)
-                .then(|| Growth::new(self.k, self.branches, deep)),
+                .then(|| Growth::new(self.k, self.branches, deep, st.params.is_greedy())),
         };
         match self.drafter.0.seq.sync(self.log) {
             Ok(feed) if self.k > 0 => step.feed = feed.to_vec(),

@@ -13,6 +13,11 @@
 //! (what is sent besides never depends on which draft was drawn in a way the verifier must
 //! know), and every other node is a chosen child (one-hot q), which the target's multi-draft
 //! rule accepts exactly whatever chose it; a chain's draft comes first among its siblings.
+//! Where the sampling is greedy every node is a chosen child (the chain's too: the draft's
+//! argmax), so the chain need not be whole: the K + B best-scored nodes of all are sent, no
+//! deeper than K + B, and a pass feeds only nodes whose children could still be among them — a
+//! sure draft grows one long path, an unsure one a bushy tree in fewer passes (EAGLE-2's
+//! dynamic trees).
 
 use super::Proposal;
 use crate::sampling::Distribution;
@@ -51,14 +56,21 @@ pub(super) struct Growth {
     width: usize,
     /// Whether other nodes are fed (the model takes trees), not only the chain's.
     deep: bool,
+    /// Whether the chain competes with the others (greedy sampling: every node a chosen child).
+    free: bool,
 }
 
 impl Growth {
     /// A chain of `k` drafts and `others` more nodes, no deeper than `k`, grown in `k` forward
     /// passes (as the chain alone), the first the log's own (its candidates the root's
-    /// children).
-    pub(super) fn new(k: usize, others: usize, deep: bool) -> Self {
+    /// children); where `free`, the `k + others` best nodes, no deeper than that.
+    pub(super) fn new(k: usize, others: usize, deep: bool, free: bool) -> Self {
         let passes = k.saturating_sub(1).max(1);
+        let width = match (deep, free) {
+            (false, _) => 0,
+            (true, false) => others.div_ceil(passes).min(3),
+            (true, true) => (k + others).div_ceil(k).clamp(2, 3),
+        };
         Self {
             nodes: Vec::with_capacity((k + others) * CHILDREN),
             fed: Vec::new(),
@@ -66,12 +78,9 @@ impl Growth {
             feeding: Vec::new(),
             k,
             others,
-            width: if deep {
-                others.div_ceil(passes).min(3)
-            } else {
-                0
-            },
+            width,
             deep,
+            free,
         }
     }
 
@@ -119,25 +128,34 @@ impl Growth {
 
     /// The tokens the next pass feeds (none: the tree is grown): the chain's last draft while
     /// the chain is short, and where the tree is deep, the best-scored others not yet fed whose
-    /// children could still be sent (shallower than `k`, among the best `others`).
+    /// children could still be sent (shallower than `k`, among the best `others`). Where the
+    /// chain is free, the best-scored nodes not yet fed whose children could still be sent
+    /// (among the best `k + others`, shallower than that), only the chain's where the tree is
+    /// not deep.
     pub(super) fn next_pass(&mut self) -> Option<Vec<u32>> {
         self.feeding.clear();
         let chain = self.chain();
-        if chain.len() < self.k {
-            self.feeding.extend(
-                chain
-                    .last()
-                    .copied()
-                    .filter(|&n| self.nodes[n].row.is_none()),
-            );
-        }
-        if self.deep && !self.feeding.is_empty() {
-            let best = self.best_others();
-            let grows = best
-                .into_iter()
-                .filter(|&n| self.nodes[n].row.is_none() && self.nodes[n].depth < self.k)
-                .take(self.width);
-            self.feeding.extend(grows);
+        let tip = chain.last().copied();
+        if self.free {
+            let deepest = self.k + self.others;
+            let grows: Vec<usize> = (self.best().into_iter())
+                .filter(|&n| self.nodes[n].row.is_none() && self.nodes[n].depth < deepest)
+                .filter(|&n| self.deep || Some(n) == tip)
+                .take(self.width.max(1))
+                .collect();
+            self.feeding = grows;
+        } else {
+            if chain.len() < self.k {
+                self.feeding
+                    .extend(tip.filter(|&n| self.nodes[n].row.is_none()));
+            }
+            if self.deep && !self.feeding.is_empty() {
+                let grows: Vec<usize> = (self.best().into_iter())
+                    .filter(|&n| self.nodes[n].row.is_none() && self.nodes[n].depth < self.k)
+                    .take(self.width)
+                    .collect();
+                self.feeding.extend(grows);
+            }
         }
         if self.feeding.is_empty() {
             return None;
@@ -183,13 +201,16 @@ impl Growth {
     }
 
     /// The block sent: the chain (wire form: each draft the child of the one before), then the
-    /// best-scored others as they were offered (a parent before its children).
+    /// best-scored others as they were offered (a parent before its children); where the chain
+    /// is free, as much of it as is among the best.
     pub(super) fn proposal(self) -> Proposal {
+        let mut best = self.best();
         let mut order = self.chain();
+        order.retain(|n| !self.free || best.contains(n));
         let chain = order.len();
-        let mut others = self.best_others();
-        others.sort_unstable();
-        order.extend(others);
+        best.retain(|n| !order.contains(n));
+        best.sort_unstable();
+        order.extend(best);
         let mut wire = vec![0u32; self.nodes.len()];
         for (i, &n) in order.iter().enumerate() {
             wire[n] = i as u32 + 1;
@@ -207,22 +228,27 @@ impl Growth {
         proposal
     }
 
-    /// The best-scored nodes off the chain, at most `others` of them, best first, each one's
-    /// parent on the chain or among them (ties: the earlier offered, so a parent before its
-    /// children).
-    fn best_others(&self) -> Vec<usize> {
+    /// The best-scored nodes off the chain, at most `others` of them, or where the chain is
+    /// free of all, at most `k + others`; best first, each one's parent on the chain (not free)
+    /// or among them (ties: the earlier offered, so a parent before its children).
+    fn best(&self) -> Vec<usize> {
+        let count = if self.free {
+            self.k + self.others
+        } else {
+            self.others
+        };
         let mut ranked: Vec<usize> = (0..self.nodes.len())
-            .filter(|&n| !self.nodes[n].chain)
+            .filter(|&n| self.free || !self.nodes[n].chain)
             .collect();
         ranked.sort_by(|&a, &b| self.nodes[b].score.total_cmp(&self.nodes[a].score));
         let mut taken = vec![false; self.nodes.len()];
-        let mut best = Vec::with_capacity(self.others);
+        let mut best = Vec::with_capacity(count);
         for n in ranked {
-            if best.len() == self.others {
+            if best.len() == count {
                 break;
             }
             let parent = self.nodes[n].parent;
-            if parent.is_none_or(|p| self.nodes[p].chain || taken[p]) {
+            if parent.is_none_or(|p| taken[p] || !self.free && self.nodes[p].chain) {
                 taken[n] = true;
                 best.push(n);
             }
@@ -315,7 +341,7 @@ mod tests {
     #[test]
     fn a_chain_grows_whole_and_its_nodes_other_candidates_are_siblings() {
         // Not deep: only the chain is fed; its drafts are sent whole, then the best others.
-        let mut g = Growth::new(3, 2, false);
+        let mut g = Growth::new(3, 2, false, false);
         g.offer(None, &row(&[0.9, 0.1]), drawn(0));
         let tokens = g.next_pass().expect("the chain's first draft is fed");
         assert_eq!((tokens, g.row_parents()), (vec![0], None));
@@ -335,7 +361,7 @@ mod tests {
 
     #[test]
     fn a_deep_tree_feeds_its_best_others_beside_the_chain() {
-        let mut g = Growth::new(2, 2, true);
+        let mut g = Growth::new(2, 2, true, false);
         assert_eq!(g.width, 2);
         g.offer(None, &row(&[0.6, 0.3, 0.1]), drawn(0));
         let tokens = g.next_pass().expect("the chain and the best others");
@@ -350,5 +376,27 @@ mod tests {
         // 4 under 1 (0.27) misses.
         assert_eq!(p.tokens, vec![0, 2, 1, 3]);
         assert_eq!(p.parents, vec![0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn a_free_tree_sends_its_best_nodes_and_grows_only_where_they_can_be_beaten() {
+        // Greedy: 2 + 2 nodes of all, the chain among them only as far as it is likely.
+        let mut g = Growth::new(2, 2, true, true);
+        assert_eq!(g.width, 2);
+        g.offer(None, &row(&[0.5, 0.45, 0.05]), drawn(0));
+        // All three root children are among the best four: the two likeliest grow.
+        assert_eq!(g.next_pass().expect("a pass"), vec![0, 1]);
+        g.offer(Some(0), &row(&[0.0, 0.0, 0.1, 0.1, 0.8]), drawn(4));
+        g.offer(Some(1), &row(&[0.0, 0.0, 0.0, 0.0, 0.0, 0.9, 0.1]), None);
+        // Best four: 0 (.5), 1 (.45), 5 under 1 (.405), 4 under 0 (.4): 4 and 5 grow.
+        assert_eq!(g.next_pass().expect("a pass"), vec![4, 5]);
+        // Where the draft knows nothing (all alike), no child beats the best four.
+        g.offer(Some(3), &row(&[]), drawn(7));
+        g.offer(Some(6), &row(&[]), None);
+        assert!(g.next_pass().is_none(), "nothing left that could be sent");
+        let p = g.proposal();
+        // The chain 0, 4 first (its third draft is not among the best), then 1 and 5 under it.
+        assert_eq!(p.tokens, vec![0, 4, 1, 5]);
+        assert_eq!(p.parents, vec![0, 1, 0, 3]);
     }
 }
