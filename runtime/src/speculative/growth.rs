@@ -25,6 +25,10 @@ use crate::sampling::Distribution;
 /// Candidates a fed node offers.
 const CHILDREN: usize = 3;
 
+/// The least chance of being right a node off the chain must have to be fed: its children
+/// could add no more than that many tokens a round, less than a row of a pass costs.
+const WORTH_FEEDING: f32 = 1.0 / 64.0;
+
 /// One node of a growing tree.
 #[derive(Debug)]
 struct Node {
@@ -131,7 +135,7 @@ impl Growth {
     /// children could still be sent (shallower than `k`, among the best `others`). Where the
     /// chain is free, the best-scored nodes not yet fed whose children could still be sent
     /// (among the best `k + others`, shallower than that), only the chain's where the tree is
-    /// not deep.
+    /// not deep. A node off the chain is fed only if it is likely enough ([`WORTH_FEEDING`]).
     pub(super) fn next_pass(&mut self) -> Option<Vec<u32>> {
         self.feeding.clear();
         let chain = self.chain();
@@ -140,7 +144,7 @@ impl Growth {
             let deepest = self.k + self.others;
             let grows: Vec<usize> = (self.best().into_iter())
                 .filter(|&n| self.nodes[n].row.is_none() && self.nodes[n].depth < deepest)
-                .filter(|&n| self.deep || Some(n) == tip)
+                .filter(|&n| Some(n) == tip || self.deep && self.worth_feeding(n))
                 .take(self.width.max(1))
                 .collect();
             self.feeding = grows;
@@ -152,6 +156,7 @@ impl Growth {
             if self.deep && !self.feeding.is_empty() {
                 let grows: Vec<usize> = (self.best().into_iter())
                     .filter(|&n| self.nodes[n].row.is_none() && self.nodes[n].depth < self.k)
+                    .filter(|&n| self.worth_feeding(n))
                     .take(self.width)
                     .collect();
                 self.feeding.extend(grows);
@@ -254,6 +259,10 @@ impl Growth {
             }
         }
         best
+    }
+
+    fn worth_feeding(&self, n: usize) -> bool {
+        self.nodes[n].score >= WORTH_FEEDING
     }
 
     /// The chain's drafts so far, in order.
