@@ -220,7 +220,10 @@ fn batched_verification_commits_what_each_session_commits_alone() {
                     t.committed
                 }
             };
-            s.log.extend(committed);
+            // A greedy tree may reach past K (its K + B likeliest nodes): what is past the
+            // session's room is dropped, as a transcript drops it.
+            let room = s.max_new - (s.log.len() - s.prompt_len);
+            s.log.extend(committed.into_iter().take(room));
         }
         // ...and leave when done.
         let (done, going): (Vec<_>, Vec<_>) = active.into_iter().partition(|(_, s)| s.done());
