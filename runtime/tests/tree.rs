@@ -58,42 +58,68 @@ fn path(parents: &[Option<usize>], i: usize) -> Vec<usize> {
     path
 }
 
+/// A cache holding the given tokens, made one way or another.
+type Start = fn(&Model, &[u32]) -> KvCache;
+
+/// Both models (f32 and its Q8_0 copy), each with a cache computed in one block and one that
+/// starts with a shared prefix.
+fn models_and_starts() -> Vec<(Model, Start)> {
+    [load(&stories_dir()), load(&stories_gguf(QuantType::Q8_0))]
+        .into_iter()
+        .flat_map(|m| [(m.clone(), holding as Start), (m, sharing)])
+        .collect()
+}
+
+/// Each of a tree's `rows` of logits is its path's fed alone after `prefix`, bit for bit.
+fn assert_rows_are_paths<'a>(
+    model: &Model,
+    prefix: &[u32],
+    (tokens, parents): (&[u32], &[Option<usize>]),
+    rows: impl Iterator<Item = &'a Vec<f32>>,
+) {
+    for (i, row) in rows.enumerate() {
+        let fed: Vec<u32> = path(parents, i).iter().map(|&r| tokens[r]).collect();
+        let mut alone = holding(model, prefix);
+        let want = model
+            .forward(&fed, &mut alone, Logits::Last)
+            .expect("forward");
+        assert!(same_bits(row, &want[0]), "row {i}: {fed:?}");
+    }
+}
+
+/// Keeping `kept` of the tree's rows (after the story's first 20 tokens: the story's own path)
+/// leaves the cache as if they had been fed as a chain: decoding the story on from there gives
+/// its fresh logits.
+fn assert_kept_as_chain(model: &Model, mut cache: KvCache, kept: &[usize]) {
+    let story = story_tokens();
+    let at = 20 + kept.len();
+    cache.keep_rows(20, kept).expect("keep");
+    assert_eq!(cache.len(), at);
+    let on = model
+        .forward(&story[at..30], &mut cache, Logits::All)
+        .expect("forward");
+    let fresh = fresh_logits(model, &story[..30]);
+    for (got, want) in on.iter().zip(&fresh[at..]) {
+        assert!(same_bits(got, want), "after keeping the path");
+    }
+}
+
 #[test]
 fn each_row_of_a_tree_gets_its_paths_logits_and_one_path_is_kept() {
     let story = story_tokens();
     let (prefix, next) = (&story[..20], &story[20..30]);
-    let models = [load(&stories_dir()), load(&stories_gguf(QuantType::Q8_0))];
-    for (model, start) in models
-        .iter()
-        .flat_map(|m| [(m, holding as fn(&Model, &[u32]) -> KvCache), (m, sharing)])
-    {
+    for (model, start) in models_and_starts() {
         // The last committed token, then two candidates for each of two depths, and the
         // story's own continuation down one path: rows 0, 1, 3, 6.
         let tokens = [next[0], next[1], 77, next[2], 91, 120, next[3]];
         let parents = [None, Some(0), Some(0), Some(1), Some(1), Some(2), Some(3)];
-        let mut cache = start(model, prefix);
+        let mut cache = start(&model, prefix);
         let tree = model
             .forward_tree(&tokens, &parents, &mut cache)
             .expect("a tree");
         assert_eq!((tree.len(), cache.len()), (7, 27));
-        for (i, row) in tree.iter().enumerate() {
-            let fed: Vec<u32> = path(&parents, i).iter().map(|&r| tokens[r]).collect();
-            let mut alone = holding(model, prefix);
-            let want = model
-                .forward(&fed, &mut alone, Logits::Last)
-                .expect("forward");
-            assert!(same_bits(row, &want[0]), "row {i}: {fed:?}");
-        }
-        // Keep the story's path; decoding on is as if it had been fed as a chain.
-        cache.keep_rows(20, &[0, 1, 3, 6]).expect("keep");
-        assert_eq!(cache.len(), 24);
-        let on = model
-            .forward(&next[4..], &mut cache, Logits::All)
-            .expect("forward");
-        let fresh = fresh_logits(model, &story[..30]);
-        for (got, want) in on.iter().zip(&fresh[24..]) {
-            assert!(same_bits(got, want), "after keeping the path");
-        }
+        assert_rows_are_paths(&model, prefix, (&tokens, &parents), tree.iter());
+        assert_kept_as_chain(&model, cache, &[0, 1, 3, 6]);
     }
 }
 
@@ -103,16 +129,12 @@ fn each_row_of_a_tree_gets_its_paths_logits_and_one_path_is_kept() {
 fn a_tree_grown_over_two_passes_is_one_tree() {
     let story = story_tokens();
     let (prefix, next) = (&story[..20], &story[20..30]);
-    let models = [load(&stories_dir()), load(&stories_gguf(QuantType::Q8_0))];
-    for (model, start) in models
-        .iter()
-        .flat_map(|m| [(m, holding as fn(&Model, &[u32]) -> KvCache), (m, sharing)])
-    {
+    for (model, start) in models_and_starts() {
         // Pass one: the story's next token and another beside it. Pass two: a child of each,
         // and a grandchild of the story's path (rows 0, 2, 4 are the story).
         let tokens = [next[0], 77, next[1], 91, next[2]];
         let parents = [None, None, Some(0), Some(1), Some(2)];
-        let mut cache = start(model, prefix);
+        let mut cache = start(&model, prefix);
         let first = model
             .forward_tree(&tokens[..2], &parents[..2], &mut cache)
             .expect("pass one");
@@ -120,24 +142,11 @@ fn a_tree_grown_over_two_passes_is_one_tree() {
             .forward_tree(&tokens[2..], &parents, &mut cache)
             .expect("pass two");
         assert_eq!((second.len(), cache.len()), (3, 25));
-        for (i, row) in first.iter().chain(&second).enumerate() {
-            let fed: Vec<u32> = path(&parents, i).iter().map(|&r| tokens[r]).collect();
-            let mut alone = holding(model, prefix);
-            let want = model
-                .forward(&fed, &mut alone, Logits::Last)
-                .expect("forward");
-            assert!(same_bits(row, &want[0]), "row {i}: {fed:?}");
-        }
-        cache.keep_rows(20, &[0, 2, 4]).expect("keep");
-        let on = model
-            .forward(&next[3..], &mut cache, Logits::All)
-            .expect("forward");
-        let fresh = fresh_logits(model, &story[..30]);
-        for (got, want) in on.iter().zip(&fresh[23..]) {
-            assert!(same_bits(got, want), "after keeping the path");
-        }
-        // Parents that name more cached rows than the cache holds past its start are refused.
-        let mut short = holding(model, &prefix[..1]);
+        let rows = first.iter().chain(&second);
+        assert_rows_are_paths(&model, prefix, (&tokens, &parents), rows);
+        assert_kept_as_chain(&model, cache, &[0, 2, 4]);
+        // Parents that name more cached rows than the cache holds are refused.
+        let mut short = holding(&model, &prefix[..1]);
         let too_many = vec![None; 3];
         assert!(
             model
