@@ -48,8 +48,7 @@ struct Node {
 #[derive(Debug)]
 pub(super) struct Growth {
     nodes: Vec<Node>,
-    /// The tree rows fed so far (each a node), and their parents as tree rows.
-    fed: Vec<usize>,
+    /// The parents (as tree rows) of the tree rows fed so far, in row order.
     fed_parents: Vec<Option<usize>>,
     /// The nodes the latest pass fed, in row order.
     feeding: Vec<usize>,
@@ -77,7 +76,6 @@ impl Growth {
         };
         Self {
             nodes: Vec::with_capacity((k + others) * CHILDREN),
-            fed: Vec::new(),
             fed_parents: Vec::new(),
             feeding: Vec::new(),
             k,
@@ -169,8 +167,7 @@ impl Growth {
         let tokens = self.feeding.iter().map(|&n| self.nodes[n].token).collect();
         for &n in &self.feeding {
             let parent = self.nodes[n].parent.and_then(|p| self.nodes[p].row);
-            self.nodes[n].row = Some(self.fed.len());
-            self.fed.push(n);
+            self.nodes[n].row = Some(self.fed_parents.len());
             self.fed_parents.push(parent);
         }
         Some(tokens)
