@@ -4,11 +4,14 @@
 //! sessions' trees and chains are verified together in one forward pass.
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use tandem_coordinator::Engine;
 use tandem_coordinator::engine::Outcome;
 use tandem_node::LimitsArgs;
 use tandem_runtime::SamplingParams;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
+use tandem_tests::link::{Link, LinkSpec};
 use tandem_tests::*;
 
 /// A Q4_0 copy of the story model in `dir`: a draft often right, sometimes second-best.
@@ -114,4 +117,45 @@ async fn concurrent_trees_and_chains_equal_the_same_requests_alone() {
     }
     assert!(trees > 0, "no round was a tree");
     assert_target_batched(&cluster);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trees_chain_is_drafted_past_during_the_verify() {
+    // A draft often right, sometimes second-best: most rounds are trees (some are one path,
+    // sent as a chain); while the target verifies one, the draft-node drafts past its chain,
+    // used by the next round where the chain was accepted whole and the guess was right.
+    // The target 20 ms away: its verify gives the draft's steps (well under a millisecond
+    // here) the time to draft ahead, however loaded the machine.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let draft = q4_draft(dir.path());
+    let cluster = cluster(&stories(), Some(&draft), &LimitsArgs::default()).await;
+    let far = LinkSpec {
+        rtt: Duration::from_millis(20),
+        bits_per_second: None,
+    };
+    let link = Link::start(cluster.target_addr, far).await.expect("link");
+    let draft_url = format!("http://{}", cluster.draft_addr.expect("a draft"));
+    let mut engine = Engine::connect(&[link.url()], &[draft_url], Some(4), &Default::default())
+        .await
+        .expect("engine");
+    engine.draft_step_slack = PATIENT;
+    let prompt = tokenizer(&stories())
+        .encode("Once upon a time")
+        .expect("encode");
+    let greedy = SamplingParams::greedy();
+    let alone = in_process(&stories(), None, &request(&prompt, 96, 0, &greedy));
+    let mut req = request(&prompt, 96, 4, &greedy);
+    (req.drafter, req.draft_branches) = ("model".into(), Some(2));
+    let out = generate(&engine, &req).await;
+    assert_eq!(out.token_ids, alone.token_ids);
+    let st = out.stats;
+    let chains = st.base.rounds as u32 - st.tree_rounds;
+    assert!(
+        st.pipeline_rounds > chains && st.pipeline_hits > 0,
+        "{} rounds, {} trees: {} blocks drafted during a verify, {} used",
+        st.base.rounds,
+        st.tree_rounds,
+        st.pipeline_rounds,
+        st.pipeline_hits
+    );
 }

@@ -470,7 +470,7 @@ impl KPolicy {
             return 0;
         }
         let window = AHEAD_WINDOW * self.verify_seconds(k + 1);
-        (1..=self.max_k)
+        (1..=self.max_k.max(k))
             .take_while(|&j| self.model.draft_seconds(j + 1) <= window)
             .last()
             .unwrap_or(0)

@@ -355,7 +355,11 @@ impl Engine {
             // many as the policy expects to pay.
             let room = max_draft.saturating_sub(plan.k).min(plan.k);
             let branches = match (plan.drafter, job.branches) {
-                (Some(Drafter::Model), Some(b)) if !drafted_ahead => b.min(room),
+                // A block drafted ahead is a chain: greedy, it stands for the tree (a sure
+                // draft's tree is one path), else for the tree's chain alone.
+                (Some(Drafter::Model), Some(b)) if !drafted_ahead || job.sampling.is_greedy() => {
+                    b.min(room)
+                }
                 (Some(Drafter::Model), None) if !drafted_ahead => policy.branches(plan.k, room),
                 // The n-gram drafter's tree is the target's alone to take (the request's count,
                 // checked against its limit).
@@ -365,7 +369,7 @@ impl Engine {
             let proposal = match plan.drafter {
                 Some(Drafter::Model) if let Some(ready) = ready => {
                     stats.pipeline_hits += 1;
-                    ready.truncated(plan.k)
+                    ready.truncated(plan.k + branches)
                 }
                 Some(Drafter::Model) => {
                     let m = model.as_mut().expect("attached");
@@ -424,13 +428,14 @@ impl Engine {
                 (verdict, verify_start.elapsed().as_secs_f64())
             };
             // While the target verifies, the draft-node drafts the block that follows if every
-            // draft is accepted (docs/architecture.md "Pipelined"), when it fits in the verify's time and in
+            // draft of the chain (a tree's drafts before its first sibling) is accepted
+            // (docs/architecture.md "Pipelined"), when it fits in the verify's time and in
             // what the generation has left: at least as long as this one, and one longer where K
             // is adaptive ([`KPolicy::ahead_len`]); the next round takes the part it planned, so
             // rounds fall where they would without drafting ahead. The drafts go back to the
             // draft-node unverified: ids outside the vocabulary (a lying draft) would make it
             // refuse the step, so such a block is not drafted past.
-            let k = drafts.len();
+            let k = super::tree::chain_len(&parents, drafts.len());
             let vocab = self.target().info.vocab_size;
             let next = if job.adaptive {
                 policy.ahead_len(k)
@@ -440,10 +445,9 @@ impl Engine {
             .min(max_draft.saturating_sub(1));
             let ahead_k = Some(next).filter(|&next| {
                 k > 0
-                    && parents.is_empty()
                     && next >= k
                     && transcript.remaining() >= k + next + 2
-                    && drafts.iter().all(|&t| t < vocab)
+                    && drafts[..k].iter().all(|&t| t < vocab)
             });
             let (verdict, drafted_next) = match (model.as_mut(), ahead_k) {
                 (Some(m), Some(next))
@@ -451,7 +455,7 @@ impl Engine {
                 {
                     let expected = policy.expected_draft_seconds(next + 1);
                     let (v, drafted) =
-                        tokio::join!(verify, m.step_ahead(&log, &drafts, next + 1, expected));
+                        tokio::join!(verify, m.step_ahead(&log, &drafts[..k], next + 1, expected));
                     (v, Some((next, drafted)))
                 }
                 _ => (verify.await, None),
@@ -502,7 +506,7 @@ impl Engine {
                 stats.draft_node_tokens += next.tokens.len() as u32;
                 stats.base.draft_seconds += next.compute_secs;
                 draft_waited += (next.compute_secs - verify_wall).max(0.0);
-                if accepted == drafts.len() {
+                if tree.chain == (k, k) && accepted == k {
                     let right = next.tokens.first() == Some(&verdict.next_token);
                     policy.observe_guess(right);
                     if right && next.tokens.len() > 1 {

@@ -204,15 +204,23 @@ impl Growth {
 
     /// The block sent: the chain (wire form: each draft the child of the one before), then the
     /// best-scored others as they were offered (a parent before its children); where the chain
-    /// is free, as much of it as is among the best.
+    /// is free, as much of it as is among the best. A block that is one path (a sure draft's
+    /// free tree) is sent as a chain: the coordinator drafts ahead past a chain.
     pub(super) fn proposal(self) -> Proposal {
         let mut best = self.best();
         let mut order = self.chain();
         order.retain(|n| !self.free || best.contains(n));
-        let chain = order.len();
+        let mut chain = order.len();
         best.retain(|n| !order.contains(n));
         best.sort_unstable();
         order.extend(best);
+        let path = order
+            .iter()
+            .enumerate()
+            .all(|(i, &n)| self.nodes[n].parent == i.checked_sub(1).map(|before| order[before]));
+        if path {
+            chain = order.len();
+        }
         let mut wire = vec![0u32; self.nodes.len()];
         for (i, &n) in order.iter().enumerate() {
             wire[n] = i as u32 + 1;
@@ -382,6 +390,31 @@ mod tests {
         // 4 under 1 (0.27) misses.
         assert_eq!(p.tokens, vec![0, 2, 1, 3]);
         assert_eq!(p.parents, vec![0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn a_sure_drafts_free_tree_is_one_path_sent_as_a_chain() {
+        // Greedy, 2 + 2 nodes: the draft gives each next token 0.97, so its best four nodes
+        // are one path of four, sent without parents (a chain, which the coordinator drafts
+        // ahead past).
+        let mut g = Growth::new(2, 2, true, true);
+        let sure = |token: usize| {
+            let mut probs = [0.005; 8];
+            probs[token] = 0.97;
+            row(&probs)
+        };
+        g.offer(None, &sure(1), drawn(1));
+        let mut depth = 1;
+        while g.next_pass().is_some() {
+            depth += 1;
+            for (n, _) in g.fed_paths() {
+                let d = g.on_chain(n).then(|| drawn(depth as u32)).flatten();
+                g.offer(Some(n), &sure(depth), d);
+            }
+        }
+        let p = g.proposal();
+        assert_eq!(p.tokens, vec![1, 2, 3, 4]);
+        assert!(p.parents.is_empty(), "a path: {:?}", p.parents);
     }
 
     #[test]
