@@ -474,7 +474,8 @@ impl Engine {
                 Err(e) => break Err(e),
             };
             if let Some(right) = tree.sibling {
-                policy.observe_sibling(right);
+                let past_chain = if right { accepted - tree.chain.1 } else { 0 };
+                policy.observe_sibling(past_chain);
             }
             if !parents.is_empty() {
                 stats.tree_rounds += 1;

@@ -1,52 +1,58 @@
-//! Token trees' share of the policy (issue 31): how many sibling leaves a round adds beside the
-//! model's drafts. A sibling (the draft's runner-up at a depth) commits one more token where the
-//! round reaches its depth, the draft beside it is rejected and it is right; it costs one more
-//! verified position and no draft step.
+//! Token trees' share of the policy (issue 31): how many nodes a round adds beside the model's
+//! chain of drafts. A node off the chain (a sibling of a chain draft, or deeper under one: the
+//! draft-node grows its trees best-first) commits tokens where the round reaches its depth, the
+//! chain's draft there is rejected and the branch is right: one token for a sibling leaf, more
+//! where the branch goes deeper; it costs one more verified position and no draft step of its
+//! own (the draft feeds it in the passes its chain takes).
 
 use super::{Drafter, KPolicy};
 
 /// Weight kept by the old evidence at each new observation.
 const DECAY: f64 = 0.98;
-/// Prior: a sibling right one time in four, worth four observations.
+/// Prior: a branch right one time in four (a leaf: one token), worth four observations.
 const PRIOR_TESTED: f64 = 4.0;
-const PRIOR_RIGHT: f64 = 1.0;
+const PRIOR_TOKENS: f64 = 1.0;
 
-/// How often a sibling leaf is right where it is tested: its depth reached and the draft beside
-/// it rejected.
+/// What the branches beside the chain commit where they are tested (the depth of the chain's
+/// first rejected draft reached, a node beside it sent): the tokens past the chain's accepted
+/// drafts (none where wrong, one for a right leaf, more down a deeper branch).
 #[derive(Debug, Clone)]
 pub struct Siblings {
     tested: f64,
-    right: f64,
+    tokens: f64,
 }
 
 impl Default for Siblings {
     fn default() -> Self {
         Self {
             tested: PRIOR_TESTED,
-            right: PRIOR_RIGHT,
+            tokens: PRIOR_TOKENS,
         }
     }
 }
 
 impl Siblings {
-    pub fn observe(&mut self, right: bool) {
+    /// A tested branch: `committed` tokens past the chain's accepted drafts (0: it was wrong).
+    pub fn observe(&mut self, committed: usize) {
         self.tested = self.tested * DECAY + 1.0;
-        self.right = self.right * DECAY + f64::from(u8::from(right));
+        self.tokens = self.tokens * DECAY + committed as f64;
     }
 
-    pub fn rate(&self) -> f64 {
-        self.right / self.tested
+    /// The tokens a tested branch commits, on average.
+    pub fn tokens(&self) -> f64 {
+        self.tokens / self.tested
     }
 }
 
-/// The number of siblings, at most `max`, that makes a round's expected tokens per second
-/// largest: `reach[i]` the chance that drafts 0..=i are all accepted, `tokens` and `seconds`
-/// the chain's expected tokens and round time, `extra_verify(b)` what b more positions add to
-/// the verify. Siblings are counted at the shallowest depths (the draft places them where it is
-/// least sure, weighted by its chance of getting there, which favours shallow ones).
+/// The number of nodes beside the chain, at most `max`, that makes a round's expected tokens
+/// per second largest: `reach[i]` the chance that drafts 0..=i are all accepted, `gain` the
+/// tokens a tested branch commits, `tokens` and `seconds` the chain's expected tokens and round
+/// time, `extra_verify(b)` what b more positions add to the verify. Nodes are counted as a
+/// branch at each of the shallowest depths (the draft places them where it is least sure,
+/// weighted by its chance of getting there, which favours shallow ones).
 pub fn best_branches(
     reach: &[f64],
-    rate: f64,
+    gain: f64,
     (tokens, seconds): (f64, f64),
     extra_verify: impl Fn(usize) -> f64,
     max: usize,
@@ -55,7 +61,7 @@ pub fn best_branches(
     let mut extra = 0.0;
     for b in 1..=max.min(reach.len()) {
         let before = if b == 1 { 1.0 } else { reach[b - 2] };
-        extra += (before - reach[b - 1]) * rate;
+        extra += (before - reach[b - 1]) * gain;
         let per_second = (tokens + extra) / (seconds + extra_verify(b));
         if per_second > best.0 {
             best = (per_second, b);
@@ -65,9 +71,9 @@ pub fn best_branches(
 }
 
 impl KPolicy {
-    /// Sibling leaves to add beside `k` model drafts, at most `max`: as many as raise the
-    /// round's expected tokens per second, from the measured acceptance by depth, how often
-    /// siblings were right, the round's expected time and what more verified positions cost.
+    /// Nodes to add beside `k` model drafts, at most `max`: as many as raise the round's
+    /// expected tokens per second, from the measured acceptance by depth, what tested branches
+    /// committed, the round's expected time and what more verified positions cost.
     pub fn branches(&self, k: usize, max: usize) -> usize {
         if k == 0 || max == 0 {
             return 0;
@@ -79,12 +85,13 @@ impl KPolicy {
             self.calibrated_round(Drafter::Model, k, verify),
         );
         let extra = |b: usize| (self.verify_seconds(k + 1 + b) - verify).max(0.0);
-        best_branches(&reach, self.siblings.rate(), chain, extra, max.min(k))
+        best_branches(&reach, self.siblings.tokens(), chain, extra, max.min(k))
     }
 
-    /// A round whose sibling beside the first rejected draft was verified: right or not.
-    pub fn observe_sibling(&mut self, right: bool) {
-        self.siblings.observe(right);
+    /// A round whose branch beside the first rejected draft was verified: the tokens it
+    /// committed past the chain's accepted drafts (0: wrong).
+    pub fn observe_sibling(&mut self, committed: usize) {
+        self.siblings.observe(committed);
     }
 }
 
@@ -137,16 +144,22 @@ mod tests {
     }
 
     #[test]
-    fn the_rate_follows_what_was_seen() {
+    fn the_tokens_a_branch_commits_follow_what_was_seen() {
         let mut s = Siblings::default();
-        assert!((s.rate() - 0.25).abs() < 1e-9);
+        assert!((s.tokens() - 0.25).abs() < 1e-9);
+        // Right branches, each committing 3 tokens (a deep branch).
         for _ in 0..200 {
-            s.observe(true);
+            s.observe(3);
         }
-        assert!(s.rate() > 0.95, "{}", s.rate());
+        assert!(s.tokens() > 2.9, "{}", s.tokens());
+        // Half of them right, one token each (leaves).
+        for i in 0..400 {
+            s.observe(i % 2);
+        }
+        assert!((s.tokens() - 0.5).abs() < 0.05, "{}", s.tokens());
         for _ in 0..200 {
-            s.observe(false);
+            s.observe(0);
         }
-        assert!(s.rate() < 0.05, "{}", s.rate());
+        assert!(s.tokens() < 0.1, "{}", s.tokens());
     }
 }
