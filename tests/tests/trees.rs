@@ -158,4 +158,16 @@ async fn a_trees_chain_is_drafted_past_during_the_verify() {
         st.pipeline_rounds,
         st.pipeline_hits
     );
+    // Sampled: the blocks under a right guess (the drawn chain's rest, one-hot nodes beside
+    // it) are taken as any tree is, none refused.
+    let mut used = 0;
+    for seed in 1..=4 {
+        let mut req = request(&prompt, 96, 4, &sampled(seed));
+        (req.drafter, req.draft_branches) = ("model".into(), Some(2));
+        let out = generate(&engine, &req).await;
+        assert_eq!(out.token_ids.len(), 96, "seed {seed}");
+        assert_eq!(out.stats.draft_blocks_refused, 0, "seed {seed}");
+        used += out.stats.pipeline_hits;
+    }
+    assert!(used > 0, "no sampled block drafted ahead was used");
 }

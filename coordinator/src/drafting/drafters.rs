@@ -92,6 +92,49 @@ impl Proposal {
         self.parents.truncate(k);
         self
     }
+
+    /// Where a first draft (a chain's, or any of a tree's at its first depth) is `token`: the
+    /// drafts under it, as a block of their own (its children first-depth drafts; a block that
+    /// is one path a chain). `None` where no first draft is `token` or the block is malformed.
+    pub fn under(&self, token: u32) -> Option<Self> {
+        let n = self.tokens.len();
+        let tree = !self.parents.is_empty();
+        if self.q.len() != n || (tree && self.parents.len() != n) {
+            return None;
+        }
+        // A node's parent in wire form: 0 the block's root, i + 1 the node i.
+        let parent = |i: usize| if tree { self.parents[i] as usize } else { i };
+        let at = (0..n).find(|&i| parent(i) == 0 && self.tokens[i] == token)?;
+        let mut below = Self::default();
+        // Each node's index in the new block, where it is under `at`.
+        let mut index: Vec<Option<u32>> = vec![None; n];
+        for i in at + 1..n {
+            let p = parent(i);
+            let new_parent = if p == at + 1 {
+                Some(0)
+            } else {
+                p.checked_sub(1)
+                    .filter(|&p| p < i)
+                    .and_then(|p| index[p])
+                    .map(|j| j + 1)
+            };
+            if let Some(new_parent) = new_parent {
+                index[i] = Some(below.tokens.len() as u32);
+                below.tokens.push(self.tokens[i]);
+                below.q.push(self.q[i].clone());
+                below.parents.push(new_parent);
+            }
+        }
+        if below
+            .parents
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| p as usize == i)
+        {
+            below.parents.clear();
+        }
+        Some(below)
+    }
 }
 
 /// First and largest wait before attaching a lost draft-node again.
@@ -397,23 +440,24 @@ impl ModelDrafter {
         }
     }
 
-    /// Drafts `k` tokens past `drafts` while the target verifies them (docs/architecture.md "Pipelined"):
-    /// the first is the draft's guess of the bonus token, the rest continue it, so that if every
-    /// draft is accepted and the guess is the target's token, the next round's drafts are ready
-    /// when the verdict comes. A failure drops the session and re-attaches it from `log`, as
+    /// Drafts a block of `shape` (K, and B more nodes: a tree) past `drafts` while the target
+    /// verifies them (docs/architecture.md "Pipelined"): its first depth is the draft's guesses
+    /// of the bonus token, the rest continue them, so that if every draft is accepted and a
+    /// guess is the target's token, the next round's drafts are ready when the verdict comes
+    /// ([`Proposal::under`]). A failure drops the session and re-attaches it from `log`, as
     /// after any failed step.
     pub async fn step_ahead(
         &mut self,
         log: &TokenLog,
         drafts: &[u32],
-        k: usize,
+        shape: (usize, usize),
         expected: Option<f64>,
     ) -> Result<Proposal, StepFailure> {
         let mut ahead = log.clone();
         ahead.extend(drafts);
         // On failure the session is re-attached from what is committed, not from the drafts
         // being verified.
-        let proposal = self.step_from(&ahead, log, (k, 0), expected).await?;
+        let proposal = self.step_from(&ahead, log, shape, expected).await?;
         if let Some(session) = self.session.as_mut() {
             session.hold_at_most(log.prefix());
         }
@@ -475,5 +519,51 @@ pub fn fixed_drafter(choice: DrafterChoice, model_attached: bool) -> Drafter {
         DrafterChoice::Model | DrafterChoice::Auto if model_attached => Drafter::Model,
         // The draft-node is lost (or never came): n-gram lookup stands in.
         _ => Drafter::Ngram,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(tokens: &[u32], parents: &[u32]) -> Proposal {
+        let q = tokens
+            .iter()
+            .map(|&t| v1::Distribution {
+                kind: Some(v1::distribution::Kind::OneHot(t)),
+            })
+            .collect();
+        Proposal {
+            tokens: tokens.to_vec(),
+            q,
+            parents: parents.to_vec(),
+            ..Proposal::default()
+        }
+    }
+
+    #[test]
+    fn the_drafts_under_the_right_guess_are_a_block_of_their_own() {
+        // A chain: what follows its first draft, when that was the guess.
+        let chain = block(&[5, 6, 7], &[]);
+        let under = chain.under(5).expect("the guess");
+        assert_eq!((under.tokens, under.parents), (vec![6, 7], vec![]));
+        assert_eq!(under.q.len(), 2);
+        assert!(chain.under(6).is_none(), "6 is not a first draft");
+        assert_eq!(block(&[5], &[]).under(5).map(|p| p.tokens), Some(vec![]));
+        // A tree: guesses 5 and 9 at the first depth; under 5 a chain 6, 7 and 8 beside 6;
+        // under 9 the path 10, 11.
+        let tree = block(&[5, 6, 7, 9, 8, 10, 11], &[0, 1, 2, 0, 1, 4, 6]);
+        let under = tree.under(5).expect("the first guess");
+        assert_eq!(
+            (under.tokens, under.parents),
+            (vec![6, 7, 8], vec![0, 1, 0])
+        );
+        let under = tree.under(9).expect("the second guess");
+        assert_eq!((under.tokens, under.parents), (vec![10, 11], vec![]));
+        assert!(tree.under(6).is_none(), "6 is under 5, not a guess");
+        // Malformed: parents that do not fit, a node's parent after it.
+        assert!(block(&[5, 6], &[0]).under(5).is_none());
+        let forward = block(&[5, 6, 7], &[0, 3, 1]);
+        assert_eq!(forward.under(5).map(|p| p.tokens), Some(vec![7]));
     }
 }

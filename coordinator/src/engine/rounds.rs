@@ -345,8 +345,8 @@ impl Engine {
             tracing::debug!(?plan, policy = %policy.summary(), "round planned");
             let round_start = Instant::now();
             let round = tracing::info_span!("round", n = stats.base.rounds + 1, k = plan.k);
-            // A block the draft drafted during the last verify, when its guess of the bonus
-            // token was right: this round's drafts, ready without asking.
+            // A block the draft drafted during the last verify, when a guess of the bonus token
+            // was right: this round's drafts (what was under that guess), ready without asking.
             let ready = ahead
                 .take()
                 .filter(|_| plan.drafter == Some(Drafter::Model));
@@ -355,12 +355,8 @@ impl Engine {
             // many as the policy expects to pay.
             let room = max_draft.saturating_sub(plan.k).min(plan.k);
             let branches = match (plan.drafter, job.branches) {
-                // A block drafted ahead is a chain: greedy, it stands for the tree (a sure
-                // draft's tree is one path), else for the tree's chain alone.
-                (Some(Drafter::Model), Some(b)) if !drafted_ahead || job.sampling.is_greedy() => {
-                    b.min(room)
-                }
-                (Some(Drafter::Model), None) if !drafted_ahead => policy.branches(plan.k, room),
+                (Some(Drafter::Model), Some(b)) => b.min(room),
+                (Some(Drafter::Model), None) => policy.branches(plan.k, room),
                 // The n-gram drafter's tree is the target's alone to take (the request's count,
                 // checked against its limit).
                 (Some(Drafter::Ngram), Some(b)) => b.min(plan.k),
@@ -428,8 +424,8 @@ impl Engine {
                 (verdict, verify_start.elapsed().as_secs_f64())
             };
             // While the target verifies, the draft-node drafts the block that follows if every
-            // draft of the chain (a tree's drafts before its first sibling) is accepted
-            // (docs/architecture.md "Pipelined"), when it fits in the verify's time and in
+            // draft of the chain (a tree's drafts before its first sibling) is accepted, of this
+            // block's shape (docs/architecture.md "Pipelined"), when it fits in the verify's time and in
             // what the generation has left: at least as long as this one, and one longer where K
             // is adaptive ([`KPolicy::ahead_len`]); the next round takes the part it planned, so
             // rounds fall where they would without drafting ahead. The drafts go back to the
@@ -454,8 +450,14 @@ impl Engine {
                     if plan.drafter == Some(Drafter::Model) && m.session.is_some() =>
                 {
                     let expected = policy.expected_draft_seconds(next + 1);
+                    let shape = (
+                        next + 1,
+                        branches
+                            .min(next + 1)
+                            .min(max_draft.saturating_sub(next + 1)),
+                    );
                     let (v, drafted) =
-                        tokio::join!(verify, m.step_ahead(&log, &drafts[..k], next + 1, expected));
+                        tokio::join!(verify, m.step_ahead(&log, &drafts[..k], shape, expected));
                     (v, Some((next, drafted)))
                 }
                 _ => (verify.await, None),
@@ -508,15 +510,9 @@ impl Engine {
                 stats.base.draft_seconds += next.compute_secs;
                 draft_waited += (next.compute_secs - verify_wall).max(0.0);
                 if tree.chain == (k, k) && accepted == k {
-                    let right = next.tokens.first() == Some(&verdict.next_token);
-                    policy.observe_guess(right);
-                    if right && next.tokens.len() > 1 {
-                        ahead = Some(Proposal {
-                            tokens: next.tokens[1..].to_vec(),
-                            q: next.q[1..].to_vec(),
-                            ..Proposal::default()
-                        });
-                    }
+                    let under = next.under(verdict.next_token);
+                    policy.observe_guess(under.is_some());
+                    ahead = under.filter(|p| !p.tokens.is_empty());
                 }
             }
             let drafter = plan.drafter.filter(|_| !drafts.is_empty());
