@@ -124,13 +124,13 @@ async fn a_trees_chain_is_drafted_past_during_the_verify() {
     // A draft often right, sometimes second-best: most rounds are trees (some are one path,
     // sent as a chain); while the target verifies one, the draft-node drafts past its chain,
     // used by the next round where the chain was accepted whole and the guess was right.
-    // The target 20 ms away: its verify gives the draft's steps (well under a millisecond
-    // here) the time to draft ahead, however loaded the machine.
+    // The target 50 ms away: its verify gives the draft's steps (a few milliseconds here) the
+    // time to draft ahead, however loaded the machine.
     let dir = tempfile::tempdir().expect("temp dir");
     let draft = q4_draft(dir.path());
     let cluster = cluster(&stories(), Some(&draft), &LimitsArgs::default()).await;
     let far = LinkSpec {
-        rtt: Duration::from_millis(20),
+        rtt: Duration::from_millis(50),
         bits_per_second: None,
     };
     let link = Link::start(cluster.target_addr, far).await.expect("link");
@@ -158,16 +158,18 @@ async fn a_trees_chain_is_drafted_past_during_the_verify() {
         st.pipeline_rounds,
         st.pipeline_hits
     );
-    // Sampled: the blocks under a right guess (the drawn chain's rest, one-hot nodes beside
-    // it) are taken as any tree is, none refused.
-    let mut used = 0;
-    for seed in 1..=4 {
-        let mut req = request(&prompt, 96, 4, &sampled(seed));
-        (req.drafter, req.draft_branches) = ("model".into(), Some(2));
+    // Sampled, a seeded generation is the same whether blocks were drafted ahead or not: a
+    // sampled tree is not drafted past (the tree drafted ahead would not be the one the next
+    // step grows); a sampled chain is (it is the chain the step draws).
+    for branches in [Some(2), None] {
+        let mut req = request(&prompt, 96, 4, &sampled(3));
+        (req.drafter, req.draft_branches) = ("model".into(), branches);
         let out = generate(&engine, &req).await;
-        assert_eq!(out.token_ids.len(), 96, "seed {seed}");
-        assert_eq!(out.stats.draft_blocks_refused, 0, "seed {seed}");
-        used += out.stats.pipeline_hits;
+        req.pipeline = Some(false);
+        let serial = generate(&engine, &req).await;
+        assert_eq!(out.token_ids, serial.token_ids, "{branches:?} branches");
+        if branches.is_some() {
+            assert_eq!(out.stats.pipeline_rounds, 0, "a sampled tree drafted past");
+        }
     }
-    assert!(used > 0, "no sampled block drafted ahead was used");
 }

@@ -426,22 +426,26 @@ impl Engine {
             // While the target verifies, the draft-node drafts the block that follows if every
             // draft of the chain (a tree's drafts before its first sibling) is accepted, of this
             // block's shape (docs/architecture.md "Pipelined"), when it fits in the verify's time and in
-            // what the generation has left: at least as long as this one, and one longer where K
-            // is adaptive ([`KPolicy::ahead_len`]); the next round takes the part it planned, so
-            // rounds fall where they would without drafting ahead. The drafts go back to the
-            // draft-node unverified: ids outside the vocabulary (a lying draft) would make it
-            // refuse the step, so such a block is not drafted past.
+            // what the generation has left, and where it is expected to pay (a poor draft's
+            // chain is seldom accepted whole): at least as long as this one (a tree's: its K),
+            // and one longer where K is adaptive ([`KPolicy::ahead_len`]); the next round takes
+            // the part it planned, so rounds fall where they would without drafting ahead. The
+            // drafts go back to the draft-node unverified: ids outside the vocabulary (a lying
+            // draft) would make it refuse the step, so such a block is not drafted past.
             let k = super::tree::chain_len(&parents, drafts.len());
+            let want = if parents.is_empty() { k } else { k.max(plan.k) };
             let vocab = self.target().info.vocab_size;
-            let next = if job.adaptive {
-                policy.ahead_len(k)
-            } else {
-                policy.ahead_k(k).min(k)
-            }
-            .min(max_draft.saturating_sub(1));
+            let next = policy.ahead_len(want);
+            let next =
+                if job.adaptive { next } else { next.min(want) }.min(max_draft.saturating_sub(1));
+            // Sampled, a tree drafted ahead would not be the tree the next step grows (its nodes
+            // beside the chain are the best of a larger tree): a seeded generation would then
+            // depend on when drafting ahead paid. A chain drafted ahead is the chain the step
+            // draws.
             let ahead_k = Some(next).filter(|&next| {
                 k > 0
-                    && next >= k
+                    && (branches == 0 || job.sampling.is_greedy())
+                    && next >= want
                     && transcript.remaining() >= k + next + 2
                     && drafts[..k].iter().all(|&t| t < vocab)
             });
