@@ -64,9 +64,8 @@ fetch_llama() {
     say "GitHub unreachable: llama.cpp as vendored by the newest llama-cpp-python sdist on PyPI"
     local tmp
     tmp=$(mktemp -d)
-    python3 -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
-        llama-cpp-python -d "$tmp" 2>/dev/null ||
-        python3 - "$tmp" <<'EOF'
+    # The sdist straight from PyPI's JSON API (pip would build its metadata, cmake included).
+    python3 - "$tmp" <<'EOF'
 import json, sys, urllib.request
 meta = json.load(urllib.request.urlopen("https://pypi.org/pypi/llama-cpp-python/json"))
 sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")

@@ -125,16 +125,24 @@ impl Proposal {
                 below.parents.push(new_parent);
             }
         }
-        if below
-            .parents
-            .iter()
-            .enumerate()
-            .all(|(i, &p)| p as usize == i)
-        {
+        if chain_len(&below.parents, below.tokens.len()) == below.tokens.len() {
             below.parents.clear();
         }
         Some(below)
     }
+}
+
+/// How many of a block's `drafts` (`parents` in wire form, empty for a chain) are its chain:
+/// the drafts before the first that is not the child of the one before it.
+pub fn chain_len(parents: &[u32], drafts: usize) -> usize {
+    if parents.is_empty() {
+        return drafts;
+    }
+    parents
+        .iter()
+        .enumerate()
+        .take_while(|&(i, &p)| p as usize == i)
+        .count()
 }
 
 /// First and largest wait before attaching a lost draft-node again.

@@ -432,7 +432,7 @@ impl Engine {
             // the part it planned, so rounds fall where they would without drafting ahead. The
             // drafts go back to the draft-node unverified: ids outside the vocabulary (a lying
             // draft) would make it refuse the step, so such a block is not drafted past.
-            let k = super::tree::chain_len(&parents, drafts.len());
+            let k = crate::drafting::drafters::chain_len(&parents, drafts.len());
             let want = if parents.is_empty() { k } else { k.max(plan.k) };
             let vocab = self.target().info.vocab_size;
             let next = policy.ahead_len(want);

@@ -18,19 +18,6 @@ pub struct Committed {
     pub sibling: Option<bool>,
 }
 
-/// How many of a block's `drafts` (`parents` in wire form, empty for a chain) are its chain:
-/// the drafts before the first that is not the child of the one before it.
-pub fn chain_len(parents: &[u32], drafts: usize) -> usize {
-    if parents.is_empty() {
-        return drafts;
-    }
-    parents
-        .iter()
-        .enumerate()
-        .take_while(|&(i, &p)| p as usize == i)
-        .count()
-}
-
 /// The tokens a verdict commits from `drafts` (a chain, or a tree with `parents` in wire form),
 /// its path checked to be one: from a child of the committed tokens, each node a child of the
 /// one before.
@@ -71,7 +58,7 @@ pub fn committed(drafts: &[u32], parents: &[u32], verdict: &v1::VerdictReply) ->
             path.len()
         )));
     }
-    let chain = chain_len(parents, drafts.len());
+    let chain = crate::drafting::drafters::chain_len(parents, drafts.len());
     let on_chain = path
         .iter()
         .enumerate()
