@@ -13,8 +13,9 @@
 #   gpu/bin/deps/link            tests/benches/link.rs (likewise, the draft behind a delaying link)
 # Then, there: `scripts/gpu-check.sh [OUT_DIR] [STEP...]` runs each check with a deadline, its
 # output to OUT_DIR (default ./gpu-out) and the terminal; steps: tests, verify, concurrency, link
-# (default these four), and with the real Qwen2.5-Coder pair: kv (the target's default KV-cache
-# budget on the GPU), qwen (every variant's output equal to
+# (default these four; GPU_REPS: the verify and link benches' reps), and with the real
+# Qwen2.5-Coder pair: kv (the target's default KV-cache budget on the GPU), qwen (every variant's
+# output equal to
 # target-only's, 1 and 64 sessions, bf16 and f16), qlink (the CPU draft's speedup at RTT 0 and
 # 20 ms), llamacpp (llama.cpp built with CUDA on the same files: `--llama`). The GPU's memory in use
 # is sampled all along (gpu-memory.csv).
@@ -178,7 +179,7 @@ step tests 150 gpu/bin/deps/cuda --test-threads 1
 # Writes the random 1.5B-shape model once (single-threaded, ~a minute), then alternates.
 BENCH_DEVICE=cuda BENCH_MODEL=random-1.5b BENCH_ROWS=1 BENCH_ITERS=1 \
     step verify-warm 200 gpu/bin/deps/verify
-for rep in 1 2; do
+for rep in $(seq "${GPU_REPS:-2}"); do
     for variant in verify verify-stock; do
         [ -x gpu/bin/deps/$variant ] || continue
         BENCH_DEVICE=cuda BENCH_MODEL=random-1.5b BENCH_DTYPE=${GPU_DTYPE:-bf16} \
@@ -189,8 +190,9 @@ done
 BENCH_TARGET_ARGS="--device cuda" BENCH_SESSIONS=${GPU_SESSIONS:-1,8,32,64} \
     BENCH_VARIANTS=target-only,auto,4 BENCH_BATCH=64 BENCH_CPUS=8-15,0-7 \
     step concurrency 280 gpu/bin/deps/concurrency
-BENCH_TARGET_ARGS="--device cuda" BENCH_RTT_MS=0,20 BENCH_MBIT=0 BENCH_VARIANTS=target-only,auto \
-    BENCH_REPS=3 BENCH_CPUS=8-15,0-7 step link 200 gpu/bin/deps/link
+# Chains and a token tree of as many positions (5+3: issue 31), each output equal to target-only's.
+BENCH_TARGET_ARGS="--device cuda" BENCH_RTT_MS=0,20 BENCH_MBIT=0 BENCH_VARIANTS=target-only,auto,8,5+3 \
+    BENCH_REPS=${GPU_REPS:-3} BENCH_CPUS=8-15,0-7 step link 200 gpu/bin/deps/link
 # The KV-cache budget a target-node on the GPU takes by default (80 % of the GPU's free memory once
 # the model is loaded), against the memory the GPU has: gpu-memory.csv shows what the runs used.
 kv() {

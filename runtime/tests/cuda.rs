@@ -147,8 +147,11 @@ fn rows_batched_with_other_sessions_equal_their_lone_forward() {
     }
 }
 
+/// A tree fed in two passes (as a draft grows one, the second pass's rows under rows the first
+/// fed): each row gets its path's logits, and keeping the story's path leaves the cache as if that
+/// path had been decoded step by step.
 #[test]
-fn each_row_of_a_tree_gets_its_paths_logits() {
+fn each_row_of_a_tree_gets_its_paths_logits_and_one_path_is_kept() {
     let story = story_tokens();
     let (prefix, next) = (&story[..20], &story[20..30]);
     for (what, model) in models() {
@@ -161,9 +164,14 @@ fn each_row_of_a_tree_gets_its_paths_logits() {
         model
             .forward(prefix, &mut cache, Logits::Last)
             .expect("prefix");
-        let tree = model
-            .forward_tree(&tokens, &parents, &mut cache)
-            .expect("a tree");
+        let mut tree = model
+            .forward_tree(&tokens[..3], &parents[..3], &mut cache)
+            .expect("pass one");
+        tree.extend(
+            model
+                .forward_tree(&tokens[3..], &parents, &mut cache)
+                .expect("pass two"),
+        );
         for (i, row) in tree.iter().enumerate() {
             let mut path = vec![i];
             while let Some(p) = parents[*path.last().expect("a row")] {
@@ -173,6 +181,23 @@ fn each_row_of_a_tree_gets_its_paths_logits() {
             let want = singles(&model, prefix, &fed);
             let want = want.last().expect("a step");
             assert!(same_bits(row, want), "{what}: tree row {i}: {fed:?}");
+        }
+        cache.keep_rows(20, &[0, 1, 3, 6]).expect("keep the path");
+        let on: Vec<Vec<f32>> = next[4..]
+            .iter()
+            .map(|&t| {
+                model
+                    .forward(&[t], &mut cache, Logits::Last)
+                    .expect("step")
+                    .remove(0)
+            })
+            .collect();
+        let want = singles(&model, &story[..24], &next[4..]);
+        for (i, (got, want)) in on.iter().zip(&want).enumerate() {
+            assert!(
+                same_bits(got, want),
+                "{what}: step {i} after keeping the path"
+            );
         }
     }
 }
