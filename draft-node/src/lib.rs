@@ -88,6 +88,7 @@ impl Session for DraftSession {
                     log: log.tokens(),
                     k: step.k as usize,
                     branches: step.branches as usize,
+                    min_confidence: step.min_confidence,
                 });
             }
         }
@@ -178,6 +179,7 @@ impl DraftSession {
             q: proposal.q.iter().map(distribution_to_wire).collect(),
             compute_micros,
             parents: proposal.parents,
+            confidence: proposal.confidence,
         })))
     }
 }

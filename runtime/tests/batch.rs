@@ -167,6 +167,7 @@ fn batched_verification_commits_what_each_session_commits_alone() {
                 log: &s.log,
                 k,
                 branches: s.branches.min(k),
+                min_confidence: 0.0,
             }];
             let mut p = Drafter::propose_batch(&mut job)
                 .pop()
@@ -316,6 +317,7 @@ fn batched_draft_steps_propose_what_each_drafter_proposes_alone() {
                 log,
                 k,
                 branches: 0,
+                min_confidence: 0.0,
             })
             .collect();
         let together = Drafter::propose_batch(&mut jobs);

@@ -278,6 +278,7 @@ fn a_drafters_trees_decode_as_target_only() {
             log,
             k: 4,
             branches: 4,
+            min_confidence: 0.0,
         }];
         Drafter::propose_batch(&mut jobs)
             .remove(0)
@@ -359,6 +360,7 @@ fn sampled_trees_follow_the_target_distribution() {
                 log: &log,
                 k: 2,
                 branches: 2,
+                min_confidence: 0.0,
             }];
             let proposal = Drafter::propose_batch(&mut jobs)
                 .remove(0)

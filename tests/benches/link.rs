@@ -14,7 +14,9 @@
 //! Environment: BENCH_REPS (default 3), BENCH_PAIRS (default `110m-q8_0`; also `stories260k`,
 //! `qwen-prose`, `qwen-code`), BENCH_TOKENS (default: the pair's), BENCH_RTT_MS (default `0,5,20,50`), BENCH_MBIT (default `0,100,10`;
 //! 0 is unlimited), BENCH_VARIANTS (default `target-only,auto,4,8`; a number is a fixed K,
-//! `K+B` a token tree of K + B positions no deeper than K),
+//! `K+B` a token tree of K + B positions no deeper than K, `@C` after either the draft's chain
+//! stopping below confidence C (`@0`: never early; without it the policy learns where),
+//! `-serial` after any no drafting during the verify),
 //! BENCH_DRAFTER (default `auto`), BENCH_TEMPERATURE (default 0, greedy), BENCH_CPUS (default
 //! `0,1`: the target's and the draft's core), BENCH_TARGET_ARGS (more arguments of the
 //! target-node, e.g. `--device cuda`).
@@ -115,6 +117,10 @@ async fn main() -> anyhow::Result<()> {
                     let (k, serial) = variant
                         .strip_suffix("-serial")
                         .map_or((variant, false), |k| (k, true));
+                    // `K@C`: the chain stops below confidence C.
+                    let (k, min_confidence) = k
+                        .split_once('@')
+                        .map_or((k, None), |(k, c)| (k, c.parse().ok()));
                     // `K+B`: a token tree of K + B nodes, no deeper than K.
                     let (k, branches) = k
                         .split_once('+')
@@ -129,6 +135,7 @@ async fn main() -> anyhow::Result<()> {
                             k => Some(k.parse().expect("a variant is target-only, auto or K")),
                         },
                         draft_branches: branches,
+                        draft_min_confidence: min_confidence,
                         drafter: drafter.clone(),
                         pipeline: serial.then_some(false),
                         ignore_eos: true,

@@ -285,3 +285,36 @@ async fn a_stalled_draft_node_is_abandoned_at_its_deadline_and_attached_again() 
     // Drafting resumed after the re-attachment: more model rounds than the 7 before the stall.
     assert!(s.model_rounds > 7, "{}", describe(&out));
 }
+
+/// A chain stopped where the draft is unsure (issue 33, `draft_min_confidence`): a bound cuts
+/// chains short and the output stays target-only's (so does the stop the policy learns where
+/// the request sets none: the tests above); a bound outside [0, 1] is refused.
+#[tokio::test]
+async fn chains_cut_where_the_draft_is_unsure_keep_greedy_output_equal_to_target_only() {
+    let (target, draft) = (stories(), stories_q8());
+    let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
+    let engine = cluster.engine(None).await.expect("engine");
+    let prompt = tokenizer(&target)
+        .encode("Tom and Sue went")
+        .expect("encode");
+    let expected = target_only(&target, &prompt, 120);
+    let cut = |bound: f32| v1::GenerateRequest {
+        draft_min_confidence: Some(bound),
+        ..adaptive(&prompt, 120, Some(6), "model")
+    };
+    let mut drafted = Vec::new();
+    for bound in [0.0, 0.9] {
+        let out = generate(&engine, &cut(bound)).await;
+        assert_eq!(out.token_ids, expected, "bound {bound}: {}", describe(&out));
+        let s = &out.stats;
+        assert!(s.model_rounds > 0, "{}", describe(&out));
+        drafted.push(s.base.drafted as f64 / f64::from(s.model_rounds));
+    }
+    assert!(
+        drafted[1] < drafted[0] && drafted[1] >= 1.0,
+        "drafts per model round, uncut and cut at 0.9: {drafted:?}"
+    );
+    let refused = engine.prepare(&cut(1.5));
+    let message = format!("{:?}", refused.expect_err("a bound past 1"));
+    assert!(message.contains("draft_min_confidence"), "{message}");
+}

@@ -205,14 +205,17 @@ fn step() -> impl Strategy<Value = v1::DraftStep> {
     let k = prop_oneof![0u32..12, any::<u32>()];
     // Mostly chains (a tree's siblings past K or the limit are refused before any drafting).
     let branches = prop_oneof![3 => Just(0u32), 1 => 0u32..6, 1 => any::<u32>()];
-    (prefix(), tokens(6), k, branches).prop_map(|(committed, new_tokens, k, branches)| {
-        v1::DraftStep {
+    // Any float: NaN, negative and past 1 included (a bound nothing meets cuts after one draft).
+    let min_confidence = prop_oneof![3 => Just(0.0f32), 1 => any::<f32>()];
+    (prefix(), tokens(6), k, branches, min_confidence).prop_map(
+        |(committed, new_tokens, k, branches, min_confidence)| v1::DraftStep {
             committed,
             new_tokens,
             k,
             branches,
-        }
-    })
+            min_confidence,
+        },
+    )
 }
 
 /// What the cases reached: sessions opened, work answered (a verdict, a proposal, or an

@@ -31,6 +31,7 @@ pub fn request_from_args(args: &GenerateArgs) -> v1::GenerateRequest {
         }),
         draft_tokens: args.draft_tokens.0.map(|k| k as u32),
         draft_branches: None,
+        draft_min_confidence: args.draft_min_confidence,
         drafter: args.drafter.clone(),
         pipeline: args.no_pipeline.then_some(false),
         stop: args.stop.clone(),

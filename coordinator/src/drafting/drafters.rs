@@ -78,6 +78,9 @@ pub struct Proposal {
     pub q: Vec<v1::Distribution>,
     /// A token tree's parents (`v1::VerifyBlock::parents`); empty for a chain.
     pub parents: Vec<u32>,
+    /// A chain's: the draft model's own probability of each draft (`v1::Proposal::confidence`);
+    /// empty for a tree and for n-gram lookup.
+    pub confidence: Vec<f32>,
     /// The drafter's compute (the node's report; the lookup's own time).
     pub compute_secs: f64,
     /// From asking to having the drafts.
@@ -90,6 +93,7 @@ impl Proposal {
         self.tokens.truncate(k);
         self.q.truncate(k);
         self.parents.truncate(k);
+        self.confidence.truncate(k);
         self
     }
 
@@ -123,6 +127,7 @@ impl Proposal {
                 below.tokens.push(self.tokens[i]);
                 below.q.push(self.q[i].clone());
                 below.parents.push(new_parent);
+                below.confidence.extend(self.confidence.get(i));
             }
         }
         if chain_len(&below.parents, below.tokens.len()) == below.tokens.len() {
@@ -189,19 +194,34 @@ enum Background {
 /// length of the log it drafted past).
 type Lent = (NodeSession<Draft>, Option<(usize, Proposal)>);
 
-/// A draft step of `k` tokens after feeding `new_tokens` past `committed`.
-fn draft_step(
-    committed: v1::Prefix,
-    new_tokens: Vec<u32>,
-    k: usize,
-    branches: usize,
-) -> v1::DraftRequest {
+/// What a draft step asks for: `k` drafts, `branches` more nodes (a token tree), and where the
+/// chain stops early (`v1::DraftStep::min_confidence`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Ask {
+    pub k: usize,
+    pub branches: usize,
+    pub min_confidence: f32,
+}
+
+impl Ask {
+    /// A chain of `k` drafts, never cut short.
+    pub fn chain(k: usize) -> Self {
+        Self {
+            k,
+            ..Self::default()
+        }
+    }
+}
+
+/// A draft step asking for `ask` after feeding `new_tokens` past `committed`.
+fn draft_step(committed: v1::Prefix, new_tokens: Vec<u32>, ask: Ask) -> v1::DraftRequest {
     v1::DraftRequest {
         kind: Some(v1::draft_request::Kind::Step(v1::DraftStep {
             committed: Some(committed),
             new_tokens,
-            k: k as u32,
-            branches: branches as u32,
+            k: ask.k as u32,
+            branches: ask.branches as u32,
+            min_confidence: ask.min_confidence,
         })),
     }
 }
@@ -351,12 +371,12 @@ impl ModelDrafter {
             let run = async {
                 if let Some(behind) = &behind {
                     session
-                        .call(behind, |c, new| draft_step(c, new, 0, 0))
+                        .call(behind, |c, new| draft_step(c, new, Ask::default()))
                         .await?;
                 }
                 let start = Instant::now();
                 let p = session
-                    .call(&log, |c, new| draft_step(c, new, k, 0))
+                    .call(&log, |c, new| draft_step(c, new, Ask::chain(k)))
                     .await?;
                 Ok::<_, Error>((p, start.elapsed().as_secs_f64()))
             };
@@ -393,10 +413,10 @@ impl ModelDrafter {
     pub async fn step(
         &mut self,
         log: &TokenLog,
-        (k, branches): (usize, usize),
+        ask: Ask,
         expected: Option<f64>,
     ) -> Result<Proposal, StepFailure> {
-        self.step_from(log, log, (k, branches), expected).await
+        self.step_from(log, log, ask, expected).await
     }
 
     /// [`Self::step`] on `log`, re-attaching from `committed` (a prefix of it) on failure.
@@ -404,7 +424,7 @@ impl ModelDrafter {
         &mut self,
         log: &TokenLog,
         committed: &TokenLog,
-        (k, branches): (usize, usize),
+        ask: Ask,
         expected: Option<f64>,
     ) -> Result<Proposal, StepFailure> {
         let Some(session) = self.session.as_mut() else {
@@ -419,7 +439,7 @@ impl ModelDrafter {
         });
         let start = Instant::now();
         let call = session.call(log, |committed, new_tokens| {
-            draft_step(committed, new_tokens, k, branches)
+            draft_step(committed, new_tokens, ask)
         });
         let outcome = match tokio::time::timeout(deadline, call).await {
             Ok(r) => r.map_err(StepFailure::Failed),
@@ -433,6 +453,7 @@ impl ModelDrafter {
                     tokens: p.tokens,
                     q: p.q,
                     parents: p.parents,
+                    confidence: p.confidence,
                     compute_secs: p.compute_micros as f64 * 1e-6,
                     wall_secs: start.elapsed().as_secs_f64(),
                 })
@@ -448,7 +469,7 @@ impl ModelDrafter {
         }
     }
 
-    /// Drafts a block of `shape` (K, and B more nodes: a tree) past `drafts` while the target
+    /// Drafts a block asked for by `ask` (K, and B more nodes: a tree) past `drafts` while the target
     /// verifies them (docs/architecture.md "Pipelined"): its first depth is the draft's guesses
     /// of the bonus token, the rest continue them, so that if every draft is accepted and a
     /// guess is the target's token, the next round's drafts are ready when the verdict comes
@@ -458,14 +479,14 @@ impl ModelDrafter {
         &mut self,
         log: &TokenLog,
         drafts: &[u32],
-        shape: (usize, usize),
+        ask: Ask,
         expected: Option<f64>,
     ) -> Result<Proposal, StepFailure> {
         let mut ahead = log.clone();
         ahead.extend(drafts);
         // On failure the session is re-attached from what is committed, not from the drafts
         // being verified.
-        let proposal = self.step_from(&ahead, log, shape, expected).await?;
+        let proposal = self.step_from(&ahead, log, ask, expected).await?;
         if let Some(session) = self.session.as_mut() {
             session.hold_at_most(log.prefix());
         }
@@ -516,6 +537,7 @@ pub fn ngram_proposal(
         parents,
         compute_secs: secs,
         wall_secs: secs,
+        ..Proposal::default()
     };
     (proposal, matched)
 }

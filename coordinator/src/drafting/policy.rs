@@ -321,6 +321,8 @@ pub struct KPolicy {
     shadow: [u32; 2],
     /// How often a token tree's sibling leaves are right ([`tree`]).
     siblings: tree::Siblings,
+    /// How often drafts of each confidence are accepted: where a chain stops ([`confidence`]).
+    confidence: confidence::Confidence,
 }
 
 impl KPolicy {
@@ -345,6 +347,7 @@ impl KPolicy {
             pipelining: true,
             shadow: [0, 0],
             siblings: tree::Siblings::default(),
+            confidence: confidence::Confidence::default(),
         }
     }
 
@@ -366,6 +369,7 @@ impl KPolicy {
         next.guess = self.guess;
         next.guesses = self.guesses.min(CARRIED_TRIALS);
         next.siblings = self.siblings.clone();
+        next.confidence = self.confidence.clone();
         for (to, from) in std::iter::once((&mut next.model, &self.model))
             .chain(next.ngram.iter_mut().zip(&self.ngram))
         {
@@ -790,6 +794,7 @@ pub struct RoundCosts {
     pub round_wall: f64,
 }
 
+mod confidence;
 #[cfg(test)]
 mod tests;
 mod tree;

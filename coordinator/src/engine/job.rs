@@ -9,7 +9,7 @@ use tandem_runtime::generator::MAX_DRAFT_TOKENS;
 use tandem_runtime::{Commit, FinishReason, GenerateRequest, RequestLimits, SamplingParams};
 
 use crate::drafting::drafters::DrafterChoice;
-use crate::drafting::policy::ADAPTIVE_MAX_K;
+use crate::drafting::policy::{ADAPTIVE_MAX_K, KPolicy};
 use crate::engine::rounds::DEFAULT_MAX_TOKENS;
 use crate::engine::stats::Stats;
 use crate::nodes::replicas::Replicas;
@@ -53,6 +53,23 @@ pub struct Job {
     /// Sibling leaves beside the model's drafts (a token tree): fixed, or (`None`) chosen each
     /// round by the policy where K is adaptive.
     pub branches: Option<usize>,
+    /// Where the draft's chain stops: fixed, or (`None`) learned by the policy.
+    pub min_confidence: Option<f32>,
+}
+
+impl Job {
+    /// Where the draft's chain of `k` stops this round: the request's, else the policy's where
+    /// the output cannot depend on where blocks end (greedy, or K already adaptive), else never.
+    pub fn stop_below(&self, policy: &KPolicy, k: usize) -> f32 {
+        let learned = self.adaptive || self.sampling.is_greedy();
+        self.min_confidence.unwrap_or_else(|| {
+            if learned {
+                policy.min_confidence(k)
+            } else {
+                0.0
+            }
+        })
+    }
 }
 
 impl std::ops::Deref for Job {
@@ -150,7 +167,15 @@ impl super::rounds::Engine {
                 return Err(tandem_runtime::Error::invalid("draft_branches", b, limit).into());
             }
         }
+        if let Some(c) = request
+            .draft_min_confidence
+            .filter(|c| !(0.0..=1.0).contains(c))
+        {
+            let error = tandem_runtime::Error::invalid("draft_min_confidence", c, "in [0, 1]");
+            return Err(error.into());
+        }
         Ok(Job {
+            min_confidence: request.draft_min_confidence,
             request: request_job,
             adaptive,
             branches: branches.or(if adaptive { None } else { Some(0) }),

@@ -18,7 +18,7 @@ use tandem_runtime::{Constraint, DraftRefusal, RefusalReason, TokenLog, Tokenize
 use tracing::Instrument;
 
 use crate::constraints::Grammars;
-use crate::drafting::drafters::{ModelDrafter, Proposal, fixed_drafter, ngram_proposal};
+use crate::drafting::drafters::{Ask, ModelDrafter, Proposal, fixed_drafter, ngram_proposal};
 use crate::drafting::policy::{Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
 use crate::drafting::shadow::{Shadow, shadow_len};
 pub use crate::engine::job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
@@ -362,6 +362,12 @@ impl Engine {
                 (Some(Drafter::Ngram), Some(b)) => b.min(plan.k),
                 _ => 0,
             };
+            let min_confidence = job.stop_below(&policy, plan.k);
+            let ask = Ask {
+                k: plan.k,
+                branches,
+                min_confidence,
+            };
             let proposal = match plan.drafter {
                 Some(Drafter::Model) if let Some(ready) = ready => {
                     stats.pipeline_hits += 1;
@@ -371,7 +377,7 @@ impl Engine {
                     let m = model.as_mut().expect("attached");
                     let expected = policy.expected_draft_seconds(plan.k);
                     match m
-                        .step(&log, (plan.k, branches), expected)
+                        .step(&log, ask, expected)
                         .instrument(tracing::info_span!(parent: &round, "draft", k = plan.k))
                         .await
                     {
@@ -394,6 +400,7 @@ impl Engine {
                 tokens: mut drafts,
                 mut q,
                 mut parents,
+                confidence,
                 compute_secs: draft_secs,
                 wall_secs: draft_wall,
             } = proposal;
@@ -454,12 +461,11 @@ impl Engine {
                     if plan.drafter == Some(Drafter::Model) && m.session.is_some() =>
                 {
                     let expected = policy.expected_draft_seconds(next + 1);
-                    let shape = (
-                        next + 1,
-                        branches
-                            .min(next + 1)
-                            .min(max_draft.saturating_sub(next + 1)),
-                    );
+                    let shape = Ask {
+                        k: next + 1,
+                        branches: (branches.min(next + 1)).min(max_draft.saturating_sub(next + 1)),
+                        min_confidence,
+                    };
                     let (v, drafted) =
                         tokio::join!(verify, m.step_ahead(&log, &drafts[..k], shape, expected));
                     (v, Some((next, drafted)))
@@ -525,8 +531,12 @@ impl Engine {
                 Some(Drafter::Ngram) => stats.ngram_rounds += 1,
                 None => stats.target_only_rounds += 1,
             }
-            // The policy learns the chain's acceptance by depth (siblings: observe_sibling).
+            // The policy learns the chain's acceptance by depth (siblings: observe_sibling), and
+            // by the draft's confidence.
             let (chain, chain_accepted) = tree.chain;
+            if drafter == Some(Drafter::Model) && parents.is_empty() && confidence.len() == chain {
+                policy.observe_confidence(&confidence, chain_accepted);
+            }
             policy.observe(
                 Plan { drafter, k: chain },
                 &RoundCosts {

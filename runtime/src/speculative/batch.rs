@@ -3,7 +3,7 @@
 //! attending over its own cache ([`Model::forward_batch`]), each job's result what it would be
 //! alone. A job that cannot run (a block past the context) fails alone, before the forward.
 
-use super::growth::Growth;
+use super::growth::{Growth, Softmax};
 use super::tree::{DraftTree, TreeVerified};
 use super::{CachedSequence, Drafter, Proposal, SequenceState, Verified, Verifier};
 use crate::model::{Logits, Model, llama::BatchItem};
@@ -48,6 +48,10 @@ pub struct ProposeJob<'a> {
     /// The nodes to add to the `k` drafts (a token tree, [`Growth`]: grown where the draft
     /// itself is least sure, no deeper than `k`); 0 for a chain.
     pub branches: usize,
+    /// A chain stops before a draft (but its first) that the draft itself gives less than this
+    /// chance (its softmax's probability of the token): the rest of the chain would most
+    /// likely be rejected. 0: never. Trees are not cut.
+    pub min_confidence: f32,
 }
 
 /// One sequence's block in a forward pass over many.
@@ -381,6 +385,7 @@ impl ProposeJob<'_> {
                 tokens: Vec::with_capacity(self.k),
                 q: Vec::with_capacity(self.k),
                 parents: Vec::new(),
+                confidence: Vec::with_capacity(self.k),
             },
             left: self.k,
             catch_up: false,
@@ -439,6 +444,14 @@ impl ProposeJob<'_> {
         }
         let row = rows.last().ok_or_else(|| failed("no logits"))?;
         let (token, q) = draw(st, row, &step.context)?;
+        let confidence = Softmax::of(row).prob(row, token);
+        if !step.proposal.tokens.is_empty() && confidence < self.min_confidence {
+            // The draft is unsure here: the chain ends before this draft (the cache holds
+            // every draft sent, as after a step that drafted one fewer and fed its last).
+            step.left = 0;
+            return Ok(());
+        }
+        step.proposal.confidence.push(confidence);
         step.context.push(token);
         step.proposal.tokens.push(token);
         step.proposal.q.push(q);

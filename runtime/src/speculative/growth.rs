@@ -289,13 +289,13 @@ impl Growth {
 }
 
 /// A row's softmax, by its largest logit and the sum of the exponentials past it.
-struct Softmax {
+pub(super) struct Softmax {
     max: f32,
     total: f32,
 }
 
 impl Softmax {
-    fn of(row: &[f32]) -> Self {
+    pub(super) fn of(row: &[f32]) -> Self {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let total = row.iter().map(|&l| (l - max).exp()).sum();
         Self { max, total }
@@ -305,7 +305,7 @@ impl Softmax {
         (logit - self.max).exp() / self.total
     }
 
-    fn prob(&self, row: &[f32], token: u32) -> f32 {
+    pub(super) fn prob(&self, row: &[f32], token: u32) -> f32 {
         row.get(token as usize).map_or(0.0, |&l| self.of_logit(l))
     }
 }

@@ -230,6 +230,9 @@ pub struct Proposal {
     /// A token tree's parents in wire form ([`tree::DraftTree::new`]: 0 for a child of the
     /// committed tokens, j + 1 for a child of draft j); empty for a chain.
     pub parents: Vec<u32>,
+    /// A chain's: the draft's own probability of each draft (its softmax's), what the
+    /// coordinator learns a stop from ([`ProposeJob::min_confidence`]); empty for a tree.
+    pub confidence: Vec<f32>,
 }
 
 /// The draft side of one sequence.
@@ -250,6 +253,7 @@ impl Drafter {
             log,
             k,
             branches: 0,
+            min_confidence: 0.0,
         }];
         one(Self::propose_batch(&mut jobs))
     }
