@@ -85,11 +85,16 @@ fn singles(model: &Model, prefix: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
     model
         .forward(prefix, &mut cache, Logits::Last)
         .expect("prefix");
+    steps(model, &mut cache, tokens)
+}
+
+/// Logits of each of `tokens` fed one at a time after what `cache` holds.
+fn steps(model: &Model, cache: &mut KvCache, tokens: &[u32]) -> Vec<Vec<f32>> {
     tokens
         .iter()
         .map(|&t| {
             model
-                .forward(&[t], &mut cache, Logits::Last)
+                .forward(&[t], cache, Logits::Last)
                 .expect("step")
                 .remove(0)
         })
@@ -183,15 +188,7 @@ fn each_row_of_a_tree_gets_its_paths_logits_and_one_path_is_kept() {
             assert!(same_bits(row, want), "{what}: tree row {i}: {fed:?}");
         }
         cache.keep_rows(20, &[0, 1, 3, 6]).expect("keep the path");
-        let on: Vec<Vec<f32>> = next[4..]
-            .iter()
-            .map(|&t| {
-                model
-                    .forward(&[t], &mut cache, Logits::Last)
-                    .expect("step")
-                    .remove(0)
-            })
-            .collect();
+        let on = steps(&model, &mut cache, &next[4..]);
         let want = singles(&model, &story[..24], &next[4..]);
         for (i, (got, want)) in on.iter().zip(&want).enumerate() {
             assert!(
