@@ -124,8 +124,8 @@ pub struct GenerateArgs {
     /// Draft, then verify, every round: no drafting of the next block during the verify.
     #[arg(long)]
     pub no_pipeline: bool,
-    /// The draft's chain stops before a draft its model gives less than this probability (as
-    /// llama.cpp's --draft-p-min; 0: never early). Unset: learned from measured acceptance.
+    /// The draft's chain stops before a draft where its model's largest probability is below
+    /// this (as llama.cpp's --draft-p-min; 0: never early). Unset: learned from acceptance.
     #[arg(long)]
     pub draft_min_confidence: Option<f32>,
     /// Text that ends the generation (repeatable).

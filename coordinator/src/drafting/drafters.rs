@@ -78,7 +78,7 @@ pub struct Proposal {
     pub q: Vec<v1::Distribution>,
     /// A token tree's parents (`v1::VerifyBlock::parents`); empty for a chain.
     pub parents: Vec<u32>,
-    /// A chain's: the draft model's own probability of each draft (`v1::Proposal::confidence`);
+    /// A chain's: the draft model's confidence at each draft (`v1::Proposal::confidence`);
     /// empty for a tree and for n-gram lookup.
     pub confidence: Vec<f32>,
     /// The drafter's compute (the node's report; the lookup's own time).
@@ -95,6 +95,18 @@ impl Proposal {
         self.parents.truncate(k);
         self.confidence.truncate(k);
         self
+    }
+
+    /// A chain cut where the draft was unsure, as the draft-node cuts the chains it drafts
+    /// (`v1::DraftStep::min_confidence`): before its first draft past the first whose
+    /// confidence is below `bound`. A tree, or a block without confidences, stays whole.
+    pub fn cut(self, bound: f32) -> Self {
+        if !self.parents.is_empty() || self.confidence.len() != self.tokens.len() {
+            return self;
+        }
+        let n = self.tokens.len();
+        let keep = (1..n).find(|&i| self.confidence[i] < bound).unwrap_or(n);
+        self.truncated(keep)
     }
 
     /// Where a first draft (a chain's, or any of a tree's at its first depth) is `token`: the
@@ -580,6 +592,14 @@ mod tests {
         assert_eq!(under.q.len(), 2);
         assert!(chain.under(6).is_none(), "6 is not a first draft");
         assert_eq!(block(&[5], &[]).under(5).map(|p| p.tokens), Some(vec![]));
+        // Under the guess, a chain drafted whole is cut as the draft-node would have cut it.
+        let mut sure = block(&[5, 6, 7, 8], &[]);
+        sure.confidence = vec![0.1, 0.9, 0.3, 0.9];
+        let under = |bound| sure.under(5).expect("the guess").cut(bound);
+        assert_eq!(under(0.0).confidence, [0.9, 0.3, 0.9]);
+        assert_eq!(under(0.5).tokens, [6]);
+        assert_eq!(under(0.2).tokens, [6, 7, 8]);
+        assert_eq!(under(0.95).tokens, [6], "the first draft is always kept");
         // A tree: guesses 5 and 9 at the first depth; under 5 a chain 6, 7 and 8 beside 6;
         // under 9 the path 10, 11.
         let tree = block(&[5, 6, 7, 9, 8, 10, 11], &[0, 1, 2, 0, 1, 4, 6]);

@@ -369,7 +369,7 @@ impl KPolicy {
         next.guess = self.guess;
         next.guesses = self.guesses.min(CARRIED_TRIALS);
         next.siblings = self.siblings.clone();
-        next.confidence = self.confidence.clone();
+        next.confidence = self.confidence.carried();
         for (to, from) in std::iter::once((&mut next.model, &self.model))
             .chain(next.ngram.iter_mut().zip(&self.ngram))
         {

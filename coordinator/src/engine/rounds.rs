@@ -434,13 +434,13 @@ impl Engine {
             // draft of the chain (a tree's drafts before its first sibling) is accepted, of this
             // block's shape (docs/architecture.md "Pipelined"), when it fits in the verify's time and in
             // what the generation has left, and where it is expected to pay (a poor draft's
-            // chain is seldom accepted whole): at least as long as this one (a tree's: its K),
+            // chain is seldom accepted whole): at least this round's K (a chain cut short too),
             // and one longer where K is adaptive ([`KPolicy::ahead_len`]); the next round takes
             // the part it planned, so rounds fall where they would without drafting ahead. The
             // drafts go back to the draft-node unverified: ids outside the vocabulary (a lying
             // draft) would make it refuse the step, so such a block is not drafted past.
             let k = crate::drafting::drafters::chain_len(&parents, drafts.len());
-            let want = if parents.is_empty() { k } else { k.max(plan.k) };
+            let want = k.max(plan.k);
             let vocab = self.target().info.vocab_size;
             let next = policy.ahead_len(want);
             let next =
@@ -461,10 +461,12 @@ impl Engine {
                     if plan.drafter == Some(Drafter::Model) && m.session.is_some() =>
                 {
                     let expected = policy.expected_draft_seconds(next + 1);
+                    // Drafted whole: the part under the right guess is cut as the step would have
+                    // cut it (below), so that blocks end where they would without drafting ahead.
                     let shape = Ask {
                         k: next + 1,
                         branches: (branches.min(next + 1)).min(max_draft.saturating_sub(next + 1)),
-                        min_confidence,
+                        min_confidence: 0.0,
                     };
                     let (v, drafted) =
                         tokio::join!(verify, m.step_ahead(&log, &drafts[..k], shape, expected));
@@ -522,7 +524,9 @@ impl Engine {
                 if tree.chain == (k, k) && accepted == k {
                     let under = next.under(verdict.next_token);
                     policy.observe_guess(under.is_some());
-                    ahead = under.filter(|p| !p.tokens.is_empty());
+                    ahead = under
+                        .map(|p| p.cut(min_confidence))
+                        .filter(|p| !p.tokens.is_empty());
                 }
             }
             let drafter = plan.drafter.filter(|_| !drafts.is_empty());

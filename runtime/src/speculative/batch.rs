@@ -48,9 +48,9 @@ pub struct ProposeJob<'a> {
     /// The nodes to add to the `k` drafts (a token tree, [`Growth`]: grown where the draft
     /// itself is least sure, no deeper than `k`); 0 for a chain.
     pub branches: usize,
-    /// A chain stops before a draft (but its first) that the draft itself gives less than this
-    /// chance (its softmax's probability of the token): the rest of the chain would most
-    /// likely be rejected. 0: never. Trees are not cut.
+    /// A chain stops before a draft (but its first) where the draft's confidence (its softmax's
+    /// largest probability there, known before it draws) is below this: the rest of the chain
+    /// would most likely be rejected. 0: never. Trees, and drafts under a grammar, are not cut.
     pub min_confidence: f32,
 }
 
@@ -443,15 +443,19 @@ impl ProposeJob<'_> {
             return Ok(());
         }
         let row = rows.last().ok_or_else(|| failed("no logits"))?;
-        let (token, q) = draw(st, row, &step.context)?;
-        let confidence = Softmax::of(row).prob(row, token);
-        if !step.proposal.tokens.is_empty() && confidence < self.min_confidence {
-            // The draft is unsure here: the chain ends before this draft (the cache holds
-            // every draft sent, as after a step that drafted one fewer and fed its last).
+        // The draft's confidence here is its softmax's largest probability, known before it
+        // draws: where the chain stops depends on the drafts before, never on this draw (a stop
+        // that looked at the draw would send only sure draws, under a q that holds the unsure
+        // ones too). Under a grammar the raw logits say nothing of it: no stop.
+        let confidence = st.constraint.is_none().then(|| Softmax::of(row).top());
+        if !step.proposal.tokens.is_empty() && confidence.is_some_and(|c| c < self.min_confidence) {
+            // The chain ends here (the cache holds every draft sent, as after a step that
+            // drafted one fewer and fed its last).
             step.left = 0;
             return Ok(());
         }
-        step.proposal.confidence.push(confidence);
+        let (token, q) = draw(st, row, &step.context)?;
+        step.proposal.confidence.extend(confidence);
         step.context.push(token);
         step.proposal.tokens.push(token);
         step.proposal.q.push(q);

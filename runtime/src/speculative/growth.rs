@@ -305,6 +305,11 @@ impl Softmax {
         (logit - self.max).exp() / self.total
     }
 
+    /// The largest probability: the draft's confidence at this row, whatever it draws.
+    pub(super) fn top(&self) -> f32 {
+        1.0 / self.total
+    }
+
     pub(super) fn prob(&self, row: &[f32], token: u32) -> f32 {
         row.get(token as usize).map_or(0.0, |&l| self.of_logit(l))
     }

@@ -230,8 +230,9 @@ pub struct Proposal {
     /// A token tree's parents in wire form ([`tree::DraftTree::new`]: 0 for a child of the
     /// committed tokens, j + 1 for a child of draft j); empty for a chain.
     pub parents: Vec<u32>,
-    /// A chain's: the draft's own probability of each draft (its softmax's), what the
-    /// coordinator learns a stop from ([`ProposeJob::min_confidence`]); empty for a tree.
+    /// A chain's: the draft's confidence at each draft (its softmax's largest probability
+    /// there), what the coordinator learns a stop from ([`ProposeJob::min_confidence`]); empty
+    /// for a tree and under a grammar.
     pub confidence: Vec<f32>,
 }
 

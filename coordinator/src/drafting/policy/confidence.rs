@@ -1,14 +1,16 @@
-//! Where a chain of drafts stops (issue 33). The draft-node reports its model's own probability
-//! of each draft; the policy learns how often a draft of each confidence is accepted where a
-//! round reaches it, and asks the node to stop before the first draft (but the chain's first)
-//! whose confidence says it will be accepted too seldom to pay for its place in the block: its
-//! draft step and its verified position. llama.cpp stops at a fixed `--draft-p-min`; this stop is
-//! learned, per session, from the pair's measured acceptance and costs.
+//! Where a chain of drafts stops (issue 33). The draft-node reports its confidence at each draft
+//! (its model's largest probability there); the policy learns how often a draft made at each
+//! confidence is accepted where a round reaches it, and asks the node to stop before the first
+//! draft (but the chain's first) whose confidence says it will be accepted too seldom to pay for
+//! its place in the block: its draft step and its verified position. (That a draft may not be
+//! reached is left out: counting unreached drafts as failures would blame a sure draft for the
+//! unsure one before it and push the stop up to the first draft.)
+//! llama.cpp stops at a fixed `--draft-p-min`; this stop is learned, per session, from the
+//! pair's measured acceptance and costs.
 //!
-//! Exact whatever the stop: where a chain ends depends only on the draft's own tokens and
-//! probabilities, never on the target's, so each position is still accepted or resampled by
-//! the rule that makes the output the target's distribution (the verify's bonus token, drawn
-//! from the target, follows the last draft sent).
+//! Exact whatever the stop: the confidence at a position is known before the draft there is
+//! drawn, so where a chain ends depends only on the drafts before it, never on the draw it
+//! skips nor on the target; each draft sent is drawn from the q it states.
 
 use super::{Drafter, KPolicy};
 
@@ -20,7 +22,10 @@ const DECAY: f64 = 0.98;
 /// the stop cuts off is worth stays measured.
 const EXPLORE_EVERY: u32 = 16;
 
-/// How often drafts of each confidence are accepted where reached, as decaying counts.
+/// Drafts reached that a session carries to the next, at most, per bucket.
+const CARRIED: f64 = 16.0;
+
+/// How often drafts made at each confidence are accepted, as decaying counts.
 #[derive(Debug, Clone, Default)]
 pub struct Confidence {
     reached: [f64; BUCKETS],
@@ -33,8 +38,8 @@ fn bucket(confidence: f32) -> usize {
 }
 
 impl Confidence {
-    /// A round's chain: each draft's confidence and how many drafts were accepted (those past
-    /// the first rejected were not reached).
+    /// A round's chain: the confidence at each draft and how many drafts were accepted (those
+    /// past the first rejected were not reached).
     pub fn observe(&mut self, confidence: &[f32], accepted: usize) {
         self.rounds = self.rounds.wrapping_add(1);
         for (i, &c) in confidence.iter().enumerate().take(accepted + 1) {
@@ -42,6 +47,18 @@ impl Confidence {
             self.reached[b] = self.reached[b] * DECAY + 1.0;
             self.accepted[b] = self.accepted[b] * DECAY + f64::from(u8::from(i < accepted));
         }
+    }
+
+    /// What the next session starts from: the same acceptance by confidence, worth at most
+    /// [`CARRIED`] drafts per bucket (it depends on the text).
+    pub fn carried(&self) -> Self {
+        let mut next = Self::default();
+        for b in 0..BUCKETS {
+            let scale = (CARRIED / self.reached[b].max(CARRIED)).min(1.0);
+            next.reached[b] = self.reached[b] * scale;
+            next.accepted[b] = self.accepted[b] * scale;
+        }
+        next
     }
 
     /// The least confidence to draft at, where a draft is worth its place when it is accepted
@@ -114,6 +131,10 @@ mod tests {
         // Where every draft must be accepted nine times in ten to pay, the sure ones barely
         // do and the stop stays below them.
         assert!(c.stop(0.85) <= 0.9);
+        // The next session starts from the same stop, worth at most CARRIED drafts a bucket.
+        let next = c.carried();
+        assert_eq!(next.stop(0.5), 0.3);
+        assert!(next.reached.iter().all(|&r| r <= CARRIED + 1e-9));
         // Nothing seen: no stop.
         assert_eq!(Confidence::default().stop(0.5), 0.0);
     }
