@@ -54,6 +54,26 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
+    // Certificates are checked first, then models served in this process load before anything
+    // listens, as a node's do.
+    let tls = args.tls.load()?;
+    let node_tls = tandem_proto::tls::ClientTlsArgs {
+        identity: args.tls.identity.clone(),
+        tls_ca: args.tls_ca.clone(),
+    }
+    .load()?;
+    let here = match &args.here.target_model {
+        Some(target) => Some(
+            local::start_nodes(
+                target,
+                args.here.draft_model.as_deref(),
+                &args.here.device,
+                &args.here.limits,
+            )
+            .await?,
+        ),
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -66,46 +86,57 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let tls = args.tls.load()?;
-    let node_tls = tandem_proto::tls::ClientTlsArgs {
-        identity: args.tls.identity.clone(),
-        tls_ca: args.tls_ca.clone(),
-    }
-    .load()?;
-    // The APIs answer at once; requests are refused (not ready) until a target-node answers.
-    let engine = LateEngine::waiting(format!(
-        "connecting to the target-node at {}",
-        args.targets.join(", ")
-    ));
-    let connecting = engine.clone();
-    let (targets, drafts, k) = (
-        args.targets.clone(),
-        args.drafts.clone(),
-        args.draft_tokens.0,
-    );
     let max_speculating = args.max_speculating_sessions;
     let target_retry = std::time::Duration::from_secs(args.target_retry_secs);
     let draft_step_slack = std::time::Duration::from_millis(args.draft_step_slack_ms);
-    tokio::spawn(async move {
-        connect_until_ready(&connecting, || async {
-            let mut engine = Engine::connect(&targets, &drafts, k, &node_tls).await?;
-            if let Some(n) = max_speculating {
-                engine.max_speculating = (n > 0).then_some(n);
-            }
-            engine.target_retry = target_retry;
-            engine.draft_step_slack = draft_step_slack;
+    let configure = move |engine: &mut Engine| {
+        if let Some(n) = max_speculating {
+            engine.max_speculating = (n > 0).then_some(n);
+        }
+        engine.target_retry = target_retry;
+        engine.draft_step_slack = draft_step_slack;
+    };
+    let k = args.draft_tokens.0;
+    let engine = match &here {
+        Some(cluster) => {
+            let mut engine = cluster.engine(k).await?;
+            configure(&mut engine);
             tracing::info!(
-                target_nodes = %targets.join(", "),
                 target_model = %engine.target().info.model_name,
-                draft_nodes = %drafts.join(", "),
                 draft_model = ?engine.draft.get().map(|d| d.primary().info.model_name.clone()),
                 draft_tokens = ?k,
-                "coordinator ready"
+                "coordinator ready, its nodes in this process"
             );
-            Ok(engine)
-        })
-        .await;
-    });
+            LateEngine::ready(Arc::new(engine))
+        }
+        None => {
+            // The APIs answer at once; requests are refused (not ready) until a target-node
+            // answers.
+            let engine = LateEngine::waiting(format!(
+                "connecting to the target-node at {}",
+                args.targets.join(", ")
+            ));
+            let connecting = engine.clone();
+            let (targets, drafts) = (args.targets.clone(), args.drafts.clone());
+            tokio::spawn(async move {
+                connect_until_ready(&connecting, || async {
+                    let mut engine = Engine::connect(&targets, &drafts, k, &node_tls).await?;
+                    configure(&mut engine);
+                    tracing::info!(
+                        target_nodes = %targets.join(", "),
+                        target_model = %engine.target().info.model_name,
+                        draft_nodes = %drafts.join(", "),
+                        draft_model = ?engine.draft.get().map(|d| d.primary().info.model_name.clone()),
+                        draft_tokens = ?k,
+                        "coordinator ready"
+                    );
+                    Ok(engine)
+                })
+                .await;
+            });
+            engine
+        }
+    };
     tracing::info!(
         listen = %listener.local_addr()?,
         grpc = tls.mode(),

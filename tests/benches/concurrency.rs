@@ -11,9 +11,12 @@
 //!
 //! Environment: BENCH_REPS (default 1), BENCH_PAIRS (default `110m-q8_0`), BENCH_SESSIONS
 //! (default `1,4,8,16,64`), BENCH_VARIANTS (default `target-only,auto,4`: K = 0, K chosen
-//! each round, or a fixed K),
+//! each round, or a fixed K; a `-serial` suffix: no drafting ahead during the verify),
 //! BENCH_BATCH (default `64,1`: the target-nodes' --max-batch; `N:W` adds --batch-wait-us W),
 //! BENCH_TOKENS (default 64),
+//! BENCH_ONE_PROCESS (default none: `N[:W]` values as BENCH_BATCH's, each a setup with both
+//! models in one `coordinator serve --target-model --draft-model` process, its cores shared
+//! through the process's one CPU pool; BENCH_BATCH may then be empty: no three-process setup),
 //! BENCH_CPUS (unset: every process on every core; `T,D`: the target-nodes pinned to CPUs `T`,
 //! the draft-node and the coordinator to `D`, two machines emulated on one),
 //! BENCH_TARGET_ARGS (more arguments of the target-nodes, e.g. `--device cuda`).
@@ -104,6 +107,7 @@ async fn main() -> anyhow::Result<()> {
     let reps: usize = numbers("BENCH_REPS", "1")?[0];
     let sessions = numbers("BENCH_SESSIONS", "1,4,8,16,64")?;
     let batches = env_list("BENCH_BATCH", "64,1");
+    let one_process = env_list("BENCH_ONE_PROCESS", "");
     let tokens = numbers("BENCH_TOKENS", "64")?[0];
     let variants = env_list("BENCH_VARIANTS", "target-only,auto,4");
     let target_args = target_args();
@@ -139,35 +143,71 @@ async fn main() -> anyhow::Result<()> {
             [t, d] => (Some(t.as_str()), Some(d.as_str())),
             _ => (None, None),
         };
-        let draft = node("draft-node", &pair.draft, &[], draft_cpus);
+        let draft = (!batches.is_empty()).then(|| node("draft-node", &pair.draft, &[], draft_cpus));
+        // `N[:W]`: --max-batch N [--batch-wait-us W], after `args`.
+        let batching = |mut args: Vec<String>, max_batch: &str| {
+            args.push("--max-batch".into());
+            match max_batch.split_once(':') {
+                Some((batch, wait)) => {
+                    args.extend([batch, "--batch-wait-us", wait].map(String::from))
+                }
+                None => args.push(max_batch.into()),
+            }
+            args
+        };
+        // (label, processes kept running, the coordinator's client)
         let mut setups = Vec::new();
         for max_batch in &batches {
-            let mut args: Vec<&str> = target_args.iter().map(String::as_str).collect();
-            args.push("--max-batch");
-            match max_batch.split_once(':') {
-                Some((batch, wait)) => args.extend([batch, "--batch-wait-us", wait]),
-                None => args.push(max_batch),
-            }
+            let args = batching(target_args.clone(), max_batch);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let target = node("target-node", &pair.target, &args, target_cpus);
+            let draft = draft.as_ref().expect("started with the first setup");
             let coordinator = Proc::coordinator(&target.url(), &draft.url(), &[], draft_cpus);
             let client = CoordinatorClient::connect(coordinator.url()).await?;
-            setups.push((max_batch, target, coordinator, client));
+            setups.push((max_batch.clone(), vec![target, coordinator], client));
         }
+        for max_batch in &one_process {
+            let mut args: Vec<String> = ["serve", "--listen", "127.0.0.1:0", "--target-model"]
+                .map(String::from)
+                .into();
+            args.push(pair.target.display().to_string());
+            args.extend(["--draft-model".into(), pair.draft.display().to_string()]);
+            args.extend(target_args.iter().cloned());
+            let args = batching(args, max_batch);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let coordinator = Proc::start("coordinator", &args);
+            coordinator.wait_ready();
+            let client = CoordinatorClient::connect(coordinator.url()).await?;
+            setups.push((
+                format!("{max_batch} one process"),
+                vec![coordinator],
+                client,
+            ));
+        }
+        anyhow::ensure!(
+            !setups.is_empty(),
+            "BENCH_BATCH and BENCH_ONE_PROCESS both empty"
+        );
         let request = |i: usize, variant: &str| v1::GenerateRequest {
             prompt_tokens: prompts[i % prompts.len()].clone(),
             max_tokens: tokens as u32,
             sampling: Some((&SamplingParams::greedy()).into()),
-            draft_tokens: match variant {
+            draft_tokens: match variant.trim_end_matches("-serial") {
                 "target-only" => Some(0),
                 "auto" => None,
-                k => Some(k.parse().expect("a variant is target-only, auto or K")),
+                k => Some(
+                    k.parse()
+                        .expect("a variant is target-only, auto or K[-serial]"),
+                ),
             },
+            // `-serial`: no drafting ahead during the verify.
+            pipeline: variant.ends_with("-serial").then_some(false),
             ignore_eos: true,
             ..Default::default()
         };
         // Each prompt alone, target-only: what every session must reproduce; and a warm-up.
         let solo = wave(
-            &setups[0].3,
+            &setups[0].2,
             (0..prompts.len())
                 .map(|i| request(i, "target-only"))
                 .collect(),
@@ -180,7 +220,7 @@ async fn main() -> anyhow::Result<()> {
                 vec![(Vec::new(), Vec::new(), 0); variants.len() * setups.len()];
             for _ in 0..reps {
                 for (v, variant) in variants.iter().enumerate() {
-                    for (b, (_, _, _, client)) in setups.iter().enumerate() {
+                    for (b, (_, _, client)) in setups.iter().enumerate() {
                         let requests = (0..n).map(|i| request(i, variant)).collect();
                         let w = wave(client, requests).await?;
                         for (i, out) in w.outputs.iter().enumerate() {

@@ -1,6 +1,7 @@
 //! The three real binaries as processes on loopback: the output of `coordinator generate`
-//! (local all-in-one and against a running `coordinator serve`) equals target-only greedy, and a
-//! generation survives the draft-node being killed.
+//! (local all-in-one and against a running `coordinator serve`) and of `coordinator serve` with
+//! both models in its process equals target-only greedy, and a generation survives the
+//! draft-node being killed.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -119,6 +120,85 @@ fn local_all_in_one_generate_equals_target_only() {
     for k in ["0", "4"] {
         let ids = generate_cli(&["--max-tokens", "60", "--draft-tokens", k], &[]);
         assert_eq!(ids, expected, "K = {k}");
+    }
+}
+
+/// `coordinator serve --target-model --draft-model`: one machine serving both models from one
+/// process; sessions at once, drafted by the model (K = 4) or adaptive, each get their prompt's
+/// target-only output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_process_serving_both_models_gives_each_session_target_only_output() {
+    let (target, draft) = (stories(), stories_q8());
+    let (target_arg, draft_arg) = (target.display().to_string(), draft.display().to_string());
+    let coordinator = Proc::start(
+        "coordinator",
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--target-model",
+            &target_arg,
+            "--draft-model",
+            &draft_arg,
+        ],
+    );
+    coordinator.wait_ready();
+    let prompts = ["Once upon a time", "The little dog ran", "Tom and Sue went"];
+    let client = v1::coordinator_client::CoordinatorClient::connect(coordinator.url())
+        .await
+        .expect("connect");
+    let sessions: Vec<_> = (0..8)
+        .map(|i| {
+            let mut client = client.clone();
+            let prompt = tokenizer(&target).encode(prompts[i % 3]).expect("encode");
+            let mut req = request(&prompt, 48, 4, &SamplingParams::greedy());
+            // Half adaptive, half drafting 4 a round.
+            req.draft_tokens = (i % 2 == 0).then_some(4);
+            tokio::spawn(
+                async move { tandem_coordinator::client::run(&mut client, req, |_| {}).await },
+            )
+        })
+        .collect();
+    for (i, session) in sessions.into_iter().enumerate() {
+        let done = session.await.expect("join").expect("generated");
+        assert_eq!(
+            done.token_ids,
+            target_only(&target, prompts[i % 3], 48),
+            "session {i}"
+        );
+        if i % 2 == 0 {
+            let stats = done.stats.expect("stats");
+            assert!(stats.drafted > 0, "session {i} drafted nothing: {stats:?}");
+        }
+    }
+}
+
+/// The models served in-process and node URLs are one or the other, and a draft model needs
+/// its target: refused before anything loads, naming the option.
+#[test]
+fn serving_models_in_process_refuses_a_half_or_mixed_setup() {
+    let draft = stories_q8().display().to_string();
+    let target = stories().display().to_string();
+    for (args, names) in [
+        (vec!["--draft-model", draft.as_str()], "--target-model"),
+        (
+            vec![
+                "--target-model",
+                target.as_str(),
+                "--target",
+                "http://127.0.0.1:1",
+            ],
+            "--target",
+        ),
+    ] {
+        let out = Command::new(tandem_tests::processes::binary("coordinator"))
+            .arg("serve")
+            .args(&args)
+            .output()
+            .expect("run the coordinator");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(names), "{args:?}: {stderr}");
     }
 }
 

@@ -20,7 +20,8 @@ pub enum Command {
     /// Generate text: with both nodes started in this process on loopback gRPC, or with
     /// `--endpoint` from a running coordinator.
     Generate(GenerateArgs),
-    /// Serve the public gRPC API over a running target-node and draft-node.
+    /// Serve the public gRPC API over a running target-node and draft-node, or over models
+    /// loaded in this process (`--target-model`, `--draft-model`: one machine).
     Serve(ServeArgs),
     /// Write a Hugging Face Llama/Qwen2 folder as a (quantized) GGUF file, e.g. a draft model.
     Quantize(QuantizeArgs),
@@ -193,7 +194,7 @@ pub struct ServeArgs {
         long = "target",
         env = "TANDEM_TARGET",
         value_delimiter = ',',
-        required = true
+        required_unless_present = "target_model"
     )]
     pub targets: Vec<String>,
     /// The draft-node's URL; repeatable (or comma-separated) for replicas, and a host name is
@@ -263,6 +264,29 @@ pub struct ServeArgs {
     /// PKI roots.
     #[arg(long, env = "TANDEM_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
+    /// Nodes in this process instead of `--target`/`--draft`: one machine serving both models.
+    #[command(flatten)]
+    pub here: HereArgs,
+}
+
+/// `coordinator serve --target-model M [--draft-model D]`: the target (and draft) loaded in this
+/// process, on one machine, as `coordinator generate` runs them: every model's kernels go
+/// through the process's one CPU pool, so the cores go to whichever model runs (no split of the
+/// cores between draft and target to choose, and no two pools spinning on the same cores).
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Models served in this process (instead of --target/--draft)")]
+pub struct HereArgs {
+    /// The target model, loaded here: a Hugging Face folder, a .gguf file, or a Hub reference.
+    #[arg(long, conflicts_with = "targets")]
+    pub target_model: Option<String>,
+    /// The draft model, loaded here beside --target-model; unset decodes with the target alone.
+    #[arg(long, requires = "target_model", conflicts_with = "drafts")]
+    pub draft_model: Option<String>,
+    /// Device of the models loaded here: cpu, or cuda:N (needs the `cuda` feature).
+    #[arg(long, default_value = "cpu", requires = "target_model")]
+    pub device: String,
+    #[command(flatten)]
+    pub limits: tandem_node::LimitsArgs,
 }
 
 #[derive(Debug, Args)]

@@ -12,15 +12,48 @@ use crate::cli::{FetchArgs, GenerateArgs, ModelArgs, QuantizeArgs};
 use crate::nodes::cluster::LocalCluster;
 
 /// Loads one model with its tokenizer as a node does (warmed up by a first forward).
-fn load_node(role: Role, model: &str, device: &str) -> anyhow::Result<NodeState> {
+fn load_node(
+    role: Role,
+    model: &str,
+    device: &str,
+    limits: &LimitsArgs,
+) -> anyhow::Result<NodeState> {
     let source = ModelSource {
         model: model.to_string(),
         device: device.to_string(),
         dtype: None,
         max_context: None,
     };
-    NodeState::load(role, &source, &LimitsArgs::default())
+    NodeState::load(role, &source, limits)
         .with_context(|| format!("loading the {} model", role.as_str()))
+}
+
+/// Loads the target and, if named, the draft (sharing its vocabulary) off the async threads, and
+/// serves them on loopback in this process.
+pub async fn start_nodes(
+    target: &str,
+    draft: Option<&str>,
+    device: &str,
+    limits: &LimitsArgs,
+) -> anyhow::Result<LocalCluster> {
+    let (target, draft, device, limits) = (
+        target.to_string(),
+        draft.map(str::to_string),
+        device.to_string(),
+        limits.clone(),
+    );
+    let (target, draft) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let target = load_node(Role::Target, &target, &device, &limits)?;
+        let draft = draft
+            .map(|d| load_node(Role::Draft, &d, &device, &limits))
+            .transpose()?;
+        if let Some(draft) = &draft {
+            Tokenizer::check_compatible(&draft.tokenizer, &target.tokenizer)?;
+        }
+        Ok((target, draft))
+    })
+    .await??;
+    Ok(LocalCluster::start(target, draft).await?)
 }
 
 /// Starts a target-node, a draft-node and a coordinator in this process on loopback gRPC.
@@ -30,21 +63,13 @@ pub async fn start_local(
     with_draft: bool,
     draft_tokens: Option<usize>,
 ) -> anyhow::Result<(LocalCluster, String)> {
-    let m = models.clone();
-    let (target, draft) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        let target = load_node(Role::Target, &m.target_model, &m.device)?;
-        let draft = if with_draft {
-            Some(load_node(Role::Draft, &m.draft_model, &m.device)?)
-        } else {
-            None
-        };
-        if let Some(draft) = &draft {
-            Tokenizer::check_compatible(&draft.tokenizer, &target.tokenizer)?;
-        }
-        Ok((target, draft))
-    })
-    .await??;
-    let cluster = LocalCluster::start(target, draft).await?;
+    let cluster = start_nodes(
+        &models.target_model,
+        with_draft.then_some(models.draft_model.as_str()),
+        &models.device,
+        &LimitsArgs::default(),
+    )
+    .await?;
     let engine = cluster.engine(draft_tokens).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);

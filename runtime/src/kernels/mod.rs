@@ -54,6 +54,23 @@ pub(crate) use attention::{MAX_PIECES, MAX_TREE_DEPTH, Span, TreePaths, attentio
 pub(crate) use cuda::{KeyTables, attention_cuda};
 pub(crate) use matmul::{Matmul, tile_padding};
 
+/// The process's CPU cores for one forward pass: a pass on the CPU holds this while it runs, so
+/// two models in one process (the local mode's draft and target, `coordinator serve
+/// --target-model --draft-model`) take turns pass by pass, each pass on every core through the
+/// one pool ([`rows::on_pool`]), and never interleave their kernels call by call on it. Call by
+/// call, each kernel of one waited on the pool's lock for a kernel of the other, and the pool's
+/// worker spun between them: 8 sessions drafting 4 tokens a round (110M-shape f32 target, its
+/// Q8_0 copy as the draft, 2 cores) ran 152-181 tokens/s against 174-190 pass by pass, and 8
+/// target-only sessions beside an idle draft 230-268 against 253-263 (one run, alternated;
+/// docs/benchmarks/concurrency.md). A GPU pass does not take it: the draft's CPU pass runs
+/// beside it.
+pub(crate) fn cpu_pass() -> std::sync::MutexGuard<'static, ()> {
+    static CORES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    CORES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Gives back the calling thread's kernel scratch past what a verify block needs: called after
 /// each forward, so a long prefill does not leave its buffers held for good.
 pub(crate) fn trim_scratch() {

@@ -287,6 +287,7 @@ impl Model {
         for item in items.iter() {
             self.check_block(item.tokens, item.cache)?;
         }
+        let _cores = self.device().is_cpu().then(crate::kernels::cpu_pass);
         self.llama
             .forward(items)?
             .into_iter()
@@ -364,6 +365,43 @@ mod tests {
             bad.contains("dtype") && bad.contains("f32, f16 or bf16"),
             "{bad}"
         );
+    }
+
+    /// A CPU pass waits while another holds the cores, then runs: two models in one process
+    /// take turns pass by pass ([`crate::kernels::cpu_pass`]).
+    #[test]
+    fn a_cpu_pass_waits_for_the_pass_that_holds_the_cores() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let tokenizer =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/stories260K");
+        crate::synthetic::write_random_llama(
+            dir.path(),
+            &crate::synthetic::SyntheticSpec::tiny(3),
+            &tokenizer,
+        )
+        .expect("a tiny model");
+        let model = Model::load(dir.path(), &LoadOptions::default()).expect("load");
+        let (done, finished) = std::sync::mpsc::channel();
+        let held = crate::kernels::cpu_pass();
+        let pass = std::thread::spawn(move || {
+            let logits = model.forward(&[1, 2, 3], &mut model.new_cache(), Logits::Last);
+            done.send(()).expect("the test waits");
+            logits
+        });
+        // While the cores are held the pass cannot finish, however long this waits (a pass that
+        // ran would send within the wait on any machine); then it does.
+        assert!(
+            finished
+                .recv_timeout(std::time::Duration::from_millis(300))
+                .is_err(),
+            "a pass ran while another held the cores"
+        );
+        drop(held);
+        finished
+            .recv()
+            .expect("the pass ends once the cores are free");
+        let logits = pass.join().expect("no panic").expect("forward");
+        assert_eq!(logits.len(), 1);
     }
 
     #[test]
