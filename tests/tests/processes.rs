@@ -144,6 +144,7 @@ async fn one_process_serving_both_models_gives_each_session_target_only_output()
     );
     coordinator.wait_ready();
     let prompts = ["Once upon a time", "The little dog ran", "Tom and Sue went"];
+    let expected = prompts.map(|p| target_only(&target, p, 48));
     let client = v1::coordinator_client::CoordinatorClient::connect(coordinator.url())
         .await
         .expect("connect");
@@ -161,11 +162,7 @@ async fn one_process_serving_both_models_gives_each_session_target_only_output()
         .collect();
     for (i, session) in sessions.into_iter().enumerate() {
         let done = session.await.expect("join").expect("generated");
-        assert_eq!(
-            done.token_ids,
-            target_only(&target, prompts[i % 3], 48),
-            "session {i}"
-        );
+        assert_eq!(done.token_ids, expected[i % 3], "session {i}");
         if i % 2 == 0 {
             let stats = done.stats.expect("stats");
             assert!(stats.drafted > 0, "session {i} drafted nothing: {stats:?}");
