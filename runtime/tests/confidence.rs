@@ -9,9 +9,8 @@ mod common;
 
 use common::*;
 use tandem_runtime::quantize::QuantType;
-use tandem_runtime::sampling::distribution;
 use tandem_runtime::speculative::ProposeJob;
-use tandem_runtime::{Distribution, Drafter, Logits, Model, Proposal, SamplingParams, Verifier};
+use tandem_runtime::{Drafter, Model, Proposal, SamplingParams, Verifier};
 
 fn propose(drafter: &mut Drafter, log: &[u32], k: usize, min_confidence: f32) -> Proposal {
     let mut jobs = [ProposeJob {
@@ -98,8 +97,12 @@ fn sampled_chains_cut_by_confidence_follow_the_target_distribution() {
     // The target as its own draft, the bound between the two likeliest tokens after the
     // likeliest first: a stop that looked at the draw would send the likeliest second token
     // alone and let the target redraw the others, the likeliest then in excess.
-    let after = [&prompt[..], &[argmax(&exact(&target, &prompt))]].concat();
-    let mut p = exact(&target, &after);
+    let after = [
+        &prompt[..],
+        &[argmax(&target_distribution(&target, &sampling(0), &prompt))],
+    ]
+    .concat();
+    let mut p = target_distribution(&target, &sampling(0), &after);
     p.sort_by(|a, b| b.total_cmp(a));
     assert_cut_chains_follow(&target, &target, (p[0] + p[1]) / 2.0, false);
 }
@@ -113,16 +116,6 @@ fn sampling(seed: u64) -> SamplingParams {
 }
 
 /// The target's sampling distribution after `context`.
-fn exact(target: &Model, context: &[u32]) -> Vec<f32> {
-    let rows = target
-        .forward(context, &mut target.new_cache(), Logits::Last)
-        .expect("forward");
-    match distribution(&rows[0], &sampling(0), context).expect("finite logits") {
-        Distribution::Dense(p) => p,
-        other => panic!("expected dense, got {other:?}"),
-    }
-}
-
 fn argmax(p: &[f32]) -> u32 {
     (0..p.len())
         .max_by(|&a, &b| p[a].total_cmp(&p[b]))
@@ -166,7 +159,7 @@ fn assert_cut_chains_follow(
         rejects,
         "{label}: {rejected} of {rounds} rounds rejected a draft"
     );
-    let exact = |context: &[u32]| exact(target, context);
+    let exact = |context: &[u32]| target_distribution(target, &sampling(0), context);
     assert_first_two_follow(&pairs, &prompt, exact, &label);
     (cut, rounds)
 }

@@ -5,10 +5,7 @@ mod common;
 
 use common::*;
 use tandem_runtime::quantize::QuantType;
-use tandem_runtime::sampling::distribution;
-use tandem_runtime::{
-    GenerateRequest, Generation, Logits, Model, SamplingParams, SpeculativeGenerator,
-};
+use tandem_runtime::{GenerateRequest, Generation, Model, SamplingParams, SpeculativeGenerator};
 
 fn request(
     prompt: &str,
@@ -163,15 +160,7 @@ fn sampled_speculative_tokens_follow_target_distribution() {
         "both accept and reject paths must occur: α = {alpha}"
     );
 
-    let exact = |context: &[u32]| -> Vec<f32> {
-        let rows = target
-            .forward(context, &mut target.new_cache(), Logits::Last)
-            .expect("forward");
-        match distribution(&rows[0], &sampling, context).expect("finite logits") {
-            tandem_runtime::Distribution::Dense(p) => p,
-            other => panic!("expected dense, got {other:?}"),
-        }
-    };
+    let exact = |context: &[u32]| target_distribution(&target, &sampling, context);
     assert_first_two_follow(&pairs, &prompt, exact, "speculative sampling");
 }
 

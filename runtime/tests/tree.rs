@@ -333,10 +333,9 @@ fn a_drafters_trees_decode_as_target_only() {
 /// branch commit.
 #[test]
 fn sampled_trees_follow_the_target_distribution() {
-    use tandem_runtime::sampling::distribution;
     use tandem_runtime::speculative::ProposeJob;
     use tandem_runtime::speculative::tree::{DraftTree, TreeLimits};
-    use tandem_runtime::{Distribution, Drafter, SamplingParams, Verifier};
+    use tandem_runtime::{Drafter, SamplingParams, Verifier};
     let (target, draft) = (load(&tiny_random(21)), load(&tiny_random(22)));
     let prompt = tokenizer().encode("Once upon a time").expect("encode");
     let limits = TreeLimits {
@@ -392,14 +391,6 @@ fn sampled_trees_follow_the_target_distribution() {
         temperature: 1.0,
         ..Default::default()
     };
-    let exact = |context: &[u32]| -> Vec<f32> {
-        let rows = target
-            .forward(context, &mut target.new_cache(), Logits::Last)
-            .expect("forward");
-        match distribution(&rows[0], &sampling, context).expect("finite logits") {
-            Distribution::Dense(p) => p,
-            other => panic!("expected dense, got {other:?}"),
-        }
-    };
+    let exact = |context: &[u32]| target_distribution(&target, &sampling, context);
     assert_first_two_follow(&pairs, &prompt, exact, "sampled trees");
 }

@@ -182,6 +182,24 @@ pub fn chi_square_critical(df: usize) -> f64 {
     d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
 }
 
+/// The target's distribution of the token after `context` under `sampling` (what speculative
+/// sampling must follow), from a fresh forward.
+pub fn target_distribution(
+    target: &Model,
+    sampling: &tandem_runtime::SamplingParams,
+    context: &[u32],
+) -> Vec<f32> {
+    let rows = target
+        .forward(context, &mut target.new_cache(), Logits::Last)
+        .expect("forward");
+    match tandem_runtime::sampling::distribution(&rows[0], sampling, context)
+        .expect("finite logits")
+    {
+        tandem_runtime::Distribution::Dense(p) => p,
+        other => panic!("expected dense, got {other:?}"),
+    }
+}
+
 /// Chi-square tests (at 0.999) of sampled pairs of first and second generated tokens: the first
 /// against `exact(prompt)`, and the second, after the most frequent first, against
 /// `exact(prompt + that token)`. `label` names the case in a failure.
