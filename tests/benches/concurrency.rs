@@ -167,16 +167,9 @@ async fn main() -> anyhow::Result<()> {
             setups.push((max_batch.clone(), vec![target, coordinator], client));
         }
         for max_batch in &one_process {
-            let mut args: Vec<String> = ["serve", "--listen", "127.0.0.1:0", "--target-model"]
-                .map(String::from)
-                .into();
-            args.push(pair.target.display().to_string());
-            args.extend(["--draft-model".into(), pair.draft.display().to_string()]);
-            args.extend(target_args.iter().cloned());
-            let args = batching(args, max_batch);
+            let args = batching(target_args.clone(), max_batch);
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            let coordinator = Proc::start("coordinator", &args);
-            coordinator.wait_ready();
+            let coordinator = Proc::coordinator_serving(&pair.target, &pair.draft, &args);
             let client = CoordinatorClient::connect(coordinator.url()).await?;
             setups.push((
                 format!("{max_batch} one process"),

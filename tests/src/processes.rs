@@ -255,6 +255,26 @@ impl Proc {
         coordinator
     }
 
+    /// `coordinator serve` with both models in its own process (`--target-model`,
+    /// `--draft-model`: one machine), on a free loopback port, with `extra` arguments. Returns
+    /// once it is ready.
+    pub fn coordinator_serving(target: &Path, draft: &Path, extra: &[&str]) -> Self {
+        let (target, draft) = (target.display().to_string(), draft.display().to_string());
+        let mut args = vec![
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--target-model",
+            &target,
+            "--draft-model",
+            &draft,
+        ];
+        args.extend_from_slice(extra);
+        let coordinator = Self::start("coordinator", &args);
+        coordinator.wait_ready();
+        coordinator
+    }
+
     /// Waits until the coordinator here says it serves (gRPC health: once it has reached its
     /// nodes; open to callers without an API key).
     pub fn wait_ready(&self) {

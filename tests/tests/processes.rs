@@ -129,20 +129,7 @@ fn local_all_in_one_generate_equals_target_only() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_process_serving_both_models_gives_each_session_target_only_output() {
     let (target, draft) = (stories(), stories_q8());
-    let (target_arg, draft_arg) = (target.display().to_string(), draft.display().to_string());
-    let coordinator = Proc::start(
-        "coordinator",
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--target-model",
-            &target_arg,
-            "--draft-model",
-            &draft_arg,
-        ],
-    );
-    coordinator.wait_ready();
+    let coordinator = Proc::coordinator_serving(&target, &draft, &[]);
     let prompts = ["Once upon a time", "The little dog ran", "Tom and Sue went"];
     let expected = prompts.map(|p| target_only(&target, p, 48));
     let client = v1::coordinator_client::CoordinatorClient::connect(coordinator.url())
