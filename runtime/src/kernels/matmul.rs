@@ -22,8 +22,10 @@ use crate::Result;
 /// candle, in calls of at most that many rows (from 32 rows candle switches Q4_K to an AMX kernel
 /// where the CPU has one). Q6_K is not among them (candle repacks it only for several rows), nor
 /// is any type on other architectures (aarch64 tiles rows in fours). Q4_K reaches it only on an
-/// x86-64 CPU without AVX2 (the panels take it everywhere else). The
-/// every-type test checks the claim on the machine that runs the tests.
+/// x86-64 CPU without AVX2 (the panels take it everywhere else), Q8_0 only on one with AVX-VNNI
+/// but not AVX-512's (the panels' VNNI kernel takes it there: 0.86-0.89× candle's time for one
+/// row from DRAM, 0.76-0.82× for 9). The every-type test checks the claim on the machine that
+/// runs the tests.
 #[cfg(target_arch = "x86_64")]
 const REPACKED: &[GgmlDType] = &[GgmlDType::Q8_0, GgmlDType::Q4K];
 #[cfg(not(target_arch = "x86_64"))]
@@ -97,13 +99,15 @@ impl Matmul {
         if matches!(t.dtype(), GgmlDType::F16 | GgmlDType::BF16) {
             return Ok(Self::Dense(Dense::half(Path::detect(), &t)?));
         }
+        // Q8_0 on AVX-512 with VNNI: the panels' own VNNI kernel (faster than candle's there).
+        let vnni_q8_0 = t.dtype() == GgmlDType::Q8_0 && Path::detect() == Path::Avx512Vnni;
         Ok(
             if Path::detect() >= Path::Avx2
                 && matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
                 && t.shape().dims2()?.1 % kquants::QK_K == 0
             {
                 Self::KPanels(KPanels::new(&t)?)
-            } else if REPACKED.contains(&t.dtype()) && candle_repacks(&t)? {
+            } else if REPACKED.contains(&t.dtype()) && !vnni_q8_0 && candle_repacks(&t)? {
                 Self::Repacked(QMatMul::from_arc(t)?)
             } else if matches!(
                 t.dtype(),

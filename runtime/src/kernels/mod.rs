@@ -16,8 +16,9 @@
 //!   layouts) in panels too (`kpanels`, `x86_kpanels`) — on AVX-512 CPUs as well, where the
 //!   panels ran a decode step two to three times as fast as the AVX-512 kernels that decoded
 //!   each block once per output row (removed),
-//!   candle's repacked kernel for Q8_0 (with VNNI) and Q4_K (without AVX2) where candle
-//!   repacks the shape,
+//!   Q8_0 on AVX-512 with VNNI in panels of 16 outputs multiplied by `vpdpbusd` (`x86_vnni`),
+//!   candle's repacked kernel for Q8_0 (with AVX-VNNI only) and Q4_K (without AVX2) where
+//!   candle repacks the shape,
 //!   portable code (`rows`) elsewhere, candle's row-by-row product for the other types.
 //! - `activation`: the MLP's gated activation (SiLU, GELU-tanh) vectorized, one pass.
 //! - `attention`: causal attention row by row over exactly the keys the row sees, in a fixed
@@ -47,6 +48,8 @@ mod x86;
 mod x86_kpanels;
 #[cfg(target_arch = "x86_64")]
 mod x86_panels;
+#[cfg(target_arch = "x86_64")]
+mod x86_vnni;
 
 pub(crate) use activation::{Gate, gated};
 pub(crate) use attention::{MAX_PIECES, MAX_TREE_DEPTH, Span, TreePaths, attention_cpu};

@@ -266,22 +266,22 @@ fn write_blocks<B: Block>(blocks: &[Option<&B>; QLANES], dst: &mut [u8]) {
     }
 }
 
-/// Out rows of `nb` blocks (`w`, row-major) → panels of [`QLANES`] outputs, block-major within a
+/// Out rows of `nb` blocks (`w`, row-major) → panels of `N` outputs, block-major within a
 /// panel, `size` bytes a block: `write(blocks, dst)` lays out block b of a panel's outputs
 /// (`None` past `out_dim`).
-pub(super) fn repack<B>(
+pub(super) fn repack<B, const N: usize>(
     w: &[B],
     out_dim: usize,
     nb: usize,
     size: usize,
-    write: impl Fn(&[Option<&B>; QLANES], &mut [u8]),
+    write: impl Fn(&[Option<&B>; N], &mut [u8]),
 ) -> Vec<u8> {
-    let panels = out_dim.div_ceil(QLANES);
+    let panels = out_dim.div_ceil(N);
     let mut data = vec![0u8; panels * nb * size];
     for (pb, dst) in data.chunks_exact_mut(size).enumerate() {
         let (p, b) = (pb / nb, pb % nb);
-        let blocks: [Option<&B>; QLANES] = std::array::from_fn(|i| {
-            let o = p * QLANES + i;
+        let blocks: [Option<&B>; N] = std::array::from_fn(|i| {
+            let o = p * N + i;
             (o < out_dim).then(|| &w[o * nb + b])
         });
         write(&blocks, dst);
@@ -301,7 +301,8 @@ pub(super) fn pack_nibbles(q: impl Fn(usize, usize) -> u8, out: &mut [u8]) {
 }
 
 /// A GGUF weight in blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), laid out for the kernel the
-/// path runs: in panels for AVX2, as the file holds it for the portable one ([`super::rows`]).
+/// path runs: in panels for AVX2 (Q8_0 in wider ones for AVX-512 with VNNI), as the file holds
+/// it for the portable one ([`super::rows`]).
 #[derive(Debug)]
 pub(crate) struct Blocks {
     layout: BlocksLayout,
@@ -313,6 +314,8 @@ pub(crate) struct Blocks {
 enum BlocksLayout {
     Gguf(Arc<QTensor>),
     Panels(GgmlDType, Vec<u8>),
+    /// Q8_0 in panels of 16 outputs ([`super::x86_vnni`]).
+    Vnni(Vec<u8>),
 }
 
 impl Blocks {
@@ -321,7 +324,17 @@ impl Blocks {
         let (out_dim, in_dim) = t.shape().dims2()?;
         let path = path.supported();
         let nb = in_dim / QK;
-        let layout = if path == Path::Avx2 {
+        let layout = if path == Path::Avx512Vnni && t.dtype() == GgmlDType::Q8_0 {
+            #[cfg(target_arch = "x86_64")]
+            {
+                use super::x86_vnni::{BLOCK_BYTES, write_block};
+                let data = t.data()?;
+                let w = cast::<layout::Q8_0>(&data)?;
+                BlocksLayout::Vnni(repack(w, out_dim, nb, BLOCK_BYTES, write_block))
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            unreachable!("AVX-512 off x86-64")
+        } else if path >= Path::Avx2 {
             let data = t.data()?;
             let bytes = match t.dtype() {
                 GgmlDType::Q4_0 => repack_blocks(cast::<layout::Q4_0>(&data)?, out_dim, nb),
@@ -359,7 +372,9 @@ impl Blocks {
         let (dtype, data) = match &self.layout {
             BlocksLayout::Gguf(t) => return super::matmul::blocks(t, mkn, lhs, dst),
             BlocksLayout::Panels(dtype, data) => (*dtype, data),
+            BlocksLayout::Vnni(data) => (GgmlDType::Q8_0, data),
         };
+        let vnni = matches!(self.layout, BlocksLayout::Vnni(_));
         let nb = self.in_dim / QK;
         XQ.with_borrow_mut(|x| {
             x.resize(rows * nb, Q8::default());
@@ -368,6 +383,20 @@ impl Blocks {
             }
             let x: &[Q8] = x;
             let parallel = data.len() * 2 >= super::attention::PARALLEL_WORK;
+            #[cfg(target_arch = "x86_64")]
+            if vnni {
+                return drive(
+                    super::x86_vnni::VLANES,
+                    self.out_dim,
+                    rows,
+                    parallel,
+                    dst,
+                    |panels, out| {
+                        // SAFETY: the CPU runs Path::Avx512Vnni (`supported` in `new`).
+                        unsafe { super::x86_vnni::q8_0(data, nb, panels, x, rows, out) }
+                    },
+                );
+            }
             #[cfg(target_arch = "x86_64")]
             drive(QLANES, self.out_dim, rows, parallel, dst, |panels, out| {
                 use super::x86_panels::blocks as run;
@@ -383,7 +412,7 @@ impl Blocks {
                 }
             });
             #[cfg(not(target_arch = "x86_64"))]
-            let _ = (dtype, data, parallel, dst);
+            let _ = (dtype, data, parallel, dst, vnni);
         });
         Ok(())
     }

@@ -28,13 +28,15 @@ pub(crate) const TILE: usize = 4;
 /// Weights per block.
 pub(crate) const QK: usize = 32;
 
-/// 32 activations quantized to signed bytes: x ≈ d · q; `s` = d · Σq.
+/// 32 activations quantized to signed bytes: x ≈ d · q; `s` = d · Σq; `bias` = −128 · Σq, what
+/// the VNNI kernel's sums start from (its weights are stored as q + 128: [`super::x86_vnni`]).
 #[derive(Debug, Clone, Copy, Default)]
 #[repr(C)]
 pub(crate) struct Q8 {
     pub qs: [i8; QK],
     pub d: f32,
     pub s: f32,
+    pub bias: i32,
 }
 
 /// The GGUF layouts of the block types (ggml's `block_q4_0` …), read in place from a tensor's
@@ -191,6 +193,9 @@ pub(crate) enum Path {
     /// x86-64 with AVX2, FMA and F16C (AVX-512 CPUs run the same panels: measured faster there
     /// than AVX-512 kernels that decoded each block once per output row).
     Avx2,
+    /// [`Path::Avx2`] and AVX-512 with VNNI (F, BW, VNNI): the same kernels, but Q8_0's in
+    /// panels of 16 outputs multiplied by `vpdpbusd` ([`super::x86_vnni`]).
+    Avx512Vnni,
 }
 
 impl Path {
@@ -203,7 +208,10 @@ impl Path {
                 && std::arch::is_x86_feature_detected!("fma")
                 && std::arch::is_x86_feature_detected!("f16c")
             {
-                return Path::Avx2;
+                let vnni = std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vnni");
+                return if vnni { Path::Avx512Vnni } else { Path::Avx2 };
             }
             Path::Portable
         })
@@ -218,10 +226,10 @@ impl Path {
     /// Every path this CPU can run (for tests).
     #[cfg(test)]
     pub(crate) fn available() -> Vec<Self> {
-        match Self::detect() {
-            Self::Portable => vec![Self::Portable],
-            Self::Avx2 => vec![Self::Portable, Self::Avx2],
-        }
+        [Self::Portable, Self::Avx2, Self::Avx512Vnni]
+            .into_iter()
+            .filter(|p| *p <= Self::detect())
+            .collect()
     }
 }
 
@@ -230,7 +238,9 @@ impl Path {
 pub(crate) fn quantize(x: &[f32], out: &mut [Q8]) {
     for (xs, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
         b.d = quantize_bytes(xs, &mut b.qs);
-        b.s = b.d * b.qs.iter().map(|&q| i32::from(q)).sum::<i32>() as f32;
+        let sum: i32 = b.qs.iter().map(|&q| i32::from(q)).sum();
+        b.s = b.d * sum as f32;
+        b.bias = -128 * sum;
     }
 }
 
