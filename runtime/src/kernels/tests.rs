@@ -482,3 +482,64 @@ fn q8_0_on_vnni_gives_the_avx2_panels_bits() {
         );
     }
 }
+
+#[test]
+fn a_fused_weight_gives_each_parts_own_bits() {
+    // Layers that read the same input fused when a model loads (their GGUF bytes in turn): each
+    // output is its own layer's, bit for bit, for every type and kernel, one row and a block.
+    // 37 + 64 + 21 outputs: the parts' edges fall inside the panels.
+    let (in_dim, dims) = (512, [37, 64, 21]);
+    let total: usize = dims.iter().sum();
+    let (w, x) = data(total, in_dim, 9);
+    let x = Tensor::from_vec(x, (1, 9, in_dim), &Device::Cpu).expect("rows");
+    for dtype in TYPES {
+        let mut parts = Vec::new();
+        let mut bytes = Vec::new();
+        let mut at = 0;
+        for d in dims {
+            let t = Tensor::from_slice(
+                &w[at * in_dim..(at + d) * in_dim],
+                (d, in_dim),
+                &Device::Cpu,
+            )
+            .expect("part");
+            let q = QTensor::quantize(&t, dtype).expect("quantize");
+            bytes.extend_from_slice(&q.data().expect("bytes"));
+            parts.push(super::Matmul::quantized(Arc::new(q)).expect("part"));
+            at += d;
+        }
+        let storage = candle_core::quantized::QStorage::from_data(
+            std::borrow::Cow::Owned(bytes),
+            &Device::Cpu,
+            dtype,
+        )
+        .expect("storage");
+        let fused = QTensor::new(storage, (total, in_dim)).expect("fused");
+        let fused = super::Matmul::quantized(Arc::new(fused)).expect("fused");
+        for rows in [1, 9] {
+            let xs = x.narrow(1, 0, rows).expect("rows");
+            let all = fused.forward(&xs).expect("fused product");
+            let mut at = 0;
+            for (part, d) in parts.iter().zip(dims) {
+                let own = part.forward(&xs).expect("part product");
+                let flat = |t: &Tensor| {
+                    t.flatten_all()
+                        .expect("flat")
+                        .to_vec1::<f32>()
+                        .expect("vec")
+                };
+                let mine = all
+                    .narrow(2, at, d)
+                    .expect("narrow")
+                    .contiguous()
+                    .expect("copy");
+                assert!(
+                    same_bits(&flat(&own), &flat(&mine)),
+                    "{dtype:?}, {rows} rows: outputs {at}..{} differ from their own layer's",
+                    at + d
+                );
+                at += d;
+            }
+        }
+    }
+}

@@ -36,7 +36,8 @@ impl Linear {
     }
 }
 
-/// Projections that read the same input: one linear layer each, or Phi-3's one fused layer
+/// Projections that read the same input: one linear layer each, or one fused layer (Phi-3's own,
+/// or theirs fused when the model loads: [`Vb::fused_matmul`])
 /// whose output columns are theirs in turn.
 enum Projections<const N: usize> {
     Separate([Linear; N]),
@@ -44,7 +45,8 @@ enum Projections<const N: usize> {
 }
 
 impl<const N: usize> Projections<N> {
-    /// `names` and output widths `dims`, or the `fused` layer where the model has it.
+    /// `names` and output widths `dims`, or the `fused` layer where the model has it, or their
+    /// weights fused where that pays.
     fn load(
         vb: &Vb,
         fused: Option<&str>,
@@ -59,6 +61,19 @@ impl<const N: usize> Projections<N> {
                 Linear::load(vb.pp(fused), total, in_dim, bias)?,
                 dims,
             ));
+        }
+        if let Some(weight) = vb.fused_matmul(&names, &dims, in_dim)? {
+            let bias = if bias {
+                let parts = names
+                    .iter()
+                    .zip(dims)
+                    .map(|(name, dim)| vb.pp(name).tensor("bias", &[dim]))
+                    .collect::<Result<Vec<_>>>()?;
+                Some(Tensor::cat(&parts, 0)?)
+            } else {
+                None
+            };
+            return Ok(Self::Fused(Linear { weight, bias }, dims));
         }
         let mut layers = Vec::with_capacity(N);
         for (name, dim) in names.into_iter().zip(dims) {

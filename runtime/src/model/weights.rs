@@ -158,6 +158,57 @@ impl<'a> Vb<'a> {
             .to_dtype(self.dtype)?)
     }
 
+    /// The `weight`s of the linear layers `names` (of `dims[i]` outputs each, `in_dim` inputs)
+    /// that read the same input, as one weight whose outputs are theirs in turn: one product,
+    /// one quantization of the input and one round of the pool's threads instead of one each.
+    /// Each output is what its own layer's product gives, bit for bit (the CPU kernels compute
+    /// every output alone). Where that holds and pays: on the CPU, f32 or all of one GGUF
+    /// type; None elsewhere (each layer is then loaded alone).
+    pub(crate) fn fused_matmul(
+        &self,
+        names: &[&str],
+        dims: &[usize],
+        in_dim: usize,
+    ) -> Result<Option<Matmul>> {
+        let names: Vec<String> = names.iter().map(|n| self.pp(n).name("weight")).collect();
+        let total = dims.iter().sum::<usize>();
+        match self.weights {
+            Weights::Dense { vb, .. } if vb.device().is_cpu() && self.dtype == DType::F32 => {
+                let parts = names
+                    .iter()
+                    .zip(dims)
+                    .map(|(name, &d)| self.weights.dense(name, &[d, in_dim]))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Some(Matmul::dense(Tensor::cat(&parts, 0)?)?))
+            }
+            Weights::Gguf { tensors, .. } if tensors.device().is_cpu() => {
+                let parts = names
+                    .iter()
+                    .zip(dims)
+                    .map(|(name, &d)| self.weights.qtensor(name, &[d, in_dim]))
+                    .collect::<Result<Vec<_>>>()?;
+                let dtype = parts[0].dtype();
+                if parts.iter().any(|t| t.dtype() != dtype) {
+                    return Ok(None);
+                }
+                // A GGUF tensor's rows are contiguous runs of blocks: the fused weight's bytes
+                // are the parts' in turn.
+                let mut bytes = Vec::new();
+                for t in &parts {
+                    bytes.extend_from_slice(&t.data()?);
+                }
+                let storage = candle_core::quantized::QStorage::from_data(
+                    std::borrow::Cow::Owned(bytes),
+                    &Device::Cpu,
+                    dtype,
+                )?;
+                let fused = QTensor::new(storage, (total, in_dim))?;
+                Ok(Some(Matmul::quantized(Arc::new(fused))?))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// The `weight` of a linear layer of shape (out, in), kept quantized where it is.
     pub(crate) fn matmul(&self, out_dim: usize, in_dim: usize) -> Result<Matmul> {
         let name = self.name("weight");
