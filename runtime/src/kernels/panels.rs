@@ -22,6 +22,10 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use super::matmul::cast;
 use super::rows::{Block, Path, Q8, QK, layout, on_pool};
 
+/// Outputs per panel of a weight in blocks of 32 on AVX-512 with VNNI: one register of 32-bit
+/// sums ([`super::x86_vnni`]).
+pub(crate) const VLANES: usize = 16;
+
 /// Outputs per panel of a dense weight: one AVX-512 register of f32, two of AVX2.
 pub(crate) const LANES: usize = 16;
 
@@ -216,57 +220,56 @@ pub(super) fn drive(
     });
 }
 
-/// Bytes of one block of [`QLANES`] outputs in a panel: their f16 scales, their f16 minimums
-/// (the `_1` types), then the quants as the kernel reads them ([`repack_blocks`]).
-pub(crate) const fn panel_bytes<B: Block>() -> usize {
+/// Bytes of one block of `N` outputs in a panel: their f16 scales, their f16 minimums (the `_1`
+/// types), then the quants as the kernel reads them ([`write_blocks`]).
+pub(crate) const fn panel_bytes<B: Block, const N: usize>() -> usize {
     let quants = match B::BITS {
-        4 => 128,
-        5 => 160,
-        _ => 256,
+        4 => 16 * N,
+        5 => 20 * N,
+        _ => 32 * N,
     };
-    2 * QLANES * (1 + B::MIN as usize) + quants
+    2 * N * (1 + B::MIN as usize) + quants
 }
 
-/// Blocks of 32 (out rows of `nb` blocks) → panels of [`QLANES`] outputs, block-major within a
-/// panel. In a block of a panel, "group" g holds inputs 4g..4g + 4 of the 8 outputs (byte i:
-/// output i / 4, input 4g + i % 4), the layout of a register the kernel multiplies by four
-/// broadcast activations:
-/// - 8 bits: group g as 32 signed bytes, for g in 0..8;
-/// - 4 and 5 bits: 4 × 32 bytes, byte i of the j-th holding group 2j in its low nibble and group
-///   2j + 1 in its high nibble (unsigned quants, the offset left to the scale); for 5 bits then
-///   32 bytes, bit g of byte i the fifth bit of group g's byte i.
-///
-/// Outputs past `out_dim` (the last panel's padding) have zero scales.
-fn repack_blocks<B: Block>(w: &[B], out_dim: usize, nb: usize) -> Vec<u8> {
-    repack(w, out_dim, nb, panel_bytes::<B>(), write_blocks::<B>)
-}
-
-/// Writes one block of a panel's outputs (`None`: padding) as [`repack_blocks`] lays it out.
-fn write_blocks<B: Block>(blocks: &[Option<&B>; QLANES], dst: &mut [u8]) {
-    let (head, quants) = dst.split_at_mut(2 * QLANES * (1 + B::MIN as usize));
+/// One block of `N` outputs of a panel (`None`: padding, zero scales), block-major within a
+/// panel. "Group" g holds inputs 4g..4g + 4 of the `N` outputs (byte i: output i / 4, input
+/// 4g + i % 4), the layout of a register the kernel multiplies by four broadcast activations:
+/// - 8 bits: group g as 4N bytes, for g in 0..8: signed (`N` = [`QLANES`], AVX2's `maddubs`
+///   takes the signs apart), or q + 128 unsigned (16 lanes, VNNI's `vpdpbusd` multiplies
+///   unsigned weights by signed activations);
+/// - 4 and 5 bits: 4 × 4N bytes, byte i of the j-th holding group 2j in its low nibble and
+///   group 2j + 1 in its high nibble (unsigned quants, the offset left to the scale); for 5 bits
+///   then 4N bytes, bit g of byte i the fifth bit of group g's byte i.
+pub(super) fn write_blocks<B: Block, const N: usize>(blocks: &[Option<&B>; N], dst: &mut [u8]) {
+    let (head, quants) = dst.split_at_mut(2 * N * (1 + B::MIN as usize));
     for (i, blk) in blocks.iter().enumerate() {
         let (d, m) = blk.map_or((0, 0), |blk| (blk.d(), blk.m()));
         head[2 * i..][..2].copy_from_slice(&d.to_le_bytes());
         if B::MIN {
-            head[2 * (QLANES + i)..][..2].copy_from_slice(&m.to_le_bytes());
+            head[2 * (N + i)..][..2].copy_from_slice(&m.to_le_bytes());
         }
     }
     // The stored quants: unsigned below 8 bits, signed for 8.
-    let raw: [[i16; QK]; QLANES] = blocks.map(|blk| {
+    let raw: [[i16; QK]; N] = blocks.map(|blk| {
         blk.map_or([0; QK], |blk| {
             blk.quants().map(|q| i16::from(q) + i16::from(B::OFFSET))
         })
     });
     let at = |g: usize, i: usize| raw[i / 4][4 * g + i % 4];
     if B::BITS == 8 {
-        for (g, group) in quants.chunks_exact_mut(32).enumerate() {
+        let unsigned = N != QLANES;
+        for (g, group) in quants.chunks_exact_mut(4 * N).enumerate() {
             for (i, byte) in group.iter_mut().enumerate() {
-                *byte = at(g, i) as i8 as u8;
+                *byte = if unsigned {
+                    (at(g, i) + 128) as u8
+                } else {
+                    at(g, i) as i8 as u8
+                };
             }
         }
         return;
     }
-    let (nibbles, fifth) = quants.split_at_mut(128);
+    let (nibbles, fifth) = quants.split_at_mut(16 * N);
     pack_nibbles(|g, i| at(g, i) as u8, nibbles);
     for (i, byte) in fifth.iter_mut().enumerate() {
         *byte = (0..8).fold(0, |acc, g| acc | ((((at(g, i) >> 4) & 1) as u8) << g));
@@ -296,11 +299,11 @@ pub(super) fn repack<B, const N: usize>(
     data
 }
 
-/// The low 4 bits of 32 inputs of [`QLANES`] outputs, `q(g, i)` the quant of group g's byte i
-/// (output i / 4, input 4g + i % 4), as 4 registers of 32 bytes: byte i of the j-th holds group
-/// 2j in its low nibble and group 2j + 1 in its high nibble.
+/// The low 4 bits of 32 inputs of N outputs (`out`: 16N bytes), `q(g, i)` the quant of group
+/// g's byte i (output i / 4, input 4g + i % 4), as 4 registers of 4N bytes: byte i of the j-th
+/// holds group 2j in its low nibble and group 2j + 1 in its high nibble.
 pub(super) fn pack_nibbles(q: impl Fn(usize, usize) -> u8, out: &mut [u8]) {
-    for (j, reg) in out[..128].chunks_exact_mut(32).enumerate() {
+    for (j, reg) in out.chunks_exact_mut(out.len() / 4).enumerate() {
         for (i, byte) in reg.iter_mut().enumerate() {
             *byte = (q(2 * j, i) & 15) | ((q(2 * j + 1, i) & 15) << 4);
         }
@@ -321,8 +324,8 @@ pub(crate) struct Blocks {
 enum BlocksLayout {
     Gguf(Arc<QTensor>),
     Panels(GgmlDType, Vec<u8>),
-    /// Q8_0 in panels of 16 outputs ([`super::x86_vnni`]).
-    Vnni(Vec<u8>),
+    /// In panels of 16 outputs for AVX-512 with VNNI ([`super::x86_vnni`]).
+    Vnni(GgmlDType, Vec<u8>),
 }
 
 impl Blocks {
@@ -331,27 +334,46 @@ impl Blocks {
         let (out_dim, in_dim) = t.shape().dims2()?;
         let path = path.supported();
         let nb = in_dim / QK;
-        let layout = if path == Path::Avx512Vnni && t.dtype() == GgmlDType::Q8_0 {
-            #[cfg(target_arch = "x86_64")]
-            {
-                use super::x86_vnni::{BLOCK_BYTES, write_block};
-                let data = t.data()?;
-                let w = cast::<layout::Q8_0>(&data)?;
-                BlocksLayout::Vnni(repack(w, out_dim, nb, BLOCK_BYTES, write_block))
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            unreachable!("AVX-512 off x86-64")
-        } else if path >= Path::Avx2 {
+        let layout = if path >= Path::Avx2 {
             let data = t.data()?;
+            let vnni = path == Path::Avx512Vnni;
+            macro_rules! panels {
+                ($b:ty) => {{
+                    let w = cast::<$b>(&data)?;
+                    if vnni {
+                        const N: usize = VLANES;
+                        repack(
+                            w,
+                            out_dim,
+                            nb,
+                            panel_bytes::<$b, N>(),
+                            write_blocks::<$b, N>,
+                        )
+                    } else {
+                        const N: usize = QLANES;
+                        repack(
+                            w,
+                            out_dim,
+                            nb,
+                            panel_bytes::<$b, N>(),
+                            write_blocks::<$b, N>,
+                        )
+                    }
+                }};
+            }
             let bytes = match t.dtype() {
-                GgmlDType::Q4_0 => repack_blocks(cast::<layout::Q4_0>(&data)?, out_dim, nb),
-                GgmlDType::Q4_1 => repack_blocks(cast::<layout::Q4_1>(&data)?, out_dim, nb),
-                GgmlDType::Q5_0 => repack_blocks(cast::<layout::Q5_0>(&data)?, out_dim, nb),
-                GgmlDType::Q5_1 => repack_blocks(cast::<layout::Q5_1>(&data)?, out_dim, nb),
-                GgmlDType::Q8_0 => repack_blocks(cast::<layout::Q8_0>(&data)?, out_dim, nb),
+                GgmlDType::Q4_0 => panels!(layout::Q4_0),
+                GgmlDType::Q4_1 => panels!(layout::Q4_1),
+                GgmlDType::Q5_0 => panels!(layout::Q5_0),
+                GgmlDType::Q5_1 => panels!(layout::Q5_1),
+                GgmlDType::Q8_0 => panels!(layout::Q8_0),
                 other => candle_core::bail!("no block-of-32 kernel for GGUF type {other:?}"),
             };
-            BlocksLayout::Panels(t.dtype(), bytes)
+            if vnni {
+                BlocksLayout::Vnni(t.dtype(), bytes)
+            } else {
+                BlocksLayout::Panels(t.dtype(), bytes)
+            }
         } else {
             BlocksLayout::Gguf(t)
         };
@@ -379,9 +401,9 @@ impl Blocks {
         let (dtype, data) = match &self.layout {
             BlocksLayout::Gguf(t) => return super::matmul::blocks(t, mkn, lhs, dst),
             BlocksLayout::Panels(dtype, data) => (*dtype, data),
-            BlocksLayout::Vnni(data) => (GgmlDType::Q8_0, data),
+            BlocksLayout::Vnni(dtype, data) => (*dtype, data),
         };
-        let vnni = matches!(self.layout, BlocksLayout::Vnni(_));
+        let vnni = matches!(self.layout, BlocksLayout::Vnni(..));
         let nb = self.in_dim / QK;
         XQ.with_borrow_mut(|x| {
             x.resize(rows * nb, Q8::default());
@@ -392,17 +414,19 @@ impl Blocks {
             let parallel = data.len() * 2 >= super::attention::PARALLEL_WORK;
             #[cfg(target_arch = "x86_64")]
             if vnni {
-                return drive(
-                    super::x86_vnni::VLANES,
-                    self.out_dim,
-                    rows,
-                    parallel,
-                    dst,
-                    |panels, out| {
-                        // SAFETY: the CPU runs Path::Avx512Vnni (`supported` in `new`).
-                        unsafe { super::x86_vnni::q8_0(data, nb, panels, x, rows, out) }
-                    },
-                );
+                return drive(VLANES, self.out_dim, rows, parallel, dst, |panels, out| {
+                    use super::x86_vnni::blocks as run;
+                    // SAFETY: the CPU runs Path::Avx512Vnni (`supported` in `new`).
+                    unsafe {
+                        match dtype {
+                            GgmlDType::Q4_0 => run::<layout::Q4_0>(data, nb, panels, x, rows, out),
+                            GgmlDType::Q4_1 => run::<layout::Q4_1>(data, nb, panels, x, rows, out),
+                            GgmlDType::Q5_0 => run::<layout::Q5_0>(data, nb, panels, x, rows, out),
+                            GgmlDType::Q5_1 => run::<layout::Q5_1>(data, nb, panels, x, rows, out),
+                            _ => run::<layout::Q8_0>(data, nb, panels, x, rows, out),
+                        }
+                    }
+                });
             }
             #[cfg(target_arch = "x86_64")]
             drive(QLANES, self.out_dim, rows, parallel, dst, |panels, out| {

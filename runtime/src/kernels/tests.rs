@@ -436,50 +436,56 @@ fn tiles_of_a_fixed_row_count_give_the_whole_product() {
 }
 
 #[test]
-fn q8_0_on_vnni_gives_the_avx2_panels_bits() {
-    // The VNNI kernel's integer sums are exact and its float operations the AVX2 panels': the
+fn blocks_on_vnni_give_the_avx2_panels_bits() {
+    // The VNNI kernels' integer sums are exact and their float operations the AVX2 panels': the
     // same bits for every row, whether it ran alone, in the decode tile of four panels or the
     // multi-row tiles (1,100 outputs: a remainder past the panels of four; 9 rows: a tile of 8
-    // and one of 1). Weights of −128 (a file may hold them; the quantizer never writes them)
-    // included.
+    // and one of 1). For Q8_0, weights of −128 (a file may hold them; the quantizer never writes
+    // them) included.
     if Path::detect() < Path::Avx512Vnni {
-        eprintln!("no AVX-512 VNNI on this CPU: its Q8_0 kernel is not tested here");
+        eprintln!("no AVX-512 VNNI on this CPU: its block kernels are not tested here");
         return;
     }
     let (in_dim, out_dim) = (768, 1100);
     let (w, x) = data(out_dim, in_dim, 9);
     let t = Tensor::from_slice(&w, (out_dim, in_dim), &Device::Cpu).expect("tensor");
-    let q = QTensor::quantize(&t, GgmlDType::Q8_0).expect("quantize");
-    let mut bytes = q.data().expect("bytes").to_vec();
-    // Block 0 of every row (34 bytes a block: the scale, then 32 quants): its first quant −128.
-    for row in 0..out_dim {
-        bytes[row * (in_dim / 32) * 34 + 2] = 0x80;
-    }
-    let q = Arc::new(
-        QTensor::new(
-            candle_core::quantized::QStorage::from_data(
-                std::borrow::Cow::Owned(bytes),
-                &Device::Cpu,
-                GgmlDType::Q8_0,
-            )
-            .expect("storage"),
-            (out_dim, in_dim),
+    for dtype in [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+    ] {
+        let q = QTensor::quantize(&t, dtype).expect("quantize");
+        let mut bytes = q.data().expect("bytes").to_vec();
+        if dtype == GgmlDType::Q8_0 {
+            // Block 0 of every row (34 bytes a block: the scale, then 32 quants): its first
+            // quant −128.
+            for row in 0..out_dim {
+                bytes[row * (in_dim / 32) * 34 + 2] = 0x80;
+            }
+        }
+        let storage = candle_core::quantized::QStorage::from_data(
+            std::borrow::Cow::Owned(bytes),
+            &Device::Cpu,
+            dtype,
         )
-        .expect("qtensor"),
-    );
-    let product = |path: Path, rows: usize| {
-        let mut dst = vec![0f32; rows * out_dim];
-        Blocks::new(path, q.clone())
-            .expect("blocks")
-            .matmul(&x[..rows * in_dim], rows, &mut dst)
-            .expect("matmul");
-        dst
-    };
-    for rows in [1, 2, 9] {
-        assert!(
-            same_bits(&product(Path::Avx2, rows), &product(Path::Avx512Vnni, rows)),
-            "{rows} rows: the VNNI kernel differs from the AVX2 panels"
-        );
+        .expect("storage");
+        let q = Arc::new(QTensor::new(storage, (out_dim, in_dim)).expect("qtensor"));
+        let product = |path: Path, rows: usize| {
+            let mut dst = vec![0f32; rows * out_dim];
+            Blocks::new(path, q.clone())
+                .expect("blocks")
+                .matmul(&x[..rows * in_dim], rows, &mut dst)
+                .expect("matmul");
+            dst
+        };
+        for rows in [1, 2, 9] {
+            assert!(
+                same_bits(&product(Path::Avx2, rows), &product(Path::Avx512Vnni, rows)),
+                "{dtype:?}, {rows} rows: the VNNI kernel differs from the AVX2 panels"
+            );
+        }
     }
 }
 

@@ -246,7 +246,7 @@ unsafe fn blocks_tile<B: Block, const P: usize, const T: usize>(
     (rows, r0): (usize, usize),
     out: &mut [f32],
 ) {
-    let size = panel_bytes::<B>();
+    let size = panel_bytes::<B, QLANES>();
     let head = 2 * QLANES * (1 + B::MIN as usize);
     let xs: [&[Q8]; T] = std::array::from_fn(|t| &x[(r0 + t) * nb..][..nb]);
     let (low, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
@@ -347,7 +347,7 @@ pub(crate) unsafe fn blocks<B: Block>(
     rows: usize,
     out: &mut [f32],
 ) {
-    let per_panel = nb * panel_bytes::<B>();
+    let per_panel = nb * panel_bytes::<B, QLANES>();
     assert!(panels.end * per_panel <= w.len(), "panels past the weight");
     assert!(x.len() >= rows * nb, "fewer activations than rows");
     assert!(out.len() >= panels.len() * rows * QLANES, "a short output");
