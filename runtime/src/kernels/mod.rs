@@ -16,7 +16,9 @@
 //!   layouts) in panels too (`kpanels`, `x86_kpanels`) — on AVX-512 CPUs as well, where the
 //!   panels ran a decode step two to three times as fast as the AVX-512 kernels that decoded
 //!   each block once per output row (removed),
-//!   Q8_0 on AVX-512 with VNNI in panels of 16 outputs multiplied by `vpdpbusd` (`x86_vnni`),
+//!   on AVX-512 the dense panels' tiles in 16-lane registers (`x86_dense512`) and the blocks of
+//!   32 in panels of 16 outputs multiplied by VNNI's `vpdpbusd` (`x86_vnni`), each the AVX2
+//!   panels' bits,
 //!   candle's repacked kernel for Q8_0 (with AVX-VNNI only) and Q4_K (without AVX2) where
 //!   candle repacks the shape,
 //!   portable code (`rows`) elsewhere, candle's row-by-row product for the other types.
@@ -44,6 +46,8 @@ mod rows;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_dense512;
 #[cfg(target_arch = "x86_64")]
 mod x86_kpanels;
 #[cfg(target_arch = "x86_64")]

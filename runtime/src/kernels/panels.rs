@@ -146,13 +146,19 @@ impl Dense {
             use super::x86_panels::{Bf16, F16, F32, dense};
             let k = self.in_dim;
             let parallel = self.out_dim * k >= super::attention::PARALLEL_WORK;
+            let wide = self.path == Path::Avx512Vnni;
             drive(LANES, self.out_dim, rows, parallel, dst, |panels, out| {
-                // SAFETY: the CPU runs Path::Avx2 at least (`supported` in `new` and `half`).
+                use super::x86_dense512::dense as dense512;
+                // SAFETY: the CPU runs Path::Avx2 at least, AVX-512 where `wide` (`supported`
+                // in `new` and `half`).
                 unsafe {
-                    match &self.data {
-                        Data::F32(w) => dense::<F32>(w, k, panels, lhs, rows, out),
-                        Data::F16(w) => dense::<F16>(w, k, panels, lhs, rows, out),
-                        Data::Bf16(w) => dense::<Bf16>(w, k, panels, lhs, rows, out),
+                    match (&self.data, wide) {
+                        (Data::F32(w), false) => dense::<F32>(w, k, panels, lhs, rows, out),
+                        (Data::F16(w), false) => dense::<F16>(w, k, panels, lhs, rows, out),
+                        (Data::Bf16(w), false) => dense::<Bf16>(w, k, panels, lhs, rows, out),
+                        (Data::F32(w), true) => dense512::<F32>(w, k, panels, lhs, rows, out),
+                        (Data::F16(w), true) => dense512::<F16>(w, k, panels, lhs, rows, out),
+                        (Data::Bf16(w), true) => dense512::<Bf16>(w, k, panels, lhs, rows, out),
                     }
                 }
             });

@@ -549,3 +549,30 @@ fn a_fused_weight_gives_each_parts_own_bits() {
         }
     }
 }
+
+#[test]
+fn dense_weights_on_avx512_give_the_avx2_panels_bits() {
+    // One 16-lane fused multiply-add per input where AVX2 runs two of 8, in the same order from
+    // zero: the same bits for every row, in the two-panel tiles (up to 6 rows), the one-panel
+    // tiles of 7 to 12 and their remainders (13 rows), over a chunk's tail (200 inputs) and
+    // split across threads (1,100 outputs).
+    if Path::detect() < Path::Avx512Vnni {
+        eprintln!("no AVX-512 on this CPU: its dense kernels are not tested here");
+        return;
+    }
+    let (in_dim, out_dim) = (200, 1100);
+    let (w, x) = data(out_dim, in_dim, 13);
+    for dtype in [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16] {
+        for rows in [1, 3, 7, 13] {
+            let mkn = (rows, in_dim, out_dim);
+            let x = &x[..rows * in_dim];
+            assert!(
+                same_bits(
+                    &run(dtype, Path::Avx2, &w, x, mkn),
+                    &run(dtype, Path::Avx512Vnni, &w, x, mkn)
+                ),
+                "{dtype:?}, {rows} rows: the AVX-512 tiles differ from the AVX2 panels"
+            );
+        }
+    }
+}
