@@ -193,8 +193,9 @@ pub(crate) enum Path {
     /// x86-64 with AVX2, FMA and F16C (AVX-512 CPUs run the same panels: measured faster there
     /// than AVX-512 kernels that decoded each block once per output row).
     Avx2,
-    /// [`Path::Avx2`] and AVX-512 with VNNI (F, BW, VNNI): the same kernels, but Q8_0's in
-    /// panels of 16 outputs multiplied by `vpdpbusd` ([`super::x86_vnni`]).
+    /// [`Path::Avx2`] and AVX-512 with VNNI (F, BW, VNNI): the same panels, the blocks of 32 in
+    /// panels of 16 outputs multiplied by `vpdpbusd` ([`super::x86_vnni`]) and the dense ones
+    /// in 16-lane tiles ([`super::x86_dense512`]), each giving the AVX2 kernels' bits.
     Avx512Vnni,
 }
 

@@ -3,9 +3,8 @@
 //! two 8-lane ones: half the multiply-add instructions for the same lanes, and twice the rows a
 //! tile keeps in registers (measured, one run alternated: a 1536 → 8960 f32 product of 9 rows
 //! 2.7-2.9 against 3.2-3.6 ms on the AVX2 tiles, the 110M-shape f32 model's 40-position forward
-//! 68-69 against 75 ms). Each lane's
-//! operations (one fused multiply-add per input, in input order, from zero) are the AVX2 tile's,
-//! so each output's bits are theirs.
+//! 68-69 against 75 ms). Each lane's operations (one fused multiply-add per input, in input
+//! order, from zero) are the AVX2 tile's, so each output's bits are theirs.
 
 #![allow(
     unsafe_code,
