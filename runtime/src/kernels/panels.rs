@@ -343,27 +343,16 @@ impl Blocks {
         let layout = if path >= Path::Avx2 {
             let data = t.data()?;
             let vnni = path == Path::Avx512Vnni;
+            fn of<B: Block, const N: usize>(w: &[B], out_dim: usize, nb: usize) -> Vec<u8> {
+                repack(w, out_dim, nb, panel_bytes::<B, N>(), write_blocks::<B, N>)
+            }
             macro_rules! panels {
                 ($b:ty) => {{
                     let w = cast::<$b>(&data)?;
                     if vnni {
-                        const N: usize = VLANES;
-                        repack(
-                            w,
-                            out_dim,
-                            nb,
-                            panel_bytes::<$b, N>(),
-                            write_blocks::<$b, N>,
-                        )
+                        of::<$b, VLANES>(w, out_dim, nb)
                     } else {
-                        const N: usize = QLANES;
-                        repack(
-                            w,
-                            out_dim,
-                            nb,
-                            panel_bytes::<$b, N>(),
-                            write_blocks::<$b, N>,
-                        )
+                        of::<$b, QLANES>(w, out_dim, nb)
                     }
                 }};
             }
@@ -418,35 +407,31 @@ impl Blocks {
             }
             let x: &[Q8] = x;
             let parallel = data.len() * 2 >= super::attention::PARALLEL_WORK;
+            // `$run::<the dtype's block layout>(…)`: the kernel for this weight's type.
+            macro_rules! by_type {
+                ($run:ident($($arg:expr),*)) => {
+                    match dtype {
+                        GgmlDType::Q4_0 => $run::<layout::Q4_0>($($arg),*),
+                        GgmlDType::Q4_1 => $run::<layout::Q4_1>($($arg),*),
+                        GgmlDType::Q5_0 => $run::<layout::Q5_0>($($arg),*),
+                        GgmlDType::Q5_1 => $run::<layout::Q5_1>($($arg),*),
+                        _ => $run::<layout::Q8_0>($($arg),*),
+                    }
+                };
+            }
             #[cfg(target_arch = "x86_64")]
             if vnni {
                 return drive(VLANES, self.out_dim, rows, parallel, dst, |panels, out| {
                     use super::x86_vnni::blocks as run;
                     // SAFETY: the CPU runs Path::Avx512Vnni (`supported` in `new`).
-                    unsafe {
-                        match dtype {
-                            GgmlDType::Q4_0 => run::<layout::Q4_0>(data, nb, panels, x, rows, out),
-                            GgmlDType::Q4_1 => run::<layout::Q4_1>(data, nb, panels, x, rows, out),
-                            GgmlDType::Q5_0 => run::<layout::Q5_0>(data, nb, panels, x, rows, out),
-                            GgmlDType::Q5_1 => run::<layout::Q5_1>(data, nb, panels, x, rows, out),
-                            _ => run::<layout::Q8_0>(data, nb, panels, x, rows, out),
-                        }
-                    }
+                    unsafe { by_type!(run(data, nb, panels, x, rows, out)) }
                 });
             }
             #[cfg(target_arch = "x86_64")]
             drive(QLANES, self.out_dim, rows, parallel, dst, |panels, out| {
                 use super::x86_panels::blocks as run;
                 // SAFETY: the CPU runs Path::Avx2 at least (`supported` in `new`).
-                unsafe {
-                    match dtype {
-                        GgmlDType::Q4_0 => run::<layout::Q4_0>(data, nb, panels, x, rows, out),
-                        GgmlDType::Q4_1 => run::<layout::Q4_1>(data, nb, panels, x, rows, out),
-                        GgmlDType::Q5_0 => run::<layout::Q5_0>(data, nb, panels, x, rows, out),
-                        GgmlDType::Q5_1 => run::<layout::Q5_1>(data, nb, panels, x, rows, out),
-                        _ => run::<layout::Q8_0>(data, nb, panels, x, rows, out),
-                    }
-                }
+                unsafe { by_type!(run(data, nb, panels, x, rows, out)) }
             });
             #[cfg(not(target_arch = "x86_64"))]
             let _ = (dtype, data, parallel, dst, vnni);

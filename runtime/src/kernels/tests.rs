@@ -63,6 +63,17 @@ fn dequantized(dtype: GgmlDType, w: &[f32], out_dim: usize, in_dim: usize) -> Ve
     d.flatten_all().expect("flat").to_vec1().expect("vec")
 }
 
+/// A GGUF tensor of `dtype` and `shape` (out, in) from its bytes.
+fn from_bytes(bytes: Vec<u8>, dtype: GgmlDType, shape: (usize, usize)) -> QTensor {
+    let storage = candle_core::quantized::QStorage::from_data(
+        std::borrow::Cow::Owned(bytes),
+        &Device::Cpu,
+        dtype,
+    )
+    .expect("storage");
+    QTensor::new(storage, shape).expect("qtensor")
+}
+
 /// Whether two results are the same bit for bit (and as long).
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
@@ -465,13 +476,7 @@ fn blocks_on_vnni_give_the_avx2_panels_bits() {
                 bytes[row * (in_dim / 32) * 34 + 2] = 0x80;
             }
         }
-        let storage = candle_core::quantized::QStorage::from_data(
-            std::borrow::Cow::Owned(bytes),
-            &Device::Cpu,
-            dtype,
-        )
-        .expect("storage");
-        let q = Arc::new(QTensor::new(storage, (out_dim, in_dim)).expect("qtensor"));
+        let q = Arc::new(from_bytes(bytes, dtype, (out_dim, in_dim)));
         let product = |path: Path, rows: usize| {
             let mut dst = vec![0f32; rows * out_dim];
             Blocks::new(path, q.clone())
@@ -514,13 +519,7 @@ fn a_fused_weight_gives_each_parts_own_bits() {
             parts.push(super::Matmul::quantized(Arc::new(q)).expect("part"));
             at += d;
         }
-        let storage = candle_core::quantized::QStorage::from_data(
-            std::borrow::Cow::Owned(bytes),
-            &Device::Cpu,
-            dtype,
-        )
-        .expect("storage");
-        let fused = QTensor::new(storage, (total, in_dim)).expect("fused");
+        let fused = from_bytes(bytes, dtype, (total, in_dim));
         let fused = super::Matmul::quantized(Arc::new(fused)).expect("fused");
         for rows in [1, 9] {
             let xs = x.narrow(1, 0, rows).expect("rows");

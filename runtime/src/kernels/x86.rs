@@ -7,6 +7,7 @@
 )]
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 /// Four signed bytes `qs[at..at + 4]` (a group of a panel's inputs) in every 32-bit lane.
 #[target_feature(enable = "avx2")]
@@ -85,4 +86,84 @@ pub(crate) fn quantize_bytes(xs: &[f32], qs: &mut [i8]) -> f32 {
         unsafe { _mm256_storeu_si256(q.as_mut_ptr().cast(), bytes) };
     }
     d
+}
+
+/// Runs a dense kernel's tiles over panels `panels` of `w` (`[panel][input][lanes]`, `k` inputs)
+/// against `rows` activation rows: for each panel (two at a time where `rows` ≤
+/// `two_panel_rows`, then every row in one tile, streamed by the hardware prefetcher), each chunk
+/// of `chunk` inputs and each tile of rows (at most `max_rows` for one panel, which asks for the
+/// next chunk ahead), `tile(n, t, w, (rows, r0), (inputs, ahead), out)`: n panels × rows r0..r0
+/// + t, `w` and `out` at the tile's first panel (`out`: `[panel][row][lanes]` for `panels`).
+///
+/// # Safety
+/// `tile` may dereference its pointers for n panels of `k` inputs and their `rows` rows of
+/// outputs: `w` holds `panels` and `out` their rows (asserted here).
+pub(crate) unsafe fn dense_tiles<E>(
+    (w, k, lanes): (&[E], usize, usize),
+    panels: Range<usize>,
+    (rows, max_rows, two_panel_rows, chunk): (usize, usize, usize, usize),
+    out: &mut [f32],
+    tile: impl Fn(usize, usize, *const E, (usize, usize), (Range<usize>, usize), *mut f32),
+) {
+    let per_panel = k * lanes;
+    assert!(panels.end * per_panel <= w.len(), "panels past the weight");
+    assert!(out.len() >= panels.len() * rows * lanes, "a short output");
+    let two = rows <= two_panel_rows;
+    let mut p = 0;
+    while p < panels.len() {
+        let n = if two { 2.min(panels.len() - p) } else { 1 };
+        let wp = w[(panels.start + p) * per_panel..].as_ptr();
+        let op = out[p * rows * lanes..].as_mut_ptr();
+        for k0 in (0..k).step_by(chunk) {
+            let ks = k0..(k0 + chunk).min(k);
+            let mut r0 = 0;
+            while r0 < rows {
+                let (t, ahead) = if two {
+                    (rows, 0)
+                } else {
+                    (max_rows.min(rows - r0), chunk)
+                };
+                tile(n, t, wp, (rows, r0), (ks.clone(), ahead), op);
+                r0 += t;
+            }
+        }
+        p += n;
+    }
+}
+
+/// Runs a block kernel's tiles over panels `panels` of `w` (`per_panel` bytes each) against
+/// `rows` activation rows: one row `decode_panels` panels at a time (as many streams of weights
+/// in flight), more a panel at a time in tiles of at most `max_rows` rows:
+/// `tile(n, t, w, (rows, r0), out)`, n panels × rows r0..r0 + t, `w` and `out` at the tile's
+/// first panel (`out`: `[panel][row][lanes]` for `panels`).
+///
+/// # Safety
+/// `tile`'s kernel may read n panels of `w` and write their `rows` rows of `out` (the slices it
+/// is handed hold them: asserted here).
+pub(crate) unsafe fn block_tiles(
+    (w, per_panel, lanes): (&[u8], usize, usize),
+    panels: Range<usize>,
+    (rows, decode_panels, max_rows): (usize, usize, usize),
+    out: &mut [f32],
+    tile: impl Fn(usize, usize, &[u8], (usize, usize), &mut [f32]),
+) {
+    assert!(panels.end * per_panel <= w.len(), "panels past the weight");
+    assert!(out.len() >= panels.len() * rows * lanes, "a short output");
+    let w = &w[panels.start * per_panel..panels.end * per_panel];
+    let mut p = 0;
+    while p < panels.len() {
+        let (wp, op) = (&w[p * per_panel..], &mut out[p * rows * lanes..]);
+        if rows == 1 && panels.len() - p >= decode_panels {
+            tile(decode_panels, 1, wp, (1, 0), op);
+            p += decode_panels;
+            continue;
+        }
+        let mut r0 = 0;
+        while r0 < rows {
+            let t = max_rows.min(rows - r0);
+            tile(1, t, wp, (rows, r0), &mut *op);
+            r0 += t;
+        }
+        p += 1;
+    }
 }

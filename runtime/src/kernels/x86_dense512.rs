@@ -155,7 +155,8 @@ unsafe fn tiles<L: Wide, const P: usize>(
 }
 
 /// Panels `panels` of `w` (`[panel][input][lane]`, `k` inputs) against `rows` activation rows
-/// `x` (rows × k): `out` gets `[panel][row][lane]` for those panels.
+/// `x` (rows × k): `out` gets `[panel][row][lane]` for those panels, tiled as the AVX2 kernel
+/// tiles ([`super::x86::dense_tiles`]) with twice its rows.
 ///
 /// # Safety
 /// The CPU has AVX-512 F ([`super::rows::Path::Avx512Vnni`]).
@@ -167,40 +168,24 @@ pub(crate) unsafe fn dense<L: Wide>(
     rows: usize,
     out: &mut [f32],
 ) {
-    let per_panel = k * LANES;
-    assert!(panels.end * per_panel <= w.len(), "panels past the weight");
     assert!(x.len() >= rows * k, "fewer activations than rows");
-    assert!(out.len() >= panels.len() * rows * LANES, "a short output");
-    let two = rows <= TWO_PANEL_ROWS;
-    let mut p = 0;
-    while p < panels.len() {
-        let n = if two { 2.min(panels.len() - p) } else { 1 };
-        let wp = w[(panels.start + p) * per_panel..].as_ptr();
-        let op = out[p * rows * LANES..].as_mut_ptr();
-        for k0 in (0..k).step_by(CHUNK) {
-            let ks = k0..(k0 + CHUNK).min(k);
-            let mut r0 = 0;
-            while r0 < rows {
-                // Two panels × every row: a decode step or a small batch, streamed by the
-                // hardware prefetcher; one panel: the next chunk asked for.
-                let (t, ahead) = if two {
-                    (rows, 0)
+    let x = x.as_ptr();
+    // SAFETY: `dense_tiles` hands each tile pointers to its panels and their rows' outputs
+    // (asserted there), rows r0 + t ≤ rows of `x` (asserted above); the caller checked the
+    // features.
+    unsafe {
+        super::x86::dense_tiles(
+            (w, k, LANES),
+            panels,
+            (rows, MAX_ROWS, TWO_PANEL_ROWS, CHUNK),
+            out,
+            |n, t, wp, at, chunk, op| {
+                if n == 2 {
+                    tiles::<L, 2>(t, wp, k, x, at, chunk, op);
                 } else {
-                    (MAX_ROWS.min(rows - r0), CHUNK)
-                };
-                let (at, x) = ((rows, r0), x.as_ptr());
-                // SAFETY: n panels from panels.start + p are in `w` and their rows in `out`,
-                // r0 + t ≤ rows (asserted and computed above); the caller checked the features.
-                unsafe {
-                    if n == 2 {
-                        tiles::<L, 2>(t, wp, k, x, at, (ks.clone(), ahead), op);
-                    } else {
-                        tiles::<L, 1>(t, wp, k, x, at, (ks.clone(), ahead), op);
-                    }
+                    tiles::<L, 1>(t, wp, k, x, at, chunk, op);
                 }
-                r0 += t;
-            }
-        }
-        p += n;
+            },
+        )
     }
 }

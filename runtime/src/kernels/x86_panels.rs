@@ -172,7 +172,9 @@ unsafe fn tile<L: Lanes, const P: usize>(
 }
 
 /// Panels `panels` of `w` (`[panel][input][lane]`, `k` inputs) against `rows` activation rows
-/// `x` (rows × k): `out` gets `[panel][row][lane]` for those panels.
+/// `x` (rows × k): `out` gets `[panel][row][lane]` for those panels. Two-panel tiles of every
+/// row up to [`TWO_PANEL_ROWS`] rows, else one panel × up to [`MAX_ROWS`] rows asking for the
+/// next chunk.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C ([`super::rows::Path::Avx2`]).
@@ -184,41 +186,25 @@ pub(crate) unsafe fn dense<L: Lanes>(
     rows: usize,
     out: &mut [f32],
 ) {
-    let per_panel = k * LANES;
-    assert!(panels.end * per_panel <= w.len(), "panels past the weight");
     assert!(x.len() >= rows * k, "fewer activations than rows");
-    assert!(out.len() >= panels.len() * rows * LANES, "a short output");
-    let two = rows <= TWO_PANEL_ROWS;
-    let mut p = 0;
-    while p < panels.len() {
-        let n = if two { 2.min(panels.len() - p) } else { 1 };
-        let wp = w[(panels.start + p) * per_panel..].as_ptr();
-        let op = out[p * rows * LANES..].as_mut_ptr();
-        for k0 in (0..k).step_by(CHUNK) {
-            let ks = k0..(k0 + CHUNK).min(k);
-            let mut r0 = 0;
-            while r0 < rows {
-                // Two panels × every row: a decode step or a small batch, streamed by the
-                // hardware prefetcher; one panel: the next chunk asked for.
-                let (t, ahead) = if two {
-                    (rows, 0)
+    let x = x.as_ptr();
+    // SAFETY: `dense_tiles` hands each tile pointers to its panels and their rows' outputs
+    // (asserted there), rows r0 + t ≤ rows of `x` (asserted above); the caller checked the
+    // features.
+    unsafe {
+        super::x86::dense_tiles(
+            (w, k, LANES),
+            panels,
+            (rows, MAX_ROWS, TWO_PANEL_ROWS, CHUNK),
+            out,
+            |n, t, wp, at, chunk, op| {
+                if n == 2 {
+                    tile::<L, 2>(t, wp, k, x, at, chunk, op);
                 } else {
-                    (MAX_ROWS.min(rows - r0), CHUNK)
-                };
-                let (at, x) = ((rows, r0), x.as_ptr());
-                // SAFETY: n panels from panels.start + p are in `w` and their rows in `out`,
-                // r0 + t ≤ rows (asserted and computed above); the caller checked the features.
-                unsafe {
-                    if n == 2 {
-                        tile::<L, 2>(t, wp, k, x, at, (ks.clone(), ahead), op);
-                    } else {
-                        tile::<L, 1>(t, wp, k, x, at, (ks.clone(), ahead), op);
-                    }
+                    tile::<L, 1>(t, wp, k, x, at, chunk, op);
                 }
-                r0 += t;
-            }
-        }
-        p += n;
+            },
+        )
     }
 }
 
@@ -335,7 +321,9 @@ unsafe fn blocks_tile<B: Block, const P: usize, const T: usize>(
 }
 
 /// Panels `panels` of `w` (blocks of 32 in panels: [`super::panels`]) against `rows` activation
-/// rows `x` (`nb` quantized blocks each): `out` gets `[panel][row][QLANES]` for those panels.
+/// rows `x` (`nb` quantized blocks each): `out` gets `[panel][row][QLANES]` for those panels. One
+/// row two panels at a time (two streams of weights in flight), more in tiles of
+/// [`BLOCK_ROWS`].
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C ([`super::rows::Path::Avx2`]).
@@ -347,33 +335,23 @@ pub(crate) unsafe fn blocks<B: Block>(
     rows: usize,
     out: &mut [f32],
 ) {
-    let per_panel = nb * panel_bytes::<B, QLANES>();
-    assert!(panels.end * per_panel <= w.len(), "panels past the weight");
     assert!(x.len() >= rows * nb, "fewer activations than rows");
-    assert!(out.len() >= panels.len() * rows * QLANES, "a short output");
-    let w = &w[panels.start * per_panel..panels.end * per_panel];
-    let mut p = 0;
-    // SAFETY (each call): the caller checked AVX2, FMA and F16C; the panels, the rows and their
-    // outputs are in bounds (above).
-    while p < panels.len() {
-        let (wp, op) = (&w[p * per_panel..], &mut out[p * rows * QLANES..]);
-        // One row: two panels at a time, two streams of weights in flight.
-        if rows == 1 && panels.len() - p >= 2 {
-            unsafe { blocks_tile::<B, 2, 1>(wp, nb, x, (1, 0), op) };
-            p += 2;
-            continue;
-        }
-        let mut r0 = 0;
-        while rows - r0 >= BLOCK_ROWS {
-            unsafe { blocks_tile::<B, 1, BLOCK_ROWS>(wp, nb, x, (rows, r0), op) };
-            r0 += BLOCK_ROWS;
-        }
-        match rows - r0 {
-            3 => unsafe { blocks_tile::<B, 1, 3>(wp, nb, x, (rows, r0), op) },
-            2 => unsafe { blocks_tile::<B, 1, 2>(wp, nb, x, (rows, r0), op) },
-            1 => unsafe { blocks_tile::<B, 1, 1>(wp, nb, x, (rows, r0), op) },
-            _ => {}
-        }
-        p += 1;
+    let per_panel = nb * panel_bytes::<B, QLANES>();
+    // SAFETY (each tile): the caller checked AVX2, FMA and F16C; `block_tiles` hands each tile
+    // its panels and their rows' outputs (asserted there), and its rows are in `x` (above).
+    unsafe {
+        super::x86::block_tiles(
+            (w, per_panel, QLANES),
+            panels,
+            (rows, 2, BLOCK_ROWS),
+            out,
+            |n, t, wp, at, op| match (n, t) {
+                (2, _) => blocks_tile::<B, 2, 1>(wp, nb, x, at, op),
+                (_, 1) => blocks_tile::<B, 1, 1>(wp, nb, x, at, op),
+                (_, 2) => blocks_tile::<B, 1, 2>(wp, nb, x, at, op),
+                (_, 3) => blocks_tile::<B, 1, 3>(wp, nb, x, at, op),
+                _ => blocks_tile::<B, 1, BLOCK_ROWS>(wp, nb, x, at, op),
+            },
+        )
     }
 }
