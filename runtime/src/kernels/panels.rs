@@ -146,7 +146,7 @@ impl Dense {
             use super::x86_panels::{Bf16, F16, F32, dense};
             let k = self.in_dim;
             let parallel = self.out_dim * k >= super::attention::PARALLEL_WORK;
-            let wide = self.path == Path::Avx512Vnni;
+            let wide = self.path >= Path::Avx512;
             drive(LANES, self.out_dim, rows, parallel, dst, |panels, out| {
                 use super::x86_dense512::dense as dense512;
                 // SAFETY: the CPU runs Path::Avx2 at least, AVX-512 where `wide` (`supported`

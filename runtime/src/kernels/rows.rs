@@ -193,9 +193,11 @@ pub(crate) enum Path {
     /// x86-64 with AVX2, FMA and F16C (AVX-512 CPUs run the same panels: measured faster there
     /// than AVX-512 kernels that decoded each block once per output row).
     Avx2,
-    /// [`Path::Avx2`] and AVX-512 with VNNI (F, BW, VNNI): the same panels, the blocks of 32 in
-    /// panels of 16 outputs multiplied by `vpdpbusd` ([`super::x86_vnni`]) and the dense ones
-    /// in 16-lane tiles ([`super::x86_dense512`]), each giving the AVX2 kernels' bits.
+    /// [`Path::Avx2`] and AVX-512 F: the same panels, the dense ones in 16-lane tiles
+    /// ([`super::x86_dense512`]), giving the AVX2 kernels' bits.
+    Avx512,
+    /// [`Path::Avx512`] with BW and VNNI: the blocks of 32 in panels of 16 outputs multiplied by
+    /// `vpdpbusd` ([`super::x86_vnni`]), giving the AVX2 kernels' bits.
     Avx512Vnni,
 }
 
@@ -209,10 +211,12 @@ impl Path {
                 && std::arch::is_x86_feature_detected!("fma")
                 && std::arch::is_x86_feature_detected!("f16c")
             {
-                let vnni = std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw")
+                if !std::arch::is_x86_feature_detected!("avx512f") {
+                    return Path::Avx2;
+                }
+                let vnni = std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512vnni");
-                return if vnni { Path::Avx512Vnni } else { Path::Avx2 };
+                return if vnni { Path::Avx512Vnni } else { Path::Avx512 };
             }
             Path::Portable
         })
@@ -227,7 +231,7 @@ impl Path {
     /// Every path this CPU can run (for tests).
     #[cfg(test)]
     pub(crate) fn available() -> Vec<Self> {
-        [Self::Portable, Self::Avx2, Self::Avx512Vnni]
+        [Self::Portable, Self::Avx2, Self::Avx512, Self::Avx512Vnni]
             .into_iter()
             .filter(|p| *p <= Self::detect())
             .collect()

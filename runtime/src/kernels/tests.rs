@@ -555,7 +555,7 @@ fn dense_weights_on_avx512_give_the_avx2_panels_bits() {
     // zero: the same bits for every row, in the two-panel tiles (up to 6 rows), the one-panel
     // tiles of 7 to 12 and their remainders (13 rows), over a chunk's tail (200 inputs) and
     // split across threads (1,100 outputs).
-    if Path::detect() < Path::Avx512Vnni {
+    if Path::detect() < Path::Avx512 {
         eprintln!("no AVX-512 on this CPU: its dense kernels are not tested here");
         return;
     }
@@ -568,7 +568,7 @@ fn dense_weights_on_avx512_give_the_avx2_panels_bits() {
             assert!(
                 same_bits(
                     &run(dtype, Path::Avx2, &w, x, mkn),
-                    &run(dtype, Path::Avx512Vnni, &w, x, mkn)
+                    &run(dtype, Path::Avx512, &w, x, mkn)
                 ),
                 "{dtype:?}, {rows} rows: the AVX-512 tiles differ from the AVX2 panels"
             );

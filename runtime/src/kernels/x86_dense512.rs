@@ -1,4 +1,4 @@
-//! Dense weights (f32, f16, bf16) on AVX-512 ([`super::rows::Path::Avx512Vnni`]): the AVX2
+//! Dense weights (f32, f16, bf16) on AVX-512 ([`super::rows::Path::Avx512`]): the AVX2
 //! panels' tiles ([`super::x86_panels`]) with one 16-lane register per panel and row instead of
 //! two 8-lane ones: half the multiply-add instructions for the same lanes, and twice the rows a
 //! tile keeps in registers (measured, one run alternated: a 1536 → 8960 f32 product of 9 rows
@@ -159,7 +159,7 @@ unsafe fn tiles<L: Wide, const P: usize>(
 /// tiles ([`super::x86::dense_tiles`]) with twice its rows.
 ///
 /// # Safety
-/// The CPU has AVX-512 F ([`super::rows::Path::Avx512Vnni`]).
+/// The CPU has AVX-512 F ([`super::rows::Path::Avx512`]).
 pub(crate) unsafe fn dense<L: Wide>(
     w: &[L::Elem],
     k: usize,
