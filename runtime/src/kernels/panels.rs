@@ -198,8 +198,9 @@ pub(super) fn drive(
             // One contiguous run of panels per thread: a stream the prefetchers follow, and
             // one grab each from the pool's cursor (a thread that comes late finds its run
             // taken by the other). Against tasks of 4 panels handed out a sixteenth of them at
-            // a time (candle's cursor), 110M-shape decode Q4_0 440-444 → 486-506 tok/s, Q4_K_M 430-435 →
-            // 474-482, Q5_0 283-304 → 346-355, f32 65-66 → 67-70 (2 threads, one run).
+            // a time (candle's cursor), 110M-shape decode Q4_0 440-444 → 486-506 tok/s,
+            // Q4_K_M 430-435 → 474-482, Q5_0 283-304 → 346-355, f32 65-66 → 67-70 (2 threads,
+            // one run).
             let threads = candle_core::utils::get_num_threads().max(1);
             let task = panels.div_ceil(threads).next_multiple_of(TASK_PANELS);
             on_pool(out, task * per_panel, |i, part| {
@@ -393,12 +394,11 @@ impl Blocks {
         dst: &mut [f32],
     ) -> candle_core::Result<()> {
         let mkn = (rows, self.in_dim, self.out_dim);
-        let (dtype, data) = match &self.layout {
+        let (dtype, data, vnni) = match &self.layout {
             BlocksLayout::Gguf(t) => return super::matmul::blocks(t, mkn, lhs, dst),
-            BlocksLayout::Panels(dtype, data) => (*dtype, data),
-            BlocksLayout::Vnni(dtype, data) => (*dtype, data),
+            BlocksLayout::Panels(dtype, data) => (*dtype, data, false),
+            BlocksLayout::Vnni(dtype, data) => (*dtype, data, true),
         };
-        let vnni = matches!(self.layout, BlocksLayout::Vnni(..));
         let nb = self.in_dim / QK;
         XQ.with_borrow_mut(|x| {
             x.resize(rows * nb, Q8::default());
