@@ -22,7 +22,10 @@
 #
 # Environment: LLAMA_CPP (above), THREADS (default: every core), ROUNDS (3), TOKENS (decode, 64),
 # SPEC_TOKENS (speculative, 128), KS ("4 8"), TEMPS ("0 0.8"), PARTS ("decode spec"),
-# TANDEM_QWEN_DIR, BENCH_DIR (scratch; default ~/.cache/tandem/vs-llamacpp).
+# TANDEM_QWEN_DIR, BENCH_DIR (scratch; default ~/.cache/tandem/vs-llamacpp), ISA (avx2, avx512
+# or avx512_vnni: both sides held to those vector extensions, as on a CPU that has no more —
+# llama.cpp built with them alone in build-$ISA, Tandem run with TANDEM_MAX_CPU_ISA=$ISA;
+# default: everything this CPU has).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,6 +38,13 @@ spec_tokens=${SPEC_TOKENS:-128}
 ks=${KS:-4 8}
 temps=${TEMPS:-0 0.8}
 parts=${PARTS:-decode spec}
+isa=${ISA:-}
+case "$isa" in
+    "" | avx2 | avx512 | avx512_vnni) ;;
+    *) echo "ISA=$isa: avx2, avx512 or avx512_vnni" >&2; exit 2 ;;
+esac
+export TANDEM_MAX_CPU_ISA=${isa:-}
+[ -n "$isa" ] || unset TANDEM_MAX_CPU_ISA
 qwen=${TANDEM_QWEN_DIR:-$cache/models}
 mkdir -p "$work"
 
@@ -83,29 +93,40 @@ EOF
     rm -rf "$tmp"
 }
 
+# Whether extensions of level $1 (avx2, avx512, avx512_vnni) are within ISA.
+within() {
+    local order="avx2 avx512 avx512_vnni" cap=${isa:-avx512_vnni}
+    local rest=${order#*"$cap"}
+    [[ " ${order%"$rest"} " == *" $1 "* ]]
+}
+
 llama_bin() {
     local src=${LLAMA_CPP:-$cache/llama.cpp}
     if [ ! -d "$src" ]; then
         fetch_llama "$src"
     fi
-    local bin=$src/build/bin
+    local build=$src/build${isa:+-$isa}
+    local bin=$build/bin
     if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-speculative" ]; then
         local cmake
         cmake=$(find_cmake)
-        say "building llama.cpp in $src/build (CPU only; about 6 minutes on 2 cores)"
-        # This CPU's vector extensions, AMX left out: a virtual machine may list AMX and still
-        # refuse its tiles (a native build's llama-speculative died of SIGILL on its first batch
-        # on such a machine, while llama-bench's one-token decode ran).
-        local isa=() pair
-        for pair in avx2:AVX2 fma:FMA f16c:F16C avx512f:AVX512 avx512vbmi:AVX512_VBMI \
-            avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
-            if grep -q -w "${pair%%:*}" /proc/cpuinfo; then
-                isa+=("-DGGML_${pair##*:}=ON")
+        say "building llama.cpp in $build (CPU only; about 6 minutes on 2 cores)"
+        # This CPU's vector extensions up to ISA's, AMX left out: a virtual machine may list
+        # AMX and still refuse its tiles (a native build's llama-speculative died of SIGILL on
+        # its first batch on such a machine, while llama-bench's one-token decode ran). A
+        # build without GGML_NATIVE turns AVX, AVX2, BMI2, FMA and F16C on by itself.
+        local flags=() entry
+        for entry in avx2:AVX2:avx2 fma:FMA:avx2 f16c:F16C:avx2 avx512f:AVX512:avx512 \
+            avx512vbmi:AVX512_VBMI:avx512 avx512_vnni:AVX512_VNNI:avx512_vnni \
+            avx512_bf16:AVX512_BF16:avx512_vnni; do
+            IFS=: read -r flag option level <<<"$entry"
+            if grep -q -w "$flag" /proc/cpuinfo && within "$level"; then
+                flags+=("-DGGML_$option=ON")
             fi
         done
-        "$cmake" -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
-            "${isa[@]}" -DLLAMA_CURL=OFF -DGGML_CUDA=OFF >/dev/null
-        "$cmake" --build "$src/build" -j "$(nproc)" --target llama-bench llama-speculative \
+        "$cmake" -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+            "${flags[@]}" -DLLAMA_CURL=OFF -DGGML_CUDA=OFF >/dev/null
+        "$cmake" --build "$build" -j "$(nproc)" --target llama-bench llama-speculative \
             >/dev/null
     fi
     echo "$bin"
@@ -153,6 +174,8 @@ echo "- CPU: $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1), $(nproc)
 echo "- llama.cpp: $(llama_source), CPU-only build ($bin)"
 echo "- Tandem: $(git -C "$repo" rev-parse --short HEAD)"
 echo "- threads: $threads each side; $rounds rounds, alternated"
+[ -z "$isa" ] || echo "- both held to $isa: llama.cpp built with its extensions alone," \
+    "Tandem run with TANDEM_MAX_CPU_ISA=$isa"
 
 qwen_target=$qwen/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 qwen_draft=$qwen/qwen2.5-coder-0.5b-instruct.gguf
@@ -168,7 +191,7 @@ if [[ " $parts " == *" decode "* ]]; then
         BENCH_TYPES=f32,f16,q8_0,q4_0,q5_0,q4_k_m,q6_k BENCH_GGUF=$own BENCH_ROUNDS=$rounds \
         BENCH_TOKENS=$tokens BENCH_THREADS=$threads RAYON_NUM_THREADS=$threads \
         CANDLE_NUM_THREADS=$threads cargo bench -q -p tandem-runtime --bench families 2>/dev/null |
-        grep '^|')
+        grep -e '^|' -e '^- ')
 fi
 
 # One llama-speculative run: "tokens/s accepted%". Plain temperature sampling, as Tandem's

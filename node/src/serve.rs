@@ -123,6 +123,7 @@ where
         vocab = config.vocab_size,
         context = config.max_context,
         device = %state.device,
+        cpu_kernels = tandem_runtime::kernels::cpu_path(),
         listen = %listener.local_addr()?,
         grpc = tls.mode(),
         http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),

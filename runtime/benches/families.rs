@@ -129,6 +129,10 @@ fn main() -> anyhow::Result<()> {
     let rounds: usize = env_or("BENCH_ROUNDS", "3").parse()?;
     let tokens: usize = env_or("BENCH_TOKENS", "64").parse()?;
     println!(
+        "- Tandem's CPU kernels: {}\n",
+        tandem_runtime::kernels::cpu_path()
+    );
+    println!(
         "| family | type | MB | llama.cpp tok/s | Tandem tok/s | Tandem / llama.cpp (median) |"
     );
     println!("|---|---|---|---|---|---|");

@@ -40,11 +40,13 @@ fn candle_repacks(t: &QTensor) -> Result<bool> {
     if !out_dim.is_multiple_of(16) || !in_dim.is_multiple_of(kquants::QK_K) {
         return Ok(false);
     }
+    // A cap below VNNI (`TANDEM_MAX_CPU_ISA`) stands for a CPU without it: none then.
     #[cfg(target_arch = "x86_64")]
-    let vnni = (std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512vnni"))
-        || (std::arch::is_x86_feature_detected!("avxvnni")
-            && std::arch::is_x86_feature_detected!("avx2"));
+    let vnni = Path::cap().is_none_or(|cap| cap >= Path::Avx512Vnni)
+        && ((std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vnni"))
+            || (std::arch::is_x86_feature_detected!("avxvnni")
+                && std::arch::is_x86_feature_detected!("avx2")));
     #[cfg(not(target_arch = "x86_64"))]
     let vnni = false;
     Ok(t.dtype() != GgmlDType::Q8_0 || vnni)

@@ -22,6 +22,8 @@
 //!   candle's repacked kernel for Q8_0 (with AVX-VNNI only) and Q4_K (without AVX2) where
 //!   candle repacks the shape,
 //!   portable code (`rows`) elsewhere, candle's row-by-row product for the other types.
+//!   `TANDEM_MAX_CPU_ISA` ([`MAX_CPU_ISA`]) holds the choice to a path a CPU with less would
+//!   take (candle's VNNI kernel too), to reproduce here what runs there.
 //! - `activation`: the MLP's gated activation (SiLU, GELU-tanh) vectorized, one pass.
 //! - `attention`: causal attention row by row over exactly the keys the row sees, in a fixed
 //!   order, read in place from the KV cache (AVX2 + FMA where the CPU has them).
@@ -60,6 +62,13 @@ pub(crate) use attention::{MAX_PIECES, MAX_TREE_DEPTH, Span, TreePaths, attentio
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::{KeyTables, attention_cuda};
 pub(crate) use matmul::{Matmul, tile_padding};
+pub use rows::MAX_CPU_ISA;
+
+/// The path the CPU kernels run in this process (`portable`, `avx2`, `avx512`, `avx512_vnni`;
+/// at most the one [`MAX_CPU_ISA`] names), for figures and logs to say what ran.
+pub fn cpu_path() -> &'static str {
+    rows::Path::detect().name()
+}
 
 /// The process's CPU cores for one forward pass: a pass on the CPU holds this while it runs, so
 /// two models in one process (the local mode's draft and target, `coordinator serve

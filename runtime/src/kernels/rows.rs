@@ -201,25 +201,73 @@ pub(crate) enum Path {
     Avx512Vnni,
 }
 
+/// The environment variable that caps the kernels' path (`portable`, `avx2`, `avx512`,
+/// `avx512_vnni`), as oneDNN's `ONEDNN_MAX_CPU_ISA` does: this machine then runs what a CPU
+/// with less runs (a bug or a figure seen there, reproduced here).
+pub const MAX_CPU_ISA: &str = "TANDEM_MAX_CPU_ISA";
+
 impl Path {
-    /// The fastest path this CPU runs, chosen once per process.
+    /// The fastest path this CPU runs, at most the one [`MAX_CPU_ISA`] names; chosen once per
+    /// process.
     pub(crate) fn detect() -> Self {
         static PATH: OnceLock<Path> = OnceLock::new();
-        *PATH.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-            {
-                if !std::arch::is_x86_feature_detected!("avx512f") {
-                    return Path::Avx2;
-                }
-                let vnni = std::arch::is_x86_feature_detected!("avx512bw")
-                    && std::arch::is_x86_feature_detected!("avx512vnni");
-                return if vnni { Path::Avx512Vnni } else { Path::Avx512 };
-            }
-            Path::Portable
+        *PATH.get_or_init(|| match Self::cap() {
+            Some(cap) => cap.min(Self::cpu()),
+            None => Self::cpu(),
         })
+    }
+
+    /// The fastest path this CPU has the instructions for.
+    pub(crate) fn cpu() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
+            if !std::arch::is_x86_feature_detected!("avx512f") {
+                return Path::Avx2;
+            }
+            let vnni = std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni");
+            return if vnni { Path::Avx512Vnni } else { Path::Avx512 };
+        }
+        Path::Portable
+    }
+
+    /// The cap [`MAX_CPU_ISA`] sets, if it names one (read once; a name it does not know is
+    /// reported and leaves the kernels uncapped).
+    pub(crate) fn cap() -> Option<Self> {
+        static CAP: OnceLock<Option<Path>> = OnceLock::new();
+        *CAP.get_or_init(|| {
+            let value = std::env::var(MAX_CPU_ISA).ok()?;
+            let cap = Self::named(&value);
+            if cap.is_none() {
+                tracing::warn!(
+                    "{MAX_CPU_ISA}={value:?} is none of portable, avx2, avx512, avx512_vnni: \
+                     the kernels run this CPU's fastest path"
+                );
+            }
+            cap
+        })
+    }
+
+    /// Every path, from the most portable.
+    pub(crate) const ALL: [Self; 4] = [Self::Portable, Self::Avx2, Self::Avx512, Self::Avx512Vnni];
+
+    /// Its name, as [`MAX_CPU_ISA`] writes it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            Self::Avx2 => "avx2",
+            Self::Avx512 => "avx512",
+            Self::Avx512Vnni => "avx512_vnni",
+        }
+    }
+
+    /// The path a [`MAX_CPU_ISA`] value names, in any case.
+    pub(crate) fn named(name: &str) -> Option<Self> {
+        let name = name.trim().to_ascii_lowercase();
+        Self::ALL.into_iter().find(|p| p.name() == name)
     }
 
     /// `self`, or the fastest path this CPU runs if `self` needs more: a caller (a test forcing
@@ -231,7 +279,7 @@ impl Path {
     /// Every path this CPU can run (for tests).
     #[cfg(test)]
     pub(crate) fn available() -> Vec<Self> {
-        [Self::Portable, Self::Avx2, Self::Avx512, Self::Avx512Vnni]
+        Self::ALL
             .into_iter()
             .filter(|p| *p <= Self::detect())
             .collect()

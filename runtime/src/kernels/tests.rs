@@ -575,3 +575,43 @@ fn dense_weights_on_avx512_give_the_avx2_panels_bits() {
         }
     }
 }
+
+#[test]
+fn the_isa_cap_holds_the_kernels_below_it() {
+    // The path is chosen once per process: this test runs itself again, capped at each path,
+    // and there (the variable set) checks the path and that no kernel above it is chosen.
+    const NAME: &str = "kernels::tests::the_isa_cap_holds_the_kernels_below_it";
+    if let Ok(value) = std::env::var(super::MAX_CPU_ISA) {
+        let cap = Path::named(&value).expect("a cap the parent names");
+        assert_eq!(Path::detect(), cap.min(Path::cpu()), "{value}");
+        assert_eq!(super::cpu_path(), Path::detect().name());
+        // Q8_0 in a shape candle repacks: candle's VNNI kernel only where the cap allows VNNI.
+        let t = Tensor::zeros((32, 256), candle_core::DType::F32, &Device::Cpu).expect("zeros");
+        let q = QTensor::quantize(&t, GgmlDType::Q8_0).expect("quantize");
+        let matmul = super::Matmul::quantized(Arc::new(q)).expect("matmul");
+        if cap < Path::Avx512Vnni {
+            assert!(
+                !matches!(matmul, super::Matmul::Repacked(_)),
+                "{value}: candle's VNNI"
+            );
+        }
+        return;
+    }
+    for path in Path::ALL {
+        for name in [path.name().to_string(), path.name().to_uppercase()] {
+            assert_eq!(Path::named(&name), Some(path), "{name}");
+            let out = std::process::Command::new(std::env::current_exe().expect("exe"))
+                .args(["--exact", NAME, "--test-threads", "1"])
+                .env(super::MAX_CPU_ISA, &name)
+                .output()
+                .expect("the test binary again");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && stdout.contains("1 passed"),
+                "capped at {name}: {stdout}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    assert_eq!(Path::named("avx-512"), None);
+}
