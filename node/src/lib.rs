@@ -21,4 +21,4 @@ pub use sessions::{SessionSlot, SessionTable};
 pub use state::{Limits, NodeState, Role};
 pub use stream::{Incoming, Session, drive_session};
 pub use telemetry::{Telemetry, init_telemetry};
-pub use worker::ModelThread;
+pub use worker::{Batch, ModelThread};

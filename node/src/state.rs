@@ -137,6 +137,7 @@ impl NodeState {
                 &format!("{}-model", role.as_str()),
                 limits.max_batch,
                 std::time::Duration::from_micros(limits.batch_wait_us),
+                model.device().is_cpu(),
             ),
             vocab_hash: tokenizer.vocab_hash(),
             stop_token_ids: default_stop_tokens(&model, &tokenizer),

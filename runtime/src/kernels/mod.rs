@@ -70,21 +70,81 @@ pub fn cpu_path() -> &'static str {
     rows::Path::detect().name()
 }
 
-/// The process's CPU cores for one forward pass: a pass on the CPU holds this while it runs, so
-/// two models in one process (the local mode's draft and target, `coordinator serve
-/// --target-model --draft-model`) take turns pass by pass, each pass on every core through the
-/// one pool ([`rows::on_pool`]), and never interleave their kernels call by call on it. Call by
-/// call, each kernel of one waited on the pool's lock for a kernel of the other, and the pool's
-/// worker spun between them: 8 sessions drafting 4 tokens a round (110M-shape f32 target, its
-/// Q8_0 copy as the draft, 2 cores) ran 152-181 tokens/s against 174-190 pass by pass, and 8
-/// target-only sessions beside an idle draft 230-268 against 253-263 (one run, alternated;
-/// docs/benchmarks/concurrency.md). A GPU pass does not take it: the draft's CPU pass runs
+/// The process's CPU cores, held by one thread at a time: a forward pass on the CPU holds them
+/// while it runs, so two models in one process (the local mode's draft and target, `coordinator
+/// serve --target-model --draft-model`) take turns, each pass on every core through the one pool
+/// ([`rows::on_pool`]), and never interleave their kernels call by call on it. Call by call, each
+/// kernel of one waited on the pool's lock for a kernel of the other, and the pool's worker spun
+/// between them: 8 sessions drafting 4 tokens a round (110M-shape f32 target, its Q8_0 copy as
+/// the draft, 2 cores) ran 152-181 tokens/s against 174-190 pass by pass, and 8 target-only
+/// sessions beside an idle draft 230-268 against 253-263 (one run, alternated;
+/// docs/benchmarks/concurrency.md). A GPU pass does not take them: the draft's CPU pass runs
 /// beside it.
-pub(crate) fn cpu_pass() -> std::sync::MutexGuard<'static, ()> {
-    static CORES: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    CORES
+///
+/// A node's model thread holds them for a whole batch ([`Cores::hold`]), gathering its batch once
+/// it has them: the sessions that came while the other model ran join it. Holds are granted in
+/// the order they were asked for, and a thread that holds the cores may ask again (its passes
+/// inside a batch) without waiting.
+#[derive(Debug)]
+pub struct Cores {
+    /// Whether this hold took the cores (not a hold inside one this thread has).
+    taken: bool,
+    /// Held by this thread: not to be released from another.
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+/// Holds of the cores asked for (the next ticket) and granted (the ticket now served).
+static TURNS: std::sync::Mutex<(u64, u64)> = std::sync::Mutex::new((0, 0));
+static TURN: std::sync::Condvar = std::sync::Condvar::new();
+
+thread_local! {
+    /// Whether this thread holds the cores.
+    static HELD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn turns() -> std::sync::MutexGuard<'static, (u64, u64)> {
+    TURNS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Cores {
+    /// Waits for the cores, in turn, and holds them until the result is dropped; at once where
+    /// this thread holds them already.
+    pub fn hold() -> Self {
+        let taken = !HELD.get();
+        if taken {
+            let mut turns = turns();
+            let ticket = turns.0;
+            turns.0 += 1;
+            while turns.1 != ticket {
+                turns = TURN
+                    .wait(turns)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            HELD.set(true);
+        }
+        Self {
+            taken,
+            _thread: std::marker::PhantomData,
+        }
+    }
+
+    /// Threads that hold the cores or wait for them (for tests).
+    pub fn queued() -> u64 {
+        let turns = turns();
+        turns.0 - turns.1
+    }
+}
+
+impl Drop for Cores {
+    fn drop(&mut self) {
+        if self.taken {
+            HELD.set(false);
+            turns().1 += 1;
+            TURN.notify_all();
+        }
+    }
 }
 
 /// Gives back the calling thread's kernel scratch past what a verify block needs: called after

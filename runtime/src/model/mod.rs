@@ -287,7 +287,7 @@ impl Model {
         for item in items.iter() {
             self.check_block(item.tokens, item.cache)?;
         }
-        let _cores = self.device().is_cpu().then(crate::kernels::cpu_pass);
+        let _cores = self.device().is_cpu().then(crate::kernels::Cores::hold);
         self.llama
             .forward(items)?
             .into_iter()
@@ -368,7 +368,7 @@ mod tests {
     }
 
     /// A CPU pass waits while another holds the cores, then runs: two models in one process
-    /// take turns pass by pass ([`crate::kernels::cpu_pass`]).
+    /// take turns pass by pass ([`crate::kernels::Cores`]).
     #[test]
     fn a_cpu_pass_waits_for_the_pass_that_holds_the_cores() {
         let dir = tempfile::tempdir().expect("tmp");
@@ -382,7 +382,7 @@ mod tests {
         .expect("a tiny model");
         let model = Model::load(dir.path(), &LoadOptions::default()).expect("load");
         let (done, finished) = std::sync::mpsc::channel();
-        let held = crate::kernels::cpu_pass();
+        let held = crate::kernels::Cores::hold();
         let pass = std::thread::spawn(move || {
             let logits = model.forward(&[1, 2, 3], &mut model.new_cache(), Logits::Last);
             done.send(()).expect("the test waits");

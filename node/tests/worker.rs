@@ -1,0 +1,186 @@
+//! The node's model thread (`tandem_node::ModelThread`): one-off jobs in order on one thread,
+//! batches of work that came while it was busy, the wait for the sessions the last batch held,
+//! and, for a model on the CPU, batches gathered once it holds the process's cores.
+
+use std::time::Duration;
+
+use tandem_node::{Batch, ModelThread};
+use tandem_proto::Result;
+use tandem_runtime::kernels::Cores;
+
+#[tokio::test]
+async fn runs_tasks_in_order_on_one_thread_and_survives_a_panic() {
+    let worker = ModelThread::spawn("test-model", 8, Duration::ZERO, false);
+    let a = worker
+        .run(|| std::thread::current().id())
+        .await
+        .expect("run");
+    let err: Result<()> = worker.run(|| panic!("boom")).await;
+    assert!(err.is_err(), "a panic is an error");
+    let b = worker
+        .run(|| std::thread::current().id())
+        .await
+        .expect("run");
+    assert_eq!(a, b, "one thread");
+    assert_ne!(a, std::thread::current().id());
+}
+
+/// Answers each item with the size of the batch it ran in.
+struct Sizes;
+
+impl Batch for Sizes {
+    type Item = u32;
+    type Output = (u32, usize);
+    fn run(items: Vec<u32>) -> Vec<(u32, usize)> {
+        let n = items.len();
+        items.into_iter().map(|i| (i, n)).collect()
+    }
+}
+
+/// Items sent while the thread is busy run together when it comes free, at most
+/// `max_batch` at a time, each answered with its own output.
+async fn batch_sizes(max_batch: usize, items: u32) -> Vec<(u32, usize)> {
+    let worker = std::sync::Arc::new(ModelThread::spawn(
+        "test-batch",
+        max_batch,
+        Duration::ZERO,
+        false,
+    ));
+    queued_batch(&worker, 0..items).await
+}
+
+type Call = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(u32, usize)>>>>;
+
+/// Polls `call` once, without a waker.
+fn poll_once(call: &mut Call) -> std::task::Poll<Result<(u32, usize)>> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    call.as_mut().poll(&mut cx)
+}
+
+/// Sends `item` to the model thread now (an unpolled [`ModelThread::batch`] sends nothing):
+/// polls the call once and returns it, to be awaited for its answer.
+fn sent(worker: &std::sync::Arc<ModelThread>, item: u32) -> Call {
+    let worker = std::sync::Arc::clone(worker);
+    let mut call: Call = Box::pin(async move { worker.batch::<Sizes>(item).await });
+    match poll_once(&mut call) {
+        std::task::Poll::Ready(answer) => Box::pin(std::future::ready(answer)),
+        std::task::Poll::Pending => call,
+    }
+}
+
+/// Items `items` sent while the thread is busy (a job it has started, which ends once they
+/// are all queued), answered.
+async fn queued_batch(
+    worker: &std::sync::Arc<ModelThread>,
+    items: std::ops::Range<u32>,
+) -> Vec<(u32, usize)> {
+    let (started, running) = std::sync::mpsc::channel::<()>();
+    let (release, wait) = std::sync::mpsc::channel::<()>();
+    let busy = {
+        let worker = std::sync::Arc::clone(worker);
+        tokio::spawn(async move {
+            worker
+                .run(move || {
+                    started.send(()).expect("started");
+                    wait.recv()
+                })
+                .await
+        })
+    };
+    tokio::task::spawn_blocking(move || running.recv())
+        .await
+        .expect("join")
+        .expect("the busy job started");
+    let calls: Vec<_> = items.map(|i| sent(worker, i)).collect();
+    release.send(()).expect("release");
+    busy.await
+        .expect("join")
+        .expect("busy job")
+        .expect("released");
+    let mut out = Vec::new();
+    for call in calls {
+        out.push(call.await.expect("batched"));
+    }
+    out.sort_unstable();
+    out
+}
+
+#[tokio::test]
+async fn work_queued_while_busy_runs_as_one_batch_up_to_the_cap() {
+    assert_eq!(batch_sizes(8, 3).await, vec![(0, 3), (1, 3), (2, 3)]);
+    let capped = batch_sizes(2, 5).await;
+    assert_eq!(
+        capped.iter().map(|&(i, _)| i).collect::<Vec<_>>(),
+        [0, 1, 2, 3, 4]
+    );
+    let mut sizes: Vec<usize> = capped.iter().map(|&(_, n)| n).collect();
+    sizes.sort_unstable();
+    assert_eq!(sizes, [1, 2, 2, 2, 2], "two batches of two, then one");
+}
+
+#[tokio::test]
+async fn a_batch_waits_briefly_for_the_sessions_the_last_one_held() {
+    // After a batch of 3, an item that arrives alone waits (up to a minute here: it ends
+    // when the others come) for two more sent after it, and the three run together.
+    let worker = std::sync::Arc::new(ModelThread::spawn(
+        "test-wait",
+        8,
+        Duration::from_secs(60),
+        false,
+    ));
+    assert_eq!(queued_batch(&worker, 0..3).await, [(0, 3), (1, 3), (2, 3)]);
+    let mut first = sent(&worker, 10);
+    // Given time to run alone (as it would without the wait), it has not: still waiting.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(poll_once(&mut first).is_pending(), "ran without waiting");
+    let later: Vec<_> = (11..13).map(|i| sent(&worker, i)).collect();
+    assert_eq!(
+        first.await.expect("batched"),
+        (10, 3),
+        "waited for the others"
+    );
+    for call in later {
+        assert_eq!(call.await.expect("batched").1, 3);
+    }
+    // With no wait, the item that arrives alone runs alone: it is answered before the
+    // others are sent.
+    let worker = std::sync::Arc::new(ModelThread::spawn("test-wait", 8, Duration::ZERO, false));
+    assert_eq!(queued_batch(&worker, 0..3).await, [(0, 3), (1, 3), (2, 3)]);
+    assert_eq!(sent(&worker, 10).await.expect("batched"), (10, 1));
+}
+
+#[tokio::test]
+async fn work_that_came_while_another_model_held_the_cores_joins_the_batch() {
+    // Another model's pass in this process: a thread that holds the cores until told. (No other
+    // test of this binary holds or waits for them.)
+    let (held, holding) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let other = std::thread::spawn(move || {
+        let _cores = Cores::hold();
+        held.send(()).expect("the test waits");
+        released.recv().expect("the test releases");
+    });
+    holding.recv().expect("the other model holds the cores");
+    assert_eq!(Cores::queued(), 1);
+    let worker = std::sync::Arc::new(ModelThread::spawn("test-cores", 8, Duration::ZERO, true));
+    let first = sent(&worker, 0);
+    // The model thread takes item 0, alone, and waits for the cores.
+    tokio::task::spawn_blocking(|| {
+        while Cores::queued() < 2 {
+            std::thread::yield_now();
+        }
+    })
+    .await
+    .expect("join");
+    let later: Vec<_> = (1..4).map(|i| sent(&worker, i)).collect();
+    release.send(()).expect("release");
+    other.join().expect("the other model's pass");
+    assert_eq!(
+        first.await.expect("batched"),
+        (0, 4),
+        "ran with the later items"
+    );
+    for call in later {
+        assert_eq!(call.await.expect("batched").1, 4);
+    }
+}
