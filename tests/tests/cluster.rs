@@ -257,19 +257,28 @@ async fn a_late_call_the_node_works_on_is_waited_for_not_replayed() {
 async fn the_reported_times_add_up_and_drafting_ahead_is_counted_once() {
     let (target, draft) = (stories(), stories_q8());
     let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
-    let engine = patient_engine(&cluster, 4).await;
+    // The nodes as other processes (an engine connected to them, not the in-process cluster's
+    // own, whose passes take turns on the same cores and draft nothing ahead: below).
+    let draft_url = format!("http://{}", cluster.draft_addr.expect("a draft"));
+    let engine = engine_through(&cluster, &draft_url, 4).await;
     // A draft that agrees with the target: every draft accepted, blocks drafted during the
     // verify are used.
-    let out = generate(
-        &engine,
-        &request(
-            &prompt("Once upon a time"),
-            96,
-            4,
-            &SamplingParams::greedy(),
-        ),
-    )
-    .await;
+    let req = request(
+        &prompt("Once upon a time"),
+        96,
+        4,
+        &SamplingParams::greedy(),
+    );
+    let out = generate(&engine, &req).await;
+    // Where the passes take turns on this process's cores, a fixed K drafts nothing ahead (it
+    // would run after the verify, one pass longer than the next block): the same text.
+    let local = generate(&patient_engine(&cluster, 4).await, &req).await;
+    assert_eq!(
+        local.stats.pipeline_rounds, 0,
+        "drafted ahead on shared cores"
+    );
+    assert!(local.stats.model_rounds > 0, "{:?}", local.stats);
+    assert_eq!(local.token_ids, out.token_ids);
     let st = tandem_coordinator::service::stats_to_wire(&out);
     assert!(
         st.pipeline_rounds > 0,

@@ -55,9 +55,10 @@ pub struct Engine {
     pub default_draft_tokens: Option<usize>,
     pub metrics: CoordinatorMetrics,
     /// Whether the draft-node runs on the target's cores (the all-in-one mode): background draft
-    /// steps are then spaced out ([`crate::drafting::shadow`]), a hopeless draft is retimed more rarely,
-    /// and K = auto does not count on drafting ahead during the verify (two models that each
-    /// use every core gain nothing by running at once).
+    /// steps are then spaced out ([`crate::drafting::shadow`]), a hopeless draft is retimed more
+    /// rarely, and K = auto does not count on drafting ahead during the verify (two models that
+    /// each use every core gain nothing by running at once); on a CPU target nothing is drafted
+    /// ahead ([`Self::passes_take_turns`]).
     pub draft_shares_cores: bool,
     /// Adaptive K speculates only while at most this many generations run here: beyond, the
     /// target's batch of plain steps is already compute-bound and drafts cost it more than they
@@ -148,7 +149,6 @@ impl Engine {
         self.targets.primary()
     }
 
-    /// Generations running now.
     /// The coordinator's `/metrics` page.
     pub fn exposition(&self) -> String {
         let mut round_trips = Vec::new();
@@ -162,8 +162,19 @@ impl Engine {
         self.metrics.exposition(self.active(), &round_trips)
     }
 
+    /// Generations running now.
     pub fn active(&self) -> usize {
         self.active.load(Ordering::Relaxed)
+    }
+
+    /// Whether the draft's and the target's passes take turns on the same cores (both models on
+    /// this process's CPU: [`tandem_runtime::kernels::Cores`]): a block drafted during the verify
+    /// then runs after it, one pass longer than the block the next round would draft (K + 1
+    /// tokens under the guess of the bonus token), and a wrong guess wastes it. Fixed K too
+    /// drafts no block ahead there: 8 sessions at K = 4 in one process, 268.6 tokens/s without
+    /// against 247.2 with, one session 100.1 against 96.7 (docs/benchmarks/concurrency.md).
+    fn passes_take_turns(&self) -> bool {
+        self.draft_shares_cores && self.target().info.device.starts_with("cpu")
     }
 
     /// Whether more generations run than adaptive K speculates for ([`Self::max_speculating`]).
@@ -230,7 +241,9 @@ impl Engine {
                 )
             },
         );
-        policy.set_pipelining(job.pipeline && !(job.adaptive && self.draft_shares_cores));
+        policy.set_pipelining(
+            job.pipeline && !(self.passes_take_turns() || job.adaptive && self.draft_shares_cores),
+        );
         // A draft that could not pay at the last session's costs even if always right is left
         // out of adaptive generations but one in [`RETIME_EVERY`] (or
         // [`RETIME_EVERY_SHARING_CORES`]), which opens it and times it again: its session, its
