@@ -81,6 +81,46 @@ fn apply_portable(g: &mut [f32], up: &[f32], act: Gate) {
     }
 }
 
+/// Σ e^(x − max) over `xs` (a softmax's denominator, `max` their largest), on the fastest path
+/// this CPU runs: the exponential below in 16 running sums, added in a fixed order (the same
+/// total on every path and call). A draft's confidence at each drafted token is one of these
+/// over the vocabulary: with the C library's `expf` one at a time, 8 sequences' 32,000 logits
+/// took ~1.5 ms between two of the draft's passes.
+#[allow(
+    unsafe_code,
+    reason = "calls the AVX2 build of the loop once the CPU is checked"
+)]
+pub(crate) fn exp_sum(xs: &[f32], max: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if Path::detect() >= Path::Avx2 {
+        // SAFETY: `Path::detect` found AVX2 and FMA on this CPU.
+        return unsafe { exp_sum_avx2(xs, max) };
+    }
+    exp_sum_portable(xs, max)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn exp_sum_avx2(xs: &[f32], max: f32) -> f32 {
+    exp_sum_portable(xs, max)
+}
+
+#[inline(always)]
+fn exp_sum_portable(xs: &[f32], max: f32) -> f32 {
+    let mut sums = [0f32; 16];
+    let chunks = xs.chunks_exact(16);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (sum, &x) in sums.iter_mut().zip(chunk) {
+            *sum += exp(x - max);
+        }
+    }
+    for (sum, &x) in sums.iter_mut().zip(tail) {
+        *sum += exp(x - max);
+    }
+    sums.iter().sum()
+}
+
 /// e^x within 2 ulp for x in [−87, 88] (clamped there: a gate's activation is x or 0 beyond),
 /// Cephes' `expf`: x = n ln 2 + r with |r| ≤ ln 2 / 2, e^r by a polynomial, 2^n in the exponent
 /// bits. Branch-free, so the loops above vectorize.
@@ -148,6 +188,22 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_softmax_denominator_matches_the_reference_on_every_path() {
+        // A vocabulary's logits (not a multiple of 16: a tail), their largest at 0 after `max`.
+        let xs: Vec<f32> = (0..32_003)
+            .map(|i| ((i * 7919) % 10_007) as f32 * 2e-3 - 12.0)
+            .collect();
+        let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let want: f64 = xs.iter().map(|&x| f64::from(x - max).exp()).sum();
+        let got = exp_sum(&xs, max);
+        assert!(
+            ((f64::from(got) - want) / want).abs() < 1e-5,
+            "{got} against {want}"
+        );
+        assert_eq!(got.to_bits(), exp_sum_portable(&xs, max).to_bits());
     }
 
     #[test]

@@ -57,7 +57,7 @@ mod x86_panels;
 #[cfg(target_arch = "x86_64")]
 mod x86_vnni;
 
-pub(crate) use activation::{Gate, gated};
+pub(crate) use activation::{Gate, exp_sum, gated};
 pub(crate) use attention::{MAX_PIECES, MAX_TREE_DEPTH, Span, TreePaths, attention_cpu};
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::{KeyTables, attention_cuda};

@@ -175,9 +175,13 @@ pub fn distribution(
     history: &[u32],
 ) -> Result<Distribution> {
     check_logits(logits, history.len())?;
-    let mut logits = logits.to_vec();
     let (presence, frequency) = (params.presence_penalty, params.frequency_penalty);
-    if params.repetition_penalty != 1.0 || presence != 0.0 || frequency != 0.0 {
+    let penalized = params.repetition_penalty != 1.0 || presence != 0.0 || frequency != 0.0;
+    if params.is_greedy() && !penalized {
+        return Ok(Distribution::OneHot(argmax(logits)));
+    }
+    let mut logits = logits.to_vec();
+    if penalized {
         let start = history.len().saturating_sub(params.repeat_last_n);
         let mut seen = std::collections::HashMap::<u32, u32>::new();
         for &t in &history[start..] {

@@ -297,7 +297,7 @@ pub(super) struct Softmax {
 impl Softmax {
     pub(super) fn of(row: &[f32]) -> Self {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let total = row.iter().map(|&l| (l - max).exp()).sum();
+        let total = crate::kernels::exp_sum(row, max);
         Self { max, total }
     }
 
