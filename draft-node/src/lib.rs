@@ -64,8 +64,8 @@ impl Session for DraftSession {
         })
     }
 
-    fn prefill_chunk(&mut self, max_tokens: usize) -> Result<bool> {
-        Ok(self.drafter.prefill_chunk(self.log.tokens(), max_tokens)?)
+    fn prefilling(&mut self) -> (&mut tandem_runtime::SequenceState, &[u32]) {
+        (&mut self.drafter, self.log.tokens())
     }
 
     /// The steps of every session in the batch drafted together: K forward passes for the

@@ -41,8 +41,14 @@ pub trait Session: Sized + Send + 'static {
     /// Checks the request and sets the session up, its prompt not yet fed; it starts with
     /// `prefix` (found in the prefix cache), if there is one.
     fn open(state: &NodeState, open: v1::OpenSession, prefix: Option<KvPrefix>) -> Result<Self>;
-    /// Feeds the next at most `max_tokens` of the prompt (blocking); true once all is fed.
-    fn prefill_chunk(&mut self, max_tokens: usize) -> Result<bool>;
+    /// Its sequence and the prompt the sequence is prefilled with.
+    fn prefilling(&mut self) -> (&mut tandem_runtime::SequenceState, &[u32]);
+    /// Feeds the next at most `max_tokens` of the prompt (blocking); true once all is fed. (A
+    /// node feeds the sessions that open together in one pass: [`Prefill`].)
+    fn prefill_chunk(&mut self, max_tokens: usize) -> Result<bool> {
+        let (sequence, prompt) = self.prefilling();
+        Ok(sequence.prefill_chunk(prompt, max_tokens)?)
+    }
     /// Does the work of several sessions at once (blocking; a batch of the pieces that were
     /// ready together, docs/architecture.md "Batching"): one result per item, in order, each what the
     /// session would get alone. `span` is each item's own span (the whole batch runs inside all
@@ -139,8 +145,9 @@ async fn serve<S: Session>(
                 let positions = state.session_room(&open);
                 let mut s = S::open(state, open, prefix)?;
                 // Chunked prefill: each chunk is its own job on the model thread, so the
-                // batches of other sessions run between two chunks of a long prompt. The wait
-                // for the first is the open's queue time.
+                // batches of other sessions run between two chunks of a long prompt; the
+                // chunks of sessions that open together run in one pass ([`Prefill`]). The
+                // wait for the first is the open's queue time.
                 let mut queued = None;
                 loop {
                     // A client gone mid-prefill (it gave up waiting): the rest is not computed
@@ -148,16 +155,8 @@ async fn serve<S: Session>(
                     if tx.is_closed() {
                         return Ok(());
                     }
-                    let (st, span) = (Arc::clone(state), span.clone());
-                    let chunk = state.limits.prefill_chunk;
-                    let (back, done, began) = (state.worker)
-                        .run(move || {
-                            let began = arrived.elapsed();
-                            let done = span.in_scope(|| s.prefill_chunk(chunk));
-                            st.metrics.prefill_chunks.inc_by(1);
-                            (s, done, began)
-                        })
-                        .await?;
+                    let item = (s, Arc::clone(state), arrived, span.clone());
+                    let (back, done, began) = state.worker.batch::<Prefill<S>>(item).await?;
                     queued.get_or_insert(began);
                     s = back;
                     if done? {
@@ -267,6 +266,54 @@ impl<S: Session> Batch for Handle<S> {
             results
         };
         sessions.into_iter().zip(results).collect()
+    }
+}
+
+/// Chunks of the prompts of sessions that open together, fed in one forward pass: at most the
+/// node's `--prefill-chunk` tokens in all ([`tandem_runtime::SequenceState::prefill_batch`]),
+/// the sessions past it in the next. Eight sessions opened at once on one process's cores were
+/// eight passes of each model, one per prompt.
+struct Prefill<S>(std::marker::PhantomData<S>);
+
+impl<S: Session> Batch for Prefill<S> {
+    /// The session, the node, when its open arrived, its prefill's span.
+    type Item = (S, Arc<NodeState>, std::time::Instant, tracing::Span);
+    /// The session, whether its prompt is all fed, and how long after its open this ran.
+    type Output = (S, Result<bool>, std::time::Duration);
+
+    fn run(items: Vec<Self::Item>) -> Vec<Self::Output> {
+        let Some(state) = items.first().map(|(_, st, _, _)| Arc::clone(st)) else {
+            return Vec::new();
+        };
+        let began: Vec<_> = items
+            .iter()
+            .map(|(_, _, arrived, _)| arrived.elapsed())
+            .collect();
+        let (mut sessions, spans): (Vec<S>, Vec<_>) =
+            items.into_iter().map(|(s, _, _, span)| (s, span)).unzip();
+        let results = {
+            let mut entered: Vec<_> = spans.iter().map(tracing::Span::enter).collect();
+            let mut parts: Vec<_> = sessions.iter_mut().map(S::prefilling).collect();
+            let before: Vec<_> = parts.iter().map(|(seq, _)| seq.cached_tokens()).collect();
+            let results = tandem_runtime::SequenceState::prefill_batch(
+                &mut parts,
+                state.limits.prefill_chunk,
+            );
+            let fed = parts
+                .iter()
+                .zip(before)
+                .filter(|((seq, _), before)| seq.cached_tokens() > *before)
+                .count();
+            state.metrics.prefill_chunks.inc_by(fed as u64);
+            while entered.pop().is_some() {}
+            results
+        };
+        sessions
+            .into_iter()
+            .zip(results)
+            .zip(began)
+            .map(|((s, done), began)| (s, done.map_err(Error::from), began))
+            .collect()
     }
 }
 

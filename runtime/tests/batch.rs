@@ -331,3 +331,51 @@ fn batched_draft_steps_propose_what_each_drafter_proposes_alone() {
         }
     }
 }
+
+#[test]
+fn prompts_prefilled_together_give_each_sequence_its_own_prefill() {
+    let model = load(&stories_dir());
+    let prompts = prompts();
+    let heads: usize = prompts.iter().map(|p| p.len() - 1).sum();
+    let mut together: Vec<Drafter> = prompts
+        .iter()
+        .map(|_| Drafter::new(&model, SamplingParams::greedy()))
+        .collect();
+    // At most 10 tokens a pass, shared in order: every pass feeds 10 but the last, and each
+    // sequence is complete once its whole head is fed.
+    let mut passes = 0;
+    loop {
+        let before: usize = together.iter().map(|d| d.cached_tokens()).sum();
+        let mut items: Vec<(&mut tandem_runtime::SequenceState, &[u32])> = together
+            .iter_mut()
+            .zip(&prompts)
+            .map(|(d, p)| (&mut **d, p.as_slice()))
+            .collect();
+        let done = tandem_runtime::SequenceState::prefill_batch(&mut items, 10);
+        drop(items);
+        let fed = together.iter().map(|d| d.cached_tokens()).sum::<usize>() - before;
+        passes += 1;
+        for ((d, p), done) in together.iter().zip(&prompts).zip(&done) {
+            let complete = d.cached_tokens() == p.len() - 1;
+            assert_eq!(*done.as_ref().expect("prefilled"), complete);
+        }
+        if done.iter().all(|d| *d.as_ref().expect("prefilled")) {
+            assert_eq!(
+                fed,
+                heads - 10 * (passes - 1),
+                "the last pass feeds the rest"
+            );
+            break;
+        }
+        assert_eq!(fed, 10, "pass {passes}");
+    }
+    assert_eq!(passes, heads.div_ceil(10));
+    for (i, (d, p)) in together.iter_mut().zip(&prompts).enumerate() {
+        let mut alone = Drafter::new(&model, SamplingParams::greedy());
+        alone.prefill(p).expect("prefill alone");
+        assert_eq!(d.cached_tokens(), alone.cached_tokens(), "sequence {i}");
+        let got = d.propose(p, 6).expect("proposed");
+        let want = alone.propose(p, 6).expect("proposed alone");
+        assert_eq!(got.tokens, want.tokens, "sequence {i}");
+    }
+}

@@ -87,8 +87,8 @@ impl Session for TargetSession {
         })
     }
 
-    fn prefill_chunk(&mut self, max_tokens: usize) -> Result<bool> {
-        Ok(self.verifier.prefill_chunk(self.log.tokens(), max_tokens)?)
+    fn prefilling(&mut self) -> (&mut tandem_runtime::SequenceState, &[u32]) {
+        (&mut self.verifier, self.log.tokens())
     }
 
     /// The blocks of every session in the batch verified in one forward pass

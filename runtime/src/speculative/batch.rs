@@ -370,6 +370,64 @@ impl Drafter {
     }
 }
 
+impl SequenceState {
+    /// [`Self::prefill_chunk`] of several sequences in one forward pass (a node's sessions that
+    /// opened together): each feeds the next part of its prompt, together at most `budget`
+    /// tokens (the first at least one), in order. True for each once its prefill is complete;
+    /// false for one still to feed (the budget spent before it, or more of its prompt left).
+    pub fn prefill_batch(
+        items: &mut [(&mut SequenceState, &[u32])],
+        budget: usize,
+    ) -> Vec<Result<bool>> {
+        let mut left = budget.max(1);
+        let mut results: Vec<Option<Result<bool>>> = Vec::with_capacity(items.len());
+        let mut chunks = Vec::new();
+        for (st, prompt) in items.iter_mut() {
+            let (chunk, result) = match st.unfed(prompt) {
+                Err(e) => (None, Some(Err(e))),
+                Ok(unfed) if unfed.is_empty() => (None, Some(Ok(true))),
+                Ok(_) if left == 0 => (None, Some(Ok(false))),
+                Ok(unfed) => {
+                    let end = unfed.end.min(unfed.start + left);
+                    left -= end - unfed.start;
+                    (
+                        Some((prompt[unfed.start..end].to_vec(), end == unfed.end)),
+                        None,
+                    )
+                }
+            };
+            chunks.push(chunk);
+            results.push(result);
+        }
+        let mut feeds = Vec::new();
+        for ((st, _), chunk) in items.iter_mut().zip(&chunks) {
+            if let Some((tokens, _)) = chunk {
+                let SequenceState { model, seq, .. } = &mut **st;
+                feeds.push(Feed {
+                    model,
+                    tokens,
+                    seq,
+                    logits: Logits::Last,
+                    parents: None,
+                });
+            }
+        }
+        let mut fed = forward_all(&mut feeds).into_iter();
+        drop(feeds);
+        results
+            .into_iter()
+            .zip(chunks)
+            .map(|(result, chunk)| match (result, chunk) {
+                (Some(result), _) => result,
+                (None, Some((_, complete))) => {
+                    fed.next().expect("one result per feed").map(|_| complete)
+                }
+                (None, None) => unreachable!("a sequence without a result is fed"),
+            })
+            .collect()
+    }
+}
+
 impl ProposeJob<'_> {
     /// Brings the cache in step with the log and says what the first forward feeds.
     fn start(&mut self) -> Drafting {

@@ -117,6 +117,14 @@ impl SequenceState {
     /// One chunk of [`Self::prefill`], at most `max` tokens (chunked prefill: a node runs other
     /// sessions' work between chunks); true once the prefill is complete.
     pub fn prefill_chunk(&mut self, prompt: &[u32], max: usize) -> Result<bool> {
+        Self::prefill_batch(&mut [(self, prompt)], max)
+            .pop()
+            .expect("one result per sequence")
+    }
+
+    /// The part of `prompt`'s head (all but its last token) the cache has yet to be fed, once
+    /// the cache is brought in step with it; empty when the prefill is complete.
+    fn unfed(&mut self, prompt: &[u32]) -> Result<std::ops::Range<usize>> {
         if prompt.is_empty() {
             return Err(Error::EmptyPrompt);
         }
@@ -127,16 +135,9 @@ impl SequenceState {
                 limit,
             });
         }
-        let head = &prompt[..prompt.len() - 1];
         self.seq.sync(prompt)?;
-        let done = self.seq.tokens.len();
-        if done >= head.len() {
-            return Ok(true);
-        }
-        let end = done.saturating_add(max.max(1)).min(head.len());
-        let chunk = head[done..end].to_vec();
-        self.seq.forward(&self.model, &chunk, Logits::Last)?;
-        Ok(end == head.len())
+        let head = prompt.len() - 1;
+        Ok(self.seq.tokens.len().min(head)..head)
     }
 
     /// Caps the positions this sequence's cache may hold ([`KvCache::limit`]).
