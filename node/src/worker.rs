@@ -5,12 +5,12 @@
 //! the compute pools.
 //!
 //! It is also the node's scheduler (continuous batching, docs/architecture.md "Batching"): work of a kind
-//! that runs many at a time ([`Batch`]: verify blocks, draft steps) is not run as it arrives but
-//! gathered, with whatever else is queued when the thread comes free, into one call over up to
-//! `max_batch` items (waiting up to `max_wait` while fewer are ready than the last batch held);
-//! a session joins the next batch as soon as its request arrives and has its answer when its
-//! batch ends. Other jobs (opening a session, a prefill chunk) run one at a time,
-//! in arrival order, between batches.
+//! that runs many at a time ([`Batch`]: verify blocks, draft steps, prefill chunks) is not run as
+//! it arrives but gathered, with whatever else is queued when the thread comes free, into one
+//! call over up to `max_batch` items (waiting up to `max_wait` while fewer are ready than the
+//! last batch held); a session joins the next batch as soon as its request arrives and has its
+//! answer when its batch ends. Other jobs run one at a time, in arrival order, between batches.
+//! A model on the CPU gathers once it holds the process's cores ([`ModelThread::spawn`]).
 
 use std::any::{Any, TypeId};
 use std::panic::{AssertUnwindSafe, catch_unwind};
