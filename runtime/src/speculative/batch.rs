@@ -388,8 +388,9 @@ impl SequenceState {
                 Ok(unfed) if unfed.is_empty() => (None, Some(Ok(true))),
                 Ok(_) if left == 0 => (None, Some(Ok(false))),
                 Ok(unfed) => {
-                    let end = unfed.end.min(unfed.start + left);
-                    left -= end - unfed.start;
+                    let take = unfed.len().min(left);
+                    let end = unfed.start + take;
+                    left -= take;
                     (
                         Some((prompt[unfed.start..end].to_vec(), end == unfed.end)),
                         None,
