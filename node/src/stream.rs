@@ -44,7 +44,7 @@ pub trait Session: Sized + Send + 'static {
     /// Its sequence and the prompt the sequence is prefilled with.
     fn prefilling(&mut self) -> (&mut tandem_runtime::SequenceState, &[u32]);
     /// Feeds the next at most `max_tokens` of the prompt (blocking); true once all is fed. (A
-    /// node feeds the sessions that open together in one pass: [`Prefill`].)
+    /// node feeds the sessions that open together in one pass, `Prefill` below.)
     fn prefill_chunk(&mut self, max_tokens: usize) -> Result<bool> {
         let (sequence, prompt) = self.prefilling();
         Ok(sequence.prefill_chunk(prompt, max_tokens)?)

@@ -83,7 +83,10 @@ impl ModelThread {
                             Err(_) => break,
                         }
                     }
-                    let _cores = holds_cores.then(Cores::hold);
+                    // A turn of one-off jobs alone (a cache published) does not take the
+                    // cores: such a job may wait on something else, and a forward inside one
+                    // takes them itself, pass by pass.
+                    let _cores = (holds_cores && batched(&ready) > 0).then(Cores::hold);
                     ready.extend(queue.try_iter());
                     (ready, last) = run_ready(ready, max_batch);
                 }

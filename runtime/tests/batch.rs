@@ -341,8 +341,23 @@ fn prompts_prefilled_together_give_each_sequence_its_own_prefill() {
         .iter()
         .map(|_| Drafter::new(&model, SamplingParams::greedy()))
         .collect();
-    // At most 10 tokens a pass, shared in order: every pass feeds 10 but the last, and each
-    // sequence is complete once its whole head is fed.
+    // At most 10 tokens a pass, the least left first: every pass feeds 10 but the last, each
+    // sequence is complete once its whole head is fed, and the first pass completes the short
+    // prompts that fit in it whatever their place (the long ones come first in `prompts`).
+    let mut by_length: Vec<usize> = (0..prompts.len()).collect();
+    by_length.sort_by_key(|&i| prompts[i].len());
+    let mut fits = Vec::new();
+    let mut sum = 0;
+    for &i in &by_length {
+        sum += prompts[i].len() - 1;
+        if sum <= 10 {
+            fits.push(i);
+        }
+    }
+    assert!(
+        fits.contains(&2) && !fits.contains(&1),
+        "{fits:?}: a short prompt after a long one"
+    );
     let mut passes = 0;
     loop {
         let before: usize = together.iter().map(|d| d.cached_tokens()).sum();
@@ -355,6 +370,14 @@ fn prompts_prefilled_together_give_each_sequence_its_own_prefill() {
         drop(items);
         let fed = together.iter().map(|d| d.cached_tokens()).sum::<usize>() - before;
         passes += 1;
+        if passes == 1 {
+            for &i in &fits {
+                assert!(
+                    *done[i].as_ref().expect("prefilled"),
+                    "prompt {i} after one pass"
+                );
+            }
+        }
         for ((d, p), done) in together.iter().zip(&prompts).zip(&done) {
             let complete = d.cached_tokens() == p.len() - 1;
             assert_eq!(*done.as_ref().expect("prefilled"), complete);

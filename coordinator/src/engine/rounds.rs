@@ -174,7 +174,10 @@ impl Engine {
     /// drafts no block ahead there: 8 sessions at K = 4 in one process, 268.6 tokens/s without
     /// against 247.2 with, one session 100.1 against 96.7 (docs/benchmarks/concurrency.md).
     fn passes_take_turns(&self) -> bool {
-        self.draft_shares_cores && self.target().info.device.starts_with("cpu")
+        let cpu = |info: &v1::NodeInfo| info.device.starts_with("cpu");
+        self.draft_shares_cores
+            && cpu(&self.target().info)
+            && self.draft.get().is_some_and(|d| cpu(&d.primary().info))
     }
 
     /// Whether more generations run than adaptive K speculates for ([`Self::max_speculating`]).

@@ -373,24 +373,38 @@ impl Drafter {
 impl SequenceState {
     /// [`Self::prefill_chunk`] of several sequences in one forward pass (a node's sessions that
     /// opened together): each feeds the next part of its prompt, together at most `budget`
-    /// tokens (the first at least one), in order. True for each once its prefill is complete;
-    /// false for one still to feed (the budget spent before it, or more of its prompt left).
+    /// tokens (at least one), the sequences with the least left to feed first (a short prompt
+    /// opened beside a long one is not held back a pass per chunk of the long one). True for
+    /// each once its prefill is complete; false for one still to feed (the budget spent before
+    /// it, or more of its prompt left).
     pub fn prefill_batch(
         items: &mut [(&mut SequenceState, &[u32])],
         budget: usize,
     ) -> Vec<Result<bool>> {
+        let unfed: Vec<Result<std::ops::Range<usize>>> = items
+            .iter_mut()
+            .map(|(st, prompt)| st.unfed(prompt))
+            .collect();
+        let mut order: Vec<usize> = (0..items.len())
+            .filter(|&i| unfed[i].as_ref().is_ok_and(|r| !r.is_empty()))
+            .collect();
+        order.sort_by_key(|&i| unfed[i].as_ref().map_or(0, |r| r.len()));
+        let mut take = vec![0; items.len()];
         let mut left = budget.max(1);
+        for i in order {
+            let len = unfed[i].as_ref().map_or(0, |r| r.len());
+            take[i] = len.min(left);
+            left -= take[i];
+        }
         let mut results: Vec<Option<Result<bool>>> = Vec::with_capacity(items.len());
         let mut chunks = Vec::new();
-        for (st, prompt) in items.iter_mut() {
-            let (chunk, result) = match st.unfed(prompt) {
+        for ((unfed, &take), (_, prompt)) in unfed.into_iter().zip(&take).zip(items.iter()) {
+            let (chunk, result) = match unfed {
                 Err(e) => (None, Some(Err(e))),
                 Ok(unfed) if unfed.is_empty() => (None, Some(Ok(true))),
-                Ok(_) if left == 0 => (None, Some(Ok(false))),
+                Ok(_) if take == 0 => (None, Some(Ok(false))),
                 Ok(unfed) => {
-                    let take = unfed.len().min(left);
                     let end = unfed.start + take;
-                    left -= take;
                     (
                         Some((prompt[unfed.start..end].to_vec(), end == unfed.end)),
                         None,
