@@ -89,25 +89,29 @@ pub(crate) fn quantize_bytes(xs: &[f32], qs: &mut [i8]) -> f32 {
 }
 
 /// Runs a dense kernel's tiles over panels `panels` of `w` (`[panel][input][lanes]`, `k` inputs)
-/// against `rows` activation rows: for each panel (two at a time where `rows` ≤
+/// against `rows` activation rows `x` (rows × k): for each panel (two at a time where `rows` ≤
 /// `two_panel_rows`, then every row in one tile, streamed by the hardware prefetcher), each chunk
 /// of `chunk` inputs and each tile of rows (at most `max_rows` for one panel, which asks for the
-/// next chunk ahead), `tile(n, t, w, (rows, r0), (inputs, ahead), out)`: n panels × rows r0..r0
-/// + t, `w` and `out` at the tile's first panel (`out`: `[panel][row][lanes]` for `panels`).
+/// next chunk ahead), `tile(n, t, w, x, (rows, r0), (inputs, ahead), out)`: n panels × rows
+/// r0..r0 + t, `w` and `out` at the tile's first panel (`out`: `[panel][row][lanes]` for
+/// `panels`), `x` at the first row.
 ///
 /// # Safety
-/// `tile` may dereference its pointers for n panels of `k` inputs and their `rows` rows of
-/// outputs: `w` holds `panels` and `out` their rows (asserted here).
+/// `tile` may dereference its pointers for n panels of `k` inputs, the `rows` rows of `x` and
+/// their outputs: `w` holds `panels`, `x` the rows and `out` their outputs (asserted here).
 pub(crate) unsafe fn dense_tiles<E>(
     (w, k, lanes): (&[E], usize, usize),
     panels: Range<usize>,
+    x: &[f32],
     (rows, max_rows, two_panel_rows, chunk): (usize, usize, usize, usize),
     out: &mut [f32],
-    tile: impl Fn(usize, usize, *const E, (usize, usize), (Range<usize>, usize), *mut f32),
+    tile: impl Fn(usize, usize, *const E, *const f32, (usize, usize), (Range<usize>, usize), *mut f32),
 ) {
     let per_panel = k * lanes;
     assert!(panels.end * per_panel <= w.len(), "panels past the weight");
+    assert!(x.len() >= rows * k, "fewer activations than rows");
     assert!(out.len() >= panels.len() * rows * lanes, "a short output");
+    let x = x.as_ptr();
     let two = rows <= two_panel_rows;
     let mut p = 0;
     while p < panels.len() {
@@ -123,7 +127,7 @@ pub(crate) unsafe fn dense_tiles<E>(
                 } else {
                     (max_rows.min(rows - r0), chunk)
                 };
-                tile(n, t, wp, (rows, r0), (ks.clone(), ahead), op);
+                tile(n, t, wp, x, (rows, r0), (ks.clone(), ahead), op);
                 r0 += t;
             }
         }
@@ -132,36 +136,38 @@ pub(crate) unsafe fn dense_tiles<E>(
 }
 
 /// Runs a block kernel's tiles over panels `panels` of `w` (`per_panel` bytes each) against
-/// `rows` activation rows: one row `decode_panels` panels at a time (as many streams of weights
-/// in flight), more a panel at a time in tiles of at most `max_rows` rows:
-/// `tile(n, t, w, (rows, r0), out)`, n panels × rows r0..r0 + t, `w` and `out` at the tile's
-/// first panel (`out`: `[panel][row][lanes]` for `panels`).
+/// `rows` activation rows `x` (`per_row` elements each): one row `decode_panels` panels at a time
+/// (as many streams of weights in flight), more a panel at a time in tiles of at most
+/// `max_rows` rows: `tile(n, t, w, x, (rows, r0), out)`, n panels × rows r0..r0 + t, `w` and
+/// `out` at the tile's first panel (`out`: `[panel][row][lanes]` for `panels`).
 ///
 /// # Safety
-/// `tile`'s kernel may read n panels of `w` and write their `rows` rows of `out` (the slices it
-/// is handed hold them: asserted here).
-pub(crate) unsafe fn block_tiles(
+/// `tile`'s kernel may read n panels of `w`, the `rows` rows of `x`, and write their rows of
+/// `out` (the slices it is handed hold them: asserted here).
+pub(crate) unsafe fn block_tiles<X>(
     (w, per_panel, lanes): (&[u8], usize, usize),
     panels: Range<usize>,
+    (x, per_row): (&[X], usize),
     (rows, decode_panels, max_rows): (usize, usize, usize),
     out: &mut [f32],
-    tile: impl Fn(usize, usize, &[u8], (usize, usize), &mut [f32]),
+    tile: impl Fn(usize, usize, &[u8], &[X], (usize, usize), &mut [f32]),
 ) {
     assert!(panels.end * per_panel <= w.len(), "panels past the weight");
+    assert!(x.len() >= rows * per_row, "fewer activations than rows");
     assert!(out.len() >= panels.len() * rows * lanes, "a short output");
     let w = &w[panels.start * per_panel..panels.end * per_panel];
     let mut p = 0;
     while p < panels.len() {
         let (wp, op) = (&w[p * per_panel..], &mut out[p * rows * lanes..]);
         if rows == 1 && panels.len() - p >= decode_panels {
-            tile(decode_panels, 1, wp, (1, 0), op);
+            tile(decode_panels, 1, wp, x, (1, 0), op);
             p += decode_panels;
             continue;
         }
         let mut r0 = 0;
         while r0 < rows {
             let t = max_rows.min(rows - r0);
-            tile(1, t, wp, (rows, r0), &mut *op);
+            tile(1, t, wp, x, (rows, r0), &mut *op);
             r0 += t;
         }
         p += 1;

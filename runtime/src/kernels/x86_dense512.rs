@@ -168,18 +168,16 @@ pub(crate) unsafe fn dense<L: Wide>(
     rows: usize,
     out: &mut [f32],
 ) {
-    assert!(x.len() >= rows * k, "fewer activations than rows");
-    let x = x.as_ptr();
-    // SAFETY: `dense_tiles` hands each tile pointers to its panels and their rows' outputs
-    // (asserted there), rows r0 + t ≤ rows of `x` (asserted above); the caller checked the
-    // features.
+    // SAFETY: `dense_tiles` hands each tile pointers to its panels, the rows of `x` and their
+    // outputs (asserted there); the caller checked the features.
     unsafe {
         super::x86::dense_tiles(
             (w, k, LANES),
             panels,
+            x,
             (rows, MAX_ROWS, TWO_PANEL_ROWS, CHUNK),
             out,
-            |n, t, wp, at, chunk, op| {
+            |n, t, wp, x, at, chunk, op| {
                 if n == 2 {
                     tiles::<L, 2>(t, wp, k, x, at, chunk, op);
                 } else {

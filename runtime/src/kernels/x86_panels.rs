@@ -186,18 +186,16 @@ pub(crate) unsafe fn dense<L: Lanes>(
     rows: usize,
     out: &mut [f32],
 ) {
-    assert!(x.len() >= rows * k, "fewer activations than rows");
-    let x = x.as_ptr();
-    // SAFETY: `dense_tiles` hands each tile pointers to its panels and their rows' outputs
-    // (asserted there), rows r0 + t ≤ rows of `x` (asserted above); the caller checked the
-    // features.
+    // SAFETY: `dense_tiles` hands each tile pointers to its panels, the rows of `x` and their
+    // outputs (asserted there); the caller checked the features.
     unsafe {
         super::x86::dense_tiles(
             (w, k, LANES),
             panels,
+            x,
             (rows, MAX_ROWS, TWO_PANEL_ROWS, CHUNK),
             out,
-            |n, t, wp, at, chunk, op| {
+            |n, t, wp, x, at, chunk, op| {
                 if n == 2 {
                     tile::<L, 2>(t, wp, k, x, at, chunk, op);
                 } else {
@@ -335,17 +333,17 @@ pub(crate) unsafe fn blocks<B: Block>(
     rows: usize,
     out: &mut [f32],
 ) {
-    assert!(x.len() >= rows * nb, "fewer activations than rows");
     let per_panel = nb * panel_bytes::<B, QLANES>();
     // SAFETY (each tile): the caller checked AVX2, FMA and F16C; `block_tiles` hands each tile
-    // its panels and their rows' outputs (asserted there), and its rows are in `x` (above).
+    // its panels, the rows of `x` and their outputs (asserted there).
     unsafe {
         super::x86::block_tiles(
             (w, per_panel, QLANES),
             panels,
+            (x, nb),
             (rows, 2, BLOCK_ROWS),
             out,
-            |n, t, wp, at, op| match (n, t) {
+            |n, t, wp, x, at, op| match (n, t) {
                 (2, _) => blocks_tile::<B, 2, 1>(wp, nb, x, at, op),
                 (_, 1) => blocks_tile::<B, 1, 1>(wp, nb, x, at, op),
                 (_, 2) => blocks_tile::<B, 1, 2>(wp, nb, x, at, op),

@@ -177,17 +177,17 @@ pub(crate) unsafe fn blocks<B: Block>(
     rows: usize,
     out: &mut [f32],
 ) {
-    assert!(x.len() >= rows * nb, "fewer activations than rows");
     let per_panel = nb * panel_bytes::<B, VLANES>();
     // SAFETY (each tile): the caller checked the features; `block_tiles` hands each tile its
-    // panels and their rows' outputs (asserted there), and its rows are in `x` (above).
+    // panels, the rows of `x` and their outputs (asserted there).
     unsafe {
         super::x86::block_tiles(
             (w, per_panel, VLANES),
             panels,
+            (x, nb),
             (rows, 4, MAX_ROWS),
             out,
-            |n, t, wp, at, op| match (n, t) {
+            |n, t, wp, x, at, op| match (n, t) {
                 (4, _) => tile::<B, 4, 1>(wp, nb, x, at, op),
                 (_, 1) => tile::<B, 1, 1>(wp, nb, x, at, op),
                 (_, 2) => tile::<B, 1, 2>(wp, nb, x, at, op),
