@@ -256,17 +256,22 @@ impl<S: Session> Batch for Handle<S> {
         let (works, spans): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
         state.metrics.batches.inc_by(1);
         state.metrics.batched_requests.inc_by(sessions.len() as u64);
-        let results = {
-            // Each session's span covers the whole batch it waited for.
-            let mut entered: Vec<_> = spans.iter().map(tracing::Span::enter).collect();
+        let results = in_spans(&spans, || {
             let _batch = tracing::debug_span!("batch", size = sessions.len()).entered();
             let items = sessions.iter_mut().zip(works).zip(&spans);
-            let results = S::handle_batch(&state, items.map(|((s, w), sp)| (s, w, sp)).collect());
-            while entered.pop().is_some() {}
-            results
-        };
+            S::handle_batch(&state, items.map(|((s, w), sp)| (s, w, sp)).collect())
+        });
         sessions.into_iter().zip(results).collect()
     }
+}
+
+/// `f` run inside every span of `spans` (each session's span covers the whole batch it waited
+/// for), left in the reverse order.
+fn in_spans<T>(spans: &[tracing::Span], f: impl FnOnce() -> T) -> T {
+    let mut entered: Vec<_> = spans.iter().map(tracing::Span::enter).collect();
+    let result = f();
+    while entered.pop().is_some() {}
+    result
 }
 
 /// Chunks of the prompts of sessions that open together, fed in one forward pass: at most the
@@ -291,8 +296,7 @@ impl<S: Session> Batch for Prefill<S> {
             .collect();
         let (mut sessions, spans): (Vec<S>, Vec<_>) =
             items.into_iter().map(|(s, _, _, span)| (s, span)).unzip();
-        let results = {
-            let mut entered: Vec<_> = spans.iter().map(tracing::Span::enter).collect();
+        let results = in_spans(&spans, || {
             let mut parts: Vec<_> = sessions.iter_mut().map(S::prefilling).collect();
             let before: Vec<_> = parts.iter().map(|(seq, _)| seq.cached_tokens()).collect();
             let results = tandem_runtime::SequenceState::prefill_batch(
@@ -305,9 +309,8 @@ impl<S: Session> Batch for Prefill<S> {
                 .filter(|((seq, _), before)| seq.cached_tokens() > *before)
                 .count();
             state.metrics.prefill_chunks.inc_by(fed as u64);
-            while entered.pop().is_some() {}
             results
-        };
+        });
         sessions
             .into_iter()
             .zip(results)

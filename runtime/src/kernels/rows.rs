@@ -242,9 +242,10 @@ impl Path {
             let value = std::env::var(MAX_CPU_ISA).ok()?;
             let cap = Self::named(&value);
             if cap.is_none() {
+                let names = Self::ALL.map(Self::name).join(", ");
                 tracing::warn!(
-                    "{MAX_CPU_ISA}={value:?} is none of portable, avx2, avx512, avx512_vnni: \
-                     the kernels run this CPU's fastest path"
+                    "{MAX_CPU_ISA}={value:?} is none of {names}: the kernels run this CPU's \
+                     fastest path"
                 );
             }
             cap

@@ -396,27 +396,29 @@ impl SequenceState {
             take[i] = len.min(left);
             left -= take[i];
         }
-        let mut results: Vec<Option<Result<bool>>> = Vec::with_capacity(items.len());
-        let mut chunks = Vec::new();
-        for ((unfed, &take), (_, prompt)) in unfed.into_iter().zip(&take).zip(items.iter()) {
-            let (chunk, result) = match unfed {
-                Err(e) => (None, Some(Err(e))),
-                Ok(unfed) if unfed.is_empty() => (None, Some(Ok(true))),
-                Ok(_) if take == 0 => (None, Some(Ok(false))),
+        /// A sequence's answer without a forward, or the chunk it feeds (and whether that
+        /// completes its prefill).
+        enum Plan {
+            Answer(Result<bool>),
+            Feed(Vec<u32>, bool),
+        }
+        let plans: Vec<Plan> = unfed
+            .into_iter()
+            .zip(take)
+            .zip(items.iter())
+            .map(|((unfed, take), (_, prompt))| match unfed {
+                Err(e) => Plan::Answer(Err(e)),
+                Ok(unfed) if unfed.is_empty() => Plan::Answer(Ok(true)),
+                Ok(_) if take == 0 => Plan::Answer(Ok(false)),
                 Ok(unfed) => {
                     let end = unfed.start + take;
-                    (
-                        Some((prompt[unfed.start..end].to_vec(), end == unfed.end)),
-                        None,
-                    )
+                    Plan::Feed(prompt[unfed.start..end].to_vec(), end == unfed.end)
                 }
-            };
-            chunks.push(chunk);
-            results.push(result);
-        }
+            })
+            .collect();
         let mut feeds = Vec::new();
-        for ((st, _), chunk) in items.iter_mut().zip(&chunks) {
-            if let Some((tokens, _)) = chunk {
+        for ((st, _), plan) in items.iter_mut().zip(&plans) {
+            if let Plan::Feed(tokens, _) = plan {
                 let SequenceState { model, seq, .. } = &mut **st;
                 feeds.push(Feed {
                     model,
@@ -429,15 +431,13 @@ impl SequenceState {
         }
         let mut fed = forward_all(&mut feeds).into_iter();
         drop(feeds);
-        results
+        plans
             .into_iter()
-            .zip(chunks)
-            .map(|(result, chunk)| match (result, chunk) {
-                (Some(result), _) => result,
-                (None, Some((_, complete))) => {
+            .map(|plan| match plan {
+                Plan::Answer(answer) => answer,
+                Plan::Feed(_, complete) => {
                     fed.next().expect("one result per feed").map(|_| complete)
                 }
-                (None, None) => unreachable!("a sequence without a result is fed"),
             })
             .collect()
     }
