@@ -5,7 +5,8 @@
 //! `BENCH_MODEL=path.gguf cargo bench -p tandem-runtime --bench verify` (BENCH_ROWS, default
 //! `1,5,9`; BENCH_ITERS, default 10; BENCH_CONTEXT, the positions before the block, default 64).
 //! BENCH_SEQS (e.g. `8`): also one forward over that many sequences of one position each, every
-//! one on its own cache (a decode batch of as many sessions: [`Model::forward_batch`]).
+//! one on its own cache (a decode batch of as many sessions: [`Model::forward_batch`]), or of
+//! BENCH_SEQ_ROWS positions each (`5`: the verify blocks of as many sessions at K = 4).
 //! `BENCH_MODEL=random-110m` writes and measures the benchmarks' random 110M-shape f32 model,
 //! `random-1.5b` one of the Qwen2.5 1.5B's shape (28 layers of 1536, 12 query heads to 2 key
 //! heads, 8960-wide MLP; the Llama 2 vocabulary); without BENCH_MODEL, the Qwen2.5-Coder 1.5B
@@ -91,6 +92,10 @@ fn main() -> anyhow::Result<()> {
         .ok()
         .map(|s| s.parse())
         .transpose()?;
+    let seq_rows: u32 = std::env::var("BENCH_SEQ_ROWS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
     let mut caches = Vec::new();
     for _ in 0..seqs.unwrap_or(0) {
         let mut c = m.new_cache();
@@ -101,7 +106,7 @@ fn main() -> anyhow::Result<()> {
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
     for i in 0..iters + 2 {
         if !caches.is_empty() {
-            let block = [200u32];
+            let block: Vec<u32> = (0..seq_rows).map(|j| 200 + j).collect();
             let mut items: Vec<_> = caches
                 .iter_mut()
                 .map(|c| (&block[..], c, Logits::All))
@@ -142,7 +147,7 @@ fn main() -> anyhow::Result<()> {
         batched.sort_by(f64::total_cmp);
         let t = batched[batched.len() / 2];
         println!(
-            "| {seqs} sequences × 1 | {:.1} | {:.2} |",
+            "| {seqs} sequences × {seq_rows} | {:.1} | {:.2} |",
             t * 1e3,
             t / medians[0]
         );

@@ -90,11 +90,11 @@ pub(crate) fn quantize_bytes(xs: &[f32], qs: &mut [i8]) -> f32 {
 
 /// Runs a dense kernel's tiles over panels `panels` of `w` (`[panel][input][lanes]`, `k` inputs)
 /// against `rows` activation rows `x` (rows × k): for each panel (two at a time where `rows` ≤
-/// `two_panel_rows`, then every row in one tile, streamed by the hardware prefetcher), each chunk
-/// of `chunk` inputs and each tile of rows (at most `max_rows` for one panel, which asks for the
-/// next chunk ahead), `tile(n, t, w, x, (rows, r0), (inputs, ahead), out)`: n panels × rows
-/// r0..r0 + t, `w` and `out` at the tile's first panel (`out`: `[panel][row][lanes]` for
-/// `panels`), `x` at the first row.
+/// `two_panel_rows`, then every row in one tile, streamed by the hardware prefetcher; else
+/// `wide_panels` at a time), each chunk of `chunk` inputs and each tile of rows (at most
+/// `max_rows`, asking for the next chunk ahead), `tile(n, t, w, x, (rows, r0), (inputs, ahead),
+/// out)`: n panels × rows r0..r0 + t, `w` and `out` at the tile's first panel (`out`:
+/// `[panel][row][lanes]` for `panels`), `x` at the first row.
 ///
 /// # Safety
 /// `tile` may dereference its pointers for n panels of `k` inputs, the `rows` rows of `x` and
@@ -103,7 +103,7 @@ pub(crate) unsafe fn dense_tiles<E>(
     (w, k, lanes): (&[E], usize, usize),
     panels: Range<usize>,
     x: &[f32],
-    (rows, max_rows, two_panel_rows, chunk): (usize, usize, usize, usize),
+    (rows, max_rows, two_panel_rows, wide_panels, chunk): (usize, usize, usize, usize, usize),
     out: &mut [f32],
     tile: impl Fn(usize, usize, *const E, *const f32, (usize, usize), (Range<usize>, usize), *mut f32),
 ) {
@@ -115,7 +115,7 @@ pub(crate) unsafe fn dense_tiles<E>(
     let two = rows <= two_panel_rows;
     let mut p = 0;
     while p < panels.len() {
-        let n = if two { 2.min(panels.len() - p) } else { 1 };
+        let n = (if two { 2 } else { wide_panels }).min(panels.len() - p);
         let wp = w[(panels.start + p) * per_panel..].as_ptr();
         let op = out[p * rows * lanes..].as_mut_ptr();
         for k0 in (0..k).step_by(chunk) {

@@ -17,10 +17,13 @@ use std::ops::Range;
 use super::panels::LANES;
 use super::x86_panels::{Bf16, F16, F32, Lanes};
 
-/// Activation rows in a tile of one panel: one accumulator per row, the panel's weights and a
-/// broadcast, well within the 32 registers of AVX-512.
+/// Activation rows in a tile: one accumulator per panel and row, two panels' weights and a
+/// broadcast fit the 32 registers of AVX-512.
 const MAX_ROWS: usize = 12;
-/// Up to this many rows, tiles of two panels (more chains in flight for a decode step).
+/// Up to this many rows, tiles of two panels and every row (more chains in flight for a decode
+/// step); past it, tiles of two panels × up to [`MAX_ROWS`] rows: one broadcast per two
+/// multiply-adds where one panel's tiles took one per multiply-add (the 110M-shape f32 model's
+/// 40-position forward 47-51 against 55-60 ms, three runs alternated; 12 → 24 accumulators).
 const TWO_PANEL_ROWS: usize = 6;
 /// Inputs per chunk, as the AVX2 tiles' ([`super::x86_panels`]).
 const CHUNK: usize = 64;
@@ -119,8 +122,8 @@ unsafe fn tile<L: Wide, const P: usize, const T: usize>(
     }
 }
 
-/// `tile::<L, P, T>` for a `T` known only at run time: 1..=[`MAX_ROWS`] rows for one panel,
-/// 1..=[`TWO_PANEL_ROWS`] for two.
+/// `tile::<L, P, T>` for a `T` known only at run time: 1..=[`MAX_ROWS`] rows of one or two
+/// panels.
 ///
 /// # Safety
 /// As [`tile`]'s.
@@ -137,12 +140,12 @@ unsafe fn tiles<L: Wide, const P: usize>(
     // SAFETY: the caller's.
     unsafe {
         match (P, t) {
-            (1, 7) => tile::<L, 1, 7>(w, k, x, at, ks, ahead, out),
-            (1, 8) => tile::<L, 1, 8>(w, k, x, at, ks, ahead, out),
-            (1, 9) => tile::<L, 1, 9>(w, k, x, at, ks, ahead, out),
-            (1, 10) => tile::<L, 1, 10>(w, k, x, at, ks, ahead, out),
-            (1, 11) => tile::<L, 1, 11>(w, k, x, at, ks, ahead, out),
-            (1, 12) => tile::<L, 1, 12>(w, k, x, at, ks, ahead, out),
+            (_, 7) => tile::<L, P, 7>(w, k, x, at, ks, ahead, out),
+            (_, 8) => tile::<L, P, 8>(w, k, x, at, ks, ahead, out),
+            (_, 9) => tile::<L, P, 9>(w, k, x, at, ks, ahead, out),
+            (_, 10) => tile::<L, P, 10>(w, k, x, at, ks, ahead, out),
+            (_, 11) => tile::<L, P, 11>(w, k, x, at, ks, ahead, out),
+            (_, 12) => tile::<L, P, 12>(w, k, x, at, ks, ahead, out),
             (_, 1) => tile::<L, P, 1>(w, k, x, at, ks, ahead, out),
             (_, 2) => tile::<L, P, 2>(w, k, x, at, ks, ahead, out),
             (_, 3) => tile::<L, P, 3>(w, k, x, at, ks, ahead, out),
@@ -156,7 +159,7 @@ unsafe fn tiles<L: Wide, const P: usize>(
 
 /// Panels `panels` of `w` (`[panel][input][lane]`, `k` inputs) against `rows` activation rows
 /// `x` (rows × k): `out` gets `[panel][row][lane]` for those panels, tiled as the AVX2 kernel
-/// tiles ([`super::x86::dense_tiles`]) with twice its rows.
+/// tiles ([`super::x86::dense_tiles`]) with twice its rows, two panels a tile.
 ///
 /// # Safety
 /// The CPU has AVX-512 F ([`super::rows::Path::Avx512`]).
@@ -175,7 +178,7 @@ pub(crate) unsafe fn dense<L: Wide>(
             (w, k, LANES),
             panels,
             x,
-            (rows, MAX_ROWS, TWO_PANEL_ROWS, CHUNK),
+            (rows, MAX_ROWS, TWO_PANEL_ROWS, 2, CHUNK),
             out,
             |n, t, wp, x, at, chunk, op| {
                 if n == 2 {

@@ -193,7 +193,7 @@ pub(crate) unsafe fn dense<L: Lanes>(
             (w, k, LANES),
             panels,
             x,
-            (rows, MAX_ROWS, TWO_PANEL_ROWS, CHUNK),
+            (rows, MAX_ROWS, TWO_PANEL_ROWS, 1, CHUNK),
             out,
             |n, t, wp, x, at, chunk, op| {
                 if n == 2 {
