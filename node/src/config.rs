@@ -83,7 +83,8 @@ pub struct LimitsArgs {
     pub max_batch: usize,
     /// Microseconds a batch waits, while fewer sessions are ready than the last batch held, for
     /// the others to come back from their round trip through the coordinator (their work then
-    /// runs in this forward pass, not in the next); 0: a batch runs with what is ready.
+    /// runs in this forward pass, not in the next); where models in one process take turns on
+    /// the CPU, counted from when the other's pass ended. 0: a batch runs with what is ready.
     #[arg(long, env = "TANDEM_BATCH_WAIT_US", default_value_t = 2000)]
     pub batch_wait_us: u64,
 }

@@ -54,7 +54,8 @@ impl ModelThread {
     /// run now with the first of them rather than a whole forward pass later.
     ///
     /// With `holds_cores` (a model on the CPU) each turn's work runs holding the process's CPU
-    /// cores ([`Cores`]), and what came while another model in the process held them joins it:
+    /// cores ([`Cores`]), the wait lasts until `max_wait` after they came free (the rest of the
+    /// batch may be another model's sessions, back a round trip after its pass), and what came while another model in the process held them joins it:
     /// two models that take turns on the same cores then run each session's step in one batch,
     /// not the sessions split into groups that alternate, each pass serving a few of them (8
     /// sessions at K = 4 in one process: target passes of 2.3 sessions on average, 1-5).
@@ -73,14 +74,17 @@ impl ModelThread {
                         }
                     }
                     ready.extend(queue.try_iter());
-                    let deadline = Instant::now() + max_wait;
+                    let started = Instant::now();
                     while (1..last).contains(&batched(&ready)) {
-                        let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                        let now = Instant::now();
+                        let deadline = wait_ends(started, now, max_wait, holds_cores);
+                        let Some(left) = deadline.checked_duration_since(now) else {
                             break;
                         };
                         match queue.recv_timeout(left) {
                             Ok(job) => ready.push(job),
-                            Err(_) => break,
+                            Err(mpsc::RecvTimeoutError::Timeout) => {}
+                            Err(mpsc::RecvTimeoutError::Disconnected) => break,
                         }
                     }
                     // A turn of one-off jobs alone (a cache published) does not take the
@@ -140,6 +144,22 @@ fn failed(what: &str) -> Error {
     Error::Protocol {
         node: "node",
         what: what.to_string(),
+    }
+}
+
+/// When a wait for the rest of a batch, begun at `started`, ends: `max_wait` after it began,
+/// and for a model on the CPU no sooner than `max_wait` after the cores came free. Waiting
+/// costs nothing while another model in the process holds them (the batch could not run
+/// before), and the rest may be that model's sessions, back a round trip after its pass: a
+/// wait cut short there split 8 sessions in one process into groups that alternated again,
+/// each model's passes serving a few (`None` while held: looked at again after `max_wait`).
+fn wait_ends(started: Instant, now: Instant, max_wait: Duration, holds_cores: bool) -> Instant {
+    if !holds_cores || max_wait.is_zero() {
+        return started + max_wait;
+    }
+    match Cores::free_since() {
+        None => now + max_wait,
+        Some(freed) => freed.map_or(started, |f| f.max(started)) + max_wait,
     }
 }
 

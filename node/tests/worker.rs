@@ -149,10 +149,14 @@ async fn a_batch_waits_briefly_for_the_sessions_the_last_one_held() {
     assert_eq!(sent(&worker, 10).await.expect("batched"), (10, 1));
 }
 
+/// Taken by the tests that hold the process's cores, one at a time (no other test of this
+/// binary holds or waits for them).
+static CORES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn work_that_came_while_another_model_held_the_cores_joins_the_batch() {
-    // Another model's pass in this process: a thread that holds the cores until told. (No other
-    // test of this binary holds or waits for them.)
+    let _alone = CORES.lock().await;
+    // Another model's pass in this process: a thread that holds the cores until told.
     let (held, holding) = std::sync::mpsc::channel();
     let (release, released) = std::sync::mpsc::channel::<()>();
     let other = std::thread::spawn(move || {
@@ -178,6 +182,50 @@ async fn work_that_came_while_another_model_held_the_cores_joins_the_batch() {
     assert_eq!(
         first.await.expect("batched"),
         (0, 4),
+        "ran with the later items"
+    );
+    for call in later {
+        assert_eq!(call.await.expect("batched").1, 4);
+    }
+}
+
+#[tokio::test]
+async fn the_wait_for_a_batch_lasts_while_another_model_holds_the_cores() {
+    // After a batch of 4, an item comes while another model's pass holds the cores for longer
+    // than the wait; the other three come right after that pass (its sessions, back from the
+    // coordinator): all four run together.
+    let _alone = CORES.lock().await;
+    let wait = Duration::from_secs(1);
+    let worker = std::sync::Arc::new(ModelThread::spawn("test-cores-wait", 8, wait, true));
+    let sizes: Vec<usize> = queued_batch(&worker, 0..4)
+        .await
+        .iter()
+        .map(|a| a.1)
+        .collect();
+    assert_eq!(sizes, [4; 4]);
+    let (held, holding) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let other = std::thread::spawn(move || {
+        let _cores = Cores::hold();
+        held.send(()).expect("the test waits");
+        released.recv().expect("the test releases");
+    });
+    holding.recv().expect("the other model holds the cores");
+    let first = sent(&worker, 10);
+    // Past its wait, the model thread has not asked for the cores (it would have run item 10
+    // alone as they came free): it still gathers.
+    tokio::time::sleep(wait + wait / 2).await;
+    assert_eq!(
+        Cores::queued(),
+        1,
+        "asked for the cores with a partial batch"
+    );
+    release.send(()).expect("release");
+    other.join().expect("the other model's pass");
+    let later: Vec<_> = (11..14).map(|i| sent(&worker, i)).collect();
+    assert_eq!(
+        first.await.expect("batched"),
+        (10, 4),
         "ran with the later items"
     );
     for call in later {

@@ -93,8 +93,20 @@ pub struct Cores {
     _thread: std::marker::PhantomData<*const ()>,
 }
 
-/// Holds of the cores asked for (the next ticket) and granted (the ticket now served).
-static TURNS: std::sync::Mutex<(u64, u64)> = std::sync::Mutex::new((0, 0));
+/// Holds of the cores asked for and granted, and when the last ended.
+struct Turns {
+    /// The next ticket.
+    asked: u64,
+    /// The ticket now served.
+    granted: u64,
+    freed: Option<std::time::Instant>,
+}
+
+static TURNS: std::sync::Mutex<Turns> = std::sync::Mutex::new(Turns {
+    asked: 0,
+    granted: 0,
+    freed: None,
+});
 static TURN: std::sync::Condvar = std::sync::Condvar::new();
 
 thread_local! {
@@ -102,7 +114,7 @@ thread_local! {
     static HELD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-fn turns() -> std::sync::MutexGuard<'static, (u64, u64)> {
+fn turns() -> std::sync::MutexGuard<'static, Turns> {
     TURNS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -115,9 +127,9 @@ impl Cores {
         let taken = !HELD.get();
         if taken {
             let mut turns = turns();
-            let ticket = turns.0;
-            turns.0 += 1;
-            while turns.1 != ticket {
+            let ticket = turns.asked;
+            turns.asked += 1;
+            while turns.granted != ticket {
                 turns = TURN
                     .wait(turns)
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -133,7 +145,14 @@ impl Cores {
     /// Threads that hold the cores or wait for them (for tests).
     pub fn queued() -> u64 {
         let turns = turns();
-        turns.0 - turns.1
+        turns.asked - turns.granted
+    }
+
+    /// When the cores came free: `None` while a thread holds or waits for them, `Some(None)`
+    /// where none ever has.
+    pub fn free_since() -> Option<Option<std::time::Instant>> {
+        let turns = turns();
+        (turns.asked == turns.granted).then_some(turns.freed)
     }
 }
 
@@ -141,7 +160,10 @@ impl Drop for Cores {
     fn drop(&mut self) {
         if self.taken {
             HELD.set(false);
-            turns().1 += 1;
+            let mut turns = turns();
+            turns.granted += 1;
+            turns.freed = Some(std::time::Instant::now());
+            drop(turns);
             TURN.notify_all();
         }
     }
