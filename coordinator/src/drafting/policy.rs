@@ -356,8 +356,8 @@ impl KPolicy {
         self.pipelining = on;
     }
 
-    /// A policy for a new session that starts from what an earlier session on the same nodes
-    /// learnt: its costs as they were (they are the hardware's and the link's), its acceptance
+    /// A policy for a new session that starts from what an earlier one at its load learnt: its
+    /// costs as they were (the hardware's, the link's, the batches'), its acceptance
     /// as a prior worth at most [`CARRIED_TRIALS`] rounds per position (it depends on the text).
     /// The verify's costs are those of the earlier session's first rounds, where this one
     /// starts: a step's attention grows with the context, and on stories260K a step at position

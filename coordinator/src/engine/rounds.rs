@@ -22,6 +22,7 @@ use crate::drafting::drafters::{Ask, ModelDrafter, Proposal, fixed_drafter, ngra
 use crate::drafting::policy::{Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
 use crate::drafting::shadow::{Shadow, shadow_len};
 pub use crate::engine::job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
+use crate::engine::learnt::Learnt;
 use crate::engine::metrics::{CoordinatorMetrics, Counted};
 pub use crate::engine::stats::Stats;
 pub use crate::nodes::NodeHandle;
@@ -73,8 +74,8 @@ pub struct Engine {
     /// A target call's deadline floor ([`call_deadline`]): a call later than that, on a node
     /// that is not working on it, is taken for lost and its session replayed.
     pub call_floor: Duration,
-    /// What the last session learnt of the nodes' costs and the draft's acceptance.
-    learnt: std::sync::Mutex<Option<KPolicy>>,
+    /// What the last session at each load learnt of the nodes' costs and the draft's acceptance.
+    learnt: Learnt,
     /// Adaptive generations that started with a draft that could not pay.
     hopeless: AtomicUsize,
     /// Compiles requests' grammars to check them (built at the first one).
@@ -136,7 +137,7 @@ impl Engine {
             target_retry: Duration::from_secs(30),
             draft_step_slack: crate::drafting::drafters::DEFAULT_STEP_SLACK,
             call_floor: CALL_FLOOR,
-            learnt: std::sync::Mutex::new(None),
+            learnt: Learnt::default(),
             hopeless: AtomicUsize::new(0),
             grammars: Grammars::default(),
             active: AtomicUsize::new(0),
@@ -233,17 +234,11 @@ impl Engine {
             ..Stats::default()
         };
         let prefill_start = Instant::now();
-        // The last session's costs and acceptance, or (the first time) priors; a first probe of
-        // the draft is then expected to cost about what opening its session did.
-        let mut policy = self.learnt.lock().map_or_else(
-            |_| KPolicy::new(job.draft_tokens),
-            |learnt| {
-                learnt.as_ref().map_or_else(
-                    || KPolicy::new(job.draft_tokens),
-                    |p| p.continued(job.draft_tokens),
-                )
-            },
-        );
+        // The costs and acceptance of the last session at this load, or (the first time) priors;
+        // a first probe of the draft is then expected to cost about what opening its session
+        // did. The load the session runs at, summed over its rounds (and its start).
+        let mut policy = self.learnt.start(self.active(), job.draft_tokens);
+        let mut load = (self.active(), 1usize);
         policy.set_pipelining(
             job.pipeline && !(self.passes_take_turns() || job.adaptive && self.draft_shares_cores),
         );
@@ -543,6 +538,7 @@ impl Engine {
                 }
             }
             let drafter = plan.drafter.filter(|_| !drafts.is_empty());
+            load = (load.0 + self.active(), load.1 + 1);
             match drafter {
                 Some(Drafter::Model) => stats.model_rounds += 1,
                 Some(Drafter::Ngram) => stats.ngram_rounds += 1,
@@ -607,9 +603,7 @@ impl Engine {
         };
         stats.base.decode_seconds = decode_start.elapsed().as_secs_f64();
         // Fixed-K sessions measure the same costs and acceptance: every session teaches.
-        if let Ok(mut learnt) = self.learnt.lock() {
-            *learnt = Some(policy);
-        }
+        self.learnt.keep(load.0 as f64 / load.1 as f64, policy);
         stats.settle(&target);
         target.close();
         if let Some(m) = model.as_mut() {
