@@ -74,10 +74,11 @@ impl ModelThread {
                         }
                     }
                     ready.extend(queue.try_iter());
-                    let started = Instant::now();
+                    let (started, mut turn_ended) = (Instant::now(), None);
                     while (1..last).contains(&batched(&ready)) {
                         let now = Instant::now();
-                        let deadline = wait_ends(started, now, max_wait, holds_cores);
+                        let wait = (started, now, max_wait);
+                        let deadline = wait_ends(wait, holds_cores, &mut turn_ended);
                         let Some(left) = deadline.checked_duration_since(now) else {
                             break;
                         };
@@ -147,19 +148,31 @@ fn failed(what: &str) -> Error {
     }
 }
 
-/// When a wait for the rest of a batch, begun at `started`, ends: `max_wait` after it began,
-/// and for a model on the CPU no sooner than `max_wait` after the cores came free. Waiting
-/// costs nothing while another model in the process holds them (the batch could not run
-/// before), and the rest may be that model's sessions, back a round trip after its pass: a
-/// wait cut short there split 8 sessions in one process into groups that alternated again,
-/// each model's passes serving a few (`None` while held: looked at again after `max_wait`).
-fn wait_ends(started: Instant, now: Instant, max_wait: Duration, holds_cores: bool) -> Instant {
+/// When a wait for the rest of a batch, `(started, now, max_wait)`, ends: `max_wait` after it
+/// began; for a model on the CPU, while another model in the process holds the cores, not
+/// before `max_wait` after that turn ended (`turn_ended`: the first end seen). Waiting costs
+/// nothing while the other holds them (the batch could not run before), and the rest may be the
+/// other model's sessions, back a round trip after its pass: a wait cut short there split 8
+/// sessions in one process into groups that alternated again, each model's passes serving a
+/// few. One turn at most: a wait that outlasted turns back to back (a long prompt's prefill
+/// chunks) would hold the sessions waiting here back for all of them.
+fn wait_ends(
+    (started, now, max_wait): (Instant, Instant, Duration),
+    holds_cores: bool,
+    turn_ended: &mut Option<Instant>,
+) -> Instant {
     if !holds_cores || max_wait.is_zero() {
         return started + max_wait;
     }
-    match Cores::free_since() {
-        None => now + max_wait,
-        Some(freed) => freed.map_or(started, |f| f.max(started)) + max_wait,
+    let (busy, ended) = Cores::state();
+    if let Some(ended) = ended.filter(|&e| e > started) {
+        return *turn_ended.get_or_insert(ended) + max_wait;
+    }
+    // Held since before the wait began: looked at again after `max_wait`.
+    if busy {
+        now + max_wait
+    } else {
+        started + max_wait
     }
 }
 

@@ -232,3 +232,37 @@ async fn the_wait_for_a_batch_lasts_while_another_model_holds_the_cores() {
         assert_eq!(call.await.expect("batched").1, 4);
     }
 }
+
+#[tokio::test]
+async fn the_wait_for_a_batch_outlasts_one_turn_of_another_model_at_most() {
+    let _alone = CORES.lock().await;
+    // Another model whose passes follow each other (a long prompt prefilled in chunks): after a
+    // batch of 4, an item that comes alone runs between two of them, not after the last.
+    let worker = std::sync::Arc::new(ModelThread::spawn(
+        "test-cores-turns",
+        8,
+        Duration::from_millis(20),
+        true,
+    ));
+    let sizes: Vec<usize> = queued_batch(&worker, 0..4)
+        .await
+        .iter()
+        .map(|a| a.1)
+        .collect();
+    assert_eq!(sizes, [4; 4]);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let passes = {
+        let stop = std::sync::Arc::clone(&stop);
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _pass = Cores::hold();
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(60), sent(&worker, 10)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    passes.join().expect("the other model's passes");
+    let answer = answer.expect("ran between the other model's passes");
+    assert_eq!(answer.expect("batched"), (10, 1));
+}

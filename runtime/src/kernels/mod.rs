@@ -148,11 +148,11 @@ impl Cores {
         turns.asked - turns.granted
     }
 
-    /// When the cores came free: `None` while a thread holds or waits for them, `Some(None)`
-    /// where none ever has.
-    pub fn free_since() -> Option<Option<std::time::Instant>> {
+    /// Whether a thread holds or waits for the cores, and when the last hold ended (`None`:
+    /// none has).
+    pub fn state() -> (bool, Option<std::time::Instant>) {
         let turns = turns();
-        (turns.asked == turns.granted).then_some(turns.freed)
+        (turns.asked != turns.granted, turns.freed)
     }
 }
 
