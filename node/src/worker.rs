@@ -54,11 +54,13 @@ impl ModelThread {
     /// run now with the first of them rather than a whole forward pass later.
     ///
     /// With `holds_cores` (a model on the CPU) each turn's work runs holding the process's CPU
-    /// cores ([`Cores`]), the wait lasts until `max_wait` after they came free (the rest of the
-    /// batch may be another model's sessions, back a round trip after its pass), and what came while another model in the process held them joins it:
-    /// two models that take turns on the same cores then run each session's step in one batch,
-    /// not the sessions split into groups that alternate, each pass serving a few of them (8
-    /// sessions at K = 4 in one process: target passes of 2.3 sessions on average, 1-5).
+    /// cores ([`Cores`]); the wait runs on while another model holds them, to `max_wait` after
+    /// that model's turn (the rest of the batch may be its sessions, back a round trip after its
+    /// pass; one turn at most), and what came while another model in the process held them
+    /// joins the batch: two models that take turns on the same cores then run each session's
+    /// step in one batch, not the sessions split into groups that alternate, each pass serving
+    /// a few of them (8 sessions at K = 4 in one process: target passes of 2.3 sessions on
+    /// average, 1-5).
     pub fn spawn(name: &str, max_batch: usize, max_wait: Duration, holds_cores: bool) -> Self {
         let (jobs, queue) = mpsc::channel::<Job>();
         let max_batch = max_batch.max(1);
@@ -74,12 +76,10 @@ impl ModelThread {
                         }
                     }
                     ready.extend(queue.try_iter());
-                    let (started, mut turn_ended) = (Instant::now(), None);
+                    let mut wait = Wait::new(max_wait, holds_cores);
                     while (1..last).contains(&batched(&ready)) {
-                        let now = Instant::now();
-                        let wait = (started, now, max_wait);
-                        let deadline = wait_ends(wait, holds_cores, &mut turn_ended);
-                        let Some(left) = deadline.checked_duration_since(now) else {
+                        let left = wait.ends().checked_duration_since(Instant::now());
+                        let Some(left) = left.filter(|left| !left.is_zero()) else {
                             break;
                         };
                         match queue.recv_timeout(left) {
@@ -148,31 +148,46 @@ fn failed(what: &str) -> Error {
     }
 }
 
-/// When a wait for the rest of a batch, `(started, now, max_wait)`, ends: `max_wait` after it
-/// began; for a model on the CPU, while another model in the process holds the cores, not
-/// before `max_wait` after that turn ended (`turn_ended`: the first end seen). Waiting costs
-/// nothing while the other holds them (the batch could not run before), and the rest may be the
-/// other model's sessions, back a round trip after its pass: a wait cut short there split 8
-/// sessions in one process into groups that alternated again, each model's passes serving a
-/// few. One turn at most: a wait that outlasted turns back to back (a long prompt's prefill
-/// chunks) would hold the sessions waiting here back for all of them.
-fn wait_ends(
-    (started, now, max_wait): (Instant, Instant, Duration),
-    holds_cores: bool,
-    turn_ended: &mut Option<Instant>,
-) -> Instant {
-    if !holds_cores || max_wait.is_zero() {
-        return started + max_wait;
+/// A wait for the rest of a batch: it ends `max_wait` after it began, and for a model on the
+/// CPU, while another model in the process holds the cores, not before `max_wait` after that
+/// turn ended. Waiting costs nothing while the other holds them (the batch could not run
+/// before), and the rest may be the other model's sessions, back a round trip after its pass: a
+/// wait cut short there split 8 sessions in one process into groups that alternated again, each
+/// model's passes serving a few. One turn at most: a wait that outlasted turns back to back (a
+/// long prompt's prefill chunks) would hold the sessions waiting here back for all of them.
+struct Wait {
+    started: Instant,
+    max_wait: Duration,
+    /// For a model on the CPU (with a wait): the holds of the cores that had ended when the wait
+    /// began, and when the first one after did.
+    turns: Option<(u64, Option<Instant>)>,
+}
+
+impl Wait {
+    fn new(max_wait: Duration, holds_cores: bool) -> Self {
+        let turns = (holds_cores && !max_wait.is_zero()).then(|| (Cores::state().1, None));
+        Self {
+            started: Instant::now(),
+            max_wait,
+            turns,
+        }
     }
-    let (busy, ended) = Cores::state();
-    if let Some(ended) = ended.filter(|&e| e > started) {
-        return *turn_ended.get_or_insert(ended) + max_wait;
-    }
-    // Held since before the wait began: looked at again after `max_wait`.
-    if busy {
-        now + max_wait
-    } else {
-        started + max_wait
+
+    /// When the wait ends, as far as is known now.
+    fn ends(&mut self) -> Instant {
+        let Some((before, first_end)) = self.turns.as_mut() else {
+            return self.started + self.max_wait;
+        };
+        let (busy, ended, last_end) = Cores::state();
+        match (ended - *before, *first_end) {
+            (_, Some(end)) => end + self.max_wait,
+            (1, None) => *first_end.insert(last_end.unwrap_or(self.started)) + self.max_wait,
+            // Several short turns ended between two looks: past one turn already.
+            (2.., None) => self.started,
+            // The cores held since the wait began (or before): looked at again after `max_wait`.
+            (0, None) if busy => Instant::now() + self.max_wait,
+            (0, None) => self.started + self.max_wait,
+        }
     }
 }
 

@@ -192,8 +192,7 @@ async fn work_that_came_while_another_model_held_the_cores_joins_the_batch() {
 #[tokio::test]
 async fn the_wait_for_a_batch_lasts_while_another_model_holds_the_cores() {
     // After a batch of 4, an item comes while another model's pass holds the cores for longer
-    // than the wait; the other three come right after that pass (its sessions, back from the
-    // coordinator): all four run together.
+    // than the wait; the other three come before that pass ends: all four run together.
     let _alone = CORES.lock().await;
     let wait = Duration::from_secs(1);
     let worker = std::sync::Arc::new(ModelThread::spawn("test-cores-wait", 8, wait, true));
@@ -220,9 +219,9 @@ async fn the_wait_for_a_batch_lasts_while_another_model_holds_the_cores() {
         1,
         "asked for the cores with a partial batch"
     );
+    let later: Vec<_> = (11..14).map(|i| sent(&worker, i)).collect();
     release.send(()).expect("release");
     other.join().expect("the other model's pass");
-    let later: Vec<_> = (11..14).map(|i| sent(&worker, i)).collect();
     assert_eq!(
         first.await.expect("batched"),
         (10, 4),
@@ -241,7 +240,7 @@ async fn the_wait_for_a_batch_outlasts_one_turn_of_another_model_at_most() {
     let worker = std::sync::Arc::new(ModelThread::spawn(
         "test-cores-turns",
         8,
-        Duration::from_millis(20),
+        Duration::from_millis(500),
         true,
     ));
     let sizes: Vec<usize> = queued_batch(&worker, 0..4)

@@ -92,10 +92,12 @@ fn main() -> anyhow::Result<()> {
         .ok()
         .map(|s| s.parse())
         .transpose()?;
-    let seq_rows: u32 = std::env::var("BENCH_SEQ_ROWS")
+    let seq_rows: std::num::NonZeroU32 = std::env::var("BENCH_SEQ_ROWS")
         .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1);
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(std::num::NonZeroU32::MIN);
+    let seq_rows = seq_rows.get();
     let mut caches = Vec::new();
     for _ in 0..seqs.unwrap_or(0) {
         let mut c = m.new_cache();

@@ -13,10 +13,13 @@ fn queued(n: u64) {
 
 #[test]
 fn the_cores_are_held_in_turn_and_again_by_their_holder() {
+    let (busy, ended, last) = Cores::state();
+    assert!(!busy && last.is_none(), "no hold yet");
     let first = Cores::hold();
     let again = Cores::hold();
     drop(again);
     assert_eq!(Cores::queued(), 1, "a hold inside a hold takes no turn");
+    assert!(Cores::state().0, "held");
     let (order, turns) = std::sync::mpsc::channel();
     let waiters: Vec<_> = (0..2)
         .map(|i| {
@@ -44,4 +47,8 @@ fn the_cores_are_held_in_turn_and_again_by_their_holder() {
         "in the order asked"
     );
     assert_eq!(Cores::queued(), 0);
+    let (busy, now_ended, last) = Cores::state();
+    assert!(!busy, "free");
+    assert_eq!(now_ended - ended, 3, "three holds ended (none inside one)");
+    assert!(last.is_some_and(|t| t <= std::time::Instant::now()));
 }

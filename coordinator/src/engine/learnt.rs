@@ -2,7 +2,7 @@
 //! start from ([`KPolicy::continued`]), kept per load: a round's costs depend on how many
 //! generations share the nodes' batches. After waves of 8 sessions in one process (the draft's
 //! and the target's passes taking turns on 2 cores), a lone session that started from the last
-//! crowded session's costs found the draft unable to pay and decoded at 47-55 tokens/s, under
+//! crowded session's costs found the draft unable to pay and decoded at 35-55 tokens/s, under
 //! the target alone; it starts from the last lone session's instead.
 
 use std::sync::Mutex;

@@ -237,12 +237,14 @@ impl Engine {
         // The costs and acceptance of the last session at this load, or (the first time) priors;
         // a first probe of the draft is then expected to cost about what opening its session
         // did. The load the session runs at, summed over its rounds (and its start).
-        let mut policy = self.learnt.start(self.active(), job.draft_tokens);
-        let mut load = (self.active(), 1usize);
+        let active = self.active();
+        let mut policy = self.learnt.start(active, job.draft_tokens);
+        let mut load = (active, 1usize);
         policy.set_pipelining(
             job.pipeline && !(self.passes_take_turns() || job.adaptive && self.draft_shares_cores),
         );
-        // A draft that could not pay at the last session's costs even if always right is left
+        // A draft that could not pay at the costs of the last session at this load even if always
+        // right is left
         // out of adaptive generations but one in [`RETIME_EVERY`] (or
         // [`RETIME_EVERY_SHARING_CORES`]), which opens it and times it again: its session, its
         // background steps and their gRPC work on the coordinator's core cost a fast target a

@@ -97,8 +97,9 @@ pub struct Cores {
 struct Turns {
     /// The next ticket.
     asked: u64,
-    /// The ticket now served.
+    /// The ticket now served: holds that ended.
     granted: u64,
+    /// When the last hold ended.
     freed: Option<std::time::Instant>,
 }
 
@@ -148,11 +149,11 @@ impl Cores {
         turns.asked - turns.granted
     }
 
-    /// Whether a thread holds or waits for the cores, and when the last hold ended (`None`:
-    /// none has).
-    pub fn state() -> (bool, Option<std::time::Instant>) {
+    /// Whether a thread holds or waits for the cores, how many holds have ended, and when the
+    /// last did (`None`: none has).
+    pub fn state() -> (bool, u64, Option<std::time::Instant>) {
         let turns = turns();
-        (turns.asked != turns.granted, turns.freed)
+        (turns.asked != turns.granted, turns.granted, turns.freed)
     }
 }
 

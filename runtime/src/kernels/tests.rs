@@ -552,9 +552,9 @@ fn a_fused_weight_gives_each_parts_own_bits() {
 #[test]
 fn dense_weights_on_avx512_give_the_avx2_panels_bits() {
     // One 16-lane fused multiply-add per input where AVX2 runs two of 8, in the same order from
-    // zero: the same bits for every row, in the two-panel tiles (up to 6 rows), the one-panel
-    // tiles of 7 to 12 and their remainders (13 rows), over a chunk's tail (200 inputs) and
-    // split across threads (1,100 outputs).
+    // zero: the same bits for every row, in the two-panel tiles of every row (up to 6 rows), the
+    // two-panel tiles of 7 to 12 and their remainders (13 rows), a last panel alone, over a
+    // chunk's tail (200 inputs) and split across threads (1,100 outputs).
     if Path::detect() < Path::Avx512 {
         eprintln!("no AVX-512 on this CPU: its dense kernels are not tested here");
         return;

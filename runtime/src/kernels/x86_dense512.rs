@@ -139,19 +139,19 @@ unsafe fn tiles<L: Wide, const P: usize>(
 ) {
     // SAFETY: the caller's.
     unsafe {
-        match (P, t) {
-            (_, 7) => tile::<L, P, 7>(w, k, x, at, ks, ahead, out),
-            (_, 8) => tile::<L, P, 8>(w, k, x, at, ks, ahead, out),
-            (_, 9) => tile::<L, P, 9>(w, k, x, at, ks, ahead, out),
-            (_, 10) => tile::<L, P, 10>(w, k, x, at, ks, ahead, out),
-            (_, 11) => tile::<L, P, 11>(w, k, x, at, ks, ahead, out),
-            (_, 12) => tile::<L, P, 12>(w, k, x, at, ks, ahead, out),
-            (_, 1) => tile::<L, P, 1>(w, k, x, at, ks, ahead, out),
-            (_, 2) => tile::<L, P, 2>(w, k, x, at, ks, ahead, out),
-            (_, 3) => tile::<L, P, 3>(w, k, x, at, ks, ahead, out),
-            (_, 4) => tile::<L, P, 4>(w, k, x, at, ks, ahead, out),
-            (_, 5) => tile::<L, P, 5>(w, k, x, at, ks, ahead, out),
-            (_, 6) => tile::<L, P, 6>(w, k, x, at, ks, ahead, out),
+        match t {
+            1 => tile::<L, P, 1>(w, k, x, at, ks, ahead, out),
+            2 => tile::<L, P, 2>(w, k, x, at, ks, ahead, out),
+            3 => tile::<L, P, 3>(w, k, x, at, ks, ahead, out),
+            4 => tile::<L, P, 4>(w, k, x, at, ks, ahead, out),
+            5 => tile::<L, P, 5>(w, k, x, at, ks, ahead, out),
+            6 => tile::<L, P, 6>(w, k, x, at, ks, ahead, out),
+            7 => tile::<L, P, 7>(w, k, x, at, ks, ahead, out),
+            8 => tile::<L, P, 8>(w, k, x, at, ks, ahead, out),
+            9 => tile::<L, P, 9>(w, k, x, at, ks, ahead, out),
+            10 => tile::<L, P, 10>(w, k, x, at, ks, ahead, out),
+            11 => tile::<L, P, 11>(w, k, x, at, ks, ahead, out),
+            12 => tile::<L, P, 12>(w, k, x, at, ks, ahead, out),
             _ => unreachable!("{t} rows in a tile of {P} panels"),
         }
     }
