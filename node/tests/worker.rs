@@ -153,18 +153,61 @@ async fn a_batch_waits_briefly_for_the_sessions_the_last_one_held() {
 /// binary holds or waits for them).
 static CORES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Another model's pass in this process: a thread that holds the cores until [`Pass::end`].
+struct Pass {
+    thread: std::thread::JoinHandle<()>,
+    release: std::sync::mpsc::Sender<()>,
+}
+
+impl Pass {
+    /// Starts once the thread holds the cores.
+    fn start() -> Self {
+        let (held, holding) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let _cores = Cores::hold();
+            held.send(()).expect("the test waits");
+            released.recv().expect("the test releases");
+        });
+        holding.recv().expect("the other model holds the cores");
+        Self { thread, release }
+    }
+
+    fn end(self) {
+        self.release.send(()).expect("release");
+        self.thread.join().expect("the other model's pass");
+    }
+}
+
+/// A model thread on the CPU whose last batch held 4 items.
+async fn after_a_batch_of_four(name: &str, wait: Duration) -> std::sync::Arc<ModelThread> {
+    let worker = std::sync::Arc::new(ModelThread::spawn(name, 8, wait, true));
+    let sizes: Vec<usize> = queued_batch(&worker, 0..4)
+        .await
+        .iter()
+        .map(|a| a.1)
+        .collect();
+    assert_eq!(sizes, [4; 4]);
+    worker
+}
+
+/// `first` and `later` answered in one batch of them all.
+async fn in_one_batch(first: Call, later: Vec<Call>) {
+    let n = 1 + later.len();
+    assert_eq!(
+        first.await.expect("batched").1,
+        n,
+        "ran with the later items"
+    );
+    for call in later {
+        assert_eq!(call.await.expect("batched").1, n);
+    }
+}
+
 #[tokio::test]
 async fn work_that_came_while_another_model_held_the_cores_joins_the_batch() {
     let _alone = CORES.lock().await;
-    // Another model's pass in this process: a thread that holds the cores until told.
-    let (held, holding) = std::sync::mpsc::channel();
-    let (release, released) = std::sync::mpsc::channel::<()>();
-    let other = std::thread::spawn(move || {
-        let _cores = Cores::hold();
-        held.send(()).expect("the test waits");
-        released.recv().expect("the test releases");
-    });
-    holding.recv().expect("the other model holds the cores");
+    let pass = Pass::start();
     assert_eq!(Cores::queued(), 1);
     let worker = std::sync::Arc::new(ModelThread::spawn("test-cores", 8, Duration::ZERO, true));
     let first = sent(&worker, 0);
@@ -177,16 +220,8 @@ async fn work_that_came_while_another_model_held_the_cores_joins_the_batch() {
     .await
     .expect("join");
     let later: Vec<_> = (1..4).map(|i| sent(&worker, i)).collect();
-    release.send(()).expect("release");
-    other.join().expect("the other model's pass");
-    assert_eq!(
-        first.await.expect("batched"),
-        (0, 4),
-        "ran with the later items"
-    );
-    for call in later {
-        assert_eq!(call.await.expect("batched").1, 4);
-    }
+    pass.end();
+    in_one_batch(first, later).await;
 }
 
 #[tokio::test]
@@ -195,21 +230,8 @@ async fn the_wait_for_a_batch_lasts_while_another_model_holds_the_cores() {
     // than the wait; the other three come before that pass ends: all four run together.
     let _alone = CORES.lock().await;
     let wait = Duration::from_secs(1);
-    let worker = std::sync::Arc::new(ModelThread::spawn("test-cores-wait", 8, wait, true));
-    let sizes: Vec<usize> = queued_batch(&worker, 0..4)
-        .await
-        .iter()
-        .map(|a| a.1)
-        .collect();
-    assert_eq!(sizes, [4; 4]);
-    let (held, holding) = std::sync::mpsc::channel();
-    let (release, released) = std::sync::mpsc::channel::<()>();
-    let other = std::thread::spawn(move || {
-        let _cores = Cores::hold();
-        held.send(()).expect("the test waits");
-        released.recv().expect("the test releases");
-    });
-    holding.recv().expect("the other model holds the cores");
+    let worker = after_a_batch_of_four("test-cores-wait", wait).await;
+    let pass = Pass::start();
     let first = sent(&worker, 10);
     // Past its wait, the model thread has not asked for the cores (it would have run item 10
     // alone as they came free): it still gathers.
@@ -220,16 +242,8 @@ async fn the_wait_for_a_batch_lasts_while_another_model_holds_the_cores() {
         "asked for the cores with a partial batch"
     );
     let later: Vec<_> = (11..14).map(|i| sent(&worker, i)).collect();
-    release.send(()).expect("release");
-    other.join().expect("the other model's pass");
-    assert_eq!(
-        first.await.expect("batched"),
-        (10, 4),
-        "ran with the later items"
-    );
-    for call in later {
-        assert_eq!(call.await.expect("batched").1, 4);
-    }
+    pass.end();
+    in_one_batch(first, later).await;
 }
 
 #[tokio::test]
@@ -237,18 +251,7 @@ async fn the_wait_for_a_batch_outlasts_one_turn_of_another_model_at_most() {
     let _alone = CORES.lock().await;
     // Another model whose passes follow each other (a long prompt prefilled in chunks): after a
     // batch of 4, an item that comes alone runs between two of them, not after the last.
-    let worker = std::sync::Arc::new(ModelThread::spawn(
-        "test-cores-turns",
-        8,
-        Duration::from_millis(500),
-        true,
-    ));
-    let sizes: Vec<usize> = queued_batch(&worker, 0..4)
-        .await
-        .iter()
-        .map(|a| a.1)
-        .collect();
-    assert_eq!(sizes, [4; 4]);
+    let worker = after_a_batch_of_four("test-cores-turns", Duration::from_millis(500)).await;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let passes = {
         let stop = std::sync::Arc::clone(&stop);
