@@ -97,7 +97,7 @@ fn main() -> anyhow::Result<()> {
         .map(|s| s.parse())
         .transpose()?
         .unwrap_or(std::num::NonZeroU32::MIN);
-    let seq_rows = seq_rows.get();
+    let seq_block: Vec<u32> = (0..seq_rows.get()).map(|j| 200 + j).collect();
     let mut caches = Vec::new();
     for _ in 0..seqs.unwrap_or(0) {
         let mut c = m.new_cache();
@@ -108,10 +108,9 @@ fn main() -> anyhow::Result<()> {
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
     for i in 0..iters + 2 {
         if !caches.is_empty() {
-            let block: Vec<u32> = (0..seq_rows).map(|j| 200 + j).collect();
             let mut items: Vec<_> = caches
                 .iter_mut()
-                .map(|c| (&block[..], c, Logits::All))
+                .map(|c| (&seq_block[..], c, Logits::All))
                 .collect();
             let start = Instant::now();
             m.forward_batch(&mut items)?;

@@ -1,8 +1,8 @@
 //! The round loop ([`rounds`]): one generation's rounds of drafting, verifying and committing,
 //! with the requests it runs ([`job`]), what a token tree's verdict commits ([`tree`]), their
 //! statistics ([`stats`]), what sessions learnt for the next to start from (`learnt`) and the
-//! coordinator's metrics ([`metrics`]); an engine that may still be connecting ([`late`]), and the engine of
-//! the in-process cluster ([`local`]).
+//! coordinator's metrics ([`metrics`]); an engine that may still be connecting ([`late`]), and
+//! the engine of the in-process cluster ([`local`]).
 //!
 //! Uses [`crate::drafting`] and [`crate::nodes`]; the APIs above it use it.
 

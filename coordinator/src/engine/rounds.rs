@@ -244,8 +244,7 @@ impl Engine {
             job.pipeline && !(self.passes_take_turns() || job.adaptive && self.draft_shares_cores),
         );
         // A draft that could not pay at the costs of the last session at this load even if always
-        // right is left
-        // out of adaptive generations but one in [`RETIME_EVERY`] (or
+        // right is left out of adaptive generations but one in [`RETIME_EVERY`] (or
         // [`RETIME_EVERY_SHARING_CORES`]), which opens it and times it again: its session, its
         // background steps and their gRPC work on the coordinator's core cost a fast target a
         // few per cent for nothing.
