@@ -5,7 +5,9 @@
 //! Each direction is a queue: a chunk read at time t leaves the link at
 //! `max(t, link free) + bytes · 8 / rate` and is written `delay` later, so a burst waits behind
 //! the bytes before it, as on a real link. With no delay and no cap it is a plain relay whose
-//! upstream a test may set late or change.
+//! upstream a test may set late or change. [`Link::silence`] makes it a silent link: connections
+//! stay open (no reset, no FIN, new ones accepted) but no byte crosses until it is healed, when
+//! what was held is delivered.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -13,7 +15,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 /// What a link does to traffic.
@@ -52,6 +54,10 @@ pub struct Link {
     upstream: Arc<Mutex<Option<SocketAddr>>>,
     /// The bound socket, until [`Self::point_to`] makes it listen.
     socket: Mutex<Option<TcpSocket>>,
+    /// Whether it holds every byte ([`Self::silence`]).
+    silent: watch::Sender<bool>,
+    /// Bytes it has carried toward the upstream.
+    carried: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Link {
@@ -71,6 +77,8 @@ impl Link {
             spec,
             upstream: Arc::default(),
             socket: Mutex::new(Some(socket)),
+            silent: watch::Sender::new(false),
+            carried: Arc::default(),
         })
     }
 
@@ -83,18 +91,34 @@ impl Link {
         };
         let listener = socket.listen(1024).expect("listen");
         let (to, spec) = (Arc::clone(&self.upstream), self.spec);
+        let gate = Gate {
+            silent: self.silent.subscribe(),
+            carried: Arc::clone(&self.carried),
+        };
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Some(upstream) = *to.lock().expect("upstream") else {
                     continue;
                 };
+                let gate = gate.clone();
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(upstream).await {
-                        carry(client, server, spec).await;
+                        carry(client, server, spec, gate).await;
                     }
                 });
             }
         });
+    }
+
+    /// Silences the link (`true`: every byte held, connections kept open, as behind a router
+    /// that stopped forwarding) or heals it (`false`: what was held is delivered).
+    pub fn silence(&self, silent: bool) {
+        self.silent.send_replace(silent);
+    }
+
+    /// Bytes carried toward the upstream so far (held ones not counted).
+    pub fn carried(&self) -> u64 {
+        self.carried.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn url(&self) -> String {
@@ -102,14 +126,26 @@ impl Link {
     }
 }
 
-async fn carry(client: TcpStream, server: TcpStream, spec: LinkSpec) {
+/// What every connection's bytes wait for: the link not being silent; and where bytes toward
+/// the upstream are counted.
+#[derive(Debug, Clone)]
+struct Gate {
+    silent: watch::Receiver<bool>,
+    carried: Arc<std::sync::atomic::AtomicU64>,
+}
+
+async fn carry(client: TcpStream, server: TcpStream, spec: LinkSpec, gate: Gate) {
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
+    let back = Gate {
+        carried: Arc::default(),
+        ..gate.clone()
+    };
     tokio::join!(
-        direction(client_read, server_write, spec),
-        direction(server_read, client_write, spec)
+        direction(client_read, server_write, spec, gate),
+        direction(server_read, client_write, spec, back)
     );
 }
 
@@ -118,6 +154,7 @@ async fn direction(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     spec: LinkSpec,
+    mut gate: Gate,
 ) {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let one_way = spec.rtt / 2;
@@ -145,9 +182,14 @@ async fn direction(
     let writer = async move {
         while let Some((at, bytes)) = rx.recv().await {
             tokio::time::sleep_until(at).await;
-            if to.write_all(&bytes).await.is_err() {
+            if gate.silent.wait_for(|silent| !silent).await.is_err()
+                || to.write_all(&bytes).await.is_err()
+            {
                 break;
             }
+            let n = bytes.len() as u64;
+            gate.carried
+                .fetch_add(n, std::sync::atomic::Ordering::SeqCst);
         }
         let _ = to.shutdown().await;
     };

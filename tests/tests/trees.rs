@@ -139,6 +139,7 @@ async fn a_trees_chain_is_drafted_past_during_the_verify() {
         .await
         .expect("engine");
     engine.draft_step_slack = PATIENT;
+    engine.draft_open_grace = PATIENT;
     let prompt = tokenizer(&stories())
         .encode("Once upon a time")
         .expect("encode");

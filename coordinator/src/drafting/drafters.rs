@@ -10,10 +10,10 @@ use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::{Constraint, TokenLog};
 use tokio::sync::oneshot;
-use tonic::transport::Channel;
 
 use crate::constraints::cut;
 use crate::drafting::policy::{Drafter, Timing};
+use crate::nodes::Reachable;
 use crate::nodes::links::{Draft, NodeSession, SessionSpec};
 
 /// Who may draft, per request.
@@ -178,8 +178,10 @@ const FIRST_DEADLINE: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub struct ModelDrafter {
     /// The draft replica the session opened on, then the others, to re-attach to when it does
-    /// not answer.
-    channels: Vec<Channel>,
+    /// not answer (each only while it is not down).
+    channels: Vec<Reachable>,
+    /// Which of them the session is on (or was last tried).
+    current: usize,
     attempts: usize,
     spec: SessionSpec,
     pub session: Option<NodeSession<Draft>>,
@@ -256,7 +258,7 @@ impl ModelDrafter {
     /// The draft side over `channels` (its replica first; at least one).
     /// `slack`: added to a timed step's deadline ([`DEFAULT_STEP_SLACK`]).
     pub fn new(
-        channels: Vec<Channel>,
+        channels: Vec<Reachable>,
         spec: SessionSpec,
         session: Option<NodeSession<Draft>>,
         slack: Duration,
@@ -264,6 +266,7 @@ impl ModelDrafter {
         Self {
             slack,
             channels,
+            current: 0,
             attempts: 0,
             spec,
             session,
@@ -311,31 +314,52 @@ impl ModelDrafter {
         None
     }
 
-    /// Starts attaching the draft-node again in the background, after the current backoff.
+    /// Starts attaching the draft-node again in the background, after the current backoff: its
+    /// own replica first, then the others in turn, skipping those that are down (where all are,
+    /// the attempt fails at once and the next comes after a longer wait). An open that misses its
+    /// deadline marks its replica down.
     pub fn reattach_later(&mut self, log: &TokenLog) {
         let wait = self.backoff;
         self.backoff = (self.backoff * 2).min(REATTACH_MAX);
         let (tx, rx) = oneshot::channel();
-        // Its own replica first, then the others in turn.
-        let channel = self.channels[self.attempts % self.channels.len().max(1)].clone();
+        let n = self.channels.len().max(1);
+        self.current = self.attempts % n;
         self.attempts += 1;
+        let channels = self.channels.clone();
+        let first = self.current;
         let (spec, log) = (self.spec.clone(), log.clone());
         tokio::spawn(async move {
             tokio::time::sleep(wait).await;
             // The generation ended, or another attempt replaced this one: open nothing.
-            if !tx.is_closed() {
-                let deadline = background_deadline(log.len());
-                let open = NodeSession::<Draft>::open(channel, spec, &log);
-                let opened = match tokio::time::timeout(deadline, open).await {
-                    Ok(opened) => opened,
-                    Err(_) => Err(Error::Unavailable {
+            if tx.is_closed() {
+                return;
+            }
+            let up = (first..first + n)
+                .map(|i| &channels[i % n])
+                .find(|r| !r.health.is_down());
+            let Some(replica) = up else {
+                let why = channels[first].health.why_down().unwrap_or_default();
+                let _ = tx.send(Err(Error::NotReady(why)));
+                return;
+            };
+            let deadline = background_deadline(log.len());
+            let open = NodeSession::<Draft>::open(replica.channel.clone(), spec, &log);
+            let opened = match tokio::time::timeout(deadline, open).await {
+                Ok(opened) => opened,
+                Err(_) => {
+                    let what = format!("a draft session's open within {deadline:?}");
+                    replica.health.missed(&what);
+                    Err(Error::Unavailable {
                         node: "draft-node",
                         endpoint: String::new(),
                         reason: format!("no session opened within {deadline:?}"),
-                    }),
-                };
-                let _ = tx.send(opened.map(|session| (session, None)));
+                    })
+                }
+            };
+            if opened.is_ok() {
+                replica.health.answered();
             }
+            let _ = tx.send(opened.map(|session| (session, None)));
         });
         self.pending = Some((Background::Reattach, rx));
     }
@@ -379,6 +403,7 @@ impl ModelDrafter {
             && from.saturating_sub(session.held_len()) >= CATCH_UP_LAG)
             .then(|| TokenLog::new(&log.tokens()[..from - 1]));
         let deadline = background_deadline(from.saturating_sub(session.held_len()) + k);
+        let health = self.channels.get(self.current).map(|r| r.health.clone());
         tokio::spawn(async move {
             let run = async {
                 if let Some(behind) = &behind {
@@ -408,11 +433,17 @@ impl ModelDrafter {
                     }),
                 )),
                 Ok(Err(e)) => Err(e),
-                Err(_) => Err(Error::Unavailable {
-                    node: "draft-node",
-                    endpoint: String::new(),
-                    reason: format!("no answer to a background step within {deadline:?}"),
-                }),
+                Err(_) => {
+                    let what = format!("a background {kind:?} step within {deadline:?}");
+                    if let Some(h) = &health {
+                        h.missed(&what);
+                    }
+                    Err(Error::Unavailable {
+                        node: "draft-node",
+                        endpoint: String::new(),
+                        reason: format!("no answer to a background step within {deadline:?}"),
+                    })
+                }
             };
             let _ = tx.send(result);
         });
@@ -455,7 +486,13 @@ impl ModelDrafter {
         });
         let outcome = match tokio::time::timeout(deadline, call).await {
             Ok(r) => r.map_err(StepFailure::Failed),
-            Err(_) => Err(StepFailure::Stalled(deadline)),
+            Err(_) => {
+                if let Some(r) = self.channels.get(self.current) {
+                    r.health
+                        .missed(&format!("a draft step within {deadline:?}"));
+                }
+                Err(StepFailure::Stalled(deadline))
+            }
         };
         match outcome {
             Ok(p) => {

@@ -1,13 +1,14 @@
 //! The nodes as the coordinator sees them: a node's handle and what losing it means
-//! ([`handle`]), the gRPC session streams to a target-node or a draft-node ([`links`]), a node's
-//! replicas and the choice between them ([`replicas`]), a draft-node that may come late
-//! ([`late`]), where the nodes run ([`machine`]), and the in-process cluster of the all-in-one
-//! mode ([`cluster`]).
+//! ([`handle`]), whether a replica answers ([`health`]), the gRPC session streams to a
+//! target-node or a draft-node ([`links`]), a node's replicas and the choice between them
+//! ([`replicas`]), a draft-node that may come late ([`late`]), where the nodes run
+//! ([`machine`]), and the in-process cluster of the all-in-one mode ([`cluster`]).
 //!
 //! The lowest folder: it uses nothing else of this crate.
 
 pub mod cluster;
 pub mod handle;
+pub mod health;
 pub mod late;
 pub mod links;
 pub mod machine;
@@ -18,6 +19,7 @@ pub use handle::{
     CALL_FLOOR, NodeHandle, TARGET_BACKOFF, TARGET_BACKOFF_MAX, call_deadline, connect_error,
     jittered, session_lost,
 };
+pub use health::{Health, Reachable};
 pub use late::LateDraft;
 pub use machine::{same_machine, shares_cores};
 pub use replicas::Replicas;

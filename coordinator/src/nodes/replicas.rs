@@ -15,9 +15,11 @@ use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use tandem_proto::tls::ClientTls;
+use tokio::sync::Notify;
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 
+use crate::nodes::health::{DOWN_PROBE, Health, Reachable};
 use crate::nodes::links::{NodeSession, SessionSpec, Wire};
 use crate::nodes::{NodeHandle, session_lost};
 use tandem_runtime::TokenLog;
@@ -26,7 +28,8 @@ use tonic::Code;
 /// How often host names are resolved again.
 pub const REFRESH: Duration = Duration::from_secs(10);
 /// How often each replica's round trip is measured (an `Info` call), and how long one may take
-/// before the replica's round trip is unknown.
+/// before the replica's round trip is unknown and the replica is down ([`Health`]; a down one is
+/// asked every [`DOWN_PROBE`]).
 pub const PROBE: Duration = Duration::from_secs(5);
 const PROBE_DEADLINE: Duration = Duration::from_secs(2);
 
@@ -51,6 +54,8 @@ struct Replica {
     failed: std::sync::Mutex<Option<Instant>>,
     /// The last round trip measured to it, in microseconds (0: none, or its probe failed).
     rtt_micros: AtomicU64,
+    /// Whether it answers: a down replica is picked only when every one is down.
+    health: Arc<Health>,
 }
 
 /// How long a replica that failed is passed over by [`Replicas::pick`].
@@ -140,19 +145,22 @@ impl Replicas {
                 reason: "no address to reach".into(),
             }));
         };
+        // Wakes the probe when a replica goes down.
+        let wake = Arc::new(Notify::new());
         let replicas = addresses
             .into_iter()
             .map(|a| {
                 let checked = a.url == model.endpoint;
-                replica(node, &model, a, tls, checked)
+                replica(node, &model, a, tls, checked, &wake)
             })
             .collect::<Result<Vec<_>>>()?;
         let replicas = Arc::new(RwLock::new(replicas));
         if urls.iter().any(|u| host_name(u).is_some()) {
             let (weak, urls, tls) = (Arc::downgrade(&replicas), urls.to_vec(), tls.clone());
-            tokio::spawn(refresh(node, weak, model.clone(), urls, tls));
+            let wake = Arc::clone(&wake);
+            tokio::spawn(refresh(node, weak, model.clone(), urls, tls, wake));
         }
-        tokio::spawn(probe(Arc::downgrade(&replicas)));
+        tokio::spawn(probe(Arc::downgrade(&replicas), wake));
         Ok(Self {
             node,
             model,
@@ -206,42 +214,67 @@ impl Replicas {
         urls.join(", ")
     }
 
-    /// The least loaded replica (ties: the first) of those that have not just failed.
+    /// The least loaded replica (ties: the first) of those that answer and have not just
+    /// failed.
     pub fn pick(&self) -> usize {
         let replicas = self.snapshot();
         (0..replicas.len())
             .min_by_key(|&i| {
                 let r = &replicas[i];
-                (r.cooling(), r.load.load(Ordering::Relaxed))
+                (r.health.is_down(), r.cooling(), r.load.load(Ordering::Relaxed))
             })
             .unwrap_or(0)
     }
 
-    /// The replica for a session of `tokens`: the one a session holding the longest start of
-    /// them was opened on (its prefix cache has it), if it has not just failed and carries at
-    /// most [`AFFINITY_SLACK`] more generations than [`Self::pick`]'s; else that one.
-    pub fn pick_for(&self, tokens: &[u32]) -> usize {
+    /// Why no replica can be used now, where every one is down ([`Health`]); `None` where one
+    /// answers.
+    pub fn all_down(&self) -> Option<String> {
+        let replicas = self.snapshot();
+        let why: Vec<String> = replicas.iter().filter_map(|r| r.health.why_down()).collect();
+        (why.len() == replicas.len()).then(|| why.join("; "))
+    }
+
+    /// The URLs of the replicas that are down now.
+    pub fn down(&self) -> Vec<String> {
+        let replicas = self.snapshot();
+        let down = replicas.iter().filter(|r| r.health.is_down());
+        down.map(|r| r.address.url.clone()).collect()
+    }
+
+    /// Replica `i` missed the deadline of a call (`what`): down until it answers again.
+    pub fn missed(&self, i: usize, what: &str) {
+        self.at(i).health.missed(what);
+    }
+
+    /// The replica for a session of `tokens` of the tenant `salt`: the one a session of the
+    /// tenant holding the longest start of them was opened on (its prefix cache has it), if it
+    /// has not just failed and carries at most [`AFFINITY_SLACK`] more generations than
+    /// [`Self::pick`]'s; else that one.
+    pub fn pick_for(&self, salt: &[u8], tokens: &[u32]) -> usize {
         let least = self.pick();
         let replicas = self.snapshot();
         let load = |i: usize| replicas[i].load.load(Ordering::Relaxed);
-        let hashes = tandem_node::prefix_cache::block_hashes(tokens);
+        let hashes = tandem_node::prefix_cache::block_hashes(salt, tokens);
         let affinity = self.affinity.lock().unwrap_or_else(|e| e.into_inner());
         hashes
             .iter()
             .rev()
             .filter_map(|h| affinity.by_hash.get(h))
             .find_map(|(url, _)| replicas.iter().position(|r| &r.address.url == url))
-            .filter(|&i| !replicas[i].cooling() && load(i) <= load(least) + AFFINITY_SLACK)
+            .filter(|&i| {
+            let r = &replicas[i];
+            !r.cooling() && !r.health.is_down() && load(i) <= load(least) + AFFINITY_SLACK
+        })
             .unwrap_or(least)
     }
 
-    /// Remembers that a session of `tokens` opened on replica `i`.
-    fn remember(&self, tokens: &[u32], i: usize) {
+    /// Remembers that a session of `tokens` of the tenant `salt` opened on replica `i`.
+    fn remember(&self, salt: &[u8], tokens: &[u32], i: usize) {
         let url = self.at(i).address.url.clone();
         let mut a = self.affinity.lock().unwrap_or_else(|e| e.into_inner());
         a.clock += 1;
         let now = a.clock;
-        for h in tandem_node::prefix_cache::block_hashes(tokens) {
+        for h in tandem_node::prefix_cache::block_hashes(salt, tokens) {
             a.by_hash.insert(h, (url.clone(), now));
         }
         if a.by_hash.len() > AFFINITY_HASHES {
@@ -317,17 +350,25 @@ impl Replicas {
         info.is_some_and(|info| info.session_working)
     }
 
-    /// The channel of `chosen`, then the other replicas': where a draft session that lost
-    /// `chosen` is opened again. (Their info is not read first: a draft can change the speed of
-    /// a generation, never its output.)
-    pub fn fallbacks(&self, chosen: &NodeHandle) -> Vec<tonic::transport::Channel> {
-        let snapshot = self.snapshot();
-        let others = snapshot
-            .iter()
-            .filter(|r| r.handle.endpoint != chosen.endpoint);
-        std::iter::once(chosen.channel.clone())
-            .chain(others.map(|r| r.handle.channel.clone()))
-            .collect()
+    /// Replica `chosen`, then the others: where a draft session that lost `chosen` is opened
+    /// again, each while it answers. (Their info is not read first: a draft can change the
+    /// speed of a generation, never its output.)
+    pub fn fallbacks(&self, chosen: &NodeHandle) -> Vec<Reachable> {
+        let mut snapshot = self.snapshot();
+        snapshot.sort_by_key(|r| r.handle.endpoint != chosen.endpoint);
+        let reachable = snapshot.iter().map(|r| Reachable {
+            channel: r.handle.channel.clone(),
+            health: Arc::clone(&r.health),
+        });
+        reachable.collect()
+    }
+
+    /// No session, for `e`, from replica `i`.
+    pub fn refused<W: Wire>(&self, i: usize, e: Error) -> Opened<W> {
+        Opened {
+            handle: self.at(i).handle.clone(),
+            session: Err(e),
+        }
     }
 
     /// Opens a session holding `log` on replica `i`, or (that one lost, unreachable or serving
@@ -335,7 +376,11 @@ impl Replicas {
     pub async fn open<W: Wire>(&self, i: usize, spec: &SessionSpec, log: &TokenLog) -> Opened<W> {
         let n = self.len();
         let mut last = None;
+        let some_up = self.all_down().is_none();
         for i in (i..i + n).map(|i| i % n) {
+            if some_up && self.at(i).health.is_down() {
+                continue;
+            }
             let handle = match self.get(i).await {
                 Ok(handle) => handle,
                 Err(e) => {
@@ -345,8 +390,9 @@ impl Replicas {
             };
             match NodeSession::<W>::open(handle.channel.clone(), spec.clone(), log).await {
                 Ok(mut session) => {
+                    self.at(i).health.answered();
                     session.replica = i;
-                    self.remember(log.tokens(), i);
+                    self.remember(&spec.cache_salt, log.tokens(), i);
                     return Opened {
                         handle,
                         session: Ok(session),
@@ -385,6 +431,7 @@ fn replica(
     address: Address,
     tls: &ClientTls,
     checked: bool,
+    wake: &Arc<Notify>,
 ) -> Result<Arc<Replica>> {
     let handle = if checked {
         model.clone()
@@ -409,11 +456,12 @@ fn replica(
     };
     Ok(Arc::new(Replica {
         handle,
-        address,
         load: AtomicUsize::new(0),
         checked: AtomicBool::new(checked),
         failed: std::sync::Mutex::new(None),
         rtt_micros: AtomicU64::new(0),
+        health: Arc::new(Health::new(node, &address.url, Arc::clone(wake))),
+        address,
     }))
 }
 
@@ -429,8 +477,10 @@ async fn info_within(
 }
 
 /// Measures each replica's round trip every [`PROBE`] (an `Info` call, which the node answers
-/// from memory) until the replicas are dropped.
-async fn probe(replicas: Weak<RwLock<Vec<Arc<Replica>>>>) {
+/// from memory) until the replicas are dropped; one that does not answer within
+/// [`PROBE_DEADLINE`] is down, one that does is up, and while one is down they are asked every
+/// [`DOWN_PROBE`].
+async fn probe(replicas: Weak<RwLock<Vec<Arc<Replica>>>>, wake: Arc<Notify>) {
     loop {
         let Some(current) = replicas
             .upgrade()
@@ -438,21 +488,29 @@ async fn probe(replicas: Weak<RwLock<Vec<Arc<Replica>>>>) {
         else {
             return;
         };
-        for r in current {
+        for r in &current {
             let start = Instant::now();
             let answered = info_within(&r.handle.channel, v1::InfoRequest::default())
                 .await
                 .is_some();
             let micros = if answered {
+                r.health.answered();
                 u64::try_from(start.elapsed().as_micros())
                     .unwrap_or(u64::MAX)
                     .max(1)
             } else {
+                r.health
+                    .missed(&format!("no answer to a probe within {PROBE_DEADLINE:?}"));
                 0
             };
             r.rtt_micros.store(micros, Ordering::Relaxed);
         }
-        tokio::time::sleep(PROBE).await;
+        let any_down = current.iter().any(|r| r.health.is_down());
+        let next = tokio::time::sleep(if any_down { DOWN_PROBE } else { PROBE });
+        tokio::select! {
+            () = next => {}
+            () = wake.notified() => {}
+        }
     }
 }
 
@@ -464,6 +522,7 @@ async fn refresh(
     model: NodeHandle,
     urls: Vec<String>,
     tls: ClientTls,
+    wake: Arc<Notify>,
 ) {
     loop {
         tokio::time::sleep(REFRESH).await;
@@ -495,7 +554,7 @@ async fn refresh(
                     Some(r) => next.push(Arc::clone(r)),
                     None => {
                         tracing::info!(node, replica = %a.url, "replica found");
-                        next.extend(replica(node, &model, a, &tls, false).ok());
+                        next.extend(replica(node, &model, a, &tls, false, &wake).ok());
                     }
                 }
             }
@@ -590,6 +649,11 @@ mod tests {
                     checked: AtomicBool::new(i == 0),
                     failed: std::sync::Mutex::new(None),
                     rtt_micros: AtomicU64::new(0),
+                    health: Arc::new(Health::new(
+                        "target-node",
+                        &handle(i).endpoint,
+                        Arc::default(),
+                    )),
                 })
             })
             .collect();
@@ -635,7 +699,8 @@ mod tests {
 
     /// A conversation returns to the replica that served its last turn (its prefix cache holds
     /// it) while that one carries at most AFFINITY_SLACK more than the least loaded; another
-    /// conversation goes to the least loaded; a replica that just failed is passed over.
+    /// conversation, or the same one of another tenant, goes to the least loaded; a replica
+    /// that just failed is passed over.
     #[tokio::test]
     async fn a_conversation_returns_to_its_replica_within_the_slack() {
         let targets = targets(3);
@@ -644,24 +709,51 @@ mod tests {
         let chat = turn(40, 1);
         let mut leases = vec![targets.lease(0)];
         // Replica 1 served the chat's first turn (it was the least loaded then).
-        assert_eq!(targets.pick_for(&chat), 1);
-        targets.remember(&chat, 1);
+        assert_eq!(targets.pick_for(&[], &chat), 1);
+        targets.remember(&[], &chat, 1);
         let mut next = chat.clone();
         next.extend(turn(30, 500));
         for _ in 0..=AFFINITY_SLACK {
-            assert_eq!(targets.pick_for(&next), 1, "the chat's replica");
+            assert_eq!(targets.pick_for(&[], &next), 1, "the chat's replica");
             leases.push(targets.lease(1));
         }
         // Replica 1 now carries 3, replica 2 none: past the slack, the least loaded.
-        assert_eq!(targets.pick_for(&next), 2);
+        assert_eq!(targets.pick_for(&[], &next), 2);
         leases.truncate(2);
-        assert_eq!(targets.pick_for(&next), 1);
+        assert_eq!(targets.pick_for(&[], &next), 1);
         // Another conversation: the least loaded; one shorter than a block: the same.
-        assert_eq!(targets.pick_for(&turn(40, 9)), 2);
-        assert_eq!(targets.pick_for(&chat[..10]), 2);
+        assert_eq!(targets.pick_for(&[], &turn(40, 9)), 2);
+        assert_eq!(targets.pick_for(&[], &chat[..10]), 2);
+        // The same chat of another tenant (another salt): as another conversation.
+        assert_eq!(targets.pick_for(b"another tenant", &next), 2);
         // The chat's replica failed just now: passed over.
         let _ = targets.failed(1, Error::NotReady("down".into()));
-        assert_eq!(targets.pick_for(&next), 2);
+        assert_eq!(targets.pick_for(&[], &next), 2);
+    }
+
+    /// A replica that missed a deadline is picked last and skipped by an open while another
+    /// answers (none answers here: the open's last try names the replica it reached).
+    #[tokio::test]
+    async fn a_replica_that_is_down_is_neither_picked_nor_opened_while_another_answers() {
+        let targets = targets(2);
+        let _busy = targets.lease(1);
+        targets.missed(0, "a verify within 10s");
+        assert_eq!((targets.pick(), targets.pick_for(&[], &[1; 40])), (1, 1));
+        assert_eq!(targets.down(), ["http://127.0.0.1:1"]);
+        let spec = SessionSpec {
+            session_id: "s".into(),
+            sampling: Default::default(),
+            max_len: 8,
+            top_logprobs: None,
+            constraint: None,
+            cache_salt: Vec::new(),
+        };
+        let log = TokenLog::new(&[1, 2]);
+        let opened = targets.open::<crate::nodes::links::Target>(1, &spec, &log).await;
+        assert_eq!(opened.handle.endpoint, "http://127.0.0.1:2", "replica 0 not tried");
+        assert!(targets.all_down().is_none());
+        targets.missed(1, "a probe within 2s");
+        assert!(targets.all_down().is_some_and(|why| why.contains("a probe within 2s")));
     }
 
     #[tokio::test]

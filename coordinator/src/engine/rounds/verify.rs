@@ -80,6 +80,8 @@ impl Engine {
                             tracing::info!(waited = ?deadline, "target-node late but working");
                         }
                         Err(_) => {
+                            let what = format!("a verify within {deadline:?}");
+                            self.targets.missed(replica, &what);
                             break Error::TimedOut {
                                 node: "target-node",
                                 secs: deadline.as_secs_f64(),
