@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::Parser;
 use tandem_coordinator::api::auth::{Access, ApiKeys};
 use tandem_coordinator::api::http::{self, HttpState};
-use tandem_coordinator::api::limits::ClientLimits;
+use tandem_coordinator::api::limits::{ClientLimits, TrustedProxies};
 use tandem_coordinator::cli::{Cli, Command, ServeArgs, client, local};
 use tandem_coordinator::engine::Engine;
 use tandem_coordinator::engine::late::{LateEngine, connect_until_ready};
@@ -153,6 +153,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let access = Access {
         keys: ApiKeys::new(args.api_keys.iter().map(|k| k.0.clone())),
         per_client: ClientLimits::new(args.max_requests_per_client),
+        proxies: TrustedProxies::new(args.trusted_proxies.iter().copied()),
     };
     let state = HttpState::new(
         engine.clone(),

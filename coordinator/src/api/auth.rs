@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tonic::{Request, Status};
 
-use crate::api::limits::{Client, ClientLimits, ClientPermit};
+use crate::api::limits::{Client, ClientLimits, ClientPermit, TrustedProxies};
 
 /// The keys a request may present; none: the APIs are open.
 #[derive(Clone, Default)]
@@ -74,31 +74,35 @@ pub fn grpc_authorization<T>(request: &Request<T>) -> Option<&str> {
 }
 
 /// An HTTP request's `Authorization` header.
-pub fn http_authorization(request: &axum::extract::Request) -> Option<&str> {
-    request
-        .headers()
+pub fn http_authorization(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
 }
 
-/// Who may use the public APIs, and how much of them: the keys, and the generations each
-/// client may have in flight ([`crate::api::limits`]).
+/// Who may use the public APIs, and how much of them: the keys, the generations each client
+/// may have in flight, and the proxies believed about who the client is
+/// ([`crate::api::limits`]).
 #[derive(Debug, Clone, Default)]
 pub struct Access {
     pub keys: ApiKeys,
     pub per_client: ClientLimits,
+    pub proxies: TrustedProxies,
 }
 
 impl Access {
-    /// A permit for one generation of the client that sent `authorization` from `peer` (after
-    /// its key was checked), or RESOURCE_EXHAUSTED when it has its limit in flight.
-    pub fn admit(
+    /// A permit for one generation of the client that sent `authorization` from `peer` with
+    /// `forwarded_for` (its `X-Forwarded-For` values; after its key was checked), or
+    /// RESOURCE_EXHAUSTED when it has its limit in flight.
+    pub fn admit<'a>(
         &self,
         authorization: Option<&str>,
         peer: Option<std::net::IpAddr>,
+        forwarded_for: impl IntoIterator<Item = &'a str>,
     ) -> Result<ClientPermit, tandem_proto::Error> {
         let key = self.keys.matched(authorization);
-        self.per_client.acquire(Client::of(key, peer))
+        let address = peer.map(|p| self.proxies.client(p, forwarded_for));
+        self.per_client.acquire(Client::of(key, address))
     }
 }
 

@@ -111,10 +111,17 @@ impl Coordinator for CoordinatorService {
         tandem_proto::trace::continue_trace(request.metadata(), &span);
         let engine = self.engine.get()?;
         let peer = request.remote_addr().map(|a| a.ip());
-        let permit = self
-            .access
-            .admit(crate::api::auth::grpc_authorization(&request), peer)?;
-        let job = engine.prepare(request.get_ref())?;
+        let forwarded_for = request.metadata().get_all("x-forwarded-for");
+        let permit = self.access.admit(
+            crate::api::auth::grpc_authorization(&request),
+            peer,
+            forwarded_for.iter().filter_map(|v| v.to_str().ok()),
+        )?;
+        let tenant = (self.access).tenant(crate::api::auth::grpc_authorization(&request));
+        let job = engine.prepare_for(request.get_ref(), &tenant)?;
+        // The client's stream ends where it cancels the call or its connection closes: the
+        // sink then fails at the next commit, the generation ends, and the permit, held by
+        // the task, is given back.
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(tracing::Instrument::instrument(
             async move {

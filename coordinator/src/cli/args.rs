@@ -132,9 +132,15 @@ pub struct GenerateArgs {
     /// Text that ends the generation (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Skip the target-only runs that measure the speedup.
+    /// Skip the target-only runs that measure the speedup (without --endpoint; with it they
+    /// run only on --compare).
     #[arg(long)]
     pub no_baseline: bool,
+    /// With --endpoint: after the generation, measure the speedup there too (target-only and
+    /// speculative runs, --baseline-runs pairs and more: many generations on a server others
+    /// may share). Without --endpoint it is measured unless --no-baseline.
+    #[arg(long, conflicts_with = "no_baseline")]
+    pub compare: bool,
     /// Target-only and speculative runs of the same request, alternated, that measure the
     /// speedup: at least this many of each, and more (for 1 to 10 s) until the median speedup's
     /// 95 % confidence interval is within ±2 % (reported with the pairs' spread).
@@ -148,9 +154,25 @@ pub struct GenerateArgs {
     pub json: bool,
     #[command(flatten)]
     pub constraint: ConstraintArgs,
+    /// The API key presented to --endpoint (`authorization: Bearer KEY` metadata), for a
+    /// coordinator serving with --api-key. Never printed.
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<crate::api::auth::Secret>,
     /// TLS to `--endpoint` when it is an `https://` URL.
     #[command(flatten)]
     pub tls: tandem_proto::tls::ClientTlsArgs,
+}
+
+impl GenerateArgs {
+    /// Whether the speedup is measured after the generation: with --endpoint where --compare
+    /// asks, here unless --no-baseline; never for target-only decoding.
+    pub fn compares(&self) -> bool {
+        let asked = match self.endpoint {
+            Some(_) => self.compare,
+            None => !self.no_baseline,
+        };
+        asked && !self.draft_tokens.target_only()
+    }
 }
 
 /// The grammar the output follows: one of them (exact under speculation: the target masks every
@@ -256,6 +278,16 @@ pub struct ServeArgs {
     /// `Retry-After`. 0: no limit.
     #[arg(long, env = "TANDEM_MAX_REQUESTS_PER_CLIENT", default_value_t = 0)]
     pub max_requests_per_client: usize,
+    /// A proxy (an address or a CIDR block: 10.0.0.0/8) whose `X-Forwarded-For` (gRPC:
+    /// `x-forwarded-for` metadata) says who the client is, for --max-requests-per-client where
+    /// keys are not required: a request from one is the rightmost address there that is not a
+    /// trusted proxy. Repeatable. Others' headers are ignored. Unset: the peer's address.
+    #[arg(
+        long = "trusted-proxy",
+        env = "TANDEM_TRUSTED_PROXIES",
+        value_delimiter = ','
+    )]
+    pub trusted_proxies: Vec<crate::api::limits::Cidr>,
     /// TLS of the public gRPC API; `--tls-cert`/`--tls-key` are also the certificate presented
     /// to nodes that ask for one (mutual TLS).
     #[command(flatten)]

@@ -1,14 +1,17 @@
 //! A client of the public gRPC API: `coordinator generate --endpoint URL`, and the local mode
 //! once its in-process coordinator is up. Prints the text as it streams, then the statistics
-//! (or one JSON object with `--json`).
+//! (or one JSON object with `--json`), then the speedup where it is measured
+//! ([`GenerateArgs::compares`]).
 
 use std::io::Write;
 
 use serde_json::json;
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
+use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::Channel;
 
+use crate::api::auth::Secret;
 use crate::cli::GenerateArgs;
 
 /// The request the command line describes.
@@ -42,10 +45,35 @@ pub fn request_from_args(args: &GenerateArgs) -> v1::GenerateRequest {
     }
 }
 
+/// The `authorization` metadata that presents `--api-key`, marked sensitive (no `Debug`
+/// shows it).
+fn authorization(key: Option<&Secret>) -> anyhow::Result<Option<MetadataValue<Ascii>>> {
+    let Some(key) = key else { return Ok(None) };
+    let mut value: MetadataValue<Ascii> = format!("Bearer {}", key.0.trim())
+        .parse()
+        .map_err(|_| anyhow::anyhow!("--api-key (TANDEM_API_KEY): a key is printable ASCII"))?;
+    value.set_sensitive(true);
+    Ok(Some(value))
+}
+
+/// `request` with the `authorization` metadata, if any.
+fn keyed(
+    request: v1::GenerateRequest,
+    authorization: Option<&MetadataValue<Ascii>>,
+) -> tonic::Request<v1::GenerateRequest> {
+    let mut request = tonic::Request::new(request);
+    if let Some(value) = authorization {
+        request
+            .metadata_mut()
+            .insert("authorization", value.clone());
+    }
+    request
+}
+
 /// Runs one request to completion; `on_delta` sees each streamed delta.
 pub async fn run(
     client: &mut CoordinatorClient<Channel>,
-    request: v1::GenerateRequest,
+    request: impl tonic::IntoRequest<v1::GenerateRequest>,
     mut on_delta: impl FnMut(&v1::TokenDelta),
 ) -> Result<v1::GenerateDone, tonic::Status> {
     let mut stream = client.generate(request).await?.into_inner();
@@ -124,8 +152,9 @@ fn waited(wait: std::time::Duration) -> String {
     }
 }
 
-/// `coordinator generate` against the coordinator at `url`.
+/// `coordinator generate` against the coordinator at `url`, presenting `--api-key`.
 pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
+    let authorization = authorization(args.api_key.as_ref())?;
     let endpoint = args
         .tls
         .load()?
@@ -138,26 +167,37 @@ pub async fn generate(url: &str, args: &GenerateArgs) -> anyhow::Result<()> {
     if !args.json {
         emit(&args.prompt);
     }
-    let done = run(&mut client, request.clone(), |delta| {
+    let first = keyed(request.clone(), authorization.as_ref());
+    let done = run(&mut client, first, |delta| {
         if !args.json {
             emit(&delta.text);
         }
     })
     .await
     .map_err(|status| {
-        let waited = match status.code() {
-            tonic::Code::Unavailable => waited(wait),
-            _ => String::new(),
+        let (waited, hint) = match (status.code(), &args.api_key) {
+            (tonic::Code::Unavailable, _) => (waited(wait), ""),
+            (tonic::Code::Unauthenticated, None) => (
+                String::new(),
+                " (pass the key with --api-key KEY or TANDEM_API_KEY)",
+            ),
+            (tonic::Code::Unauthenticated, Some(_)) => (
+                String::new(),
+                " (the key given with --api-key or TANDEM_API_KEY is not one of its keys)",
+            ),
+            _ => (String::new(), ""),
         };
         anyhow::anyhow!(
-            "the coordinator at {url}{waited}: {}",
+            "the coordinator at {url}{waited}: {}{hint}",
             crate::nodes::connect_error(&status, url)
         )
     })?;
-    let comparison = if args.no_baseline || args.draft_tokens.target_only() {
-        None
+    let comparison = if args.compares() {
+        let runs = usize::from(args.baseline_runs);
+        let key = authorization.as_ref();
+        Some(compare(&mut client, request, key, &done, runs).await?)
     } else {
-        Some(compare(&mut client, request, &done, usize::from(args.baseline_runs)).await?)
+        None
     };
     report(args, &done, comparison.as_ref());
     Ok(())
@@ -263,6 +303,7 @@ const MAX_PAIRS: usize = 400;
 async fn compare(
     client: &mut CoordinatorClient<Channel>,
     request: v1::GenerateRequest,
+    authorization: Option<&MetadataValue<Ascii>>,
     first: &v1::GenerateDone,
     runs: usize,
 ) -> anyhow::Result<Comparison> {
@@ -294,12 +335,14 @@ async fn compare(
         }
         // Whichever runs second may find the machine warmer or busier: each goes first in
         // every other pair.
+        let alone = || keyed(target_only.clone(), authorization);
+        let drafted = || keyed(speculative.clone(), authorization);
         let (alone, drafted) = if n.is_multiple_of(2) {
-            let alone = run(client, target_only.clone(), |_| {}).await?;
-            (alone, run(client, speculative.clone(), |_| {}).await?)
+            let alone = run(client, alone(), |_| {}).await?;
+            (alone, run(client, drafted(), |_| {}).await?)
         } else {
-            let drafted = run(client, speculative.clone(), |_| {}).await?;
-            (run(client, target_only.clone(), |_| {}).await?, drafted)
+            let drafted = run(client, drafted(), |_| {}).await?;
+            (run(client, alone(), |_| {}).await?, drafted)
         };
         comparison.identical &=
             alone.token_ids == first.token_ids && drafted.token_ids == first.token_ids;

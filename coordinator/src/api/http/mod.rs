@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, FromRequestParts, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -24,8 +25,9 @@ use tandem_proto::v1;
 use tracing::Instrument;
 
 use crate::api::auth::Access;
+use crate::api::limits::ClientPermit;
+use crate::engine::Engine;
 use crate::engine::late::LateEngine;
-use crate::engine::{Discard, Engine};
 use error::ApiError;
 use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
 use tools::Tools;
@@ -118,16 +120,14 @@ pub enum MetricsOn {
 
 /// The HTTP routes over `state`.
 pub fn router(state: Arc<HttpState>, metrics: MetricsOn) -> Router {
-    let generate = Router::new()
+    let api = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
         .route_layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
-            limit_client,
+            require_key,
         ));
-    let api = generate.route("/v1/models", get(models)).route_layer(
-        axum::middleware::from_fn_with_state(Arc::clone(&state), require_key),
-    );
     let probes = Router::new()
         .merge(api)
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
@@ -207,7 +207,7 @@ async fn require_key(
     if state
         .access
         .keys
-        .admits(crate::api::auth::http_authorization(&request))
+        .admits(crate::api::auth::http_authorization(request.headers()))
     {
         return next.run(request).await;
     }
@@ -220,38 +220,32 @@ async fn require_key(
     .into_response()
 }
 
-/// 429 (with `Retry-After`) when the client has its limit of generations in flight; else the
-/// permit is held until the answer is whole (a stream's, until its last event is sent).
-async fn limit_client(
-    State(state): State<Arc<HttpState>>,
-    request: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let authorization = crate::api::auth::http_authorization(&request);
-    let peer = request
-        .extensions()
-        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-        .map(|c| c.0.ip());
-    let permit = match state.access.admit(authorization, peer) {
-        Ok(permit) => permit,
-        Err(e) => return ApiError::from(e).into_response(),
-    };
-    let response = next.run(request).await;
-    let streamed = response
-        .headers()
-        .get(axum::http::header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    if !streamed {
-        // A whole answer: the generation has ended.
-        return response;
+/// A generation's place in its client's count (`--max-requests-per-client`), taken before the
+/// body is read: 429 (with `Retry-After`) when the client has its limit in flight. The handler
+/// hands it to the generation's tasks, which give it back when the last of them has ended (not
+/// when a client that hung up dropped the handler's future).
+#[derive(Debug)]
+struct Slot(ClientPermit);
+
+impl FromRequestParts<Arc<HttpState>> for Slot {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &Arc<HttpState>,
+    ) -> Result<Self, ApiError> {
+        let peer = parts
+            .extensions
+            .get::<ConnectInfo<std::net::SocketAddr>>()
+            .map(|c| c.0.ip());
+        let forwarded_for = parts.headers.get_all("x-forwarded-for");
+        let permit = state.access.admit(
+            crate::api::auth::http_authorization(&parts.headers),
+            peer,
+            forwarded_for.iter().filter_map(|v| v.to_str().ok()),
+        )?;
+        Ok(Self(permit))
     }
-    response.map(|body| {
-        use tokio_stream::StreamExt;
-        axum::body::Body::from_stream(body.into_data_stream().map(move |chunk| {
-            let _held = &permit;
-            chunk
-        }))
-    })
 }
 
 /// The request in `body`: an endpoint's own fields and the [`Common`] ones (read in two passes
@@ -281,6 +275,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<(T, Common), Ap
 
 async fn completions(
     State(state): State<Arc<HttpState>>,
+    Slot(slot): Slot,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -297,6 +292,7 @@ async fn completions(
             request,
             openai::COMPLETION_MAX_TOKENS,
             None,
+            slot,
         )
         .await
     };
@@ -307,6 +303,7 @@ async fn completions(
 
 async fn chat_completions(
     State(state): State<Arc<HttpState>>,
+    Slot(slot): Slot,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -350,6 +347,7 @@ async fn chat_completions(
             request,
             openai::CHAT_MAX_TOKENS,
             tools,
+            slot,
         )
         .await
     };
@@ -358,8 +356,10 @@ async fn chat_completions(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// Runs a request's choices ([`choices`]), whole or streamed ([`sse`]); a chat's answers are
-/// read for calls of `tools`.
+/// Runs a request's choices ([`choices`]), whole or streamed ([`sse`]), `slot` held until they
+/// have ended; a chat's answers are read for calls of `tools`. A client that hangs up ends its
+/// choices at their next commit (its end of their sinks is dropped with this future, or with
+/// the stream's body).
 async fn answer(
     engine: Arc<Engine>,
     head: Head,
@@ -367,6 +367,7 @@ async fn answer(
     prompt: v1::GenerateRequest,
     default_max_tokens: i64,
     tools: Option<Tools>,
+    slot: ClientPermit,
 ) -> Result<Response, ApiError> {
     let forced = prompt.constraint.is_some();
     let request = common.to_request(prompt, default_max_tokens)?;
@@ -379,12 +380,12 @@ async fn answer(
         e
     })?;
     if common.stream {
-        return sse::answer(engine, head, common.include_usage(), jobs, tools).await;
+        return sse::answer(engine, head, common.include_usage(), jobs, tools, slot).await;
     }
     let job = jobs[0].clone();
-    let sinks = vec![Discard; jobs.len()];
+    let (_client, sinks) = choices::whole(jobs.len());
     let mut answers = Vec::new();
-    for (_, outcome) in choices::run(&engine, jobs, sinks).await {
+    for (_, outcome) in choices::run(&engine, jobs, sinks, slot).await {
         let outcome = outcome?;
         let logprobs =
             openai::logprobs_json(head.kind, &engine.tokenizer, &outcome.logprobs, &mut 0);

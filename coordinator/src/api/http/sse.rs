@@ -18,17 +18,21 @@ use super::choices::{self, ChoiceSink};
 use super::error::ApiError;
 use super::openai::{self, Head};
 use super::tools::{Reader, Tools};
+use crate::api::limits::ClientPermit;
 use crate::engine::{CommitSink, Engine, Job, Outcome};
 
 /// Streams `jobs`' choices. The response's status waits for the first choice's first text or
 /// its failure before it: a refusal (a full node, a lost target) gets its HTTP status, not a
-/// 200 with an error event.
+/// 200 with an error event. The events' receiver is held by this future, then by the
+/// response's body: once the client has gone (hyper drops them), each choice ends at its next
+/// commit, and `slot` is given back when the last has ended.
 pub async fn answer(
     engine: Arc<Engine>,
     head: Head,
     include_usage: bool,
     jobs: Vec<Job>,
     tools: Option<Tools>,
+    slot: ClientPermit,
 ) -> Result<Response, ApiError> {
     let (tx, rx) = mpsc::channel(4);
     let (started, first) = oneshot::channel();
@@ -49,7 +53,7 @@ pub async fn answer(
     tokio::spawn(
         async move {
             let mut outcomes = Vec::new();
-            for (mut sink, outcome) in choices::run(&engine, jobs, sinks).await {
+            for (mut sink, outcome) in choices::run(&engine, jobs, sinks, slot).await {
                 match (sink.started.take(), outcome) {
                     (Some(started), Err(e)) => {
                         let _ = started.send(Err(ApiError::from(e)));
