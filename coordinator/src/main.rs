@@ -154,6 +154,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         keys: ApiKeys::new(args.api_keys.iter().map(|k| k.0.clone())),
         per_client: ClientLimits::new(args.max_requests_per_client),
         proxies: TrustedProxies::new(args.trusted_proxies.iter().copied()),
+        shared_prefix_cache: args.shared_prefix_cache,
     };
     let state = HttpState::new(
         engine.clone(),

@@ -6,6 +6,9 @@
 //! Entries are found by chained hashes of their tokens' whole blocks of [`BLOCK`] (vLLM's
 //! scheme: a prompt's k-th block hash names its first k blocks), the match confirmed token by
 //! token; a session's prefill then cuts the prefix at the first token its prompt differs in.
+//! Each entry belongs to a tenant, named by the salt its session was opened with
+//! (`OpenSession.cache_salt`): the chain of hashes starts from the salt and the match is proved
+//! by the salt as well as the tokens, so a session finds only the entries of its own tenant.
 //! A session that ends leaves its cache as an entry, without a copy. The memory the entries
 //! hold (each segment once, however many entries and sessions share it) stays under the
 //! cache's budget: the least recently used entries go first. Nothing here is ever written after
@@ -22,6 +25,8 @@ pub const BLOCK: usize = 16;
 #[derive(Debug)]
 struct Entry {
     prefix: KvPrefix,
+    /// The tenant it belongs to.
+    salt: Vec<u8>,
     tokens: Vec<u32>,
     /// Its whole blocks' chained hashes, under which it is found.
     hashes: Vec<u64>,
@@ -77,11 +82,13 @@ pub struct PrefixCache {
     evicted: std::sync::atomic::AtomicU64,
 }
 
-/// The chained hashes of `tokens`' whole blocks.
-pub fn block_hashes(tokens: &[u32]) -> Vec<u64> {
+/// The chained hashes of `tokens`' whole blocks, the chain started from the tenant's `salt`.
+pub fn block_hashes(salt: &[u8], tokens: &[u32]) -> Vec<u64> {
     use std::hash::{Hash, Hasher};
     let mut out = Vec::with_capacity(tokens.len() / BLOCK);
-    let mut last = 0u64;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    salt.hash(&mut h);
+    let mut last = h.finish();
     for block in tokens.chunks_exact(BLOCK) {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         (last, block).hash(&mut h);
@@ -104,14 +111,15 @@ impl PrefixCache {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The cached prefix sharing most whole blocks with `prompt`, if one shares any, and the
-    /// tokens of it the session keeps: a session starts with it, and its prefill cuts it where
-    /// `prompt` differs (and before its last token, which the first step feeds).
-    pub fn lookup(&self, prompt: &[u32]) -> Option<(KvPrefix, usize)> {
+    /// The cached prefix of the tenant `salt` sharing most whole blocks with `prompt`, if one
+    /// shares any, and the tokens of it the session keeps: a session starts with it, and its
+    /// prefill cuts it where `prompt` differs (and before its last token, which the first step
+    /// feeds).
+    pub fn lookup(&self, salt: &[u8], prompt: &[u32]) -> Option<(KvPrefix, usize)> {
         if self.budget == 0 {
             return None;
         }
-        let hashes = block_hashes(prompt);
+        let hashes = block_hashes(salt, prompt);
         let mut inner = self.lock();
         let (blocks, key) = hashes
             .iter()
@@ -121,9 +129,9 @@ impl PrefixCache {
         inner.clock += 1;
         let now = inner.clock;
         let entry = inner.entries.get_mut(&key)?;
-        // A hash names its blocks, but only the tokens prove them.
+        // A hash names its tenant and blocks, but only the salt and the tokens prove them.
         let n = blocks * BLOCK;
-        if entry.tokens.get(..n) != prompt.get(..n) {
+        if entry.salt != salt || entry.tokens.get(..n) != prompt.get(..n) {
             return None;
         }
         entry.used = now;
@@ -132,22 +140,22 @@ impl PrefixCache {
         Some((entry.prefix.clone(), common))
     }
 
-    /// Keeps `prefix` (a session's positions: its prompt as it starts, all as it ends), then
-    /// drops the least recently used entries while they hold more than the budget or `room`
-    /// beyond the segments open sessions read (`read`). One shorter than a block is not kept,
-    /// nor one an entry already holds.
-    pub fn insert(&self, prefix: KvPrefix, room: usize, read: &HashSet<usize>) {
+    /// Keeps `prefix` (a session's positions: its prompt as it starts, all as it ends) for the
+    /// tenant `salt`, then drops the least recently used entries while they hold more than the
+    /// budget or `room` beyond the segments open sessions read (`read`). One shorter than a
+    /// block is not kept, nor one an entry of the tenant already holds.
+    pub fn insert(&self, salt: &[u8], prefix: KvPrefix, room: usize, read: &HashSet<usize>) {
         if self.budget == 0 || prefix.len() < BLOCK {
             return;
         }
         let tokens = prefix.tokens();
-        let hashes = block_hashes(&tokens);
+        let hashes = block_hashes(salt, &tokens);
         let mut inner = self.lock();
         let known = hashes
             .last()
             .and_then(|h| inner.by_hash.get(h))
             .and_then(|k| inner.entries.get(k))
-            .is_some_and(|e| e.tokens.starts_with(&tokens));
+            .is_some_and(|e| e.salt == salt && e.tokens.starts_with(&tokens));
         if known {
             return;
         }
@@ -161,6 +169,7 @@ impl PrefixCache {
             key,
             Entry {
                 prefix,
+                salt: salt.to_vec(),
                 tokens,
                 hashes,
                 used,
@@ -253,25 +262,58 @@ mod tests {
         let (m, none) = (model(), HashSet::new());
         let cache = PrefixCache::new(usize::MAX);
         let a = tokens(1, 3 * BLOCK + 5);
-        cache.insert(prefix(&m, &a), usize::MAX, &none);
+        cache.insert(&[], prefix(&m, &a), usize::MAX, &none);
         // Shares 2 blocks and 3 tokens more with `a`: the prefix, and 2 · 16 + 3 tokens kept.
         let mut b = a[..2 * BLOCK + 3].to_vec();
         b.extend(tokens(9, 40));
-        let (found, kept) = cache.lookup(&b).expect("a hit");
+        let (found, kept) = cache.lookup(&[], &b).expect("a hit");
         assert_eq!((found.len(), kept), (a.len(), 2 * BLOCK + 3));
         // A prompt inside the prefix keeps all but its last token.
-        let (_, kept) = cache.lookup(&a[..BLOCK + 2]).expect("a hit");
+        let (_, kept) = cache.lookup(&[], &a[..BLOCK + 2]).expect("a hit");
         assert_eq!(kept, BLOCK + 1);
         // Not one whole block in common: nothing.
         let mut c = a[..BLOCK - 1].to_vec();
         c.extend(tokens(5, 40));
-        assert!(cache.lookup(&c).is_none());
-        assert!(cache.lookup(&a[..BLOCK - 1]).is_none());
+        assert!(cache.lookup(&[], &c).is_none());
+        assert!(cache.lookup(&[], &a[..BLOCK - 1]).is_none());
         // Shorter than a block, or held already: not kept.
-        cache.insert(prefix(&m, &a[..BLOCK - 1]), usize::MAX, &none);
-        cache.insert(prefix(&m, &a[..2 * BLOCK]), usize::MAX, &none);
+        cache.insert(&[], prefix(&m, &a[..BLOCK - 1]), usize::MAX, &none);
+        cache.insert(&[], prefix(&m, &a[..2 * BLOCK]), usize::MAX, &none);
         assert_eq!(cache.entries(), 1);
-        assert!(PrefixCache::new(0).lookup(&a).is_none(), "off");
+        assert!(PrefixCache::new(0).lookup(&[], &a).is_none(), "off");
+    }
+
+    /// An entry belongs to the tenant whose salt its session was opened with: the same tokens
+    /// under another salt (or none) find nothing, even where every hash collides (the salt is
+    /// proved as the tokens are), and each tenant keeps and finds its own entry of them.
+    #[test]
+    fn a_tenant_finds_only_its_own_entries() {
+        let (m, none) = (model(), HashSet::new());
+        let cache = PrefixCache::new(usize::MAX);
+        let a = tokens(1, 3 * BLOCK + 5);
+        let (alice, bob) = (b"alice".as_slice(), b"bob".as_slice());
+        cache.insert(alice, prefix(&m, &a), usize::MAX, &none);
+        let found = |salt: &[u8]| cache.lookup(salt, &a).map(|(p, kept)| (p.len(), kept));
+        assert_eq!(found(alice), Some((a.len(), a.len() - 1)));
+        assert_eq!((found(bob), found(&[])), (None, None));
+        // The chains part from the first block on.
+        let (of_alice, of_bob) = (block_hashes(alice, &a), block_hashes(bob, &a));
+        assert!(of_alice.iter().zip(&of_bob).all(|(x, y)| x != y));
+        // Bob's hashes made to name Alice's entry: still nothing for him.
+        {
+            let mut inner = cache.lock();
+            let key = inner.by_hash[&of_alice[0]];
+            for h in &of_bob {
+                inner.by_hash.insert(*h, key);
+            }
+        }
+        assert_eq!(found(bob), None);
+        // His own entry of the same tokens is kept beside hers.
+        cache.insert(bob, prefix(&m, &a), usize::MAX, &none);
+        assert_eq!(cache.entries(), 2);
+        assert_eq!(found(bob), Some((a.len(), a.len() - 1)));
+        assert_eq!(found(alice), Some((a.len(), a.len() - 1)));
+        assert_eq!(found(&[]), None);
     }
 
     #[test]
@@ -280,20 +322,20 @@ mod tests {
         let (a, b, c) = (tokens(1, 40), tokens(2, 40), tokens(3, 40));
         let one = prefix(&m, &a).segment_bytes();
         let cache = PrefixCache::new(2 * one);
-        cache.insert(prefix(&m, &a), usize::MAX, &none);
-        cache.insert(prefix(&m, &b), usize::MAX, &none);
+        cache.insert(&[], prefix(&m, &a), usize::MAX, &none);
+        cache.insert(&[], prefix(&m, &b), usize::MAX, &none);
         assert_eq!(cache.bytes(), 2 * one);
         // `a` used since: `b` goes when `c` comes.
-        assert!(cache.lookup(&a).is_some());
-        cache.insert(prefix(&m, &c), usize::MAX, &none);
-        assert!(cache.lookup(&b).is_none() && cache.lookup(&a).is_some());
-        assert!(cache.lookup(&c).is_some());
+        assert!(cache.lookup(&[], &a).is_some());
+        cache.insert(&[], prefix(&m, &c), usize::MAX, &none);
+        assert!(cache.lookup(&[], &b).is_none() && cache.lookup(&[], &a).is_some());
+        assert!(cache.lookup(&[], &c).is_some());
         assert_eq!(cache.evicted_bytes(), one as u64);
         // Less room (a session admitted): down to what fits.
         cache.shrink(one, &none);
         assert_eq!((cache.entries(), cache.bytes()), (1, one));
         // A turn that extends an entry shares its segment: counted once.
-        let (extended, _) = cache.lookup(&c).expect("c");
+        let (extended, _) = cache.lookup(&[], &c).expect("c");
         let mut session = m.new_cache();
         session.attach(&extended).expect("attach");
         let more = tokens(4, 20);
@@ -301,11 +343,11 @@ mod tests {
             .expect("forward");
         let turn = session.into_prefix(&more).expect("a prefix");
         let own = turn.segment_bytes();
-        cache.insert(turn, usize::MAX, &none);
+        cache.insert(&[], turn, usize::MAX, &none);
         // Both entries kept in a room of two: c's segment counted once, not in each.
         assert_eq!(cache.entries(), 2);
         assert_eq!(cache.bytes(), one + own);
-        assert!(cache.lookup(&[c, more].concat()).is_some());
+        assert!(cache.lookup(&[], &[c, more].concat()).is_some());
     }
 
     #[test]
@@ -315,8 +357,8 @@ mod tests {
         let read_a = prefix(&m, &a);
         let one = read_a.segment_bytes();
         let cache = PrefixCache::new(usize::MAX);
-        cache.insert(read_a.clone(), usize::MAX, &none);
-        cache.insert(prefix(&m, &b), usize::MAX, &none);
+        cache.insert(&[], read_a.clone(), usize::MAX, &none);
+        cache.insert(&[], prefix(&m, &b), usize::MAX, &none);
         // A session reads a's segment: the cache counts only b's, and with no room drops b
         // (though a is older) and keeps a, whose dropping would free nothing.
         let read: HashSet<usize> = read_a.held().into_iter().map(|(id, _)| id).collect();
@@ -324,13 +366,16 @@ mod tests {
         assert_eq!((cache.entries(), cache.bytes()), (2, one));
         cache.shrink(0, &read);
         assert_eq!((cache.entries(), cache.bytes()), (1, 0));
-        assert!(cache.lookup(&a).is_some() && cache.lookup(&b).is_none());
+        assert!(cache.lookup(&[], &a).is_some() && cache.lookup(&[], &b).is_none());
         // An entry that extends a is found under a's blocks; dropped, a is found under them
         // again.
         let longer = [a.clone(), tokens(3, 30)].concat();
-        cache.insert(prefix(&m, &longer), usize::MAX, &read);
-        assert_eq!(cache.lookup(&a).map(|(p, _)| p.len()), Some(longer.len()));
+        cache.insert(&[], prefix(&m, &longer), usize::MAX, &read);
+        assert_eq!(
+            cache.lookup(&[], &a).map(|(p, _)| p.len()),
+            Some(longer.len())
+        );
         cache.shrink(0, &read);
-        assert_eq!(cache.lookup(&a).map(|(p, _)| p.len()), Some(a.len()));
+        assert_eq!(cache.lookup(&[], &a).map(|(p, _)| p.len()), Some(a.len()));
     }
 }

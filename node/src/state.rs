@@ -231,16 +231,18 @@ impl NodeState {
     /// prefix of its prompt, if the cache holds one: admission reserves the positions after it
     /// for the session's own storage, and the prefix's segments no open session reads yet (a
     /// prefix many sessions share is counted once). Then drops cached prefixes (least recently
-    /// used first) until they fit in what the sessions do not reserve. Counts the prompt's
+    /// used first) until they fit in what the sessions do not reserve. Only the entries of the
+    /// session's tenant (`open.cache_salt`, checked first) are looked in. Counts the prompt's
     /// tokens looked up, and those found.
     pub fn admit(
         &self,
         open: &v1::OpenSession,
     ) -> Result<(crate::SessionSlot, Option<tandem_runtime::KvPrefix>)> {
+        tandem_proto::check_cache_salt(&open.cache_salt)?;
         let prompt = &open.prompt;
         let prefix = self
             .prefixes
-            .lookup(prompt)
+            .lookup(&open.cache_salt, prompt)
             .and_then(|(prefix, common)| prefix.first(common));
         let shared = prefix.as_ref().map_or(0, tandem_runtime::KvPrefix::len);
         let own = self.session_room(open).saturating_sub(shared);
@@ -258,25 +260,27 @@ impl NodeState {
     }
 
     /// A session's prompt prefilled and made a shared `prefix` ([`SequenceState::publish`]):
-    /// kept in the prefix cache for the sessions that start the same way while it lives, its
-    /// reservation now the positions after it (of `positions` in all).
+    /// kept in the prefix cache for the sessions of its tenant (`salt`) that start the same way
+    /// while it lives, its reservation now the positions after it (of `positions` in all).
     ///
     /// [`SequenceState::publish`]: tandem_runtime::SequenceState::publish
     pub fn publish(
         &self,
         slot: &crate::SessionSlot,
+        salt: &[u8],
         prefix: tandem_runtime::KvPrefix,
         positions: usize,
     ) {
         let own = positions.saturating_sub(prefix.len());
         slot.share(prefix.clone(), self.kv_sizing.bytes_for(own));
-        self.keep(prefix);
+        self.keep(salt, prefix);
     }
 
-    /// Keeps `prefix` in the prefix cache, within what sessions do not reserve.
-    pub fn keep(&self, prefix: tandem_runtime::KvPrefix) {
+    /// Keeps `prefix` in the prefix cache for the tenant `salt`, within what sessions do not
+    /// reserve.
+    pub fn keep(&self, salt: &[u8], prefix: tandem_runtime::KvPrefix) {
         let read = self.sessions.read_segments();
-        self.prefixes.insert(prefix, self.unreserved(), &read);
+        self.prefixes.insert(salt, prefix, self.unreserved(), &read);
     }
 
     /// KV-cache bytes the sessions do not reserve: the prefix cache's room.

@@ -70,6 +70,10 @@ pub trait Session: Sized + Send + 'static {
 
 type Outbound<S> = mpsc::Sender<Result<<S as Session>::Response, Status>>;
 
+/// An open session, its place in the session table, and its tenant's salt
+/// (`OpenSession.cache_salt`: whose prefix-cache entries it starts from and leaves).
+type Open<S> = (S, crate::SessionSlot, Vec<u8>);
+
 /// Serves one session stream; the returned stream is the gRPC response.
 pub fn drive_session<S: Session>(
     state: Arc<NodeState>,
@@ -97,18 +101,18 @@ pub fn drive_session<S: Session>(
 }
 
 /// Serves the session's stream until it ends, however it ends; then what the session computed
-/// goes to the prefix cache, once its reservation is freed.
+/// goes to the prefix cache, its tenant's, once its reservation is freed.
 async fn run<S: Session>(
     state: &Arc<NodeState>,
     inbound: Streaming<S::Request>,
     tx: &Outbound<S>,
 ) -> Result<()> {
-    let mut session: Option<(S, crate::SessionSlot)> = None;
+    let mut session: Option<Open<S>> = None;
     let ended = serve::<S>(state, inbound, tx, &mut session).await;
-    if let Some((s, slot)) = session.take() {
+    if let Some((s, slot, salt)) = session.take() {
         drop(slot);
         if let Some(prefix) = s.into_prefix() {
-            state.keep(prefix);
+            state.keep(&salt, prefix);
         }
     }
     ended
@@ -118,7 +122,7 @@ async fn serve<S: Session>(
     state: &Arc<NodeState>,
     mut inbound: Streaming<S::Request>,
     tx: &Outbound<S>,
-    session: &mut Option<(S, crate::SessionSlot)>,
+    session: &mut Option<Open<S>>,
 ) -> Result<()> {
     let idle = state.limits.idle_timeout;
     loop {
@@ -133,13 +137,14 @@ async fn serve<S: Session>(
             Ok(Ok(Some(request))) => request,
         };
         let reply = match S::classify(request)? {
-            Incoming::Open(open) => {
+            Incoming::Open(mut open) => {
                 if session.is_some() {
                     return Err(Error::SessionAlreadyOpen);
                 }
                 tandem_proto::check_session_id(&open.session_id)?;
                 tracing::Span::current().record("session_id", open.session_id.as_str());
                 let (slot, prefix) = state.admit(&open)?;
+                let salt = std::mem::take(&mut open.cache_salt);
                 let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());
                 let arrived = std::time::Instant::now();
                 let positions = state.session_room(&open);
@@ -174,7 +179,7 @@ async fn serve<S: Session>(
                         })
                         .await?;
                     s = back;
-                    state.publish(&slot, published?, positions);
+                    state.publish(&slot, &salt, published?, positions);
                 }
                 state.metrics.sessions_opened.inc_by(1);
                 slot.set_kv_bytes(s.sequence().cache_bytes());
@@ -184,12 +189,12 @@ async fn serve<S: Session>(
                         .map_or(0, |q| u64::try_from(q.as_micros()).unwrap_or(u64::MAX)),
                     cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX),
                 });
-                *session = Some((s, slot));
+                *session = Some((s, slot, salt));
                 tracing::debug!("opened");
                 reply
             }
             Incoming::Work(work) => {
-                let (s, slot) = session.take().ok_or(Error::NoSession)?;
+                let (s, slot, salt) = session.take().ok_or(Error::NoSession)?;
                 slot.set_working(true);
                 let st = Arc::clone(state);
                 let start = std::time::Instant::now();
@@ -221,7 +226,7 @@ async fn serve<S: Session>(
                     }
                     Err(e) => return Err(e),
                 };
-                *session = Some((s, slot));
+                *session = Some((s, slot, salt));
                 reply
             }
             Incoming::Close => {
@@ -232,7 +237,7 @@ async fn serve<S: Session>(
         if tx.send(Ok(reply)).await.is_err() {
             return Ok(()); // nobody listens any more
         }
-        if let Some((_, slot)) = session.as_ref() {
+        if let Some((_, slot, _)) = session.as_ref() {
             slot.set_working(false);
         }
     }

@@ -237,6 +237,22 @@ pub fn check_session_id(id: &str) -> Result<(), tandem_runtime::Error> {
     Ok(())
 }
 
+/// Longest `OpenSession.cache_salt` a node accepts (the coordinator sends 32 bytes).
+pub const MAX_CACHE_SALT_BYTES: usize = 64;
+
+/// A session's `cache_salt` is checked before the prefix cache hashes it: at most
+/// [`MAX_CACHE_SALT_BYTES`]. Its bytes are never quoted.
+pub fn check_cache_salt(salt: &[u8]) -> Result<(), tandem_runtime::Error> {
+    if salt.len() > MAX_CACHE_SALT_BYTES {
+        return Err(tandem_runtime::Error::invalid(
+            "cache_salt",
+            format!("{} bytes", salt.len()),
+            format!("at most {MAX_CACHE_SALT_BYTES} bytes"),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -301,5 +317,19 @@ mod tests {
             assert!(!text.contains('\n') && !text.contains('\u{1b}'), "{text}");
             assert!(text.len() < 200, "quotes a bounded part: {text}");
         }
+    }
+
+    #[test]
+    fn a_cache_salt_is_bounded_and_never_quoted() {
+        use super::{MAX_CACHE_SALT_BYTES, check_cache_salt};
+        check_cache_salt(&[]).expect("no salt");
+        check_cache_salt(&[7; MAX_CACHE_SALT_BYTES]).expect("the largest");
+        let e = check_cache_salt(&[b'z'; MAX_CACHE_SALT_BYTES + 1]).expect_err("one more");
+        let text = e.to_string();
+        assert!(
+            text.contains("cache_salt") && text.contains("at most 64"),
+            "{text}"
+        );
+        assert!(!text.contains("zzz"), "{text}");
     }
 }

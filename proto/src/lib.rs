@@ -14,8 +14,9 @@ pub mod v1 {
 }
 
 pub use convert::{
-    MAX_SESSION_ID_BYTES, check_session_id, distribution_from_wire, distribution_to_wire,
-    logprobs_to_wire, prefix_from_wire, prefix_to_wire, random_seed,
+    MAX_CACHE_SALT_BYTES, MAX_SESSION_ID_BYTES, check_cache_salt, check_session_id,
+    distribution_from_wire, distribution_to_wire, logprobs_to_wire, prefix_from_wire,
+    prefix_to_wire, random_seed,
 };
 pub use error::{Error, Result};
 

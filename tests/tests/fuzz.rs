@@ -117,9 +117,10 @@ fn open() -> impl Strategy<Value = v1::OpenSession> {
         prop_oneof![8 => 1u32..64, 1 => any::<u32>()],
         prop::option::weighted(0.3, prop_oneof![0u32..24, any::<u32>()]),
         prop::option::weighted(0.2, constraint()),
+        prop_oneof![8 => Just(Vec::new()), 2 => prop::collection::vec(any::<u8>(), 0..80)],
     )
         .prop_map(
-            |(session_id, prompt, sampling, max_new_tokens, top_logprobs, constraint)| {
+            |(session_id, prompt, sampling, max_new_tokens, top_logprobs, constraint, salt)| {
                 v1::OpenSession {
                     session_id,
                     prompt,
@@ -127,6 +128,7 @@ fn open() -> impl Strategy<Value = v1::OpenSession> {
                     max_new_tokens,
                     top_logprobs,
                     constraint,
+                    cache_salt: salt,
                 }
             },
         )

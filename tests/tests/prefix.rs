@@ -33,7 +33,7 @@ async fn holds(node: &NodeState, tokens: &[u32], n: usize) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while node
         .prefixes
-        .lookup(tokens)
+        .lookup(&[], tokens)
         .is_none_or(|(_, common)| common < n)
     {
         assert!(

@@ -24,6 +24,7 @@ fn open(prompt: &[u32], max_new_tokens: u32) -> v1::OpenSession {
         max_new_tokens,
         top_logprobs: None,
         constraint: None,
+        cache_salt: Vec::new(),
     }
 }
 
@@ -154,7 +155,7 @@ async fn unknown_session_and_values_over_the_limits_are_named() {
     );
 
     // Open refusals end the stream with a status naming the field and the limit.
-    let cases: [(v1::OpenSession, Code, &[&str]); 5] = [
+    let cases: [(v1::OpenSession, Code, &[&str]); 6] = [
         (
             v1::OpenSession {
                 session_id: "x\n2026-01-01 INFO forged".into(),
@@ -162,6 +163,14 @@ async fn unknown_session_and_values_over_the_limits_are_named() {
             },
             Code::InvalidArgument,
             &["`session_id`", "ASCII letters"],
+        ),
+        (
+            v1::OpenSession {
+                cache_salt: vec![7; 65],
+                ..open(&[1], 8)
+            },
+            Code::InvalidArgument,
+            &["`cache_salt`", "65 bytes", "at most 64"],
         ),
         (open(&[], 8), Code::InvalidArgument, &["empty prompt"]),
         (
@@ -350,6 +359,13 @@ async fn the_coordinator_names_bad_requests() {
                 ..base.clone()
             },
             &["token id 512", "512 tokens"],
+        ),
+        (
+            v1::GenerateRequest {
+                cache_salt: "s".repeat(1025),
+                ..base.clone()
+            },
+            &["`cache_salt`", "1025 bytes", "at most 1024"],
         ),
     ];
     for (req, words) in cases {

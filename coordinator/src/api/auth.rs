@@ -9,6 +9,7 @@ use std::sync::Arc;
 use tonic::{Request, Status};
 
 use crate::api::limits::{Client, ClientLimits, ClientPermit, TrustedProxies};
+use crate::engine::job::tenant_salt;
 
 /// The keys a request may present; none: the APIs are open.
 #[derive(Clone, Default)]
@@ -88,9 +89,24 @@ pub struct Access {
     pub keys: ApiKeys,
     pub per_client: ClientLimits,
     pub proxies: TrustedProxies,
+    /// Every key one tenant of the nodes' prefix caches (`--shared-prefix-cache`).
+    pub shared_prefix_cache: bool,
 }
 
 impl Access {
+    /// The salt of the tenant that presented `authorization` in the nodes' prefix caches
+    /// ([`Engine::prepare_for`]): its key's; empty (the tenant of all) without keys, or where
+    /// every key is one tenant.
+    ///
+    /// [`Engine::prepare_for`]: crate::engine::Engine::prepare_for
+    pub fn tenant(&self, authorization: Option<&str>) -> Vec<u8> {
+        let key = self
+            .keys
+            .matched(authorization)
+            .filter(|_| !self.shared_prefix_cache);
+        key.map_or_else(Vec::new, |i| tenant_salt("api-key", &self.keys.0[i]))
+    }
+
     /// A permit for one generation of the client that sent `authorization` from `peer` with
     /// `forwarded_for` (its `X-Forwarded-For` values; after its key was checked), or
     /// RESOURCE_EXHAUSTED when it has its limit in flight.
@@ -166,6 +182,37 @@ mod tests {
         }
         assert_eq!(keys.matched(Some("Bearer beta-2")), Some(1));
         assert_eq!(keys.matched(Some("Bearer gamma")), None);
+    }
+
+    #[test]
+    fn each_key_is_a_tenant_of_its_own_unless_the_keys_share() {
+        let keys = ApiKeys::new(["alpha-1".to_string(), "beta-2".into()]);
+        let access = Access {
+            keys: keys.clone(),
+            ..Access::default()
+        };
+        let a = access.tenant(Some("Bearer alpha-1"));
+        assert!(!a.is_empty() && a != access.tenant(Some("Bearer beta-2")));
+        assert_eq!(
+            access.tenant(Some("Bearer  alpha-1 ")),
+            a,
+            "one key, one tenant"
+        );
+        assert!(
+            !a.windows(7).any(|w| w == b"alpha-1"),
+            "never the key itself"
+        );
+        assert!(
+            Access::default().tenant(None).is_empty(),
+            "no keys: one tenant"
+        );
+        let shared = Access {
+            keys,
+            shared_prefix_cache: true,
+            ..Access::default()
+        };
+        assert!(shared.tenant(Some("Bearer alpha-1")).is_empty());
+        assert!(shared.tenant(Some("Bearer beta-2")).is_empty());
     }
 
     #[test]

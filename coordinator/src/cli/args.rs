@@ -158,6 +158,10 @@ pub struct GenerateArgs {
     /// coordinator serving with --api-key. Never printed.
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     pub api_key: Option<crate::api::auth::Secret>,
+    /// The request's `cache_salt`: its prompt's cached keys and values are shared with the
+    /// requests that give the same salt only, whatever their key.
+    #[arg(long, env = "TANDEM_CACHE_SALT", hide_env_values = true)]
+    pub cache_salt: Option<String>,
     /// TLS to `--endpoint` when it is an `https://` URL.
     #[command(flatten)]
     pub tls: tandem_proto::tls::ClientTlsArgs,
@@ -265,6 +269,12 @@ pub struct ServeArgs {
         hide_env_values = true
     )]
     pub api_keys: Vec<crate::api::auth::Secret>,
+    /// Every API key one tenant of the nodes' prefix caches: a request finds the prompts that
+    /// requests of any key left there (and `cached_tokens` says how much of its own prompt they
+    /// had sent). For deployments whose keys are all one tenant's; unset, each key's prompts are
+    /// found by that key's requests only. A request's `cache_salt` still separates.
+    #[arg(long, env = "TANDEM_SHARED_PREFIX_CACHE")]
+    pub shared_prefix_cache: bool,
     /// A name clients give as `model` on the HTTP API, and answers carry (the first);
     /// repeatable. Unset: the target's model name.
     #[arg(

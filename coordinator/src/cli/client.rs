@@ -42,6 +42,7 @@ pub fn request_from_args(args: &GenerateArgs) -> v1::GenerateRequest {
         top_logprobs: None,
         ignore_eos: args.ignore_eos,
         constraint: args.constraint.to_wire(),
+        cache_salt: args.cache_salt.clone().unwrap_or_default(),
     }
 }
 

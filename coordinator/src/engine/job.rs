@@ -55,6 +55,10 @@ pub struct Job {
     pub branches: Option<usize>,
     /// Where the draft's chain stops: fixed, or (`None`) learned by the policy.
     pub min_confidence: Option<f32>,
+    /// The salt of the generation's tenant in the nodes' prefix caches
+    /// (`OpenSession.cache_salt`): its request's `cache_salt`'s, else its API key's; empty for
+    /// the tenant of all.
+    pub cache_salt: Vec<u8>,
 }
 
 impl Job {
@@ -94,11 +98,40 @@ pub struct Outcome {
 /// Most `stop_token_ids` a request may give (each committed token is checked against them).
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
+/// Longest `cache_salt` a request may give, in bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 1024;
+
+/// The salt of a tenant's entries in the nodes' prefix caches: SHA-256 of what names the tenant
+/// under a domain of its `kind` (`api-key`, `cache_salt`), so that no request's `cache_salt`
+/// names a key's tenant, and no node sees a key.
+pub fn tenant_salt(kind: &str, name: &str) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    for part in ["tandem prefix-cache tenant", kind, name] {
+        hash.update(part.as_bytes());
+        hash.update([0]);
+    }
+    hash.finalize().to_vec()
+}
+
+/// A generation's salt ([`Job::cache_salt`]): `requested`'s (a request's `cache_salt`) where it
+/// is given, else `tenant`.
+fn cache_salt(requested: &str, tenant: &[u8]) -> Result<Vec<u8>> {
+    match requested.len() {
+        0 => Ok(tenant.to_vec()),
+        n if n > MAX_CACHE_SALT_BYTES => {
+            let limit = format!("at most {MAX_CACHE_SALT_BYTES} bytes");
+            Err(tandem_runtime::Error::invalid("cache_salt", format!("{n} bytes"), limit).into())
+        }
+        _ => Ok(tenant_salt("cache_salt", requested)),
+    }
+}
+
 impl super::rounds::Engine {
     /// A request checked against the nodes' limits (naming the field and the limit) and turned
     /// into a job: the prompt tokenized, K fixed or adaptive, the stop tokens, the grammar
-    /// compiled.
-    pub(super) fn check(&self, request: &v1::GenerateRequest) -> Result<Job> {
+    /// compiled, the salt of its tenant (`tenant`'s unless it names one).
+    pub(super) fn check(&self, request: &v1::GenerateRequest, tenant: &[u8]) -> Result<Job> {
         if request.prompt_tokens.is_empty() && request.prompt.is_empty() {
             return Err(tandem_runtime::Error::EmptyPrompt.into());
         }
@@ -183,6 +216,38 @@ impl super::rounds::Engine {
             pipeline: request.pipeline.unwrap_or(true),
             top_logprobs: request.top_logprobs,
             constraint,
+            cache_salt: cache_salt(&request.cache_salt, tenant)?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_requested_salt_names_its_own_tenant_never_a_keys() {
+        let key = tenant_salt("api-key", "k1");
+        assert_eq!(key.len(), 32);
+        assert_ne!(tenant_salt("cache_salt", "k1"), key);
+        assert_eq!(
+            tenant_salt("api-key", "k1"),
+            key,
+            "the same key, the same tenant"
+        );
+        assert_ne!(tenant_salt("api-key", "k2"), key);
+        assert_eq!(cache_salt("", &key).expect("none requested"), key);
+        assert_eq!(
+            cache_salt("", &[]).expect("the tenant of all"),
+            Vec::<u8>::new()
+        );
+        let shared = cache_salt("team-x", &key).expect("requested");
+        assert_eq!(cache_salt("team-x", &[]).expect("requested"), shared);
+        let long = "x".repeat(MAX_CACHE_SALT_BYTES + 1);
+        let text = cache_salt(&long, &key).expect_err("too long").to_string();
+        assert!(
+            text.contains("cache_salt") && text.contains("at most 1024"),
+            "{text}"
+        );
     }
 }

@@ -186,9 +186,19 @@ impl Engine {
         self.max_speculating.is_some_and(|n| self.active() > n)
     }
 
-    /// Checks a request against the nodes' limits, naming the field and the limit.
+    /// Checks a request against the nodes' limits, naming the field and the limit: a request of
+    /// the tenant of all that name none ([`Self::prepare_for`]).
     pub fn prepare(&self, request: &v1::GenerateRequest) -> Result<Job> {
-        self.check(request).inspect_err(|e| self.count_error(e))
+        self.prepare_for(request, &[])
+    }
+
+    /// [`Self::prepare`] for a request of the tenant whose salt is `tenant` (its API key's,
+    /// [`crate::engine::job::tenant_salt`]; empty: the tenant of all): its generation finds only
+    /// its tenant's entries of the nodes' prefix caches, or those of the request's `cache_salt`
+    /// where it gives one.
+    pub fn prepare_for(&self, request: &v1::GenerateRequest, tenant: &[u8]) -> Result<Job> {
+        self.check(request, tenant)
+            .inspect_err(|e| self.count_error(e))
     }
 
     fn count_error(&self, e: &Error) {
@@ -225,6 +235,7 @@ impl Engine {
             max_len: job.prompt.len() + job.max_new_tokens,
             top_logprobs: job.top_logprobs,
             constraint: job.constraint.clone(),
+            cache_salt: job.cache_salt.clone(),
         };
         let mut log = TokenLog::new(&job.prompt);
         let mut grammar = self.grammars.state(job.constraint.as_ref())?;
@@ -266,12 +277,16 @@ impl Engine {
         // Each session on the least loaded replica of its node, counted there until the end.
         let opening = Counted::new(&self.metrics.waiting);
         let (target, draft) = tokio::join!(
-            self.targets
-                .open::<Target>(self.targets.pick_for(log.tokens()), &spec, &log),
+            self.targets.open::<Target>(
+                self.targets.pick_for(&spec.cache_salt, log.tokens()),
+                &spec,
+                &log
+            ),
             async {
                 let start = Instant::now();
                 let d = use_draft?;
-                let opened = d.open::<Draft>(d.pick_for(log.tokens()), &spec, &log).await;
+                let i = d.pick_for(&spec.cache_salt, log.tokens());
+                let opened = d.open::<Draft>(i, &spec, &log).await;
                 Some((opened, start.elapsed().as_secs_f64()))
             }
         );

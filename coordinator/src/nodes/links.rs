@@ -79,6 +79,10 @@ pub struct SessionSpec {
     /// The grammar the output follows, with where generation began (so that a replayed
     /// session, whose prompt holds generated tokens, resumes its grammar state).
     pub constraint: Option<v1::Constraint>,
+    /// The salt of the generation's tenant (`OpenSession.cache_salt`): every session of it,
+    /// replays and re-attachments included, finds and leaves prefix-cache entries of that
+    /// tenant only.
+    pub cache_salt: Vec<u8>,
 }
 
 impl SessionSpec {
@@ -90,6 +94,7 @@ impl SessionSpec {
             max_new_tokens: (self.max_len.saturating_sub(log.len())) as u32,
             top_logprobs: self.top_logprobs,
             constraint: self.constraint.clone(),
+            cache_salt: self.cache_salt.clone(),
         }
     }
 }

@@ -49,15 +49,21 @@ impl ChoiceSink for Whole {
     async fn ended(&mut self, _: &Result<Outcome>) {}
 }
 
-/// `request`'s `n` jobs, checked by `engine`.
-pub fn jobs(engine: &Engine, request: &v1::GenerateRequest, n: usize) -> Result<Vec<Job>> {
+/// `request`'s `n` jobs, checked by `engine`, of the tenant `tenant`
+/// ([`Engine::prepare_for`]).
+pub fn jobs(
+    engine: &Engine,
+    request: &v1::GenerateRequest,
+    n: usize,
+    tenant: &[u8],
+) -> Result<Vec<Job>> {
     (0..n)
         .map(|i| {
             let mut choice = request.clone();
             if let Some(s) = choice.sampling.as_mut() {
                 s.seed = s.seed.map(|seed| seed.wrapping_add(i as u64));
             }
-            engine.prepare(&choice)
+            engine.prepare_for(&choice, tenant)
         })
         .collect()
 }

@@ -26,8 +26,8 @@ use tracing::Instrument;
 
 use crate::api::auth::Access;
 use crate::api::limits::ClientPermit;
-use crate::engine::Engine;
 use crate::engine::late::LateEngine;
+use crate::engine::{Engine, Job};
 use error::ApiError;
 use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
 use tools::Tools;
@@ -69,6 +69,12 @@ impl HttpState {
             Some(first) => (first.clone(), self.served_names.clone()),
             None => (target.clone(), vec![target]),
         }
+    }
+
+    /// The salt of the tenant of a request with `headers` in the nodes' prefix caches
+    /// ([`Access::tenant`]).
+    fn tenant(&self, headers: &HeaderMap) -> Vec<u8> {
+        (self.access).tenant(crate::api::auth::http_authorization(headers))
     }
 
     /// The engine, and the head of a response naming the model clients name in `model` (the
@@ -285,16 +291,10 @@ async fn completions(
         let (req, common): (CompletionRequest, Common) = parse(&body)?;
         let (engine, head) = state.head(Kind::Completion, common.model.as_deref())?;
         let request = req.prompt.into_request()?;
-        answer(
-            engine,
-            head,
-            &common,
-            request,
-            openai::COMPLETION_MAX_TOKENS,
-            None,
-            slot,
-        )
-        .await
+        let tenant = state.tenant(&headers);
+        let max_tokens = openai::COMPLETION_MAX_TOKENS;
+        let jobs = prepare(&engine, &common, request, max_tokens, &tenant)?;
+        answer(engine, head, &common, jobs, None, slot).await
     };
     run.instrument(span)
         .await
@@ -340,20 +340,34 @@ async fn chat_completions(
             ..Default::default()
         };
         let tools = tools.filter(Tools::parsed);
-        answer(
-            engine,
-            head,
-            &common,
-            request,
-            openai::CHAT_MAX_TOKENS,
-            tools,
-            slot,
-        )
-        .await
+        let tenant = state.tenant(&headers);
+        let jobs = prepare(&engine, &common, request, openai::CHAT_MAX_TOKENS, &tenant)?;
+        answer(engine, head, &common, jobs, tools, slot).await
     };
     run.instrument(span)
         .await
         .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The jobs of a request's choices ([`choices::jobs`]): `prompt` with the [`Common`] fields,
+/// for the tenant `tenant` ([`Access::tenant`]).
+fn prepare(
+    engine: &Engine,
+    common: &Common,
+    prompt: v1::GenerateRequest,
+    default_max_tokens: i64,
+    tenant: &[u8],
+) -> Result<Vec<Job>, ApiError> {
+    let forced = prompt.constraint.is_some();
+    let request = common.to_request(prompt, default_max_tokens)?;
+    choices::jobs(engine, &request, common.choices()?, tenant).map_err(|e| {
+        let mut e = ApiError::from(e);
+        // The grammar that did not compile was made of the tools' parameter schemas.
+        if forced && e.param.as_deref() == Some("response_format") {
+            e.param = Some("tools".into());
+        }
+        e
+    })
 }
 
 /// Runs a request's choices ([`choices`]), whole or streamed ([`sse`]), `slot` held until they
@@ -364,21 +378,10 @@ async fn answer(
     engine: Arc<Engine>,
     head: Head,
     common: &Common,
-    prompt: v1::GenerateRequest,
-    default_max_tokens: i64,
+    jobs: Vec<Job>,
     tools: Option<Tools>,
     slot: ClientPermit,
 ) -> Result<Response, ApiError> {
-    let forced = prompt.constraint.is_some();
-    let request = common.to_request(prompt, default_max_tokens)?;
-    let jobs = choices::jobs(&engine, &request, common.choices()?).map_err(|e| {
-        let mut e = ApiError::from(e);
-        // The grammar that did not compile was made of the tools' parameter schemas.
-        if forced && e.param.as_deref() == Some("response_format") {
-            e.param = Some("tools".into());
-        }
-        e
-    })?;
     if common.stream {
         return sse::answer(engine, head, common.include_usage(), jobs, tools, slot).await;
     }

@@ -78,6 +78,10 @@ pub struct Common {
     /// Extension (vLLM's): `{"json": schema}`, `{"regex": "…"}` or `{"grammar": "…"}` (Lark,
     /// llguidance's dialect), one of them.
     pub structured_outputs: Option<Value>,
+    /// Extension (vLLM's): requests that give the same salt share cached prompts, whatever their
+    /// API key; unset: the key's own (docs/security.md).
+    #[serde(default)]
+    pub cache_salt: String,
 }
 
 /// A 400 naming `param`.
@@ -292,6 +296,7 @@ impl Common {
             stop_token_ids: self.stop_token_ids.clone(),
             top_logprobs,
             constraint,
+            cache_salt: self.cache_salt.clone(),
             ..prompt
         })
     }
