@@ -18,7 +18,7 @@ use tandem_tests::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// Verify blocks a generation gets through before the gate holds it.
+/// Verify blocks a generation gets through before the gate holds it, mid-way.
 const HOLD: usize = 2;
 
 /// A target-node (stories260K with a chat template) behind a gate, a draft-node, and a
@@ -246,20 +246,33 @@ async fn complete(http: SocketAddr, key: Option<&str>) -> (u16, String, String) 
 }
 
 /// One hang-up: `body` sent to `path` by key `k1` (`n` choices, whole or `streamed`); the
-/// client hangs up while the gate holds its generation; what must follow is asserted.
-async fn hang_up_mid_generation(s: &Served, path: &str, body: &str, n: usize, streamed: bool) {
-    let what = format!("{path} n = {n}{}", if streamed { ", streamed" } else { "" });
+/// gate holds the generation after `hold` verify blocks (a streamed client reads its first
+/// event first, where there is one), and the client hangs up; what must follow is asserted.
+/// Held at its first block, the first choice has committed nothing: the others never start.
+async fn hang_up_mid_generation(
+    s: &Served,
+    path: &str,
+    body: &str,
+    n: usize,
+    streamed: bool,
+    hold: usize,
+) {
+    let what = format!(
+        "{path} n = {n}{}, held after {hold} blocks",
+        if streamed { ", streamed" } else { "" }
+    );
     let before = s.counts().await;
     let passed = s.gate.passed();
-    s.gate.hold_after(HOLD);
+    let choices = if hold == 0 { 1 } else { n };
+    s.gate.hold_after(hold);
     let key = "Authorization: Bearer k1\r\n";
     let mut client = RawClient::send(s.http(), None, path, key, body).await;
-    if streamed {
+    if streamed && hold > 0 {
         client.first_event().await;
     }
-    // Every choice started, and the gate holds the generation mid-way.
-    s.until(&format!("{what}: its {n} choices started"), |c| {
-        c.started == before.started + n
+    // The choices started, and the gate holds the generation.
+    s.until(&format!("{what}: {choices} choices started"), |c| {
+        c.started == before.started + choices
     })
     .await;
     s.gate.held().await;
@@ -274,7 +287,7 @@ async fn hang_up_mid_generation(s: &Served, path: &str, body: &str, n: usize, st
     let http = s.http();
     s.refused(
         &format!("{what}: k1 again"),
-        before.started + n,
+        before.started + choices,
         complete(http, Some("k1")),
         |(status, _, body)| status == 429 && body.contains("--max-requests-per-client"),
     )
@@ -285,11 +298,16 @@ async fn hang_up_mid_generation(s: &Served, path: &str, body: &str, n: usize, st
         .until(&format!("{what}: every choice ended"), |c| c.running == 0)
         .await;
     s.sessions_closed().await;
-    assert_eq!(after.cancelled, before.cancelled + n, "{what}: {after:?}");
+    assert_eq!(after.started, before.started + choices, "{what}: {after:?}");
+    assert_eq!(
+        after.cancelled,
+        before.cancelled + choices,
+        "{what}: {after:?}"
+    );
     assert_eq!(after.succeeded, before.succeeded, "{what}: {after:?}");
     // Each choice sent at most the block the gate held, and ended at its commit.
     let blocks = s.gate.passed() - passed;
-    assert!(blocks <= HOLD + n, "{what}: {blocks} verify blocks");
+    assert!(blocks <= hold + choices, "{what}: {blocks} verify blocks");
     // The slot is free again.
     let (status, _, body) = complete(http, Some("k1")).await;
     assert_eq!(status, 200, "{what}: {body}");
@@ -311,10 +329,13 @@ async fn a_client_that_hangs_up_ends_its_generation_at_the_next_round_and_holds_
     };
     for streamed in [false, true] {
         let c = completion(1, streamed);
-        hang_up_mid_generation(&s, "/v1/completions", &c, 1, streamed).await;
+        hang_up_mid_generation(&s, "/v1/completions", &c, 1, streamed, HOLD).await;
         let c = chat(2, streamed);
-        hang_up_mid_generation(&s, "/v1/chat/completions", &c, 2, streamed).await;
+        hang_up_mid_generation(&s, "/v1/chat/completions", &c, 2, streamed, HOLD).await;
     }
+    // Gone before its first event: the second choice is not started for nobody.
+    let c = chat(2, true);
+    hang_up_mid_generation(&s, "/v1/chat/completions", &c, 2, true, 0).await;
 }
 
 /// The gRPC API: a client that drops its stream mid-generation ends it, and its slot (here its
