@@ -112,12 +112,13 @@ impl Coordinator for CoordinatorService {
         let engine = self.engine.get()?;
         let peer = request.remote_addr().map(|a| a.ip());
         let forwarded_for = request.metadata().get_all("x-forwarded-for");
+        let authorization = crate::api::auth::grpc_authorization(&request);
         let permit = self.access.admit(
-            crate::api::auth::grpc_authorization(&request),
+            authorization,
             peer,
             forwarded_for.iter().filter_map(|v| v.to_str().ok()),
         )?;
-        let tenant = (self.access).tenant(crate::api::auth::grpc_authorization(&request));
+        let tenant = self.access.tenant(authorization);
         let job = engine.prepare_for(request.get_ref(), &tenant)?;
         // The client's stream ends where it cancels the call or its connection closes: the
         // sink then fails at the next commit, the generation ends, and the permit, held by

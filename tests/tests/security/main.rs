@@ -5,3 +5,4 @@
 //! `docs/security.md` says who can do what.
 
 mod hangup;
+mod tenants;

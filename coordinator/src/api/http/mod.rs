@@ -74,7 +74,8 @@ impl HttpState {
     /// The salt of the tenant of a request with `headers` in the nodes' prefix caches
     /// ([`Access::tenant`]).
     fn tenant(&self, headers: &HeaderMap) -> Vec<u8> {
-        (self.access).tenant(crate::api::auth::http_authorization(headers))
+        let authorization = crate::api::auth::http_authorization(headers);
+        self.access.tenant(authorization)
     }
 
     /// The engine, and the head of a response naming the model clients name in `model` (the
