@@ -89,12 +89,14 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let max_speculating = args.max_speculating_sessions;
     let target_retry = std::time::Duration::from_secs(args.target_retry_secs);
     let draft_step_slack = std::time::Duration::from_millis(args.draft_step_slack_ms);
+    let draft_open_grace = std::time::Duration::from_millis(args.draft_open_grace_ms);
     let configure = move |engine: &mut Engine| {
         if let Some(n) = max_speculating {
             engine.max_speculating = (n > 0).then_some(n);
         }
         engine.target_retry = target_retry;
         engine.draft_step_slack = draft_step_slack;
+        engine.draft_open_grace = draft_open_grace;
     };
     let k = args.draft_tokens.0;
     let engine = match &here {

@@ -11,8 +11,9 @@
 //! - `silent mid-way`: a generation whose link goes silent after its first token (healed before
 //!   the next, and drafting seen to resume first).
 //!
-//! Reported: medians, and each against target-only's median. Greedy outputs are checked equal to
-//! target-only's.
+//! Requests draft with the draft model only (`drafter: model`): without it a round is the
+//! target's alone, as a K = 0 run's. Reported: medians, and each against target-only's median.
+//! Greedy outputs are checked equal to target-only's.
 //!
 //! Environment: BENCH_REPS (default 5), BENCH_PAIRS (default `110m-q8_0`), BENCH_TOKENS
 //! (default 100), BENCH_VARIANTS (default `auto,4`: K chosen each round, or a fixed K),
@@ -68,10 +69,13 @@ async fn main() -> anyhow::Result<()> {
         let prompt = tokenizer(&pair.target).encode(pair.prompt)?;
         let target = node("target-node", &pair.target, &target_cpu);
         let draft = node("draft-node", &pair.draft, &draft_cpu);
+        // The draft model only (no n-gram lookup, which drafts well on a random model's
+        // repetitive text): without the draft-node a round is the target's alone, as K = 0's.
         let request = |k: Option<u32>| v1::GenerateRequest {
             prompt_tokens: prompt.clone(),
             max_tokens: tokens,
             draft_tokens: k,
+            drafter: "model".into(),
             ignore_eos: true,
             ..Default::default()
         };

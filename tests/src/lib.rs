@@ -127,23 +127,26 @@ pub async fn cluster(target: &Path, draft: Option<&Path>, limits: &LimitsArgs) -
     LocalCluster::start(t, d).await.expect("start cluster")
 }
 
-/// A draft step's slack ([`Engine::draft_step_slack`]) where a test compares a distributed
-/// generation with the in-process generator round for round or draw for draw: that generator
-/// never abandons a step, and a loaded machine may delay one past the product's 0.5 s (a round
-/// then decoded by the target alone: the same greedy text in more rounds, another sample).
+/// A draft step's slack ([`Engine::draft_step_slack`]) and a draft session's grace beside the
+/// target's open ([`Engine::draft_open_grace`]) where a test compares a distributed generation
+/// with the in-process generator round for round or draw for draw: that generator never abandons
+/// a step, and a loaded machine may delay one past the product's 0.5 s or an open past its 0.25 s
+/// (rounds then decoded by the target alone: the same greedy text in more rounds, another
+/// sample).
 pub const PATIENT: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// `cluster`'s engine, K fixed at `k` for requests that name none, patient with draft steps
-/// ([`PATIENT`]).
+/// `cluster`'s engine, K fixed at `k` for requests that name none, patient with draft steps and
+/// opens ([`PATIENT`]).
 pub async fn patient_engine(cluster: &LocalCluster, k: usize) -> Engine {
     let mut engine = cluster.engine(k).await.expect("engine");
     engine.draft_step_slack = PATIENT;
+    engine.draft_open_grace = PATIENT;
     engine
 }
 
 /// An engine on `cluster`'s target with the draft-node at `draft_url` (a proxy in front of the
-/// cluster's own, say), K fixed at `k` for requests that name none, patient with draft steps
-/// ([`PATIENT`]).
+/// cluster's own, say), K fixed at `k` for requests that name none, patient with draft steps and
+/// opens ([`PATIENT`]).
 pub async fn engine_through(cluster: &LocalCluster, draft_url: &str, k: usize) -> Engine {
     let mut engine = Engine::connect(
         &[format!("http://{}", cluster.target_addr)],
@@ -154,6 +157,7 @@ pub async fn engine_through(cluster: &LocalCluster, draft_url: &str, k: usize) -
     .await
     .expect("engine");
     engine.draft_step_slack = PATIENT;
+    engine.draft_open_grace = PATIENT;
     engine
 }
 

@@ -259,6 +259,12 @@ pub struct ServeArgs {
     /// link whose delay jitters by more.
     #[arg(long, env = "TANDEM_DRAFT_STEP_SLACK_MS", default_value_t = 500)]
     pub draft_step_slack_ms: u64,
+    /// Once a generation's target session is open, its draft session is waited for as long
+    /// again as that took, and at least this many milliseconds; past that the generation starts
+    /// with the target alone and attaches the draft in the background (a silent draft link
+    /// delays no generation).
+    #[arg(long, env = "TANDEM_DRAFT_OPEN_GRACE_MS", default_value_t = 250)]
+    pub draft_open_grace_ms: u64,
     /// A key clients must present (`Authorization: Bearer KEY`; gRPC: `authorization`
     /// metadata) on the public APIs; repeatable. Unset: the APIs are open. Health, readiness and
     /// metrics stay open.

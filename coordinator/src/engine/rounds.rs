@@ -26,7 +26,8 @@ use crate::engine::learnt::Learnt;
 use crate::engine::metrics::{CoordinatorMetrics, Counted};
 pub use crate::engine::stats::Stats;
 pub use crate::nodes::NodeHandle;
-use crate::nodes::links::{Draft, SessionSpec, Target};
+use crate::nodes::health::{DRAFT_GRACE, open_draft};
+use crate::nodes::links::{SessionSpec, Target};
 use crate::nodes::replicas::Replicas;
 use crate::nodes::{CALL_FLOOR, LateDraft};
 
@@ -71,6 +72,9 @@ pub struct Engine {
     /// Added to a draft step's deadline (8 times its expected time): a step later than that is
     /// abandoned, its round decoded by the target alone.
     pub draft_step_slack: Duration,
+    /// How long a generation's draft session is waited for once its target session is open, at
+    /// least ([`open_draft`]): past it the generation starts with the target alone.
+    pub draft_open_grace: Duration,
     /// A target call's deadline floor ([`call_deadline`]): a call later than that, on a node
     /// that is not working on it, is taken for lost and its session replayed.
     pub call_floor: Duration,
@@ -136,6 +140,7 @@ impl Engine {
             max_speculating: (cpu_target && shares_cores).then_some(1),
             target_retry: Duration::from_secs(30),
             draft_step_slack: crate::drafting::drafters::DEFAULT_STEP_SLACK,
+            draft_open_grace: DRAFT_GRACE,
             call_floor: CALL_FLOOR,
             learnt: Learnt::default(),
             hopeless: AtomicUsize::new(0),
@@ -276,18 +281,18 @@ impl Engine {
         });
         // Each session on the least loaded replica of its node, counted there until the end.
         let opening = Counted::new(&self.metrics.waiting);
+        let target_opened = tokio::sync::Notify::new();
         let (target, draft) = tokio::join!(
-            self.targets.open::<Target>(
-                self.targets.pick_for(&spec.cache_salt, log.tokens()),
-                &spec,
-                &log
-            ),
             async {
-                let start = Instant::now();
+                let i = self.targets.pick_for(&spec.cache_salt, log.tokens());
+                let opened = self.targets.open::<Target>(i, &spec, &log).await;
+                target_opened.notify_one();
+                opened
+            },
+            async {
                 let d = use_draft?;
-                let i = d.pick_for(&spec.cache_salt, log.tokens());
-                let opened = d.open::<Draft>(i, &spec, &log).await;
-                Some((opened, start.elapsed().as_secs_f64()))
+                let grace = self.draft_open_grace;
+                Some(open_draft(d, (&spec, &log), &target_opened, grace).await)
             }
         );
         drop(opening);
@@ -324,6 +329,12 @@ impl Engine {
                 if job.adaptive && (retime || !policy.draft_timed()) && k > 0 && !self.crowded() {
                     m.time_in_background(&log, k);
                 }
+            }
+            // Down, or not open in time beside the target's session: logged where found.
+            (Some((Err(e @ (Error::NotReady(_) | Error::TimedOut { .. })), _)), Some(m)) => {
+                tracing::debug!(error = %e, "draft-node unavailable: decoding without it");
+                stats.lose_draft(format!("the draft-node was unavailable: {e}"));
+                m.reattach_later(&log);
             }
             (Some((Err(e), _)), Some(m)) => {
                 tracing::warn!(error = %e, "draft-node unavailable: decoding without it");

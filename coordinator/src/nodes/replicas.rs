@@ -15,9 +15,9 @@ use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use tandem_proto::tls::ClientTls;
-use tokio::sync::Notify;
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
+use tokio::sync::Notify;
 
 use crate::nodes::health::{DOWN_PROBE, Health, Reachable};
 use crate::nodes::links::{NodeSession, SessionSpec, Wire};
@@ -221,7 +221,11 @@ impl Replicas {
         (0..replicas.len())
             .min_by_key(|&i| {
                 let r = &replicas[i];
-                (r.health.is_down(), r.cooling(), r.load.load(Ordering::Relaxed))
+                (
+                    r.health.is_down(),
+                    r.cooling(),
+                    r.load.load(Ordering::Relaxed),
+                )
             })
             .unwrap_or(0)
     }
@@ -230,7 +234,10 @@ impl Replicas {
     /// answers.
     pub fn all_down(&self) -> Option<String> {
         let replicas = self.snapshot();
-        let why: Vec<String> = replicas.iter().filter_map(|r| r.health.why_down()).collect();
+        let why: Vec<String> = replicas
+            .iter()
+            .filter_map(|r| r.health.why_down())
+            .collect();
         (why.len() == replicas.len()).then(|| why.join("; "))
     }
 
@@ -262,9 +269,9 @@ impl Replicas {
             .filter_map(|h| affinity.by_hash.get(h))
             .find_map(|(url, _)| replicas.iter().position(|r| &r.address.url == url))
             .filter(|&i| {
-            let r = &replicas[i];
-            !r.cooling() && !r.health.is_down() && load(i) <= load(least) + AFFINITY_SLACK
-        })
+                let r = &replicas[i];
+                !r.cooling() && !r.health.is_down() && load(i) <= load(least) + AFFINITY_SLACK
+            })
             .unwrap_or(least)
     }
 
@@ -749,11 +756,20 @@ mod tests {
             cache_salt: Vec::new(),
         };
         let log = TokenLog::new(&[1, 2]);
-        let opened = targets.open::<crate::nodes::links::Target>(1, &spec, &log).await;
-        assert_eq!(opened.handle.endpoint, "http://127.0.0.1:2", "replica 0 not tried");
+        let opened = targets
+            .open::<crate::nodes::links::Target>(1, &spec, &log)
+            .await;
+        assert_eq!(
+            opened.handle.endpoint, "http://127.0.0.1:2",
+            "replica 0 not tried"
+        );
         assert!(targets.all_down().is_none());
         targets.missed(1, "a probe within 2s");
-        assert!(targets.all_down().is_some_and(|why| why.contains("a probe within 2s")));
+        assert!(
+            targets
+                .all_down()
+                .is_some_and(|why| why.contains("a probe within 2s"))
+        );
     }
 
     #[tokio::test]

@@ -123,7 +123,10 @@ async fn a_link_that_goes_silent_mid_generation_costs_one_deadline() {
     let mut tries = 0;
     let outcome = loop {
         tries += 1;
-        assert!(tries <= 20, "the draft model never drafted before the silence");
+        assert!(
+            tries <= 20,
+            "the draft model never drafted before the silence"
+        );
         link.silence(false);
         drafting(&engine, &alone[..40]).await;
         let job = engine.prepare(&greedy(4, 200)).expect("valid");

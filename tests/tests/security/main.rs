@@ -5,4 +5,5 @@
 //! `docs/security.md` says who can do what.
 
 mod hangup;
+mod links;
 mod tenants;
