@@ -4,7 +4,7 @@
 //! wait for one, and decode exactly what the target alone does; when it answers again, drafting
 //! resumes. The nodes run in this process ([`cluster`]), each link in front of one of them.
 
-use tandem_coordinator::{CommitSink, Engine};
+use tandem_coordinator::{CommitSink, Engine, LocalCluster};
 use tandem_proto::v1;
 use tandem_runtime::Commit;
 use tandem_tests::link::{Link, LinkSpec};
@@ -25,6 +25,18 @@ async fn engine(targets: &[String], draft: Option<&str>, k: usize) -> Engine {
     Engine::connect(targets, &drafts, Some(k), &Default::default())
         .await
         .expect("engine")
+}
+
+/// Both nodes in this process, the draft-node behind a link, and an engine on them at K = 4 (the
+/// cluster lives as long as the engine's nodes must).
+async fn draft_behind_a_link() -> (LocalCluster, Link, Engine) {
+    let cluster = cluster(&stories(), Some(&stories_q8()), &Default::default()).await;
+    let link = Link::start(cluster.draft_addr.expect("draft"), LinkSpec::DIRECT)
+        .await
+        .expect("link");
+    let target = format!("http://{}", cluster.target_addr);
+    let engine = engine(&[target], Some(&link.url()), 4).await;
+    (cluster, link, engine)
 }
 
 /// Waits until the engine's draft-node is down (every replica).
@@ -56,12 +68,7 @@ async fn drafting(engine: &Engine, alone: &[u32]) {
 /// target alone; once the link is healed the node is up again and drafts are used.
 #[tokio::test]
 async fn generations_do_not_wait_on_a_silent_draft_link_and_drafting_resumes_after() {
-    let cluster = cluster(&stories(), Some(&stories_q8()), &Default::default()).await;
-    let link = Link::start(cluster.draft_addr.expect("draft"), LinkSpec::DIRECT)
-        .await
-        .expect("link");
-    let target = format!("http://{}", cluster.target_addr);
-    let engine = engine(&[target], Some(&link.url()), 4).await;
+    let (_cluster, link, engine) = draft_behind_a_link().await;
     let alone = generate(&engine, &greedy(0, 40)).await.token_ids;
     drafting(&engine, &alone).await;
 
@@ -111,12 +118,7 @@ impl CommitSink for SilenceAtFirstCommit<'_> {
 /// generation makes no call to it.
 #[tokio::test]
 async fn a_link_that_goes_silent_mid_generation_costs_one_deadline() {
-    let cluster = cluster(&stories(), Some(&stories_q8()), &Default::default()).await;
-    let link = Link::start(cluster.draft_addr.expect("draft"), LinkSpec::DIRECT)
-        .await
-        .expect("link");
-    let target = format!("http://{}", cluster.target_addr);
-    let engine = engine(&[target], Some(&link.url()), 4).await;
+    let (_cluster, link, engine) = draft_behind_a_link().await;
     let alone = generate(&engine, &greedy(0, 200)).await.token_ids;
     // Until the draft model drafted before the silence (a loaded machine may leave it out of a
     // generation's start): each time exact, healed after.
