@@ -6,5 +6,4 @@
 
 mod hangup;
 mod links;
-mod roles;
 mod tenants;
