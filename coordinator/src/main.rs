@@ -13,6 +13,7 @@ use tandem_coordinator::api::limits::{ClientLimits, TrustedProxies};
 use tandem_coordinator::cli::{Cli, Command, ServeArgs, client, local};
 use tandem_coordinator::engine::Engine;
 use tandem_coordinator::engine::late::{LateEngine, connect_until_ready};
+use tandem_proto::tls::{ClientTlsArgs, DefaultClients};
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -43,7 +44,11 @@ fn main() -> anyhow::Result<()> {
         let _telemetry = tandem_node::init_telemetry("tandem-coordinator", default_level);
         match cli.command {
             Command::Generate(args) => match &args.endpoint {
-                Some(url) => client::generate(url, &args).await,
+                Some(url) => {
+                    args.tls
+                        .refuse_plaintext("--endpoint", std::slice::from_ref(url))?;
+                    client::generate(url, &args).await
+                }
                 None => local::generate(&args).await,
             },
             Command::Serve(args) => serve(&args).await,
@@ -56,12 +61,14 @@ fn main() -> anyhow::Result<()> {
 async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     // Certificates are checked first, then models served in this process load before anything
     // listens, as a node's do.
-    let tls = args.tls.load()?;
-    let node_tls = tandem_proto::tls::ClientTlsArgs {
+    let tls = args.tls.load(DefaultClients::Any)?;
+    let node_tls = ClientTlsArgs {
         identity: args.tls.identity.clone(),
         tls_ca: args.tls_ca.clone(),
-    }
-    .load()?;
+    };
+    node_tls.refuse_plaintext("--target", &args.targets)?;
+    node_tls.refuse_plaintext("--draft", &args.drafts)?;
+    let node_tls = node_tls.load()?;
     let here = match &args.here.target_model {
         Some(target) => Some(
             local::start_nodes(
@@ -142,6 +149,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     tracing::info!(
         listen = %listener.local_addr()?,
         grpc = tls.mode(),
+        grpc_clients = %tls.admits(),
         http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),
         "coordinator listening"
     );

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use tandem_proto::tls::ServerTlsSetup;
+use tandem_proto::tls::{DefaultClients, ServerLayers, ServerTlsSetup};
 use tandem_proto::v1;
 use tandem_proto::v1::node_service_server::{NodeService, NodeServiceServer};
 use tokio::net::TcpListener;
@@ -39,12 +39,12 @@ impl NodeService for NodeInfoService {
 }
 
 /// Serves `role_service` (already added to a router by the caller's `add`) with NodeService
-/// and health on `listener`, with `tls`, until `shutdown` resolves.
+/// and health on `listener`, with `tls` (and the clients it admits), until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<NodeState>,
     service_name: &'static str,
-    add: impl FnOnce(Router) -> Router,
+    add: impl FnOnce(Router<ServerLayers>) -> Router<ServerLayers>,
     tls: &ServerTlsSetup,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
@@ -104,7 +104,8 @@ where
     use anyhow::Context;
     let source = &args.source;
     // Certificates are checked before the model loads: a bad path fails in a second, not after.
-    let tls = args.tls.load()?;
+    // Under mutual TLS a node admits the coordinator's role unless told otherwise.
+    let tls = args.tls.load(DefaultClients::Coordinators)?;
     tracing::info!(role = role.as_str(), model = %source.model, device = %source.device, "loading model");
     let (listen, http_listen) = (args.listen, args.http_listen);
     let state =
@@ -126,6 +127,7 @@ where
         cpu_kernels = tandem_runtime::kernels::cpu_path(),
         listen = %listener.local_addr()?,
         grpc = tls.mode(),
+        grpc_clients = %tls.admits(),
         http_listen = ?http.as_ref().and_then(|l| l.local_addr().ok()),
         max_sessions = state.limits.max_sessions,
         max_session_tokens = state.limits.max_session_tokens,

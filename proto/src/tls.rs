@@ -2,16 +2,24 @@
 //! server and client shares (no Nagle delay, HTTP/2 keepalive).
 //!
 //! A server given `--tls-cert`/`--tls-key` serves TLS only; with `--tls-client-ca` a client must
-//! also present a certificate that CA signed (mutual TLS). A client uses TLS for `https://` URLs:
-//! it trusts `--tls-ca` (or, unset, the Web PKI roots) and presents `--tls-cert`/`--tls-key` when
-//! given. Certificates and keys are read from files; their content is never logged or put in an
-//! error (errors name the file).
+//! also present a certificate that CA signed (mutual TLS), and one of the names that server
+//! admits ([`clients`]: `--allow-client`; a node admits the coordinator's role by default). A
+//! client uses TLS for `https://` URLs: it trusts `--tls-ca` (or, unset, the Web PKI roots) and
+//! presents `--tls-cert`/`--tls-key` when given; a URL given with `--tls-ca` must be `https://`.
+//! Certificates and keys are read from files; their content is never logged or put in an error
+//! (errors name the file).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
+use tower::layer::util::{Identity as NoLayer, Stack};
+
+pub mod clients;
+
+use clients::{AdmitLayer, AllowedClients};
 
 /// This process's own certificate: the one it serves with, and presents as a client.
 #[derive(Debug, Clone, Default, Args)]
@@ -34,6 +42,29 @@ pub struct ServerTls {
     /// Needs `--tls-cert`.
     #[arg(long, env = "TANDEM_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Under mutual TLS, a client admitted by name (repeatable, or comma-separated): one of its
+    /// certificate's DNS names or URIs, or its subject's common name where it has neither (DNS
+    /// names and common names ignoring case). Other clients are refused PERMISSION_DENIED on
+    /// every call but gRPC health. Unset: a node admits `coordinator` only; the coordinator
+    /// any certificate the client CA signed. Needs `--tls-client-ca`.
+    #[arg(
+        long = "allow-client",
+        env = "TANDEM_ALLOW_CLIENTS",
+        value_delimiter = ',',
+        requires = "tls_client_ca"
+    )]
+    pub allow_clients: Vec<String>,
+}
+
+/// Whom a server serving mutual TLS admits where `--allow-client` is not given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefaultClients {
+    /// Any certificate the client CA signed: the coordinator's public API, whose clients
+    /// present API keys.
+    Any,
+    /// The coordinator's role ([`clients::COORDINATOR`]): a node, which only the coordinator
+    /// has reason to call.
+    Coordinators,
 }
 
 /// A gRPC client's TLS, for `https://` URLs.
@@ -59,6 +90,17 @@ pub enum TlsError {
     NotPem { what: &'static str, path: PathBuf },
     #[error("the TLS certificate and key cannot be used: {0}")]
     Config(String),
+    #[error("--allow-client is empty: name a client certificate's DNS name, URI or common name")]
+    EmptyClient,
+    #[error(
+        "{flag} {url} is plaintext, but --tls-ca is given for it: use {https} (the server \
+         serving TLS), or leave --tls-ca out to talk plaintext"
+    )]
+    Plaintext {
+        flag: &'static str,
+        url: String,
+        https: String,
+    },
 }
 
 fn read_pem(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -93,14 +135,23 @@ impl TlsIdentity {
 pub struct ServerTlsSetup {
     config: Option<ServerTlsConfig>,
     mutual: bool,
+    /// The clients admitted by name; unset: any the handshake let in.
+    clients: AdmitLayer,
 }
 
+/// The layers of a server of [`ServerTlsSetup::server`].
+pub type ServerLayers = Stack<AdmitLayer, NoLayer>;
+
 impl ServerTls {
-    /// Reads the files and checks that rustls accepts them (at start, not at the first client).
-    pub fn load(&self) -> Result<ServerTlsSetup, TlsError> {
+    /// Reads the files and checks that rustls accepts them (at start, not at the first client);
+    /// under mutual TLS, admits the `--allow-client` names, or `default` where none is given.
+    pub fn load(&self, default: DefaultClients) -> Result<ServerTlsSetup, TlsError> {
         let Some(identity) = self.identity.load()? else {
             return Ok(ServerTlsSetup::default());
         };
+        if self.allow_clients.iter().any(|c| c.trim().is_empty()) {
+            return Err(TlsError::EmptyClient);
+        }
         let mut config = ServerTlsConfig::new().identity(identity);
         if let Some(ca) = &self.tls_client_ca {
             config = config.client_ca_root(Certificate::from_pem(read_pem(
@@ -111,9 +162,16 @@ impl ServerTls {
         Server::builder()
             .tls_config(config.clone())
             .map_err(|e| TlsError::Config(crate::error_chain(&e)))?;
+        let mutual = self.tls_client_ca.is_some();
+        let admitted = match (mutual, &self.allow_clients[..], default) {
+            (false, _, _) | (true, [], DefaultClients::Any) => None,
+            (true, [], DefaultClients::Coordinators) => Some(vec![clients::COORDINATOR.into()]),
+            (true, names, _) => Some(names.iter().map(|n| n.trim().to_string()).collect()),
+        };
         Ok(ServerTlsSetup {
             config: Some(config),
-            mutual: self.tls_client_ca.is_some(),
+            mutual,
+            clients: AdmitLayer(admitted.map(|names| Arc::new(AllowedClients::new(names)))),
         })
     }
 }
@@ -128,15 +186,26 @@ impl ServerTlsSetup {
         }
     }
 
-    /// A server builder with Tandem's transport settings and this TLS.
-    pub fn server(&self) -> Result<Server, tonic::transport::Error> {
+    /// The clients admitted, for the startup log: their names, or `any` (every client the TLS
+    /// handshake lets in).
+    pub fn admits(&self) -> String {
+        match &self.clients.0 {
+            Some(allowed) => allowed.names().join(","),
+            None => "any".to_string(),
+        }
+    }
+
+    /// A server builder with Tandem's transport settings, this TLS, and the check of the
+    /// clients admitted.
+    pub fn server(&self) -> Result<Server<ServerLayers>, tonic::transport::Error> {
         let builder = Server::builder()
             .http2_keepalive_interval(Some(crate::KEEPALIVE_INTERVAL))
             .http2_keepalive_timeout(Some(crate::KEEPALIVE_TIMEOUT));
-        match &self.config {
-            Some(config) => builder.tls_config(config.clone()),
-            None => Ok(builder),
-        }
+        let builder = match &self.config {
+            Some(config) => builder.tls_config(config.clone())?,
+            None => builder,
+        };
+        Ok(builder.layer(self.clients.clone()))
     }
 }
 
@@ -153,6 +222,26 @@ pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::
 pub struct ClientTls(ClientTlsConfig);
 
 impl ClientTlsArgs {
+    /// Refuses a URL of `urls` (given with `flag`) that is not `https://` where `--tls-ca` is
+    /// given: a CA given for a server means its connection is meant to be TLS, and an `http://`
+    /// URL would talk plaintext without a word.
+    pub fn refuse_plaintext(&self, flag: &'static str, urls: &[String]) -> Result<(), TlsError> {
+        if self.tls_ca.is_none() {
+            return Ok(());
+        }
+        match urls.iter().find(|u| !u.starts_with("https://")) {
+            Some(url) => Err(TlsError::Plaintext {
+                flag,
+                https: format!(
+                    "https://{}",
+                    url.split_once("://").map_or(&url[..], |s| s.1)
+                ),
+                url: url.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
     pub fn load(&self) -> Result<ClientTls, TlsError> {
         let mut config = ClientTlsConfig::new();
         config = match &self.tls_ca {
@@ -234,6 +323,29 @@ pub fn mismatch_hint(url: &str, error: &str) -> &'static str {
 #[cfg(test)]
 mod tests {
     use tokio_stream::StreamExt;
+
+    #[test]
+    fn a_url_given_with_a_ca_must_be_https() {
+        let args = |ca: Option<&str>| super::ClientTlsArgs {
+            tls_ca: ca.map(Into::into),
+            ..Default::default()
+        };
+        let urls = ["https://a:1".to_string(), "http://b:2".to_string()];
+        args(None)
+            .refuse_plaintext("--target", &urls)
+            .expect("no CA: plaintext is asked for");
+        args(Some("ca.pem"))
+            .refuse_plaintext("--target", &urls[..1])
+            .expect("https://");
+        let err = args(Some("ca.pem"))
+            .refuse_plaintext("--draft", &urls)
+            .expect_err("http:// with a CA");
+        assert_eq!(
+            err.to_string(),
+            "--draft http://b:2 is plaintext, but --tls-ca is given for it: use https://b:2 (the \
+             server serving TLS), or leave --tls-ca out to talk plaintext"
+        );
+    }
 
     #[tokio::test]
     async fn accepted_connections_send_small_messages_at_once() {

@@ -3,52 +3,10 @@
 //! is refused; plaintext to a TLS port fails with an error that says to use https://; and no
 //! certificate or key content reaches a log, even at debug level.
 
-use std::net::SocketAddr;
-use std::path::Path;
-use std::time::Duration;
-
-use tandem_proto::tls::{ClientTlsArgs, TlsIdentity};
 use tandem_proto::v1;
-use tandem_tests::pki::{Ca, Leaf, pem_body_lines};
+use tandem_tests::pki::{Ca, health_answers, pem_body_lines, tls_endpoint, tls_node};
 use tandem_tests::processes::{Proc, binary};
 use tandem_tests::*;
-
-/// A channel to `addr` over TLS trusting `ca`, presenting `leaf` when given.
-fn tls_endpoint(addr: SocketAddr, ca: &Path, leaf: Option<&Leaf>) -> tonic::transport::Endpoint {
-    ClientTlsArgs {
-        identity: TlsIdentity {
-            tls_cert: leaf.map(|l| l.cert.clone()),
-            tls_key: leaf.map(|l| l.key.clone()),
-        },
-        tls_ca: Some(ca.to_path_buf()),
-    }
-    .load()
-    .expect("client TLS")
-    .endpoint(&format!("https://{addr}"), Duration::from_secs(5))
-    .expect("endpoint")
-}
-
-/// A node serving `model` over mutual TLS with `leaf`, clients signed by `ca`; its log in `log`.
-fn tls_node(name: &str, model: &Path, leaf: &Leaf, ca: &Ca, log: &Path) -> Proc {
-    let (model, client_ca) = (model.display().to_string(), ca.cert.display().to_string());
-    let mut args = vec!["--model", &model, "--listen", "127.0.0.1:0"];
-    let identity = leaf.args();
-    args.extend(identity.iter().map(String::as_str));
-    args.extend(["--tls-client-ca", &client_ca]);
-    Proc::start_logged(name, &args, &[("RUST_LOG", "debug")], log)
-}
-
-/// Whether gRPC health at `endpoint` answers (any status): the TLS handshake passed.
-async fn health_answers(endpoint: tonic::transport::Endpoint) -> Result<(), String> {
-    let channel = endpoint.connect().await.map_err(|e| error_chain(&e))?;
-    tonic_health::pb::health_client::HealthClient::new(channel)
-        .check(tonic_health::pb::HealthCheckRequest::default())
-        .await
-        .map(|_| ())
-        .map_err(|s| format!("{s:?}"))
-}
-
-use tandem_proto::error_chain;
 
 #[tokio::test]
 async fn mutual_tls_everywhere_gives_target_only_text_and_logs_no_key() {
@@ -56,8 +14,8 @@ async fn mutual_tls_everywhere_gives_target_only_text_and_logs_no_key() {
     let ca = Ca::new(dir.path(), "tandem-ca");
     let leaves = ["target", "draft", "coordinator", "client"].map(|n| ca.leaf(n));
     let logs = ["target.log", "draft.log", "coordinator.log"].map(|n| dir.path().join(n));
-    let target = tls_node("target-node", &stories(), &leaves[0], &ca, &logs[0]);
-    let draft = tls_node("draft-node", &stories_q8(), &leaves[1], &ca, &logs[1]);
+    let target = tls_node("target-node", &stories(), &leaves[0], &ca, &[], &logs[0]);
+    let draft = tls_node("draft-node", &stories_q8(), &leaves[1], &ca, &[], &logs[1]);
     let (target_url, draft_url) = (
         format!("https://{}", target.addr),
         format!("https://{}", draft.addr),
@@ -146,6 +104,7 @@ async fn a_peer_without_a_client_certificate_or_from_another_ca_is_refused() {
         &stories(),
         &node_leaf,
         &ca,
+        &[],
         &dir.path().join("target.log"),
     );
     // The control: a certificate from the node's client CA is let in.
@@ -212,6 +171,7 @@ async fn plaintext_to_a_tls_port_fails_with_an_error_that_says_so() {
         &stories(),
         &leaf,
         &ca,
+        &[],
         &dir.path().join("target.log"),
     );
     let out = std::process::Command::new(binary("coordinator"))

@@ -6,4 +6,5 @@
 
 mod hangup;
 mod links;
+mod roles;
 mod tenants;

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Makes a private CA and a certificate for each Tandem process (server and client auth, named
-# for its Service), and writes them as the Secrets components/mtls mounts.
+# Makes a private CA and a certificate for each Tandem process, named for its role and Service
+# (first DNS name and CN: coordinator, target-node, draft-node), and writes them as the Secrets
+# components/mtls mounts. Machines have roles: only the coordinator's certificate may act as a
+# client (server and client auth: it serves the public gRPC API and dials both nodes); the
+# nodes' are server auth only (they dial no one), so a node's certificate, however it leaks,
+# opens no connection to another node. The nodes admit the coordinator by name too
+# (--allow-client, default coordinator).
 #
 #   make-certs.sh DIR                 writes DIR/ca.{crt,key} and DIR/NAME/{ca.crt,tls.crt,tls.key}
 #   make-certs.sh DIR | kubectl apply -f -    ... and prints the three Secrets as YAML
@@ -21,6 +26,8 @@ if [ ! -f "$dir/ca.key" ]; then
     2>/dev/null
 fi
 for name in coordinator target-node draft-node; do
+  usage=serverAuth
+  [ "$name" = coordinator ] && usage=serverAuth,clientAuth
   out="$dir/$name"
   mkdir -p "$out"
   cp "$dir/ca.crt" "$out/ca.crt"
@@ -28,7 +35,7 @@ for name in coordinator target-node draft-node; do
     -keyout "$out/tls.key" -out "$out/tls.csr" 2>/dev/null
   printf '%s\n' \
     "subjectAltName=DNS:$name,DNS:$name.$ns,DNS:$name.$ns.svc,DNS:$name.$ns.svc.cluster.local" \
-    "extendedKeyUsage=serverAuth,clientAuth" "keyUsage=critical,digitalSignature" \
+    "extendedKeyUsage=$usage" "keyUsage=critical,digitalSignature" \
     "basicConstraints=CA:FALSE" >"$out/ext.cnf"
   openssl x509 -req -in "$out/tls.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" -CAcreateserial \
     -days "$days" -extfile "$out/ext.cnf" -out "$out/tls.crt" 2>/dev/null
