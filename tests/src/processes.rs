@@ -37,6 +37,25 @@ pub fn binary(name: &str) -> PathBuf {
         build
             .args(["build", "--quiet", "--workspace", "--bin", name])
             .current_dir(env!("CARGO_MANIFEST_DIR"));
+        // What `cargo test` set for this test process describes its package: a build script
+        // that watches one of them (ring's, CARGO_MANIFEST_DIR) would see it change, and the
+        // build here and the next `cargo test` would each rebuild it and all above it.
+        for (key, _) in std::env::vars_os() {
+            let package = key.to_str().is_some_and(|k| {
+                ["CARGO_MANIFEST_", "CARGO_PKG_", "CARGO_BIN_EXE_"]
+                    .iter()
+                    .any(|p| k.starts_with(p))
+                    || [
+                        "CARGO_CRATE_NAME",
+                        "CARGO_PRIMARY_PACKAGE",
+                        "CARGO_TARGET_TMPDIR",
+                    ]
+                    .contains(&k)
+            });
+            if package {
+                build.env_remove(key);
+            }
+        }
         if dir.file_name().is_some_and(|n| n == "release") {
             build.arg("--release");
         }
