@@ -195,6 +195,15 @@ async fn plaintext_to_a_tls_port_fails_with_an_error_that_says_so() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("does the server serve TLS"), "{stderr}");
+    // And a node's address where the coordinator's is asked for: no wait mends either.
+    let out = std::process::Command::new(binary("coordinator"))
+        .args(["generate", "--max-tokens", "4", "--endpoint"])
+        .arg(format!("http://{plain_addr}"))
+        .output()
+        .expect("run coordinator generate");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("is not a Tandem coordinator"), "{stderr}");
 
     // A coordinator given an http:// URL for a TLS node says why it is not ready.
     let target_url = format!("http://{}", target.addr);

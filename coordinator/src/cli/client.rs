@@ -101,7 +101,9 @@ fn emit(text: &str) {
 /// Connects to the coordinator at `url` and waits, up to `wait`, until it is reachable and
 /// says it is ready (gRPC health SERVING: its nodes answer), as a client library retrying an
 /// UNAVAILABLE service would. Past `wait` it goes on with what it has: a coordinator that is
-/// up but not ready refuses the request, naming what it waits for.
+/// up but not ready refuses the request, naming what it waits for. A connection that fails in a
+/// way no wait mends (TLS toward a plaintext port or the reverse, a certificate refused) fails
+/// at once.
 async fn connect_when_ready(
     endpoint: tonic::transport::Endpoint,
     url: &str,
@@ -115,14 +117,18 @@ async fn connect_when_ready(
     let channel = loop {
         match endpoint.connect().await {
             Ok(channel) => break channel,
-            Err(e) if tokio::time::Instant::now() >= deadline => {
-                anyhow::bail!(
-                    "cannot connect to the coordinator at {url}{}: {}",
-                    waited(wait),
-                    crate::nodes::connect_error(&e, url)
-                );
+            Err(e) => {
+                let error = crate::nodes::connect_error(&e, url);
+                if lasting(url, &error) {
+                    anyhow::bail!("cannot connect to the coordinator at {url}: {error}");
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    anyhow::bail!(
+                        "cannot connect to the coordinator at {url}{}: {error}",
+                        waited(wait)
+                    );
+                }
             }
-            Err(_) => {}
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(std::time::Duration::from_secs(1));
@@ -132,17 +138,31 @@ async fn connect_when_ready(
         service: "tandem.v1.Coordinator".into(),
     };
     while tokio::time::Instant::now() < deadline {
-        let status = health
-            .check(check.clone())
-            .await
-            .map(|r| r.into_inner().status);
-        if status.is_ok_and(|s| s == ServingStatus::Serving as i32) {
-            break;
+        match health.check(check.clone()).await {
+            Ok(r) if r.get_ref().status == ServingStatus::Serving as i32 => break,
+            Ok(_) => {}
+            // A coordinator registers its health before it serves: this server is another.
+            Err(status) if status.code() == tonic::Code::NotFound => anyhow::bail!(
+                "{url} is not a Tandem coordinator (it has no health of tandem.v1.Coordinator): \
+                 --endpoint takes the coordinator's gRPC address"
+            ),
+            Err(status) => {
+                let error = crate::nodes::connect_error(&status, url);
+                if lasting(url, &error) {
+                    anyhow::bail!("the coordinator at {url}: {error}");
+                }
+            }
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(std::time::Duration::from_secs(1));
     }
     Ok(channel)
+}
+
+/// Whether a connection failed in a way no wait mends: TLS toward a plaintext port or the
+/// reverse (what [`tandem_proto::tls::mismatch_hint`] explains), or a certificate refused.
+fn lasting(url: &str, error: &str) -> bool {
+    error.contains("certificate") || !tandem_proto::tls::mismatch_hint(url, error).is_empty()
 }
 
 /// How long a client waited for the coordinator, for an error that says so.
