@@ -1,21 +1,340 @@
-//! The round loop ([`rounds`]): one generation's rounds of drafting, verifying and committing,
-//! with the requests it runs ([`job`]), what a token tree's verdict commits ([`tree`]), their
-//! statistics ([`stats`]), what sessions learnt for the next to start from (`learnt`) and the
-//! coordinator's metrics ([`metrics`]); an engine that may still be connecting ([`late`]), and
-//! the engine of the in-process cluster ([`local`]).
+//! The coordinator's engine: [`Engine`] holds what every generation shares (the nodes'
+//! replicas, the tokenizer, the metrics, what sessions learnt) and checks each request into a
+//! [`Job`]; [`generation`] runs one job's rounds in phases (docs/architecture.md "Data flow of
+//! one round"). Beside them: what a generation is asked and gives back ([`job`]), what a token
+//! tree's verdict commits ([`tree`]), a generation's statistics ([`stats`]), what sessions
+//! learnt for the next to start from (`learnt`), the coordinator's metrics ([`metrics`]), an
+//! engine that may still be connecting ([`late`]), and the engine of the in-process cluster
+//! ([`local`]).
 //!
 //! Uses [`crate::drafting`] and [`crate::nodes`]; the APIs above it use it.
 
+pub mod generation;
 pub mod job;
 pub mod late;
 mod learnt;
 pub mod local;
 pub mod metrics;
-pub mod rounds;
 pub mod stats;
 pub mod tree;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use tandem_proto::tls::ClientTls;
+use tandem_proto::v1;
+use tandem_proto::{Error, Result};
+use tandem_runtime::generator::MAX_DRAFT_TOKENS;
+use tandem_runtime::{GenerateRequest, RequestLimits, SamplingParams, Tokenizer};
+
+use crate::constraints::Grammars;
+use crate::drafting::drafters::DrafterChoice;
+use crate::drafting::policy::ADAPTIVE_MAX_K;
+use crate::nodes::health::DRAFT_GRACE;
+use crate::nodes::replicas::Replicas;
+use crate::nodes::{CALL_FLOOR, LateDraft, NodeHandle};
+use generation::Generation;
+use job::cache_salt;
 pub use job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
 pub use late::LateEngine;
-pub use rounds::{DEFAULT_MAX_TOKENS, Engine, MAX_REFUSED_BLOCKS};
+use learnt::Learnt;
+use metrics::CoordinatorMetrics;
 pub use stats::Stats;
+
+/// Refused blocks after which a generation detaches its draft.
+pub const MAX_REFUSED_BLOCKS: u32 = 3;
+
+/// Default generation length when a request names none.
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+
+/// The coordinator's view of one target and an optional draft.
+#[derive(Debug)]
+pub struct Engine {
+    /// The target-node's replicas (one, unless `--target` was given several times).
+    pub targets: Replicas,
+    /// The draft-node, once it has answered ([`LateDraft`]).
+    pub draft: LateDraft,
+    pub tokenizer: Tokenizer,
+    /// K of a request that names none; `None`: chosen each round (adaptive).
+    pub default_draft_tokens: Option<usize>,
+    pub metrics: CoordinatorMetrics,
+    /// Whether the draft-node runs on the target's cores (the all-in-one mode): background draft
+    /// steps are then spaced out ([`crate::drafting::shadow`]), a hopeless draft is retimed more
+    /// rarely, and K = auto does not count on drafting ahead during the verify (two models that
+    /// each use every core gain nothing by running at once); on a CPU target nothing is drafted
+    /// ahead ([`Self::passes_take_turns`]).
+    pub draft_shares_cores: bool,
+    /// Adaptive K speculates only while at most this many generations run here: beyond, the
+    /// target's batch of plain steps is already compute-bound and drafts cost it more than they
+    /// save (vLLM's disable-by-batch-size). `None`: no limit. Default: 1 for a CPU target whose
+    /// draft-node runs on its cores ([`crate::nodes::shares_cores`]), else none.
+    pub max_speculating: Option<usize>,
+    /// How long a lost target is waited for (its session replayed) before a generation fails.
+    pub target_retry: Duration,
+    /// Added to a draft step's deadline (8 times its expected time): a step later than that is
+    /// abandoned, its round decoded by the target alone.
+    pub draft_step_slack: Duration,
+    /// How long a generation's draft session is waited for once its target session is open, at
+    /// least ([`crate::nodes::health::open_draft`]): past it the generation starts with the target alone.
+    pub draft_open_grace: Duration,
+    /// A target call's deadline floor ([`crate::nodes::call_deadline`]): a call later than that, on a node
+    /// that is not working on it, is taken for lost and its session replayed.
+    pub call_floor: Duration,
+    /// What the last session at each load learnt of the nodes' costs and the draft's acceptance.
+    learnt: Learnt,
+    /// Adaptive generations that started with a draft that could not pay.
+    hopeless: AtomicUsize,
+    /// Compiles requests' grammars to check them (built at the first one).
+    grammars: Grammars,
+    active: AtomicUsize,
+    next_id: AtomicUsize,
+}
+
+impl Engine {
+    /// Connects to the nodes (TLS for `https://` URLs), fetches the target's tokenizer, and
+    /// refuses a draft whose vocabulary differs from the target's.
+    pub async fn connect(
+        targets: &[String],
+        drafts: &[String],
+        default_draft_tokens: Option<usize>,
+        tls: &ClientTls,
+    ) -> Result<Self> {
+        let targets = Replicas::connect("target-node", targets, tls).await?;
+        let target = targets.primary().clone();
+        let cpu_target = target.info.device.starts_with("cpu");
+        let draft = match drafts {
+            [] => LateDraft::default(),
+            urls => LateDraft::connect(urls, &target, tls).await?,
+        };
+        // What the nodes say of their machine and CPUs where the draft answered; else the URLs.
+        let shares_cores = match (draft.get(), drafts.first()) {
+            (_, None) => true,
+            (Some(d), Some(url)) => crate::nodes::shares_cores(&target.info, &d.primary().info)
+                .unwrap_or_else(|| crate::nodes::same_machine(&target.endpoint, url)),
+            (None, Some(url)) => crate::nodes::same_machine(&target.endpoint, url),
+        };
+        let reply = v1::node_service_client::NodeServiceClient::new(target.channel.clone())
+            .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
+            .tokenizer(v1::TokenizerRequest {})
+            .await
+            .map_err(|status| Error::Remote {
+                node: "target-node",
+                status,
+            })?
+            .into_inner();
+        let tokenizer = Tokenizer::from_json(
+            &reply.tokenizer_json,
+            reply.bos_id,
+            reply.eos_id,
+            reply.chat_template,
+            &target.endpoint,
+        )?;
+        Ok(Self {
+            targets,
+            draft,
+            tokenizer,
+            default_draft_tokens,
+            metrics: CoordinatorMetrics::default(),
+            draft_shares_cores: false,
+            // A CPU target gains nothing from speculation once it batches other sessions when
+            // the draft runs on its cores; a draft on other cores or another machine keeps paying
+            // (docs/benchmarks/concurrency.md, unpinned and pinned).
+            max_speculating: (cpu_target && shares_cores).then_some(1),
+            target_retry: Duration::from_secs(30),
+            draft_step_slack: crate::drafting::drafters::DEFAULT_STEP_SLACK,
+            draft_open_grace: DRAFT_GRACE,
+            call_floor: CALL_FLOOR,
+            learnt: Learnt::default(),
+            hopeless: AtomicUsize::new(0),
+            grammars: Grammars::default(),
+            active: AtomicUsize::new(0),
+            next_id: AtomicUsize::new(0),
+        })
+    }
+
+    /// The target replica whose info is the model's.
+    pub fn target(&self) -> &NodeHandle {
+        self.targets.primary()
+    }
+
+    /// The coordinator's `/metrics` page.
+    pub fn exposition(&self) -> String {
+        let mut round_trips = Vec::new();
+        let nodes = std::iter::once(("target-node", &self.targets))
+            .chain(self.draft.get().map(|d| ("draft-node", d)));
+        for (node, replicas) in nodes {
+            for (endpoint, rtt) in replicas.round_trips() {
+                round_trips.extend(rtt.map(|seconds| (node, endpoint, seconds)));
+            }
+        }
+        self.metrics.exposition(self.active(), &round_trips)
+    }
+
+    /// Generations running now.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// Whether the draft's and the target's passes take turns on the same cores (both models on
+    /// this process's CPU: [`tandem_runtime::kernels::Cores`]): a block drafted during the verify
+    /// then runs after it, one pass longer than the block the next round would draft (K + 1
+    /// tokens under the guess of the bonus token), and a wrong guess wastes it. Fixed K too
+    /// drafts no block ahead there: 8 sessions at K = 4 in one process, 268.6 tokens/s without
+    /// against 247.2 with, one session 100.1 against 96.7 (docs/benchmarks/concurrency.md).
+    fn passes_take_turns(&self) -> bool {
+        let cpu = |info: &v1::NodeInfo| info.device.starts_with("cpu");
+        self.draft_shares_cores
+            && cpu(&self.target().info)
+            && self.draft.get().is_some_and(|d| cpu(&d.primary().info))
+    }
+
+    /// Whether more generations run than adaptive K speculates for ([`Self::max_speculating`]).
+    fn crowded(&self) -> bool {
+        self.max_speculating.is_some_and(|n| self.active() > n)
+    }
+
+    /// Checks a request against the nodes' limits, naming the field and the limit: a request of
+    /// the tenant of all that name none ([`Self::prepare_for`]).
+    pub fn prepare(&self, request: &v1::GenerateRequest) -> Result<Job> {
+        self.prepare_for(request, &[])
+    }
+
+    /// [`Self::prepare`] for a request of the tenant whose salt is `tenant` (its API key's,
+    /// [`crate::engine::job::tenant_salt`]; empty: the tenant of all): its generation finds only
+    /// its tenant's entries of the nodes' prefix caches, or those of the request's `cache_salt`
+    /// where it gives one.
+    pub fn prepare_for(&self, request: &v1::GenerateRequest, tenant: &[u8]) -> Result<Job> {
+        self.check(request, tenant)
+            .inspect_err(|e| self.count_error(e))
+    }
+
+    fn count_error(&self, e: &Error) {
+        self.metrics.errors.add(&format!("{:?}", e.code()), 1);
+    }
+
+    /// Runs one generation. `sink` sees each round's commit as it happens (a slow client slows
+    /// the generation down rather than buffering it) and answers false when the client has
+    /// gone, which cancels the generation and frees both sessions.
+    #[tracing::instrument(name = "generate", skip_all, fields(
+        prompt_tokens = job.prompt.len(),
+        max_tokens = job.max_new_tokens,
+        k = job.draft_tokens,
+    ))]
+    pub async fn generate(&self, job: &Job, sink: &mut impl CommitSink) -> Result<Outcome> {
+        self.metrics.requests.inc();
+        self.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
+        let start = Instant::now();
+        self.active.fetch_add(1, Ordering::Relaxed);
+        let _active = ActiveGuard(&self.active);
+        let outcome = match Generation::open(self, job).await {
+            Ok(generation) => generation.run(sink).await,
+            Err(e) => Err(e),
+        };
+        match &outcome {
+            Ok(o) => self.metrics.finished(o, start.elapsed().as_secs_f64()),
+            Err(e) => self.count_error(e),
+        }
+        outcome
+    }
+
+    /// A request checked against the nodes' limits (naming the field and the limit) and turned
+    /// into a job: the prompt tokenized, K fixed or adaptive, the stop tokens, the grammar
+    /// compiled, the salt of its tenant (`tenant`'s unless it names one).
+    fn check(&self, request: &v1::GenerateRequest, tenant: &[u8]) -> Result<Job> {
+        if request.prompt_tokens.is_empty() && request.prompt.is_empty() {
+            return Err(tandem_runtime::Error::EmptyPrompt.into());
+        }
+        if request.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            let n = request.stop_token_ids.len();
+            let limit = format!("at most {MAX_STOP_TOKEN_IDS} ids");
+            return Err(tandem_runtime::Error::invalid("stop_token_ids", n, limit).into());
+        }
+        let prompt = if request.prompt_tokens.is_empty() {
+            self.tokenizer.encode(&request.prompt)?
+        } else {
+            request.prompt_tokens.clone()
+        };
+        let mut limits = RequestLimits {
+            vocab_size: self.target().info.vocab_size as usize,
+            context: self.target().limits().max_session_tokens as usize,
+            max_draft_tokens: (self.target().limits().max_draft_tokens as usize)
+                .min(MAX_DRAFT_TOKENS),
+            draft_limit_source: " (the nodes' --max-draft-tokens)",
+        };
+        if let Some(d) = self.draft.get().map(Replicas::primary) {
+            limits.context = limits.context.min(d.limits().max_session_tokens as usize);
+            limits.max_draft_tokens = limits
+                .max_draft_tokens
+                .min(d.limits().max_draft_tokens as usize);
+        }
+        let fixed_k = request
+            .draft_tokens
+            .map(|k| k as usize)
+            .or(self.default_draft_tokens);
+        let adaptive = fixed_k.is_none();
+        let request_job = GenerateRequest {
+            prompt,
+            max_new_tokens: match request.max_tokens {
+                0 => DEFAULT_MAX_TOKENS,
+                n => n as usize,
+            },
+            sampling: request.sampling.as_ref().map_or(
+                Ok(SamplingParams::default()),
+                v1::SamplingParams::to_runtime,
+            )?,
+            draft_tokens: fixed_k.unwrap_or_else(|| ADAPTIVE_MAX_K.min(limits.max_draft_tokens)),
+            stop_token_ids: if request.ignore_eos {
+                request.stop_token_ids.clone()
+            } else {
+                let model = &self.target().info.stop_token_ids;
+                [model.as_slice(), &request.stop_token_ids].concat()
+            },
+            stop_strings: request.stop.clone(),
+        };
+        request_job.check(&limits)?;
+        let constraint = self.grammars.check(
+            &self.tokenizer,
+            &self.target().info,
+            request.constraint.as_ref(),
+            request_job.prompt.len(),
+        )?;
+        let branches = request.draft_branches.map(|b| b as usize);
+        if let Some(b) = branches {
+            let k = request_job.draft_tokens;
+            if b > k || k + b > limits.max_draft_tokens {
+                let limit = format!(
+                    "at most draft_tokens ({k}), with them at most {}{}",
+                    limits.max_draft_tokens, limits.draft_limit_source
+                );
+                return Err(tandem_runtime::Error::invalid("draft_branches", b, limit).into());
+            }
+        }
+        if let Some(c) = request
+            .draft_min_confidence
+            .filter(|c| !(0.0..=1.0).contains(c))
+        {
+            let error = tandem_runtime::Error::invalid("draft_min_confidence", c, "in [0, 1]");
+            return Err(error.into());
+        }
+        Ok(Job {
+            min_confidence: request.draft_min_confidence,
+            request: request_job,
+            adaptive,
+            branches: branches.or(if adaptive { None } else { Some(0) }),
+            drafter: DrafterChoice::parse(&request.drafter)?,
+            pipeline: request.pipeline.unwrap_or(true),
+            top_logprobs: request.top_logprobs,
+            constraint,
+            cache_salt: cache_salt(&request.cache_salt, tenant)?,
+        })
+    }
+}
+
+/// Counts a generation as running while it lives.
+struct ActiveGuard<'a>(&'a AtomicUsize);
+
+impl Drop for ActiveGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}

@@ -3,8 +3,6 @@
 
 use tandem_runtime::GenerationStats;
 
-use crate::drafting::drafters::{ModelDrafter, StepFailure};
-use crate::drafting::policy::KPolicy;
 use crate::nodes::links::{NodeSession, Traffic, Wire};
 
 /// Statistics of a distributed generation.
@@ -46,29 +44,6 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Counts a draft step that failed or stalled; the draft-node's session is dropped (the
-    /// drafter re-attaches it in the background).
-    pub(crate) fn draft_failed(
-        &mut self,
-        failure: StepFailure,
-        model: &mut ModelDrafter,
-        policy: &mut KPolicy,
-        k: usize,
-    ) {
-        tracing::warn!(error = %failure, "dropped the draft-node: going on without it until it is attached again");
-        match failure {
-            StepFailure::Stalled(deadline) => {
-                self.draft_stalls += 1;
-                // It cost at least its deadline: priced so, it is not chosen again at once.
-                policy.observe_stall(k, deadline.as_secs_f64());
-            }
-            StepFailure::Failed(e) => self.lose_draft(format!("the draft-node failed: {e}")),
-        }
-        if let Some(d) = model.session.take() {
-            self.settle(&d);
-        }
-    }
-
     pub(crate) fn lose_draft(&mut self, reason: String) {
         self.draft_lost = true;
         self.draft_lost_reason = reason;

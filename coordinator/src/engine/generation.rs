@@ -1,0 +1,547 @@
+//! One generation's rounds (docs/architecture.md "Data flow of one round"). A [`Generation`]
+//! owns one request's state: its sessions on both nodes, the canonical log, the policy that
+//! chooses each round's drafter and K, the transcript. It opens both sessions ([`open`]), then
+//! runs each round as five phases:
+//!
+//! 1. [`Generation::plan`]: the drafter and K, the block's shape;
+//! 2. [`Generation::propose`]: the drafter's block (the draft-node's model, n-gram lookup, or a
+//!    block the draft-node drafted during the last verify);
+//! 3. [`Generation::verify`]: the target's verdict on it ([`verify`]), the draft-node drafting
+//!    the next block meanwhile;
+//! 4. [`Generation::learn`]: the policy learns the round's costs and acceptance, the
+//!    statistics and metrics record them;
+//! 5. [`Generation::commit`]: the transcript, the log and the client take the committed tokens.
+//!
+//! Losing the draft costs speed, not output: the generation goes on target-only. A lost target
+//! session is rebuilt by replaying the log. A draft's block is never trusted: the target-node
+//! refuses one that fails its checks and runs the round as a plain target step; more drafts
+//! than asked for are refused here. After [`MAX_REFUSED_BLOCKS`] refused blocks the draft is
+//! detached from the generation, which goes on target-only. A bad draft never fails a request.
+
+mod open;
+mod verify;
+
+use std::time::Instant;
+
+use tandem_proto::v1;
+use tandem_proto::{Error, Result};
+use tandem_runtime::{Constraint, DraftRefusal, FinishReason, RefusalReason, TokenLog, Transcript};
+use tracing::Instrument;
+
+use super::tree::Committed;
+use super::{CommitSink, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats};
+use crate::drafting::drafters::{
+    Ask, ModelDrafter, Proposal, StepFailure, chain_len, fixed_drafter, ngram_proposal,
+};
+use crate::drafting::policy::{Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
+use crate::drafting::shadow::{Shadow, shadow_len};
+use crate::nodes::links::{NodeSession, Target};
+use crate::nodes::replicas::Lease;
+
+/// One generation: its sessions, its log, its policy and its transcript.
+#[derive(Debug)]
+pub struct Generation<'e> {
+    engine: &'e Engine,
+    job: &'e Job,
+    target: NodeSession<Target>,
+    /// The replicas' counts of this generation (the target's, the draft's), given back at its end.
+    _leases: (Lease, Option<Lease>),
+    /// The draft-node's model, while it is attached.
+    model: Option<ModelDrafter>,
+    policy: KPolicy,
+    /// The load the generation ran at, summed over its rounds (and its start), and their count.
+    load: (usize, usize),
+    log: TokenLog,
+    grammar: Option<Constraint>,
+    transcript: Transcript<'e>,
+    shadow: Shadow,
+    /// A block the draft drafted during the last verify, when a guess of the bonus token was
+    /// right: the next round's drafts, ready without asking.
+    ahead: Option<Proposal>,
+    /// Drafts the draft-node accepts per step (0 without one).
+    max_draft: usize,
+    logprobs: Vec<v1::TokenLogprobs>,
+    stats: Stats,
+    prefill_start: Instant,
+    decode_start: Instant,
+    last_commit: Option<Instant>,
+}
+
+/// A round as planned: who drafts, how many, of what shape.
+#[derive(Debug)]
+struct Round {
+    plan: Plan,
+    /// N-gram lookup's proposal, where it was considered (looked up once: the choice weighs its
+    /// length, the round uses its tokens).
+    ngram: Proposal,
+    /// The block drafted during the last verify, where this round drafts with the model.
+    ready: Option<Proposal>,
+    /// Whether the drafts were drafted during the last verify.
+    drafted_ahead: bool,
+    /// Sibling leaves beside the chain (a token tree).
+    branches: usize,
+    /// Where the draft's chain stops.
+    min_confidence: f32,
+    start: Instant,
+    span: tracing::Span,
+}
+
+/// A round's block as verified.
+#[derive(Debug)]
+struct Verified {
+    verdict: v1::VerdictReply,
+    /// What the verdict committed, and the block's chain length.
+    tree: Committed,
+    chain: usize,
+    /// The verify's own time and the round's, from its plan to the verdict.
+    verify_wall: f64,
+    round_wall: f64,
+    /// The block drafted during the verify: its length (K + 1) and what came of it.
+    drafted_next: Option<(usize, std::result::Result<Proposal, StepFailure>)>,
+}
+
+impl<'e> Generation<'e> {
+    /// Runs the rounds until the transcript finishes (or a round fails, or the client leaves),
+    /// then closes both sessions.
+    pub(super) async fn run(mut self, sink: &mut impl CommitSink) -> Result<Outcome> {
+        let result = loop {
+            if let Some(finish) = self.transcript.finish_reason() {
+                break Ok(finish);
+            }
+            let mut round = self.plan();
+            let block = self.propose(&mut round).await;
+            let verified = match self.verify(&round, &block).await {
+                Ok(v) => v,
+                Err(e) => break Err(e),
+            };
+            let mut verified = verified;
+            self.learn(&round, &block, &mut verified);
+            if let Err(e) = self.commit(&round, verified, sink).await {
+                break Err(e);
+            }
+        };
+        self.finish(result)
+    }
+
+    /// Phase 1: this round's drafter and K (the request's fixed K, or the policy's choice), and
+    /// the block's shape.
+    fn plan(&mut self) -> Round {
+        if let Some(t) = self.model.as_mut().and_then(|m| m.poll(&self.log)) {
+            self.policy.observe_timing(&t);
+            self.shadow.drafted(&t);
+        }
+        let (plan, ngram) = self.choose();
+        tracing::debug!(?plan, policy = %self.policy.summary(), "round planned");
+        let start = Instant::now();
+        let span = tracing::info_span!("round", n = self.stats.base.rounds + 1, k = plan.k);
+        let ready = self
+            .ahead
+            .take()
+            .filter(|_| plan.drafter == Some(Drafter::Model));
+        // Sibling leaves beside the model's drafts (a token tree): the request's, or as many as
+        // the policy expects to pay.
+        let room = self.max_draft.saturating_sub(plan.k).min(plan.k);
+        let branches = match (plan.drafter, self.job.branches) {
+            (Some(Drafter::Model), Some(b)) => b.min(room),
+            (Some(Drafter::Model), None) => self.policy.branches(plan.k, room),
+            // The n-gram drafter's tree is the target's alone to take (the request's count,
+            // checked against its limit).
+            (Some(Drafter::Ngram), Some(b)) => b.min(plan.k),
+            _ => 0,
+        };
+        Round {
+            min_confidence: self.job.stop_below(&self.policy, plan.k),
+            drafted_ahead: ready.is_some(),
+            plan,
+            ngram,
+            ready,
+            branches,
+            start,
+            span,
+        }
+    }
+
+    /// The drafter and K of [`Self::plan`], and n-gram lookup's proposal when it was considered.
+    fn choose(&mut self) -> (Plan, Proposal) {
+        let (job, remaining) = (self.job, self.transcript.remaining());
+        let (log, grammar) = (&self.log, self.grammar.as_mut());
+        let cap = job.draft_tokens.min(remaining.saturating_sub(1));
+        let attached = self.model.as_ref().is_some_and(|m| m.session.is_some());
+        if !job.adaptive {
+            let plan = match cap {
+                0 => Plan::TARGET_ONLY,
+                k => Plan {
+                    drafter: Some(fixed_drafter(job.drafter, attached)),
+                    k,
+                },
+            };
+            let ngram = match plan.drafter {
+                // A fixed request's siblings: the n-gram drafter's other continuations.
+                Some(Drafter::Ngram) => {
+                    ngram_proposal(log, (cap, job.branches.unwrap_or(0).min(cap)), grammar).0
+                }
+                _ => Proposal::default(),
+            };
+            return (plan, ngram);
+        }
+        if self.engine.crowded() {
+            return (Plan::TARGET_ONLY, Proposal::default());
+        }
+        let (ngram, matched) = if job.drafter.uses_ngram() {
+            ngram_proposal(log, (cap, 0), grammar)
+        } else {
+            (Proposal::default(), 0)
+        };
+        let offer = NgramOffer {
+            len: ngram.tokens.len(),
+            matched,
+        };
+        let model = attached && job.drafter.uses_model();
+        (self.policy.choose(model, offer, remaining), ngram)
+    }
+
+    /// Phase 2: the round's block, from its drafter. More drafts than asked for are refused
+    /// here: the round is then a plain target step.
+    async fn propose(&mut self, round: &mut Round) -> Proposal {
+        let (k, branches) = (round.plan.k, round.branches);
+        let mut proposal = match round.plan.drafter {
+            Some(Drafter::Model) if let Some(ready) = round.ready.take() => {
+                self.stats.pipeline_hits += 1;
+                ready.truncated(k + branches)
+            }
+            Some(Drafter::Model) => {
+                let ask = Ask {
+                    k,
+                    branches,
+                    min_confidence: round.min_confidence,
+                };
+                let expected = self.policy.expected_draft_seconds(k);
+                let m = self.model.as_mut().expect("attached");
+                let span = tracing::info_span!(parent: &round.span, "draft", k);
+                let stepped = m.step(&self.log, ask, expected).instrument(span).await;
+                match stepped {
+                    Ok(p) => {
+                        self.stats.draft_node_tokens += p.tokens.len() as u32;
+                        p
+                    }
+                    Err(e) => {
+                        self.draft_failed(e, k);
+                        Proposal::default()
+                    }
+                }
+            }
+            // A tree (a fixed request's branches) is looked up at the round's K already.
+            Some(Drafter::Ngram) if !round.ngram.parents.is_empty() => {
+                std::mem::take(&mut round.ngram)
+            }
+            Some(Drafter::Ngram) => std::mem::take(&mut round.ngram).truncated(k),
+            None => Proposal::default(),
+        };
+        if proposal.tokens.len() > k + branches {
+            let refusal = DraftRefusal::new(
+                k + branches,
+                RefusalReason::TooManyDrafts,
+                format!(
+                    "{} drafts, {} asked for",
+                    proposal.tokens.len(),
+                    k + branches
+                ),
+            );
+            tracing::info!(%refusal, "draft block refused");
+            self.refused(refusal.reason.as_str(), || refusal.to_string());
+            proposal.tokens.clear();
+            proposal.q.clear();
+            proposal.parents.clear();
+        }
+        self.stats.base.draft_seconds += proposal.compute_secs;
+        proposal
+    }
+
+    /// Phase 3: the target's verdict on `block`. While the target verifies, the draft-node
+    /// drafts the block that follows if every draft of the chain (a tree's drafts before its
+    /// first sibling) is accepted, of this block's shape (docs/architecture.md "Pipelined"),
+    /// when it fits in the verify's time and in what the generation has left, and where it is
+    /// expected to pay (a poor draft's chain is seldom accepted whole): at least this round's K
+    /// (a chain cut short too), and one longer where K is adaptive ([`KPolicy::ahead_len`]); the
+    /// next round takes the part it planned, so rounds fall where they would without drafting
+    /// ahead. The drafts go back to the draft-node unverified: ids outside the vocabulary (a
+    /// lying draft) would make it refuse the step, so such a block is not drafted past.
+    async fn verify(&mut self, round: &Round, block: &Proposal) -> Result<Verified> {
+        let (drafts, parents) = (&block.tokens, &block.parents);
+        let expected = self.policy.expected_verify_seconds(drafts.len() + 1);
+        let chain = chain_len(parents, drafts.len());
+        let ahead = self.ahead_len(round, block, chain);
+        let start = Instant::now();
+        // The verify's own time, whatever the draft-node does meanwhile.
+        let span = tracing::info_span!(parent: &round.span, "verify", drafts = drafts.len());
+        let (engine, target, log) = (self.engine, &mut self.target, &self.log);
+        let verify = async move {
+            let block = (&drafts[..], &block.q[..], &parents[..]);
+            let verdict = verify::on_target(engine, target, log, block, expected)
+                .instrument(span)
+                .await;
+            (verdict, start.elapsed().as_secs_f64())
+        };
+        let ((verdict, verify_wall), drafted_next) = match (self.model.as_mut(), ahead) {
+            (Some(m), Some(shape)) => {
+                let expected = self.policy.expected_draft_seconds(shape.k);
+                let next = m.step_ahead(&self.log, &drafts[..chain], shape, expected);
+                let (v, drafted) = tokio::join!(verify, next);
+                (v, Some((shape.k, drafted)))
+            }
+            _ => (verify.await, None),
+        };
+        let round_wall = round.start.elapsed().as_secs_f64();
+        let verdict = verdict?;
+        let tree = super::tree::committed(drafts, parents, &verdict)?;
+        Ok(Verified {
+            verdict,
+            tree,
+            chain,
+            verify_wall,
+            round_wall,
+            drafted_next,
+        })
+    }
+
+    /// The shape of the block to draft during the verify of `block` (whose chain is `chain`
+    /// long), where one is drafted ([`Self::verify`]).
+    fn ahead_len(&self, round: &Round, block: &Proposal, chain: usize) -> Option<Ask> {
+        let attached = self.model.as_ref().is_some_and(|m| m.session.is_some());
+        if round.plan.drafter != Some(Drafter::Model) || !attached {
+            return None;
+        }
+        let want = chain.max(round.plan.k);
+        let vocab = self.engine.target().info.vocab_size;
+        let next = self.policy.ahead_len(want);
+        let next = if self.job.adaptive {
+            next
+        } else {
+            next.min(want)
+        }
+        .min(self.max_draft.saturating_sub(1));
+        // Sampled, a tree drafted ahead would not be the tree the next step grows (its nodes
+        // beside the chain are the best of a larger tree): a seeded generation would then depend
+        // on when drafting ahead paid. A chain drafted ahead is the chain the step draws.
+        let drafts = &block.tokens;
+        let fits = chain > 0
+            && (round.branches == 0 || self.job.sampling.is_greedy())
+            && next >= want
+            && self.transcript.remaining() >= chain + next + 2
+            && drafts[..chain].iter().all(|&t| t < vocab);
+        // Drafted whole: the part under the right guess is cut as the step would have cut it
+        // ([`Self::learn`]), so that blocks end where they would without drafting ahead.
+        fits.then(|| Ask {
+            k: next + 1,
+            branches: (round.branches.min(next + 1)).min(self.max_draft.saturating_sub(next + 1)),
+            min_confidence: 0.0,
+        })
+    }
+
+    /// Phase 4: what the round teaches the policy, and what the statistics and metrics record.
+    fn learn(&mut self, round: &Round, block: &Proposal, verified: &mut Verified) {
+        // A block drafted ahead that failed or stalled was priced by `observe_stall`: the
+        // round's wall time says nothing more about the drafter's cost.
+        let (drafted_next, ahead_failed) = match &verified.drafted_next {
+            Some((next, Ok(_))) => (*next, false),
+            Some((_, Err(_))) => (0, true),
+            None => (0, false),
+        };
+        if let Some(r) = verified.verdict.draft_refused.take() {
+            self.refused(&r.reason, || r.message.clone());
+        }
+        // The draft's compute the round waited for: its step, and of a block drafted during the
+        // verify what ran past the verdict.
+        let draft_waited = block.compute_secs + self.drafted_ahead(round, verified);
+        let Verified { verdict, tree, .. } = &*verified;
+        let (drafts, accepted) = (block.tokens.len(), verdict.accepted as usize);
+        let verify_secs = verdict.compute_micros as f64 * 1e-6;
+        self.stats.base.target_seconds += verify_secs;
+        if let Some(right) = tree.sibling {
+            let past_chain = if right { accepted - tree.chain.1 } else { 0 };
+            self.policy.observe_sibling(past_chain);
+        }
+        if !block.parents.is_empty() {
+            self.stats.tree_rounds += 1;
+            self.stats.sibling_hits += u32::from(tree.sibling == Some(true));
+        }
+        let drafter = round.plan.drafter.filter(|_| drafts > 0);
+        self.load = (self.load.0 + self.engine.active(), self.load.1 + 1);
+        match drafter {
+            Some(Drafter::Model) => self.stats.model_rounds += 1,
+            Some(Drafter::Ngram) => self.stats.ngram_rounds += 1,
+            None => self.stats.target_only_rounds += 1,
+        }
+        // The policy learns the chain's acceptance by depth (siblings: observe_sibling), and by
+        // the draft's confidence.
+        let (chain, chain_accepted) = tree.chain;
+        let confidence = &block.confidence;
+        if drafter == Some(Drafter::Model) && block.parents.is_empty() && confidence.len() == chain
+        {
+            self.policy.observe_confidence(confidence, chain_accepted);
+        }
+        self.policy.observe(
+            Plan { drafter, k: chain },
+            &RoundCosts {
+                drafted: chain,
+                siblings: drafts - chain,
+                drafted_ahead: round.drafted_ahead,
+                drafted_next,
+                accepted: chain_accepted,
+                draft_wall: block.wall_secs,
+                draft_compute: block.compute_secs,
+                verify_wall: verified.verify_wall,
+                round_wall: if ahead_failed {
+                    0.0
+                } else {
+                    verified.round_wall
+                },
+            },
+        );
+        self.stats.base.record_round(drafts, accepted);
+        self.stats.draft_waited_seconds += draft_waited;
+        let wall = round.start.elapsed().as_secs_f64();
+        let counts = (drafts, accepted);
+        (self.engine.metrics).round(drafter, counts, wall, draft_waited, verify_secs);
+    }
+
+    /// What came of the block drafted during the verify: kept for the next round where the
+    /// whole chain was accepted and the guess of the bonus token was right. Returns the draft's
+    /// compute of it that ran past the verdict (the round waited for it).
+    fn drafted_ahead(&mut self, round: &Round, verified: &mut Verified) -> f64 {
+        let next = match verified.drafted_next.take() {
+            Some((_, Ok(next))) => next,
+            Some((k, Err(e))) if self.model.is_some() => {
+                self.draft_failed(e, k);
+                return 0.0;
+            }
+            _ => return 0.0,
+        };
+        self.stats.pipeline_rounds += 1;
+        self.stats.draft_node_tokens += next.tokens.len() as u32;
+        self.stats.base.draft_seconds += next.compute_secs;
+        let waited = (next.compute_secs - verified.verify_wall).max(0.0);
+        let chain = verified.chain;
+        if verified.tree.chain == (chain, chain) && verified.verdict.accepted as usize == chain {
+            let under = next.under(verified.verdict.next_token);
+            self.policy.observe_guess(under.is_some());
+            self.ahead = under
+                .map(|p| p.cut(round.min_confidence))
+                .filter(|p| !p.tokens.is_empty());
+        }
+        waited
+    }
+
+    /// Phase 5: the committed tokens into the transcript, the log and the client; the draft-node
+    /// timed or caught up in the background where it did not draft. An error where the client
+    /// has gone (CANCELLED).
+    async fn commit(
+        &mut self,
+        round: &Round,
+        verified: Verified,
+        sink: &mut impl CommitSink,
+    ) -> Result<()> {
+        let commit = self.transcript.commit(&verified.tree.tokens)?;
+        self.log.extend(&commit.tokens);
+        self.shadow.compare(&self.log, &mut self.policy);
+        let crowded = self.job.adaptive && self.engine.crowded();
+        let k = self.shadow_k(self.transcript.remaining());
+        if round.plan.drafter != Some(Drafter::Model)
+            && !crowded
+            && let Some(m) = self.model.as_mut()
+        {
+            if self.shadow.due(self.policy.model_could_pay()) {
+                if k > 0 {
+                    m.time_in_background(&self.log, k);
+                }
+            } else if self.policy.catch_up_soon(!self.engine.draft_shares_cores) {
+                m.catch_up_in_background(&self.log);
+            }
+        }
+        let logprobs = &verified.verdict.logprobs;
+        let n = commit.tokens.len().min(logprobs.len());
+        self.logprobs.extend_from_slice(&logprobs[..n]);
+        if !sink.send(&commit, &logprobs[..n]).await {
+            return Err(Error::Cancelled);
+        }
+        let metrics = &self.engine.metrics;
+        metrics.streamed(
+            &mut self.last_commit,
+            self.prefill_start,
+            commit.tokens.len(),
+        );
+        Ok(())
+    }
+
+    /// The length of a background timing step with `remaining` tokens left to generate.
+    fn shadow_k(&self, remaining: usize) -> usize {
+        shadow_len(self.job.draft_tokens.min(self.max_draft), remaining)
+    }
+
+    /// Ends the generation: what it learnt kept for the next at its load, both sessions closed,
+    /// the outcome (or the error that ended it).
+    fn finish(mut self, result: Result<FinishReason>) -> Result<Outcome> {
+        self.stats.base.decode_seconds = self.decode_start.elapsed().as_secs_f64();
+        // Fixed-K sessions measure the same costs and acceptance: every session teaches.
+        let load = self.load.0 as f64 / self.load.1 as f64;
+        self.engine.learnt.keep(load, self.policy);
+        self.stats.settle(&self.target);
+        self.target.close();
+        if let Some(m) = self.model.as_mut() {
+            self.stats.draft_reattached = m.reattached;
+            if let Some(d) = m.detach() {
+                self.stats.settle(&d);
+                d.close();
+            }
+        }
+        let finish_reason = result?;
+        let (text, token_ids) = self.transcript.into_output();
+        self.stats.base.generated_tokens = token_ids.len();
+        Ok(Outcome {
+            text,
+            token_ids,
+            finish_reason,
+            stats: self.stats,
+            logprobs: self.logprobs,
+        })
+    }
+
+    /// A draft step that failed or stalled: counted, priced (a stall cost at least its
+    /// deadline: so priced, it is not chosen again at once), and the draft-node's session
+    /// dropped (the drafter re-attaches it in the background).
+    fn draft_failed(&mut self, failure: StepFailure, k: usize) {
+        tracing::warn!(error = %failure, "dropped the draft-node: going on without it until it is attached again");
+        match failure {
+            StepFailure::Stalled(deadline) => {
+                self.stats.draft_stalls += 1;
+                self.policy.observe_stall(k, deadline.as_secs_f64());
+            }
+            StepFailure::Failed(e) => self.stats.lose_draft(format!("the draft-node failed: {e}")),
+        }
+        if let Some(d) = self.model.as_mut().and_then(|m| m.session.take()) {
+            self.stats.settle(&d);
+        }
+    }
+
+    /// Counts a refused block; at [`MAX_REFUSED_BLOCKS`] the draft is detached for good.
+    fn refused(&mut self, reason: &str, message: impl FnOnce() -> String) {
+        self.engine.metrics.draft_blocks_refused.add(reason, 1);
+        self.stats.draft_blocks_refused += 1;
+        if self.stats.draft_blocks_refused >= MAX_REFUSED_BLOCKS
+            && let Some(mut m) = self.model.take()
+        {
+            let why = format!(
+                "{} drafted blocks refused, the last: {}",
+                self.stats.draft_blocks_refused,
+                message()
+            );
+            tracing::warn!(reason = %why, "detaching the draft: going on without it");
+            self.stats.draft_reattached = m.reattached;
+            if let Some(d) = m.detach() {
+                self.stats.settle(&d);
+                d.close();
+            }
+            self.stats.lose_draft(why);
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! The target's verify of a round's block, with the replay that survives a lost session.
+
+use std::time::Instant;
+
+use tandem_proto::v1;
+use tandem_proto::{Error, Result};
+use tandem_runtime::TokenLog;
+
+use crate::engine::Engine;
+use crate::nodes::links::{NodeSession, Target};
+use crate::nodes::{TARGET_BACKOFF, TARGET_BACKOFF_MAX, call_deadline, jittered, session_lost};
+
+/// Verifies `drafts` on the target, within a deadline derived from what the policy expects
+/// of it ([`call_deadline`]). A lost target session (the node stopped, restarted, did not
+/// answer in time, or dropped the stream: [`session_lost`]) is rebuilt by replaying the log
+/// and the same verify asked again, with backoff and jitter, until [`Engine::target_retry`]
+/// has passed; only then does the generation fail, UNAVAILABLE. The log is canonical and
+/// the verify deterministic, so a generation that survives is the one it would have been.
+pub(super) async fn on_target(
+    engine: &Engine,
+    target: &mut NodeSession<Target>,
+    log: &TokenLog,
+    (drafts, q, parents): (&[u32], &[v1::Distribution], &[u32]),
+    expected: Option<f64>,
+) -> Result<v1::VerdictReply> {
+    let make = |committed, new_tokens| v1::TargetRequest {
+        kind: Some(v1::target_request::Kind::Verify(v1::VerifyBlock {
+            committed: Some(committed),
+            new_tokens,
+            drafts: drafts.to_vec(),
+            q: q.to_vec(),
+            parents: parents.to_vec(),
+        })),
+    };
+    let give_up = Instant::now() + engine.target_retry;
+    let home = target.replica;
+    let mut backoff = TARGET_BACKOFF;
+    for attempt in 0u32.. {
+        // A replay prefills the whole log: it may take what is left of the retry time.
+        let deadline = if attempt == 0 {
+            call_deadline(engine.call_floor, expected)
+        } else {
+            give_up
+                .saturating_duration_since(Instant::now())
+                .max(engine.call_floor)
+        };
+        // The same replica first (it may be back), then the next, and so on.
+        let replica = match attempt {
+            0 => home,
+            n => (home + n as usize - 1) % engine.targets.len(),
+        };
+        let id = target.session_id().to_string();
+        let error = {
+            let call = async {
+                if attempt > 0 {
+                    let moved = async {
+                        let channel = engine.targets.recheck(replica).await?.channel.clone();
+                        target.rebind(replica, channel);
+                        target.replay(log).await
+                    };
+                    moved.await.map_err(|e| engine.targets.failed(replica, e))?;
+                    let to = if replica == home { "same" } else { "other" };
+                    engine.metrics.target_replays.add(to, 1);
+                }
+                target.call(log, make).await
+            };
+            tokio::pin!(call);
+            // Late is not lost while the node works on the message (queued behind other
+            // sessions' work: many opening at once): the call is waited for again, not
+            // abandoned and replayed into a node already behind.
+            loop {
+                match tokio::time::timeout(deadline, &mut call).await {
+                    Ok(Ok(verdict)) => return Ok(verdict),
+                    Ok(Err(e)) if !session_lost(&e) => return Err(e),
+                    Ok(Err(e)) => break e,
+                    Err(_) if engine.targets.working_on(replica, &id).await => {
+                        engine.metrics.target_late_calls.inc_by(1);
+                        tracing::info!(waited = ?deadline, "target-node late but working");
+                    }
+                    Err(_) => {
+                        let what = format!("a verify within {deadline:?}");
+                        engine.targets.missed(replica, &what);
+                        break Error::TimedOut {
+                            node: "target-node",
+                            secs: deadline.as_secs_f64(),
+                        };
+                    }
+                }
+            }
+        };
+        // The last attempt falls at the deadline: a node back just before it is not missed.
+        let left = give_up.saturating_duration_since(Instant::now());
+        let wait = jittered(backoff, target.session_id(), attempt).min(left);
+        if left.is_zero() {
+            return Err(Error::Unavailable {
+                node: "target-node",
+                endpoint: engine.targets.endpoints(),
+                reason: format!(
+                    "the session was lost and the node did not come back within {} s \
+                     (--target-retry-secs): {}",
+                    engine.target_retry.as_secs(),
+                    tandem_proto::error_chain(&error)
+                ),
+            });
+        }
+        tracing::warn!(error = %tandem_proto::error_chain(&error), attempt, retry_in = ?wait,
+            "target session lost: replaying the log");
+        target.repairs += 1;
+        tokio::time::sleep(wait).await;
+        backoff = (backoff * 2).min(TARGET_BACKOFF_MAX);
+    }
+    unreachable!("the attempts are unbounded")
+}
