@@ -13,7 +13,8 @@ use tandem_coordinator::api::limits::{ClientLimits, TrustedProxies};
 use tandem_coordinator::cli::{Cli, Command, ServeArgs, client, local};
 use tandem_coordinator::engine::Engine;
 use tandem_coordinator::engine::late::{LateEngine, connect_until_ready};
-use tandem_proto::tls::{ClientTlsArgs, DefaultClients};
+use tandem_coordinator::nodes::LocalCluster;
+use tandem_proto::tls::{ClientTls, ClientTlsArgs, DefaultClients};
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -93,59 +94,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let max_speculating = args.max_speculating_sessions;
-    let target_retry = std::time::Duration::from_secs(args.target_retry_secs);
-    let draft_step_slack = std::time::Duration::from_millis(args.draft_step_slack_ms);
-    let draft_open_grace = std::time::Duration::from_millis(args.draft_open_grace_ms);
-    let configure = move |engine: &mut Engine| {
-        if let Some(n) = max_speculating {
-            engine.max_speculating = (n > 0).then_some(n);
-        }
-        engine.target_retry = target_retry;
-        engine.draft_step_slack = draft_step_slack;
-        engine.draft_open_grace = draft_open_grace;
-    };
-    let k = args.draft_tokens.0;
-    let engine = match &here {
-        Some(cluster) => {
-            let mut engine = cluster.engine(k).await?;
-            configure(&mut engine);
-            tracing::info!(
-                target_model = %engine.target().info.model_name,
-                draft_model = ?engine.draft.get().map(|d| d.primary().info.model_name.clone()),
-                draft_tokens = ?k,
-                "coordinator ready, its nodes in this process"
-            );
-            LateEngine::ready(Arc::new(engine))
-        }
-        None => {
-            // The APIs answer at once; requests are refused (not ready) until a target-node
-            // answers.
-            let engine = LateEngine::waiting(format!(
-                "connecting to the target-node at {}",
-                args.targets.join(", ")
-            ));
-            let connecting = engine.clone();
-            let (targets, drafts) = (args.targets.clone(), args.drafts.clone());
-            tokio::spawn(async move {
-                connect_until_ready(&connecting, || async {
-                    let mut engine = Engine::connect(&targets, &drafts, k, &node_tls).await?;
-                    configure(&mut engine);
-                    tracing::info!(
-                        target_nodes = %targets.join(", "),
-                        target_model = %engine.target().info.model_name,
-                        draft_nodes = %drafts.join(", "),
-                        draft_model = ?engine.draft.get().map(|d| d.primary().info.model_name.clone()),
-                        draft_tokens = ?k,
-                        "coordinator ready"
-                    );
-                    Ok(engine)
-                })
-                .await;
-            });
-            engine
-        }
-    };
+    let engine = start_engine(args, here.as_ref(), node_tls).await?;
     tracing::info!(
         listen = %listener.local_addr()?,
         grpc = tls.mode(),
@@ -208,4 +157,67 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     .await?;
     tracing::info!("coordinator stopped");
     Ok(())
+}
+
+/// The engine of `serve`, configured from `args`: over the nodes served in this process
+/// (`here`), ready at once; else one that answers at once, refusing requests (not ready) until
+/// a target-node at `--target` answers.
+async fn start_engine(
+    args: &ServeArgs,
+    here: Option<&LocalCluster>,
+    node_tls: ClientTls,
+) -> anyhow::Result<LateEngine> {
+    let max_speculating = args.max_speculating_sessions;
+    let target_retry = std::time::Duration::from_secs(args.target_retry_secs);
+    let draft_step_slack = std::time::Duration::from_millis(args.draft_step_slack_ms);
+    let draft_open_grace = std::time::Duration::from_millis(args.draft_open_grace_ms);
+    let configure = move |engine: &mut Engine| {
+        if let Some(n) = max_speculating {
+            engine.max_speculating = (n > 0).then_some(n);
+        }
+        engine.target_retry = target_retry;
+        engine.draft_step_slack = draft_step_slack;
+        engine.draft_open_grace = draft_open_grace;
+    };
+    let k = args.draft_tokens.0;
+    Ok(match here {
+        Some(cluster) => {
+            let mut engine = cluster.engine(k).await?;
+            configure(&mut engine);
+            tracing::info!(
+                target_model = %engine.target().info.model_name,
+                draft_model = ?engine.draft.get().map(|d| d.primary().info.model_name.clone()),
+                draft_tokens = ?k,
+                "coordinator ready, its nodes in this process"
+            );
+            LateEngine::ready(Arc::new(engine))
+        }
+        None => {
+            // The APIs answer at once; requests are refused (not ready) until a target-node
+            // answers.
+            let engine = LateEngine::waiting(format!(
+                "connecting to the target-node at {}",
+                args.targets.join(", ")
+            ));
+            let connecting = engine.clone();
+            let (targets, drafts) = (args.targets.clone(), args.drafts.clone());
+            tokio::spawn(async move {
+                connect_until_ready(&connecting, || async {
+                    let mut engine = Engine::connect(&targets, &drafts, k, &node_tls).await?;
+                    configure(&mut engine);
+                    tracing::info!(
+                        target_nodes = %targets.join(", "),
+                        target_model = %engine.target().info.model_name,
+                        draft_nodes = %drafts.join(", "),
+                        draft_model = ?engine.draft.get().map(|d| d.primary().info.model_name.clone()),
+                        draft_tokens = ?k,
+                        "coordinator ready"
+                    );
+                    Ok(engine)
+                })
+                .await;
+            });
+            engine
+        }
+    })
 }

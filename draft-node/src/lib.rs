@@ -2,8 +2,6 @@
 //! committed log it was told; a step rolls back to the named committed prefix, appends the
 //! newly committed tokens and proposes K tokens with the distributions they were sampled from.
 
-use std::sync::Arc;
-
 use tandem_node::{Incoming, NodeState, Session};
 use tandem_proto::v1::draft_response::Kind as Reply;
 use tandem_proto::v1::draft_service_server::{DraftService, DraftServiceServer};
@@ -11,9 +9,6 @@ use tandem_proto::v1::{self, draft_request::Kind};
 use tandem_proto::{Error, Result, distribution_to_wire, prefix_from_wire, prefix_to_wire};
 use tandem_runtime::speculative::ProposeJob;
 use tandem_runtime::{Drafter, KvPrefix, Prefix, Proposal, SequenceState, TokenLog};
-use tokio::net::TcpListener;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
 
 /// One draft session.
 #[derive(Debug)]
@@ -188,42 +183,9 @@ fn reply(kind: Reply) -> v1::DraftResponse {
     v1::DraftResponse { kind: Some(kind) }
 }
 
-/// The gRPC service.
-#[derive(Debug, Clone)]
-pub struct DraftServer(pub Arc<NodeState>);
-
-#[tonic::async_trait]
-impl DraftService for DraftServer {
-    type SessionStream = ReceiverStream<Result<v1::DraftResponse, Status>>;
-
-    async fn session(
-        &self,
-        request: Request<Streaming<v1::DraftRequest>>,
-    ) -> Result<Response<Self::SessionStream>, Status> {
-        Ok(Response::new(tandem_node::drive_session::<DraftSession>(
-            Arc::clone(&self.0),
-            request,
-        )))
-    }
-}
-
-/// Serves a loaded draft node on `listener` (with `tls`) until `shutdown` resolves.
-pub async fn serve(
-    listener: TcpListener,
-    state: Arc<NodeState>,
-    tls: tandem_proto::tls::ServerTlsSetup,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> std::result::Result<(), tonic::transport::Error> {
-    let service = DraftServiceServer::new(DraftServer(Arc::clone(&state)))
-        .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
-    tandem_node::serve(
-        listener,
-        state,
-        "tandem.v1.DraftService",
-        |router| router.add_service(service),
-        &tls,
-        shutdown,
-    )
-    .await
-}
+tandem_node::session_service!(
+    DraftServer: DraftService,
+    DraftServiceServer,
+    DraftSession,
+    "tandem.v1.DraftService"
+);

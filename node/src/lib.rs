@@ -1,7 +1,7 @@
 //! tandem-node: the parts of draft-node and target-node that do not depend on their role: the
 //! command line, model loading, the session table with its limits, the driver of one session's
 //! bidirectional stream (model work on the node's model thread, idle timeout, in-band rejections),
-//! node info, health, and serving.
+//! node info, health, and serving (a role's service: [`session_service!`]).
 
 mod config;
 mod host;
@@ -9,6 +9,7 @@ mod http;
 pub mod metrics;
 pub mod prefix_cache;
 mod serve;
+mod service;
 mod sessions;
 mod state;
 mod stream;

@@ -173,7 +173,18 @@ impl Default for NodeMetrics {
             kv_cache_usage_perc: FloatGauge::default(),
             registry: Registry::default(),
         };
-        let r = &mut m.registry;
+        let mut registry = Registry::default();
+        m.register_gauges(&mut registry);
+        m.register_counters(&mut registry);
+        m.registry = registry;
+        m
+    }
+}
+
+impl NodeMetrics {
+    /// The gauges.
+    fn register_gauges(&self, r: &mut Registry) {
+        let m = self;
         let gauges = [
             (
                 "tandem_node_sessions_active",
@@ -212,6 +223,11 @@ impl Default for NodeMetrics {
             "Fraction of the KV-cache budget that open sessions may grow to (1 = full)",
             m.kv_cache_usage_perc.clone(),
         );
+    }
+
+    /// The counters and the compute histogram.
+    fn register_counters(&self, r: &mut Registry) {
+        let m = self;
         let counters = [
             (
                 "tandem_node_sessions_opened",
@@ -275,11 +291,8 @@ impl Default for NodeMetrics {
             "tandem_node_draft_blocks_refused",
             "Drafted blocks the target-node refused (run as plain target steps), by reason",
         );
-        m
     }
-}
 
-impl NodeMetrics {
     /// The page, in the Prometheus text format.
     pub fn encode(&self) -> String {
         encode(&self.registry)

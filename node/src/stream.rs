@@ -137,96 +137,21 @@ async fn serve<S: Session>(
             Ok(Ok(Some(request))) => request,
         };
         let reply = match S::classify(request)? {
-            Incoming::Open(mut open) => {
+            Incoming::Open(open) => {
                 if session.is_some() {
                     return Err(Error::SessionAlreadyOpen);
                 }
-                tandem_proto::check_session_id(&open.session_id)?;
-                tracing::Span::current().record("session_id", open.session_id.as_str());
-                let (slot, prefix) = state.admit(&open)?;
-                let salt = std::mem::take(&mut open.cache_salt);
-                let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());
-                let arrived = std::time::Instant::now();
-                let positions = state.session_room(&open);
-                let mut s = S::open(state, open, prefix)?;
-                // Chunked prefill: each chunk is its own job on the model thread, so the
-                // batches of other sessions run between two chunks of a long prompt; the
-                // chunks of sessions that open together run in one pass ([`Prefill`]). The
-                // wait for the first is the open's queue time.
-                let mut queued = None;
-                loop {
-                    // A client gone mid-prefill (it gave up waiting): the rest is not computed
-                    // for nobody, ahead of the sessions still waiting for the model.
-                    if tx.is_closed() {
-                        return Ok(());
-                    }
-                    let item = (s, Arc::clone(state), arrived, span.clone());
-                    let (back, done, began) = state.worker.batch::<Prefill<S>>(item).await?;
-                    queued.get_or_insert(began);
-                    s = back;
-                    if done? {
-                        break;
-                    }
-                }
-                let cached = s.sequence().shared_tokens();
-                // Its prompt shared at once with the sessions that start the same way (`n`
-                // completions of one prompt, an agent's calls with one system prompt).
-                if state.prefixes.worth_keeping(s.sequence()) {
-                    let (back, published) = (state.worker)
-                        .run(move || {
-                            let published = s.sequence_mut().publish();
-                            (s, published)
-                        })
-                        .await?;
-                    s = back;
-                    state.publish(&slot, &salt, published?, positions);
-                }
-                state.metrics.sessions_opened.inc_by(1);
-                slot.set_kv_bytes(s.sequence().cache_bytes());
-                let reply = S::opened(v1::Opened {
-                    committed: Some(prefix_to_wire(s.held())),
-                    queued_micros: queued
-                        .map_or(0, |q| u64::try_from(q.as_micros()).unwrap_or(u64::MAX)),
-                    cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX),
-                });
-                *session = Some((s, slot, salt));
-                tracing::debug!("opened");
+                // The client gone mid-prefill: nothing more to do.
+                let Some((opened, reply)) = open_session::<S>(state, tx, open).await? else {
+                    return Ok(());
+                };
+                *session = Some(opened);
                 reply
             }
             Incoming::Work(work) => {
-                let (s, slot, salt) = session.take().ok_or(Error::NoSession)?;
-                slot.set_working(true);
-                let st = Arc::clone(state);
-                let start = std::time::Instant::now();
-                let held = s.held().len;
-                let span = match state.role {
-                    crate::Role::Draft => tracing::info_span!("draft_step", held),
-                    crate::Role::Target => tracing::info_span!("verify", held),
-                };
-                let (s, result) = (state.worker)
-                    .batch::<Handle<S>>((s, work, st, span))
-                    .await?;
-                slot.set_kv_bytes(s.sequence().cache_bytes());
-                let m = &state.metrics;
-                let reply = match result {
-                    Ok(reply) => {
-                        m.requests.inc_by(1);
-                        m.tokens.inc_by(S::tokens(&reply) as u64);
-                        m.compute.observe(start.elapsed().as_secs_f64());
-                        reply
-                    }
-                    Err(e) if in_band(&e) => {
-                        tracing::info!(error = %e, "rejected");
-                        m.errors.add(&format!("{:?}", e.code()), 1);
-                        S::rejected(v1::Rejection {
-                            code: e.code() as i32,
-                            message: e.to_string(),
-                            held: Some(prefix_to_wire(s.held())),
-                        })
-                    }
-                    Err(e) => return Err(e),
-                };
-                *session = Some((s, slot, salt));
+                let open = session.take().ok_or(Error::NoSession)?;
+                let (open, reply) = run_work::<S>(state, open, work).await?;
+                *session = Some(open);
                 reply
             }
             Incoming::Close => {
@@ -241,6 +166,106 @@ async fn serve<S: Session>(
             slot.set_working(false);
         }
     }
+}
+
+/// Opens a session (admitted, its prompt prefilled in chunks, published to the prefix cache
+/// where worth keeping) and its `Opened` reply; `None` where the client left mid-prefill.
+async fn open_session<S: Session>(
+    state: &Arc<NodeState>,
+    tx: &Outbound<S>,
+    mut open: v1::OpenSession,
+) -> Result<Option<(Open<S>, S::Response)>> {
+    tandem_proto::check_session_id(&open.session_id)?;
+    tracing::Span::current().record("session_id", open.session_id.as_str());
+    let (slot, prefix) = state.admit(&open)?;
+    let salt = std::mem::take(&mut open.cache_salt);
+    let span = tracing::info_span!("prefill", prompt_tokens = open.prompt.len());
+    let arrived = std::time::Instant::now();
+    let positions = state.session_room(&open);
+    let mut s = S::open(state, open, prefix)?;
+    // Chunked prefill: each chunk is its own job on the model thread, so the
+    // batches of other sessions run between two chunks of a long prompt; the
+    // chunks of sessions that open together run in one pass ([`Prefill`]). The
+    // wait for the first is the open's queue time.
+    let mut queued = None;
+    loop {
+        // A client gone mid-prefill (it gave up waiting): the rest is not computed
+        // for nobody, ahead of the sessions still waiting for the model.
+        if tx.is_closed() {
+            return Ok(None);
+        }
+        let item = (s, Arc::clone(state), arrived, span.clone());
+        let (back, done, began) = state.worker.batch::<Prefill<S>>(item).await?;
+        queued.get_or_insert(began);
+        s = back;
+        if done? {
+            break;
+        }
+    }
+    let cached = s.sequence().shared_tokens();
+    // Its prompt shared at once with the sessions that start the same way (`n`
+    // completions of one prompt, an agent's calls with one system prompt).
+    if state.prefixes.worth_keeping(s.sequence()) {
+        let (back, published) = (state.worker)
+            .run(move || {
+                let published = s.sequence_mut().publish();
+                (s, published)
+            })
+            .await?;
+        s = back;
+        state.publish(&slot, &salt, published?, positions);
+    }
+    state.metrics.sessions_opened.inc_by(1);
+    slot.set_kv_bytes(s.sequence().cache_bytes());
+    let reply = S::opened(v1::Opened {
+        committed: Some(prefix_to_wire(s.held())),
+        queued_micros: queued.map_or(0, |q| u64::try_from(q.as_micros()).unwrap_or(u64::MAX)),
+        cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX),
+    });
+    tracing::debug!("opened");
+    Ok(Some(((s, slot, salt), reply)))
+}
+
+/// Runs one step or verify of an open session on the model thread (batched with other
+/// sessions'); an error the client can act on is answered in band, as a rejection.
+async fn run_work<S: Session>(
+    state: &Arc<NodeState>,
+    open: Open<S>,
+    work: S::Work,
+) -> Result<(Open<S>, S::Response)> {
+    let (s, slot, salt) = open;
+    slot.set_working(true);
+    let st = Arc::clone(state);
+    let start = std::time::Instant::now();
+    let held = s.held().len;
+    let span = match state.role {
+        crate::Role::Draft => tracing::info_span!("draft_step", held),
+        crate::Role::Target => tracing::info_span!("verify", held),
+    };
+    let (s, result) = (state.worker)
+        .batch::<Handle<S>>((s, work, st, span))
+        .await?;
+    slot.set_kv_bytes(s.sequence().cache_bytes());
+    let m = &state.metrics;
+    let reply = match result {
+        Ok(reply) => {
+            m.requests.inc_by(1);
+            m.tokens.inc_by(S::tokens(&reply) as u64);
+            m.compute.observe(start.elapsed().as_secs_f64());
+            reply
+        }
+        Err(e) if in_band(&e) => {
+            tracing::info!(error = %e, "rejected");
+            m.errors.add(&format!("{:?}", e.code()), 1);
+            S::rejected(v1::Rejection {
+                code: e.code() as i32,
+                message: e.to_string(),
+                held: Some(prefix_to_wire(s.held())),
+            })
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(((s, slot, salt), reply))
 }
 
 /// The work of sessions of role `S`, run in batches on the model thread.

@@ -72,25 +72,7 @@ impl GenerateRequest {
     }
 }
 
-/// Why a generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// `max_new_tokens` reached.
-    Length,
-    /// A stop token or stop string.
-    Stop,
-}
-
-impl FinishReason {
-    /// The name OpenAI's API and the wire use: `length` or `stop`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Length => "length",
-            Self::Stop => "stop",
-        }
-    }
-}
+pub use crate::transcript::FinishReason;
 
 /// Counters and timings of one generation.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

@@ -99,6 +99,75 @@ fn fuse(
     Ok(())
 }
 
+/// The `config.json` of a model of `spec` (heads `head_dim` wide) with `tokenizer`'s
+/// vocabulary, as transformers writes it for the architecture.
+fn config_json(
+    spec: &SyntheticSpec,
+    head_dim: usize,
+    tokenizer: &crate::tokenizer::Tokenizer,
+) -> serde_json::Value {
+    let (class, model_type) = match spec.architecture {
+        Architecture::Llama => ("LlamaForCausalLM", "llama"),
+        Architecture::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+        Architecture::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+        Architecture::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+        Architecture::Phi3 => ("Phi3ForCausalLM", "phi3"),
+    };
+    let config = json!({
+        "architectures": [class],
+        "model_type": model_type,
+        "hidden_size": spec.hidden_size,
+        "head_dim": head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "vocab_size": tokenizer.vocab_size(),
+        "max_position_embeddings": spec.max_context,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": true,
+        "bos_token_id": tokenizer.bos_id(),
+        "eos_token_id": tokenizer.eos_id(),
+        "pad_token_id": tokenizer.eos_id(),
+    });
+    let mut config = config;
+    if spec.architecture == Architecture::Gemma3 {
+        let gemma = json!({
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": head_dim,
+            "sliding_window": spec.sliding_window,
+            "sliding_window_pattern": 6,
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+        });
+        if let (Some(c), Some(g)) = (config.as_object_mut(), gemma.as_object()) {
+            c.extend(g.clone());
+        }
+    }
+    if spec.architecture == Architecture::Phi3 {
+        // Phi-4-mini's rope over 3/4 of each head, and LongRoPE over a context 4× the
+        // original (the long factors, rising with the wavelength, as trained ones do).
+        let rotary = head_dim * 3 / 4;
+        let factors =
+            |step: f64| -> Vec<f64> { (0..rotary / 2).map(|i| 1.0 + step * i as f64).collect() };
+        let phi = json!({
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": spec.max_context / 4,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": factors(0.01),
+                "long_factor": factors(0.5),
+            },
+        });
+        if let (Some(c), Some(f)) = (config.as_object_mut(), phi.as_object()) {
+            c.extend(f.clone());
+        }
+    }
+    config
+}
+
 /// Writes `config.json`, `model.safetensors` (f32) and the tokenizer files of `tokenizer_dir`
 /// into `dir`: a random-weight model with that tokenizer's vocabulary.
 pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path) -> Result<()> {
@@ -195,65 +264,7 @@ pub fn write_random_llama(dir: &Path, spec: &SyntheticSpec, tokenizer_dir: &Path
             fuse(&mut tensors, &p, "mlp.gate_up_proj", &parts)?;
         }
     }
-    let (class, model_type) = match spec.architecture {
-        Architecture::Llama => ("LlamaForCausalLM", "llama"),
-        Architecture::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
-        Architecture::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
-        Architecture::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
-        Architecture::Phi3 => ("Phi3ForCausalLM", "phi3"),
-    };
-    let config = json!({
-        "architectures": [class],
-        "model_type": model_type,
-        "hidden_size": h,
-        "head_dim": head_dim,
-        "intermediate_size": i,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "vocab_size": vocab,
-        "max_position_embeddings": spec.max_context,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": true,
-        "bos_token_id": tokenizer.bos_id(),
-        "eos_token_id": tokenizer.eos_id(),
-        "pad_token_id": tokenizer.eos_id(),
-    });
-    let mut config = config;
-    if spec.architecture == Architecture::Gemma3 {
-        let gemma = json!({
-            "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": head_dim,
-            "sliding_window": spec.sliding_window,
-            "sliding_window_pattern": 6,
-            "rope_theta": 1_000_000.0,
-            "rope_local_base_freq": 10_000.0,
-        });
-        if let (Some(c), Some(g)) = (config.as_object_mut(), gemma.as_object()) {
-            c.extend(g.clone());
-        }
-    }
-    if spec.architecture == Architecture::Phi3 {
-        // Phi-4-mini's rope over 3/4 of each head, and LongRoPE over a context 4× the
-        // original (the long factors, rising with the wavelength, as trained ones do).
-        let rotary = head_dim * 3 / 4;
-        let factors =
-            |step: f64| -> Vec<f64> { (0..rotary / 2).map(|i| 1.0 + step * i as f64).collect() };
-        let phi = json!({
-            "partial_rotary_factor": 0.75,
-            "original_max_position_embeddings": spec.max_context / 4,
-            "rope_scaling": {
-                "type": "longrope",
-                "short_factor": factors(0.01),
-                "long_factor": factors(0.5),
-            },
-        });
-        if let (Some(c), Some(f)) = (config.as_object_mut(), phi.as_object()) {
-            c.extend(f.clone());
-        }
-    }
+    let config = config_json(spec, head_dim, &tokenizer);
     let config_path = dir.join("config.json");
     std::fs::write(
         &config_path,

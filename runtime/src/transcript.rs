@@ -3,8 +3,28 @@
 //! (never a partial stop string, never half a UTF-8 character).
 
 use crate::Result;
-use crate::generator::FinishReason;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
+use serde::Serialize;
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// `max_new_tokens` reached.
+    Length,
+    /// A stop token or stop string.
+    Stop,
+}
+
+impl FinishReason {
+    /// The name OpenAI's API and the wire use: `length` or `stop`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Length => "length",
+            Self::Stop => "stop",
+        }
+    }
+}
 
 /// What one round's commit produced.
 #[derive(Debug, Clone, PartialEq, Eq)]

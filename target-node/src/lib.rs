@@ -8,8 +8,6 @@
 //! target step and the verdict carries the refusal. A block that repeats the last one answered
 //! gets the same verdict again without a forward pass.
 
-use std::sync::Arc;
-
 use tandem_node::{Incoming, NodeState, Session};
 use tandem_proto::v1::target_response::Kind as Reply;
 use tandem_proto::v1::target_service_server::{TargetService, TargetServiceServer};
@@ -22,9 +20,6 @@ use tandem_runtime::{
     Distribution, DraftRefusal, KvPrefix, Prefix, RefusalReason, SequenceState, TokenLog, Verified,
     Verifier,
 };
-use tokio::net::TcpListener;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
 
 /// One target session.
 #[derive(Debug)]
@@ -334,42 +329,9 @@ fn reply(kind: Reply) -> v1::TargetResponse {
     v1::TargetResponse { kind: Some(kind) }
 }
 
-/// The gRPC service.
-#[derive(Debug, Clone)]
-pub struct TargetServer(pub Arc<NodeState>);
-
-#[tonic::async_trait]
-impl TargetService for TargetServer {
-    type SessionStream = ReceiverStream<Result<v1::TargetResponse, Status>>;
-
-    async fn session(
-        &self,
-        request: Request<Streaming<v1::TargetRequest>>,
-    ) -> Result<Response<Self::SessionStream>, Status> {
-        Ok(Response::new(tandem_node::drive_session::<TargetSession>(
-            Arc::clone(&self.0),
-            request,
-        )))
-    }
-}
-
-/// Serves a loaded target node on `listener` (with `tls`) until `shutdown` resolves.
-pub async fn serve(
-    listener: TcpListener,
-    state: Arc<NodeState>,
-    tls: tandem_proto::tls::ServerTlsSetup,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> std::result::Result<(), tonic::transport::Error> {
-    let service = TargetServiceServer::new(TargetServer(Arc::clone(&state)))
-        .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
-    tandem_node::serve(
-        listener,
-        state,
-        "tandem.v1.TargetService",
-        |router| router.add_service(service),
-        &tls,
-        shutdown,
-    )
-    .await
-}
+tandem_node::session_service!(
+    TargetServer: TargetService,
+    TargetServiceServer,
+    TargetSession,
+    "tandem.v1.TargetService"
+);

@@ -161,6 +161,18 @@ async fn a_peer_without_a_client_certificate_or_from_another_ca_is_refused() {
         .expect_err("a certificate from another CA");
 }
 
+/// Runs `coordinator generate` with `args`, which must fail saying `says`.
+fn generate_fails(args: &[&str], says: &str) {
+    let out = std::process::Command::new(binary("coordinator"))
+        .args(["generate", "--max-tokens", "4"])
+        .args(args)
+        .output()
+        .expect("run coordinator generate");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains(says), "{stderr}");
+}
+
 #[tokio::test]
 async fn plaintext_to_a_tls_port_fails_with_an_error_that_says_so() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -174,45 +186,27 @@ async fn plaintext_to_a_tls_port_fails_with_an_error_that_says_so() {
         &[],
         &dir.path().join("target.log"),
     );
-    let out = std::process::Command::new(binary("coordinator"))
-        .args(["generate", "--max-tokens", "4", "--endpoint"])
-        .arg(format!("http://{}", target.addr))
-        .output()
-        .expect("run coordinator generate");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("use https://"), "{stderr}");
+    let target_http = format!("http://{}", target.addr);
+    generate_fails(&["--endpoint", &target_http], "use https://");
     // And TLS to a plaintext port.
     let plain = Proc::node("target-node", &stories(), &[]);
-    let plain_addr = plain.addr;
-    let out = std::process::Command::new(binary("coordinator"))
-        .args(["generate", "--max-tokens", "4", "--tls-ca"])
-        .arg(&ca.cert)
-        .arg("--endpoint")
-        .arg(format!("https://{plain_addr}"))
-        .output()
-        .expect("run coordinator generate");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("does the server serve TLS"), "{stderr}");
+    let (ca_cert, plain_https) = (
+        ca.cert.display().to_string(),
+        format!("https://{}", plain.addr),
+    );
+    let args = ["--tls-ca", &ca_cert, "--endpoint", &plain_https];
+    generate_fails(&args, "does the server serve TLS");
     // And a node's address where the coordinator's is asked for: no wait mends either.
-    let out = std::process::Command::new(binary("coordinator"))
-        .args(["generate", "--max-tokens", "4", "--endpoint"])
-        .arg(format!("http://{plain_addr}"))
-        .output()
-        .expect("run coordinator generate");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("is not a Tandem coordinator"), "{stderr}");
+    let plain_http = format!("http://{}", plain.addr);
+    generate_fails(&["--endpoint", &plain_http], "is not a Tandem coordinator");
 
     // A coordinator given an http:// URL for a TLS node says why it is not ready.
-    let target_url = format!("http://{}", target.addr);
     let coordinator = Proc::start(
         "coordinator",
         &[
             "serve",
             "--target",
-            &target_url,
+            &target_http,
             "--listen",
             "127.0.0.1:0",
             "--http-listen",

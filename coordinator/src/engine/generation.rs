@@ -21,6 +21,8 @@
 mod open;
 mod verify;
 
+pub use open::DRAFT_GRACE;
+
 use std::time::Instant;
 
 use tandem_proto::v1;

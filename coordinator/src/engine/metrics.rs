@@ -118,7 +118,15 @@ impl Default for CoordinatorMetrics {
 
 impl CoordinatorMetrics {
     fn register(&mut self) {
-        let r = &mut self.registry;
+        let mut registry = Registry::default();
+        self.register_counts(&mut registry);
+        self.register_times(&mut registry);
+        self.register_labeled(&mut registry);
+        self.registry = registry;
+    }
+
+    /// The counters and gauges without labels.
+    fn register_counts(&self, r: &mut Registry) {
         let counters = [
             ("tandem_requests", "Generations started", &self.requests),
             (
@@ -188,6 +196,10 @@ impl CoordinatorMetrics {
             ),
         ];
         register_all(r, &gauges);
+    }
+
+    /// The histograms.
+    fn register_times(&self, r: &mut Registry) {
         let histograms = [
             (
                 "tandem_time_to_first_token_seconds",
@@ -232,6 +244,10 @@ impl CoordinatorMetrics {
              network (the rest: network, serialisation, scheduling)",
             self.round_part_seconds.clone(),
         );
+    }
+
+    /// The counters by label.
+    fn register_labeled(&self, r: &mut Registry) {
         let labeled = [
             (
                 "tandem_request_success",

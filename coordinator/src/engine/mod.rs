@@ -30,10 +30,9 @@ use tandem_runtime::{GenerateRequest, RequestLimits, SamplingParams, Tokenizer};
 use crate::constraints::Grammars;
 use crate::drafting::drafters::DrafterChoice;
 use crate::drafting::policy::ADAPTIVE_MAX_K;
-use crate::nodes::health::DRAFT_GRACE;
 use crate::nodes::replicas::Replicas;
 use crate::nodes::{CALL_FLOOR, LateDraft, NodeHandle};
-use generation::Generation;
+use generation::{DRAFT_GRACE, Generation};
 use job::cache_salt;
 pub use job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
 pub use late::LateEngine;
@@ -75,7 +74,7 @@ pub struct Engine {
     /// abandoned, its round decoded by the target alone.
     pub draft_step_slack: Duration,
     /// How long a generation's draft session is waited for once its target session is open, at
-    /// least ([`crate::nodes::health::open_draft`]): past it the generation starts with the target alone.
+    /// least: past it the generation starts with the target alone.
     pub draft_open_grace: Duration,
     /// A target call's deadline floor ([`crate::nodes::call_deadline`]): a call later than that, on a node
     /// that is not working on it, is taken for lost and its session replayed.

@@ -9,13 +9,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tandem_proto::Error;
-use tandem_runtime::TokenLog;
 use tokio::sync::Notify;
 use tonic::transport::Channel;
-
-use crate::nodes::links::{Draft, SessionSpec};
-use crate::nodes::replicas::{Opened, Replicas};
 
 /// How often a replica that is down is asked again whether it answers.
 pub const DOWN_PROBE: Duration = Duration::from_millis(500);
@@ -84,44 +79,6 @@ impl Health {
                 down_for = ?since.elapsed(), "node answers again");
         }
     }
-}
-
-/// The least a draft session's open is waited for once the target's has opened (the engine's
-/// `draft_open_grace` unless set).
-pub const DRAFT_GRACE: Duration = Duration::from_millis(250);
-
-/// Opens a generation's draft session beside its target session, and how long that took in
-/// seconds. Where every draft replica is down, it fails at once (`NotReady`, no call made); once
-/// the target's session is open (`target_opened` notified), the draft's is waited for at most as
-/// long again as the target's took, and at least `grace` ([`DRAFT_GRACE`]); past that it is
-/// abandoned (`TimedOut`): the generation starts with the target alone and attaches the draft in
-/// the background. A generation so never waits on a silent draft-node.
-pub async fn open_draft(
-    drafts: &Replicas,
-    (spec, log): (&SessionSpec, &TokenLog),
-    target_opened: &Notify,
-    grace: Duration,
-) -> (Opened<Draft>, f64) {
-    let i = drafts.pick_for(&spec.cache_salt, log.tokens());
-    if let Some(why) = drafts.all_down() {
-        return (drafts.refused(i, Error::NotReady(why)), 0.0);
-    }
-    let start = Instant::now();
-    let cut = async {
-        target_opened.notified().await;
-        let grace = start.elapsed().max(grace);
-        tokio::time::sleep(grace).await;
-        grace
-    };
-    let opened = tokio::select! {
-        opened = drafts.open::<Draft>(i, spec, log) => opened,
-        grace = cut => {
-            let e = Error::TimedOut { node: "draft-node", secs: start.elapsed().as_secs_f64() };
-            tracing::info!(?grace, "draft session not open in time: starting with the target alone");
-            drafts.refused(i, e)
-        }
-    };
-    (opened, start.elapsed().as_secs_f64())
 }
 
 /// A replica's channel with its health: where a draft session is opened again after a loss,

@@ -154,99 +154,81 @@ pub trait Wire: Send + 'static {
     ) -> impl Future<Output = Result<Streaming<Self::Resp>, Status>> + Send;
 }
 
-/// The draft side.
-#[derive(Debug)]
-pub struct Draft;
+/// Declares `$wire`, one node's side of a session stream ([`Wire`]): its request and response
+/// messages (`$req`, `$resp`, whose `kind`s live in the modules `$req_kind` and `$resp_kind`),
+/// the reply its steps answer (`$resp_kind::Kind::$answer`, a `v1::$answer_type`), and its
+/// client. A macro: each service's messages are prost types of their own, alike in shape.
+macro_rules! wire {
+    ($(#[$doc:meta])* $wire:ident, $node:literal, $client:ident,
+     $req:ident($req_kind:ident), $resp:ident($resp_kind:ident), $answer:ident($answer_type:ident)) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $wire;
 
-impl Wire for Draft {
-    type Req = v1::DraftRequest;
-    type Resp = v1::DraftResponse;
-    type Answer = v1::Proposal;
-    const NODE: &'static str = "draft-node";
+        impl Wire for $wire {
+            type Req = v1::$req;
+            type Resp = v1::$resp;
+            type Answer = v1::$answer_type;
+            const NODE: &'static str = $node;
 
-    fn open(open: v1::OpenSession) -> v1::DraftRequest {
-        v1::DraftRequest {
-            kind: Some(draft_request::Kind::Open(open)),
+            fn open(open: v1::OpenSession) -> v1::$req {
+                v1::$req {
+                    kind: Some($req_kind::Kind::Open(open)),
+                }
+            }
+
+            fn close() -> v1::$req {
+                v1::$req {
+                    kind: Some($req_kind::Kind::Close(v1::CloseSession {})),
+                }
+            }
+
+            fn classify(resp: v1::$resp) -> Option<Reply<v1::$answer_type>> {
+                use $resp_kind::Kind;
+                Some(match resp.kind? {
+                    Kind::Opened(o) => Reply::Opened(o),
+                    Kind::$answer(a) => Reply::Answer(a),
+                    Kind::Rejected(r) => Reply::Rejected(r),
+                    Kind::Closed(_) => Reply::Closed,
+                })
+            }
+
+            fn committed(answer: &v1::$answer_type) -> Option<v1::Prefix> {
+                answer.committed
+            }
+
+            async fn connect(
+                channel: Channel,
+                requests: ReceiverStream<v1::$req>,
+            ) -> Result<Streaming<v1::$resp>, Status> {
+                let mut client = $client::new(channel)
+                    .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
+                Ok(client.session(traced(requests)).await?.into_inner())
+            }
         }
-    }
-
-    fn close() -> v1::DraftRequest {
-        v1::DraftRequest {
-            kind: Some(draft_request::Kind::Close(v1::CloseSession {})),
-        }
-    }
-
-    fn classify(resp: v1::DraftResponse) -> Option<Reply<v1::Proposal>> {
-        use draft_response::Kind;
-        Some(match resp.kind? {
-            Kind::Opened(o) => Reply::Opened(o),
-            Kind::Proposal(p) => Reply::Answer(p),
-            Kind::Rejected(r) => Reply::Rejected(r),
-            Kind::Closed(_) => Reply::Closed,
-        })
-    }
-
-    fn committed(answer: &v1::Proposal) -> Option<v1::Prefix> {
-        answer.committed
-    }
-
-    async fn connect(
-        channel: Channel,
-        requests: ReceiverStream<v1::DraftRequest>,
-    ) -> Result<Streaming<v1::DraftResponse>, Status> {
-        let mut client = DraftServiceClient::new(channel)
-            .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
-        Ok(client.session(traced(requests)).await?.into_inner())
-    }
+    };
 }
 
-/// The target side.
-#[derive(Debug)]
-pub struct Target;
+wire!(
+    /// The draft side.
+    Draft,
+    "draft-node",
+    DraftServiceClient,
+    DraftRequest(draft_request),
+    DraftResponse(draft_response),
+    Proposal(Proposal)
+);
 
-impl Wire for Target {
-    type Req = v1::TargetRequest;
-    type Resp = v1::TargetResponse;
-    type Answer = v1::VerdictReply;
-    const NODE: &'static str = "target-node";
-
-    fn open(open: v1::OpenSession) -> v1::TargetRequest {
-        v1::TargetRequest {
-            kind: Some(target_request::Kind::Open(open)),
-        }
-    }
-
-    fn close() -> v1::TargetRequest {
-        v1::TargetRequest {
-            kind: Some(target_request::Kind::Close(v1::CloseSession {})),
-        }
-    }
-
-    fn classify(resp: v1::TargetResponse) -> Option<Reply<v1::VerdictReply>> {
-        use target_response::Kind;
-        Some(match resp.kind? {
-            Kind::Opened(o) => Reply::Opened(o),
-            Kind::Verdict(v) => Reply::Answer(v),
-            Kind::Rejected(r) => Reply::Rejected(r),
-            Kind::Closed(_) => Reply::Closed,
-        })
-    }
-
-    fn committed(answer: &v1::VerdictReply) -> Option<v1::Prefix> {
-        answer.committed
-    }
-
-    async fn connect(
-        channel: Channel,
-        requests: ReceiverStream<v1::TargetRequest>,
-    ) -> Result<Streaming<v1::TargetResponse>, Status> {
-        let mut client = TargetServiceClient::new(channel)
-            .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
-        Ok(client.session(traced(requests)).await?.into_inner())
-    }
-}
+wire!(
+    /// The target side.
+    Target,
+    "target-node",
+    TargetServiceClient,
+    TargetRequest(target_request),
+    TargetResponse(target_response),
+    Verdict(VerdictReply)
+);
 
 /// A streaming request carrying the current trace context, so the node's session span joins
 /// the generation's trace.

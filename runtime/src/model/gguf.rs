@@ -61,58 +61,8 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
             });
         }
     };
-    let factors = |name: &str| -> Result<Option<Vec<f32>>> {
-        match tensors.get_no_shape(name) {
-            Ok(t) => Ok(Some(t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)),
-            Err(_) => Ok(None),
-        }
-    };
     let context = meta.usize(&format!("{a}.context_length"))?;
-    let rope_scaling = if let (Some(short), Some(long)) = (
-        factors("rope_factors_short.weight")?,
-        factors("rope_factors_long.weight")?,
-    ) {
-        // Phi-3's LongRoPE, in llama.cpp's tensors and keys.
-        let original = meta
-            .opt_usize(&format!("{a}.rope.scaling.original_context_length"))
-            .unwrap_or(context);
-        let growth = context as f64 / original as f64;
-        RopeScaling::LongRope {
-            short,
-            long,
-            original,
-            attention_factor: meta
-                .opt_f64(&format!("{a}.rope.scaling.attn_factor"))
-                .unwrap_or(if growth <= 1.0 {
-                    1.0
-                } else {
-                    (1.0 + growth.ln() / (original as f64).ln()).sqrt()
-                }),
-        }
-    } else if let Ok(freqs) = tensors.get_no_shape("rope_freqs.weight") {
-        RopeScaling::Factors(freqs.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
-    } else {
-        match meta.opt_string(&format!("{a}.rope.scaling.type")) {
-            Some("linear") => RopeScaling::Linear {
-                factor: meta.f64(&format!("{a}.rope.scaling.factor"))?,
-            },
-            // llama.cpp's keys: its attention factor multiplies YaRN's own.
-            Some("yarn") => {
-                let factor = meta.f64(&format!("{a}.rope.scaling.factor"))?;
-                let times = meta
-                    .opt_f64(&format!("{a}.rope.scaling.yarn_attn_factor"))
-                    .unwrap_or(1.0);
-                RopeScaling::yarn(
-                    factor,
-                    meta.usize(&format!("{a}.rope.scaling.original_context_length"))?,
-                    meta.opt_f64(&format!("{a}.rope.scaling.yarn_beta_fast"))
-                        .zip(meta.opt_f64(&format!("{a}.rope.scaling.yarn_beta_slow"))),
-                    Some(times * RopeScaling::yarn_mscale(factor)),
-                )
-            }
-            _ => RopeScaling::None,
-        }
-    };
+    let rope_scaling = rope_scaling(&meta, &tensors, a, context)?;
     let num_layers = meta.usize(&format!("{a}.block_count"))?;
     // Phi-4-mini turns 3/4 of each head: its rope dimension count is not the head's width.
     let rotary = meta.opt_usize(&format!("{a}.rope.dimension_count"));
@@ -195,6 +145,69 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
             architecture,
         },
     })
+}
+
+/// The rotary embedding's scaling, in llama.cpp's tensors and keys (of architecture `a`, whose
+/// context is `context` long): Phi-3's LongRoPE factors, a `rope_freqs` tensor, linear or YaRN.
+fn rope_scaling(
+    meta: &Meta,
+    tensors: &QVarBuilder,
+    a: &str,
+    context: usize,
+) -> Result<RopeScaling> {
+    let factors = |name: &str| -> Result<Option<Vec<f32>>> {
+        match tensors.get_no_shape(name) {
+            Ok(t) => Ok(Some(t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)),
+            Err(_) => Ok(None),
+        }
+    };
+    Ok(
+        if let (Some(short), Some(long)) = (
+            factors("rope_factors_short.weight")?,
+            factors("rope_factors_long.weight")?,
+        ) {
+            // Phi-3's LongRoPE, in llama.cpp's tensors and keys.
+            let original = meta
+                .opt_usize(&format!("{a}.rope.scaling.original_context_length"))
+                .unwrap_or(context);
+            let growth = context as f64 / original as f64;
+            RopeScaling::LongRope {
+                short,
+                long,
+                original,
+                attention_factor: meta
+                    .opt_f64(&format!("{a}.rope.scaling.attn_factor"))
+                    .unwrap_or(if growth <= 1.0 {
+                        1.0
+                    } else {
+                        (1.0 + growth.ln() / (original as f64).ln()).sqrt()
+                    }),
+            }
+        } else if let Ok(freqs) = tensors.get_no_shape("rope_freqs.weight") {
+            RopeScaling::Factors(freqs.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
+        } else {
+            match meta.opt_string(&format!("{a}.rope.scaling.type")) {
+                Some("linear") => RopeScaling::Linear {
+                    factor: meta.f64(&format!("{a}.rope.scaling.factor"))?,
+                },
+                // llama.cpp's keys: its attention factor multiplies YaRN's own.
+                Some("yarn") => {
+                    let factor = meta.f64(&format!("{a}.rope.scaling.factor"))?;
+                    let times = meta
+                        .opt_f64(&format!("{a}.rope.scaling.yarn_attn_factor"))
+                        .unwrap_or(1.0);
+                    RopeScaling::yarn(
+                        factor,
+                        meta.usize(&format!("{a}.rope.scaling.original_context_length"))?,
+                        meta.opt_f64(&format!("{a}.rope.scaling.yarn_beta_fast"))
+                            .zip(meta.opt_f64(&format!("{a}.rope.scaling.yarn_beta_slow"))),
+                        Some(times * RopeScaling::yarn_mscale(factor)),
+                    )
+                }
+                _ => RopeScaling::None,
+            }
+        },
+    )
 }
 
 /// Refuses a file that ends before the last byte of a tensor (an interrupted download or copy),

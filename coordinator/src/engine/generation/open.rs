@@ -4,17 +4,17 @@
 //! where it cannot pay.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_proto::{Error, Result};
 use tandem_runtime::{TokenLog, Transcript};
+use tokio::sync::Notify;
 
 use super::Generation;
 use crate::drafting::drafters::ModelDrafter;
 use crate::drafting::shadow::Shadow;
 use crate::engine::metrics::Counted;
 use crate::engine::{Engine, Job, Stats};
-use crate::nodes::health::open_draft;
 use crate::nodes::links::{Draft, NodeSession, SessionSpec, Target};
 use crate::nodes::replicas::{Opened, Replicas};
 
@@ -182,7 +182,7 @@ async fn open_sessions(
     log: &TokenLog,
 ) -> (Opened<Target>, DraftOpened) {
     let _waiting = Counted::new(&engine.metrics.waiting);
-    let target_opened = tokio::sync::Notify::new();
+    let target_opened = Notify::new();
     tokio::join!(
         async {
             let i = engine.targets.pick_for(&spec.cache_salt, log.tokens());
@@ -192,8 +192,53 @@ async fn open_sessions(
         },
         async {
             let d = drafts?;
-            let grace = engine.draft_open_grace;
+            // Beside the target in this process (the all-in-one mode) there is no link to go
+            // silent, and the draft's open competes with the target's for the same cores: it is
+            // waited for, within its own deadline.
+            let grace = (!engine.draft_shares_cores).then_some(engine.draft_open_grace);
             Some(open_draft(d, (spec, log), &target_opened, grace).await)
         }
     )
+}
+
+/// The least a draft session's open is waited for once the target's has opened (the engine's
+/// `draft_open_grace` unless set).
+pub const DRAFT_GRACE: Duration = Duration::from_millis(250);
+
+/// Opens a generation's draft session beside its target session, and how long that took in
+/// seconds. Where every draft replica is down, it fails at once (`NotReady`, no call made); once
+/// the target's session is open (`target_opened` notified), the draft's is waited for at most as
+/// long again as the target's took, and at least `grace` ([`DRAFT_GRACE`]; `None`: no cut but
+/// the open's own deadline); past that it is abandoned (`TimedOut`): the generation starts with
+/// the target alone and attaches the draft in the background. A generation so never waits on a
+/// silent draft-node.
+async fn open_draft(
+    drafts: &Replicas,
+    (spec, log): (&SessionSpec, &TokenLog),
+    target_opened: &Notify,
+    grace: Option<Duration>,
+) -> (Opened<Draft>, f64) {
+    let i = drafts.pick_for(&spec.cache_salt, log.tokens());
+    if let Some(why) = drafts.all_down() {
+        return (drafts.refused(i, Error::NotReady(why)), 0.0);
+    }
+    let start = Instant::now();
+    let cut = async {
+        target_opened.notified().await;
+        let Some(grace) = grace else {
+            return std::future::pending().await;
+        };
+        let grace = start.elapsed().max(grace);
+        tokio::time::sleep(grace).await;
+        grace
+    };
+    let opened = tokio::select! {
+        opened = drafts.open::<Draft>(i, spec, log) => opened,
+        grace = cut => {
+            let e = Error::TimedOut { node: "draft-node", secs: start.elapsed().as_secs_f64() };
+            tracing::info!(?grace, "draft session not open in time: starting with the target alone");
+            drafts.refused(i, e)
+        }
+    };
+    (opened, start.elapsed().as_secs_f64())
 }
