@@ -12,7 +12,7 @@ use tandem_runtime::{Constraint, TokenLog};
 use tokio::sync::oneshot;
 
 use crate::constraints::cut;
-use crate::drafting::policy::{Drafter, Timing};
+use crate::drafting::policy::{DrafterKind, Timing};
 use crate::nodes::Reachable;
 use crate::nodes::links::{Draft, NodeSession, SessionSpec};
 
@@ -73,7 +73,7 @@ impl std::fmt::Display for StepFailure {
 
 /// A round's drafts.
 #[derive(Debug, Default)]
-pub struct Proposal {
+pub struct DraftBlock {
     pub tokens: Vec<u32>,
     pub q: Vec<v1::Distribution>,
     /// A token tree's parents (`v1::VerifyBlock::parents`); empty for a chain.
@@ -87,7 +87,7 @@ pub struct Proposal {
     pub wall_secs: f64,
 }
 
-impl Proposal {
+impl DraftBlock {
     /// The first `k` drafts (and their q; a tree stays one, its parents before its children).
     pub fn truncated(mut self, k: usize) -> Self {
         self.tokens.truncate(k);
@@ -206,7 +206,7 @@ enum Background {
 
 /// A session back from a background task, with the step it ran when it timed one (and the
 /// length of the log it drafted past).
-type Lent = (NodeSession<Draft>, Option<(usize, Proposal)>);
+type Lent = (NodeSession<Draft>, Option<(usize, DraftBlock)>);
 
 /// What a draft step asks for: `k` drafts, `branches` more nodes (a token tree), and where the
 /// chain stops early (`v1::DraftStep::min_confidence`).
@@ -423,11 +423,11 @@ impl ModelDrafter {
                     (kind == Background::Time).then(|| {
                         // A draft-node that sends more than asked is not believed past `k`.
                         p.tokens.truncate(k);
-                        let step = Proposal {
+                        let step = DraftBlock {
                             compute_secs: p.compute_micros as f64 * 1e-6,
                             wall_secs,
                             tokens: p.tokens,
-                            ..Proposal::default()
+                            ..DraftBlock::default()
                         };
                         (from, step)
                     }),
@@ -458,7 +458,7 @@ impl ModelDrafter {
         log: &TokenLog,
         ask: Ask,
         expected: Option<f64>,
-    ) -> Result<Proposal, StepFailure> {
+    ) -> Result<DraftBlock, StepFailure> {
         self.step_from(log, log, ask, expected).await
     }
 
@@ -469,7 +469,7 @@ impl ModelDrafter {
         committed: &TokenLog,
         ask: Ask,
         expected: Option<f64>,
-    ) -> Result<Proposal, StepFailure> {
+    ) -> Result<DraftBlock, StepFailure> {
         let Some(session) = self.session.as_mut() else {
             return Err(StepFailure::Failed(Error::Unavailable {
                 node: "draft-node",
@@ -498,7 +498,7 @@ impl ModelDrafter {
             Ok(p) => {
                 // The draft-node answers again: a later loss starts its backoff afresh.
                 self.backoff = REATTACH_FIRST;
-                Ok(Proposal {
+                Ok(DraftBlock {
                     tokens: p.tokens,
                     q: p.q,
                     parents: p.parents,
@@ -522,7 +522,7 @@ impl ModelDrafter {
     /// verifies them (docs/architecture.md "Pipelined"): its first depth is the draft's guesses
     /// of the bonus token, the rest continue them, so that if every draft is accepted and a
     /// guess is the target's token, the next round's drafts are ready when the verdict comes
-    /// ([`Proposal::under`]). A failure drops the session and re-attaches it from `log`, as
+    /// ([`DraftBlock::under`]). A failure drops the session and re-attaches it from `log`, as
     /// after any failed step.
     pub async fn step_ahead(
         &mut self,
@@ -530,7 +530,7 @@ impl ModelDrafter {
         drafts: &[u32],
         ask: Ask,
         expected: Option<f64>,
-    ) -> Result<Proposal, StepFailure> {
+    ) -> Result<DraftBlock, StepFailure> {
         let mut ahead = log.clone();
         ahead.extend(drafts);
         // On failure the session is re-attached from what is committed, not from the drafts
@@ -543,7 +543,7 @@ impl ModelDrafter {
         Ok(if proposal.q.len() == proposal.tokens.len() {
             proposal
         } else {
-            Proposal::default()
+            DraftBlock::default()
         })
     }
 
@@ -562,7 +562,7 @@ pub fn ngram_proposal(
     log: &TokenLog,
     (k, branches): (usize, usize),
     grammar: Option<&mut Constraint>,
-) -> (Proposal, usize) {
+) -> (DraftBlock, usize) {
     let start = Instant::now();
     let branches = if grammar.is_some() { 0 } else { branches };
     let crate::drafting::ngram::Lookup {
@@ -580,24 +580,24 @@ pub fn ngram_proposal(
         })
         .collect();
     let secs = start.elapsed().as_secs_f64();
-    let proposal = Proposal {
+    let proposal = DraftBlock {
         tokens,
         q,
         parents,
         compute_secs: secs,
         wall_secs: secs,
-        ..Proposal::default()
+        ..DraftBlock::default()
     };
     (proposal, matched)
 }
 
 /// Which drafter a fixed-K round uses.
-pub fn fixed_drafter(choice: DrafterChoice, model_attached: bool) -> Drafter {
+pub fn fixed_drafter(choice: DrafterChoice, model_attached: bool) -> DrafterKind {
     match choice {
-        DrafterChoice::Ngram => Drafter::Ngram,
-        DrafterChoice::Model | DrafterChoice::Auto if model_attached => Drafter::Model,
+        DrafterChoice::Ngram => DrafterKind::Ngram,
+        DrafterChoice::Model | DrafterChoice::Auto if model_attached => DrafterKind::Model,
         // The draft-node is lost (or never came): n-gram lookup stands in.
-        _ => Drafter::Ngram,
+        _ => DrafterKind::Ngram,
     }
 }
 
@@ -605,18 +605,18 @@ pub fn fixed_drafter(choice: DrafterChoice, model_attached: bool) -> Drafter {
 mod tests {
     use super::*;
 
-    fn block(tokens: &[u32], parents: &[u32]) -> Proposal {
+    fn block(tokens: &[u32], parents: &[u32]) -> DraftBlock {
         let q = tokens
             .iter()
             .map(|&t| v1::Distribution {
                 kind: Some(v1::distribution::Kind::OneHot(t)),
             })
             .collect();
-        Proposal {
+        DraftBlock {
             tokens: tokens.to_vec(),
             q,
             parents: parents.to_vec(),
-            ..Proposal::default()
+            ..DraftBlock::default()
         }
     }
 

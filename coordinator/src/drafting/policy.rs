@@ -56,7 +56,7 @@ const CALIBRATION_SAMPLE: (f64, f64) = (0.25, 4.0);
 
 /// Who drafts a round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Drafter {
+pub enum DrafterKind {
     /// The draft-node's model.
     Model,
     /// Prompt lookup over the session's own tokens.
@@ -72,12 +72,12 @@ pub struct NgramOffer {
 
 /// What a round does: `k == 0` is a plain target step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Plan {
-    pub drafter: Option<Drafter>,
+pub struct RoundPlan {
+    pub drafter: Option<DrafterKind>,
     pub k: usize,
 }
 
-impl Plan {
+impl RoundPlan {
     pub const TARGET_ONLY: Self = Self {
         drafter: None,
         k: 0,
@@ -383,10 +383,10 @@ impl KPolicy {
         next
     }
 
-    fn costs(&self, drafter: Drafter) -> &DrafterCosts {
+    fn costs(&self, drafter: DrafterKind) -> &DrafterCosts {
         match drafter {
-            Drafter::Model => &self.model,
-            Drafter::Ngram => &self.ngram[self.ngram_class],
+            DrafterKind::Model => &self.model,
+            DrafterKind::Ngram => &self.ngram[self.ngram_class],
         }
     }
 
@@ -399,7 +399,7 @@ impl KPolicy {
     }
 
     /// Expected tokens per second of drafting `k` with `drafter`.
-    pub fn rate(&self, drafter: Drafter, k: usize) -> f64 {
+    pub fn rate(&self, drafter: DrafterKind, k: usize) -> f64 {
         self.rate_with(drafter, k, self.verify_seconds(k + 1))
     }
 
@@ -410,23 +410,23 @@ impl KPolicy {
     /// less than its own verify: on a loaded machine, drafted rounds that ran in a lull can
     /// calibrate a draft never accepted down to a quarter of its cost, cheaper than the target
     /// alone (a loaded soak saw one used for 81 rounds of 200 with nothing accepted).
-    fn rate_with(&self, drafter: Drafter, k: usize, verify: f64) -> f64 {
+    fn rate_with(&self, drafter: DrafterKind, k: usize, verify: f64) -> f64 {
         self.costs(drafter).expected_tokens(k) / self.calibrated_round(drafter, k, verify)
     }
 
     /// [`Self::round_seconds`] calibrated, and no less than the verify.
-    fn calibrated_round(&self, drafter: Drafter, k: usize, verify: f64) -> f64 {
+    fn calibrated_round(&self, drafter: DrafterKind, k: usize, verify: f64) -> f64 {
         let calibration = self.costs(drafter).calibration;
         (self.round_seconds(drafter, k, verify) * calibration).max(verify)
     }
 
     /// The expected wall time of a round drafting `k` with `drafter`, as the parts add up
     /// (before calibration).
-    fn round_seconds(&self, drafter: Drafter, k: usize, verify: f64) -> f64 {
+    fn round_seconds(&self, drafter: DrafterKind, k: usize, verify: f64) -> f64 {
         let serial = self.costs(drafter).draft_seconds(k) + verify;
         match drafter {
-            Drafter::Model => self.ahead_plan(k, verify).map_or(serial, |(_, t)| t),
-            Drafter::Ngram => serial,
+            DrafterKind::Model => self.ahead_plan(k, verify).map_or(serial, |(_, t)| t),
+            DrafterKind::Ngram => serial,
         }
     }
 
@@ -450,7 +450,7 @@ impl KPolicy {
     }
 
     /// What the model predicts for a round that went as `round` did.
-    fn seconds_of(&self, drafter: Drafter, round: &RoundCosts) -> f64 {
+    fn seconds_of(&self, drafter: DrafterKind, round: &RoundCosts) -> f64 {
         let (costs, k) = (self.costs(drafter), round.drafted);
         let draft = if round.drafted_ahead {
             0.0
@@ -551,7 +551,7 @@ impl KPolicy {
 
     /// The best plan: `model` says whether the draft-node is attached, `ngram` what the n-gram
     /// lookup can propose, `remaining` how many tokens the generation may still take.
-    pub fn choose(&mut self, model: bool, ngram: NgramOffer, remaining: usize) -> Plan {
+    pub fn choose(&mut self, model: bool, ngram: NgramOffer, remaining: usize) -> RoundPlan {
         self.ngram_class = ngram::class(ngram.matched);
         self.seed_ngram_class();
         let ngram = ngram.len;
@@ -559,29 +559,29 @@ impl KPolicy {
         // against (extrapolating it from larger blocks overstates it where a forward's fixed
         // cost dominates).
         if self.verify.seen[0] < TARGET_ONLY_FIRST {
-            return Plan::TARGET_ONLY;
+            return RoundPlan::TARGET_ONLY;
         }
         let cap = self.max_k.min(remaining.saturating_sub(1));
         // The model competes once it has been timed; before, only a probe tries it.
         let timed = self.model.timed();
         // Drafting must beat target-only by a margin: a near tie is noise, and K = 0 is safe.
         let verify: Vec<f64> = (1..=cap + 1).map(|n| self.verify_seconds(n)).collect();
-        let mut best = ((1.0 + MARGIN) / verify[0], Plan::TARGET_ONLY);
+        let mut best = ((1.0 + MARGIN) / verify[0], RoundPlan::TARGET_ONLY);
         let mut best_model = None;
         for (drafter, limit) in [
-            (Drafter::Model, if model && timed { cap } else { 0 }),
-            (Drafter::Ngram, ngram.min(cap)),
+            (DrafterKind::Model, if model && timed { cap } else { 0 }),
+            (DrafterKind::Ngram, ngram.min(cap)),
         ] {
             // verify[k] is the block of k drafts plus one.
             for (k, verify) in verify.iter().enumerate().take(limit + 1).skip(1) {
                 let rate = self.rate_with(drafter, k, *verify);
-                if drafter == Drafter::Model && best_model.is_none_or(|(r, _)| rate > r) {
+                if drafter == DrafterKind::Model && best_model.is_none_or(|(r, _)| rate > r) {
                     best_model = Some((rate, k));
                 }
                 if rate > best.0 {
                     best = (
                         rate,
-                        Plan {
+                        RoundPlan {
                             drafter: Some(drafter),
                             k,
                         },
@@ -592,7 +592,7 @@ impl KPolicy {
         let mut plan = best.1;
         if plan.drafter.is_some() {
             self.drafted_rounds += 1;
-            let limit = if plan.drafter == Some(Drafter::Ngram) {
+            let limit = if plan.drafter == Some(DrafterKind::Ngram) {
                 ngram.min(cap)
             } else {
                 cap
@@ -601,7 +601,7 @@ impl KPolicy {
                 plan.k += 1;
             }
         }
-        if plan.drafter == Some(Drafter::Model) || !model || cap == 0 {
+        if plan.drafter == Some(DrafterKind::Model) || !model || cap == 0 {
             return plan;
         }
         // A probe: the model's best K (every other probe one longer, so that the draft's cost is
@@ -618,8 +618,8 @@ impl KPolicy {
             && self.model_could_pay()
         {
             self.probes += 1;
-            return Plan {
-                drafter: Some(Drafter::Model),
+            return RoundPlan {
+                drafter: Some(DrafterKind::Model),
                 k,
             };
         }
@@ -675,14 +675,14 @@ impl KPolicy {
             return self.first_probe_cost;
         }
         // Priced as the round is planned (drafted ahead of where that pays), calibrated.
-        let round = self.calibrated_round(Drafter::Model, k, self.verify_seconds(k + 1));
+        let round = self.calibrated_round(DrafterKind::Model, k, self.verify_seconds(k + 1));
         (round - self.model.expected_tokens(k) * self.verify_seconds(1)).max(0.0)
     }
 
     /// A one-line account of the estimates (for debug logs).
     pub fn summary(&self) -> String {
         let model: Vec<String> = (1..=self.max_k)
-            .map(|k| format!("{:.0}", self.rate(Drafter::Model, k)))
+            .map(|k| format!("{:.0}", self.rate(DrafterKind::Model, k)))
             .collect();
         format!(
             "target-only {:.0} tok/s, model by K {:?} (timed {}, calibration {:.2}, acceptance {:?}, draft s by K {:?}, ahead {}, shadow {:?}), verify s by n {:?}, guess {:.2}, idle {:.2} s",
@@ -730,8 +730,8 @@ impl KPolicy {
     /// Learns from a finished round: `drafted` tokens by `plan.drafter` (fewer than `plan.k` when
     /// the drafter had no more), `accepted` of them, the drafter's wall and compute seconds and
     /// the verify's wall seconds.
-    pub fn observe(&mut self, plan: Plan, round: &RoundCosts) {
-        if plan.drafter == Some(Drafter::Model) {
+    pub fn observe(&mut self, plan: RoundPlan, round: &RoundCosts) {
+        if plan.drafter == Some(DrafterKind::Model) {
             (self.idle_seconds, self.idle_rounds) = (0.0, 0);
         } else {
             self.idle_seconds += round.draft_wall + round.verify_wall;
@@ -743,8 +743,8 @@ impl KPolicy {
             // was drafted during its verify): acceptance's luck is not a cost.
             let predicted = self.seconds_of(drafter, round);
             let costs = match drafter {
-                Drafter::Model => &mut self.model,
-                Drafter::Ngram => &mut self.ngram[self.ngram_class],
+                DrafterKind::Model => &mut self.model,
+                DrafterKind::Ngram => &mut self.ngram[self.ngram_class],
             };
             if costs.timed() && round.round_wall > 0.0 && predicted > 0.0 {
                 costs.calibrate(round.round_wall / predicted);

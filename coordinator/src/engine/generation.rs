@@ -33,9 +33,9 @@ use tracing::Instrument;
 use super::tree::Committed;
 use super::{CommitSink, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats};
 use crate::drafting::drafters::{
-    Ask, ModelDrafter, Proposal, StepFailure, chain_len, fixed_drafter, ngram_proposal,
+    Ask, DraftBlock, ModelDrafter, StepFailure, chain_len, fixed_drafter, ngram_proposal,
 };
-use crate::drafting::policy::{Drafter, KPolicy, NgramOffer, Plan, RoundCosts};
+use crate::drafting::policy::{DrafterKind, KPolicy, NgramOffer, RoundCosts, RoundPlan};
 use crate::drafting::shadow::{Shadow, shadow_len};
 use crate::nodes::links::{NodeSession, Target};
 use crate::nodes::replicas::Lease;
@@ -59,7 +59,7 @@ pub struct Generation<'e> {
     shadow: Shadow,
     /// A block the draft drafted during the last verify, when a guess of the bonus token was
     /// right: the next round's drafts, ready without asking.
-    ahead: Option<Proposal>,
+    ahead: Option<DraftBlock>,
     /// Drafts the draft-node accepts per step (0 without one).
     max_draft: usize,
     logprobs: Vec<v1::TokenLogprobs>,
@@ -72,12 +72,12 @@ pub struct Generation<'e> {
 /// A round as planned: who drafts, how many, of what shape.
 #[derive(Debug)]
 struct Round {
-    plan: Plan,
+    plan: RoundPlan,
     /// N-gram lookup's proposal, where it was considered (looked up once: the choice weighs its
     /// length, the round uses its tokens).
-    ngram: Proposal,
+    ngram: DraftBlock,
     /// The block drafted during the last verify, where this round drafts with the model.
-    ready: Option<Proposal>,
+    ready: Option<DraftBlock>,
     /// Whether the drafts were drafted during the last verify.
     drafted_ahead: bool,
     /// Sibling leaves beside the chain (a token tree).
@@ -99,7 +99,7 @@ struct Verified {
     verify_wall: f64,
     round_wall: f64,
     /// The block drafted during the verify: its length (K + 1) and what came of it.
-    drafted_next: Option<(usize, std::result::Result<Proposal, StepFailure>)>,
+    drafted_next: Option<(usize, std::result::Result<DraftBlock, StepFailure>)>,
 }
 
 impl<'e> Generation<'e> {
@@ -139,16 +139,16 @@ impl<'e> Generation<'e> {
         let ready = self
             .ahead
             .take()
-            .filter(|_| plan.drafter == Some(Drafter::Model));
+            .filter(|_| plan.drafter == Some(DrafterKind::Model));
         // Sibling leaves beside the model's drafts (a token tree): the request's, or as many as
         // the policy expects to pay.
         let room = self.max_draft.saturating_sub(plan.k).min(plan.k);
         let branches = match (plan.drafter, self.job.branches) {
-            (Some(Drafter::Model), Some(b)) => b.min(room),
-            (Some(Drafter::Model), None) => self.policy.branches(plan.k, room),
+            (Some(DrafterKind::Model), Some(b)) => b.min(room),
+            (Some(DrafterKind::Model), None) => self.policy.branches(plan.k, room),
             // The n-gram drafter's tree is the target's alone to take (the request's count,
             // checked against its limit).
-            (Some(Drafter::Ngram), Some(b)) => b.min(plan.k),
+            (Some(DrafterKind::Ngram), Some(b)) => b.min(plan.k),
             _ => 0,
         };
         Round {
@@ -164,35 +164,35 @@ impl<'e> Generation<'e> {
     }
 
     /// The drafter and K of [`Self::plan`], and n-gram lookup's proposal when it was considered.
-    fn choose(&mut self) -> (Plan, Proposal) {
+    fn choose(&mut self) -> (RoundPlan, DraftBlock) {
         let (job, remaining) = (self.job, self.transcript.remaining());
         let (log, grammar) = (&self.log, self.grammar.as_mut());
         let cap = job.draft_tokens.min(remaining.saturating_sub(1));
         let attached = self.model.as_ref().is_some_and(|m| m.session.is_some());
         if !job.adaptive {
             let plan = match cap {
-                0 => Plan::TARGET_ONLY,
-                k => Plan {
+                0 => RoundPlan::TARGET_ONLY,
+                k => RoundPlan {
                     drafter: Some(fixed_drafter(job.drafter, attached)),
                     k,
                 },
             };
             let ngram = match plan.drafter {
                 // A fixed request's siblings: the n-gram drafter's other continuations.
-                Some(Drafter::Ngram) => {
+                Some(DrafterKind::Ngram) => {
                     ngram_proposal(log, (cap, job.branches.unwrap_or(0).min(cap)), grammar).0
                 }
-                _ => Proposal::default(),
+                _ => DraftBlock::default(),
             };
             return (plan, ngram);
         }
         if self.engine.crowded() {
-            return (Plan::TARGET_ONLY, Proposal::default());
+            return (RoundPlan::TARGET_ONLY, DraftBlock::default());
         }
         let (ngram, matched) = if job.drafter.uses_ngram() {
             ngram_proposal(log, (cap, 0), grammar)
         } else {
-            (Proposal::default(), 0)
+            (DraftBlock::default(), 0)
         };
         let offer = NgramOffer {
             len: ngram.tokens.len(),
@@ -204,14 +204,14 @@ impl<'e> Generation<'e> {
 
     /// Phase 2: the round's block, from its drafter. More drafts than asked for are refused
     /// here: the round is then a plain target step.
-    async fn propose(&mut self, round: &mut Round) -> Proposal {
+    async fn propose(&mut self, round: &mut Round) -> DraftBlock {
         let (k, branches) = (round.plan.k, round.branches);
         let mut proposal = match round.plan.drafter {
-            Some(Drafter::Model) if let Some(ready) = round.ready.take() => {
+            Some(DrafterKind::Model) if let Some(ready) = round.ready.take() => {
                 self.stats.pipeline_hits += 1;
                 ready.truncated(k + branches)
             }
-            Some(Drafter::Model) => {
+            Some(DrafterKind::Model) => {
                 let ask = Ask {
                     k,
                     branches,
@@ -228,16 +228,16 @@ impl<'e> Generation<'e> {
                     }
                     Err(e) => {
                         self.draft_failed(e, k);
-                        Proposal::default()
+                        DraftBlock::default()
                     }
                 }
             }
             // A tree (a fixed request's branches) is looked up at the round's K already.
-            Some(Drafter::Ngram) if !round.ngram.parents.is_empty() => {
+            Some(DrafterKind::Ngram) if !round.ngram.parents.is_empty() => {
                 std::mem::take(&mut round.ngram)
             }
-            Some(Drafter::Ngram) => std::mem::take(&mut round.ngram).truncated(k),
-            None => Proposal::default(),
+            Some(DrafterKind::Ngram) => std::mem::take(&mut round.ngram).truncated(k),
+            None => DraftBlock::default(),
         };
         if proposal.tokens.len() > k + branches {
             let refusal = DraftRefusal::new(
@@ -268,7 +268,7 @@ impl<'e> Generation<'e> {
     /// next round takes the part it planned, so rounds fall where they would without drafting
     /// ahead. The drafts go back to the draft-node unverified: ids outside the vocabulary (a
     /// lying draft) would make it refuse the step, so such a block is not drafted past.
-    async fn verify(&mut self, round: &Round, block: &Proposal) -> Result<Verified> {
+    async fn verify(&mut self, round: &Round, block: &DraftBlock) -> Result<Verified> {
         let (drafts, parents) = (&block.tokens, &block.parents);
         let expected = self.policy.expected_verify_seconds(drafts.len() + 1);
         let chain = chain_len(parents, drafts.len());
@@ -308,9 +308,9 @@ impl<'e> Generation<'e> {
 
     /// The shape of the block to draft during the verify of `block` (whose chain is `chain`
     /// long), where one is drafted ([`Self::verify`]).
-    fn ahead_len(&self, round: &Round, block: &Proposal, chain: usize) -> Option<Ask> {
+    fn ahead_len(&self, round: &Round, block: &DraftBlock, chain: usize) -> Option<Ask> {
         let attached = self.model.as_ref().is_some_and(|m| m.session.is_some());
-        if round.plan.drafter != Some(Drafter::Model) || !attached {
+        if round.plan.drafter != Some(DrafterKind::Model) || !attached {
             return None;
         }
         let want = chain.max(round.plan.k);
@@ -341,7 +341,7 @@ impl<'e> Generation<'e> {
     }
 
     /// Phase 4: what the round teaches the policy, and what the statistics and metrics record.
-    fn learn(&mut self, round: &Round, block: &Proposal, verified: &mut Verified) {
+    fn learn(&mut self, round: &Round, block: &DraftBlock, verified: &mut Verified) {
         // A block drafted ahead that failed or stalled was priced by `observe_stall`: the
         // round's wall time says nothing more about the drafter's cost.
         let (drafted_next, ahead_failed) = match &verified.drafted_next {
@@ -370,20 +370,22 @@ impl<'e> Generation<'e> {
         let drafter = round.plan.drafter.filter(|_| drafts > 0);
         self.load = (self.load.0 + self.engine.active(), self.load.1 + 1);
         match drafter {
-            Some(Drafter::Model) => self.stats.model_rounds += 1,
-            Some(Drafter::Ngram) => self.stats.ngram_rounds += 1,
+            Some(DrafterKind::Model) => self.stats.model_rounds += 1,
+            Some(DrafterKind::Ngram) => self.stats.ngram_rounds += 1,
             None => self.stats.target_only_rounds += 1,
         }
         // The policy learns the chain's acceptance by depth (siblings: observe_sibling), and by
         // the draft's confidence.
         let (chain, chain_accepted) = tree.chain;
         let confidence = &block.confidence;
-        if drafter == Some(Drafter::Model) && block.parents.is_empty() && confidence.len() == chain
+        if drafter == Some(DrafterKind::Model)
+            && block.parents.is_empty()
+            && confidence.len() == chain
         {
             self.policy.observe_confidence(confidence, chain_accepted);
         }
         self.policy.observe(
-            Plan { drafter, k: chain },
+            RoundPlan { drafter, k: chain },
             &RoundCosts {
                 drafted: chain,
                 siblings: drafts - chain,
@@ -448,7 +450,7 @@ impl<'e> Generation<'e> {
         self.shadow.compare(&self.log, &mut self.policy);
         let crowded = self.job.adaptive && self.engine.crowded();
         let k = self.shadow_k(self.transcript.remaining());
-        if round.plan.drafter != Some(Drafter::Model)
+        if round.plan.drafter != Some(DrafterKind::Model)
             && !crowded
             && let Some(m) = self.model.as_mut()
         {

@@ -45,13 +45,13 @@ impl Learnt {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::drafting::policy::{Plan, RoundCosts};
+    use crate::drafting::policy::{RoundCosts, RoundPlan};
 
     /// A policy that has seen target-only steps of `seconds`.
     fn stepped(seconds: f64) -> KPolicy {
         let mut policy = KPolicy::new(8);
         policy.observe(
-            Plan::TARGET_ONLY,
+            RoundPlan::TARGET_ONLY,
             &RoundCosts {
                 verify_wall: seconds,
                 ..RoundCosts::default()

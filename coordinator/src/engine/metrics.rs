@@ -13,7 +13,7 @@ use prometheus_client::registry::Registry;
 use tandem_node::metrics::{FloatGauge, LabeledCounter, encode, latency, register_all};
 
 use super::job::Outcome;
-use crate::drafting::policy::Drafter;
+use crate::drafting::policy::DrafterKind;
 
 /// Token-latency buckets in seconds: 1 ms to 60 s (a first token waits for a prefill).
 const REQUEST_BUCKETS: [f64; 16] = [
@@ -299,15 +299,15 @@ impl CoordinatorMetrics {
     /// `accepted` of them accepted, and its times.
     pub fn round(
         &self,
-        drafter: Option<Drafter>,
+        drafter: Option<DrafterKind>,
         (drafted, accepted): (usize, usize),
         wall: f64,
         draft: f64,
         verify: f64,
     ) {
         let by = match drafter {
-            Some(Drafter::Model) => "model",
-            Some(Drafter::Ngram) => "ngram",
+            Some(DrafterKind::Model) => "model",
+            Some(DrafterKind::Ngram) => "ngram",
             None => "none",
         };
         self.rounds.add(by, 1);

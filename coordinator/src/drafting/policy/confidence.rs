@@ -12,7 +12,7 @@
 //! drawn, so where a chain ends depends only on the drafts before it, never on the draw it
 //! skips nor on the target; each draft sent is drawn from the q it states.
 
-use super::{Drafter, KPolicy};
+use super::{DrafterKind, KPolicy};
 
 /// Confidence buckets, of equal width.
 const BUCKETS: usize = 20;
@@ -91,7 +91,7 @@ impl KPolicy {
             return 0.0;
         }
         let verify = self.verify_seconds(k + 1);
-        let rate = self.rate_with(Drafter::Model, k, verify);
+        let rate = self.rate_with(DrafterKind::Model, k, verify);
         let draft = self.model.draft_seconds(k) - self.model.draft_seconds(k - 1);
         let position = verify - self.verify_seconds(k);
         let added = (draft.max(0.0) + position.max(0.0)) * self.model.calibration;
@@ -160,8 +160,8 @@ mod tests {
                     ..Default::default()
                 };
                 p.observe(
-                    super::super::Plan {
-                        drafter: Some(Drafter::Model),
+                    super::super::RoundPlan {
+                        drafter: Some(DrafterKind::Model),
                         k,
                     },
                     &costs,

@@ -36,7 +36,7 @@ fn pair(alpha: f64, t_d: f64, rtt: f64, t1: f64, slope: f64) -> Pair {
 /// the policy says it fits (the round then lasts the longer of the two), and used by the
 /// next round when every draft was accepted (the draft's guess of the bonus always right).
 /// Returns the plans chosen.
-fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
+fn simulate(pair: Pair, rounds: usize) -> Vec<RoundPlan> {
     let Pair {
         alpha,
         t_d,
@@ -102,7 +102,7 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
             policy.observe_guess(true);
         }
         policy.observe(
-            Plan { k, ..plan },
+            RoundPlan { k, ..plan },
             &RoundCosts {
                 drafted: k,
                 drafted_ahead,
@@ -121,7 +121,7 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<Plan> {
     plans
 }
 
-fn settled_k(plans: &[Plan]) -> usize {
+fn settled_k(plans: &[RoundPlan]) -> usize {
     let tail = &plans[plans.len() - 40..];
     let mut ks: Vec<usize> = tail.iter().map(|p| p.k).collect();
     ks.sort_unstable();
@@ -237,8 +237,8 @@ fn the_choice_maximises_the_cost_model() {
     policy.model.compute.observe(1, 0.001);
     assert_eq!(
         policy.choose(true, NgramOffer::default(), 100),
-        Plan {
-            drafter: Some(Drafter::Model),
+        RoundPlan {
+            drafter: Some(DrafterKind::Model),
             k: 8
         }
     );
@@ -253,25 +253,25 @@ fn the_choice_maximises_the_cost_model() {
     policy.ngram[0].tried = [100; ADAPTIVE_MAX_K];
     assert_eq!(
         policy.choose(true, offer(6), 100),
-        Plan {
-            drafter: Some(Drafter::Ngram),
+        RoundPlan {
+            drafter: Some(DrafterKind::Ngram),
             k: 8
         }
     );
     assert_eq!(
         policy.choose(true, offer(2), 100).drafter,
-        Some(Drafter::Model)
+        Some(DrafterKind::Model)
     );
     // Without a model or a match: target only.
     assert_eq!(
         policy.choose(false, NgramOffer::default(), 100),
-        Plan::TARGET_ONLY
+        RoundPlan::TARGET_ONLY
     );
     // Its 8 drafts fit in the verify's 10 ms: drafted ahead (9 ms with the guess), they cost
     // time only when the guess of the bonus token (0.6, the prior) misses.
     assert_eq!(policy.ahead_k(8), 8);
     let expected = 9.0 / (0.010 + 0.4 * 0.008);
-    assert!((policy.rate(Drafter::Model, 8) - expected).abs() < 1e-9);
+    assert!((policy.rate(DrafterKind::Model, 8) - expected).abs() < 1e-9);
 }
 
 #[test]
@@ -306,16 +306,16 @@ fn a_new_session_starts_from_what_the_last_one_learnt() {
     // No target-only warm-up and no probe needed: the model drafts from the first round.
     assert_eq!(
         next.choose(true, NgramOffer::default(), 100),
-        Plan {
-            drafter: Some(Drafter::Model),
+        RoundPlan {
+            drafter: Some(DrafterKind::Model),
             k: 8
         }
     );
     // Acceptance carries as a prior only: four misses bring position 1 from 1 to 0.6.
     for _ in 0..4 {
         next.observe(
-            Plan {
-                drafter: Some(Drafter::Model),
+            RoundPlan {
+                drafter: Some(DrafterKind::Model),
                 k: 1,
             },
             &RoundCosts {
@@ -329,8 +329,8 @@ fn a_new_session_starts_from_what_the_last_one_learnt() {
     // A session with a lower bound on K (a request that fixes K = 4) learns from it too.
     assert_eq!(
         first.continued(4).choose(true, NgramOffer::default(), 100),
-        Plan {
-            drafter: Some(Drafter::Model),
+        RoundPlan {
+            drafter: Some(DrafterKind::Model),
             k: 4
         }
     );
@@ -340,7 +340,7 @@ fn a_new_session_starts_from_what_the_last_one_learnt() {
 fn a_new_session_starts_from_the_verify_costs_of_the_last_ones_first_rounds() {
     let target_only = |policy: &mut KPolicy, seconds: f64| {
         policy.observe(
-            Plan::TARGET_ONLY,
+            RoundPlan::TARGET_ONLY,
             &RoundCosts {
                 verify_wall: seconds,
                 ..RoundCosts::default()
@@ -436,7 +436,7 @@ fn a_block_is_drafted_ahead_only_where_that_pays() {
     policy.model.accept = [0.5; ADAPTIVE_MAX_K];
     policy.model.tried = [100; ADAPTIVE_MAX_K];
     assert_eq!(policy.ahead_len(1), 0);
-    assert!((policy.round_seconds(Drafter::Model, 1, 0.010) - 0.018).abs() < 1e-12);
+    assert!((policy.round_seconds(DrafterKind::Model, 1, 0.010) - 0.018).abs() < 1e-12);
     // A draft always right, its guess too: every round's drafts are ready, and a round takes
     // the 16 ms of the step ahead against 18 drafted then verified.
     policy.model.accept = [1.0; ADAPTIVE_MAX_K];
@@ -444,7 +444,7 @@ fn a_block_is_drafted_ahead_only_where_that_pays() {
         policy.observe_guess(true);
     }
     assert_eq!(policy.ahead_len(1), 1);
-    assert!(policy.round_seconds(Drafter::Model, 1, 0.010) < 0.0165);
+    assert!(policy.round_seconds(DrafterKind::Model, 1, 0.010) < 0.0165);
 }
 
 #[test]
@@ -465,14 +465,14 @@ fn a_draft_that_could_not_pay_even_if_always_right_is_not_probed() {
     assert!(!policy.catch_up_soon(true));
     assert_eq!(
         policy.choose(true, NgramOffer::default(), 100),
-        Plan::TARGET_ONLY
+        RoundPlan::TARGET_ONLY
     );
     policy.model.overhead = Ewma::default();
     policy.model.overhead.add(0.0);
     assert!(policy.model_could_pay());
     assert_eq!(
         policy.choose(true, NgramOffer::default(), 100).drafter,
-        Some(Drafter::Model)
+        Some(DrafterKind::Model)
     );
 }
 

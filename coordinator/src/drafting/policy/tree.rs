@@ -5,7 +5,7 @@
 //! where the branch goes deeper; it costs one more verified position and no draft step of its
 //! own (the draft feeds it in the passes its chain takes).
 
-use super::{Drafter, KPolicy};
+use super::{DrafterKind, KPolicy};
 
 /// Weight kept by the old evidence at each new observation.
 const DECAY: f64 = 0.98;
@@ -82,7 +82,7 @@ impl KPolicy {
         let verify = self.verify_seconds(k + 1);
         let chain = (
             self.model.expected_tokens(k),
-            self.calibrated_round(Drafter::Model, k, verify),
+            self.calibrated_round(DrafterKind::Model, k, verify),
         );
         let extra = |b: usize| (self.verify_seconds(k + 1 + b) - verify).max(0.0);
         best_branches(&reach, self.siblings.tokens(), chain, extra, max.min(k))
@@ -120,13 +120,13 @@ mod tests {
 
     #[test]
     fn a_trees_verify_is_learnt_at_its_positions() {
-        use crate::drafting::policy::{Plan, RoundCosts};
+        use crate::drafting::policy::{RoundCosts, RoundPlan};
         // Rounds of a chain of 2 and 6 siblings: 9 positions verified in 40 ms each; chains of
         // 2 (3 positions) in 10 ms.
         let mut policy = KPolicy::new(8);
         for siblings in [6, 0].repeat(20) {
-            let plan = Plan {
-                drafter: Some(Drafter::Model),
+            let plan = RoundPlan {
+                drafter: Some(DrafterKind::Model),
                 k: 2,
             };
             let round = RoundCosts {
