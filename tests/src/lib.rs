@@ -430,6 +430,36 @@ pub fn qwen_pair(test: &str) -> Option<(PathBuf, PathBuf)> {
     None
 }
 
+/// `request` as a gRPC call carrying the metadata `key: value` (an API key's
+/// `authorization: Bearer KEY`, a proxy's `x-forwarded-for`).
+pub fn with_metadata<T>(request: T, key: &'static str, value: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(request);
+    let value = value.parse().expect("ASCII metadata");
+    request.metadata_mut().insert(key, value);
+    request
+}
+
+/// The replies of the coordinator at `url` to the gRPC generation `request`, admitted and
+/// streamed to its end.
+pub async fn generate_over_grpc(
+    url: String,
+    request: tonic::Request<v1::GenerateRequest>,
+) -> Vec<v1::GenerateResponse> {
+    let mut client = v1::coordinator_client::CoordinatorClient::connect(url)
+        .await
+        .expect("connect");
+    let mut replies = client
+        .generate(request)
+        .await
+        .expect("admitted")
+        .into_inner();
+    let mut all = Vec::new();
+    while let Some(reply) = replies.message().await.expect("streamed") {
+        all.push(reply);
+    }
+    all
+}
+
 /// `router` answers for `request`: its status, headers and body as JSON (Null if not JSON).
 pub async fn call(
     router: &axum::Router,

@@ -89,14 +89,12 @@ async fn a_client_at_its_limit_gets_429_while_others_are_served() {
     let mut grpc = v1::coordinator_client::CoordinatorClient::connect(coordinator.url())
         .await
         .expect("connect");
-    let mut request = tonic::Request::new(v1::GenerateRequest {
+    let request = v1::GenerateRequest {
         prompt: "Once upon a time".into(),
         max_tokens: 8,
         ..Default::default()
-    });
-    request
-        .metadata_mut()
-        .insert("authorization", "Bearer k1".parse().expect("metadata"));
+    };
+    let request = with_metadata(request, "authorization", "Bearer k1");
     let status = grpc
         .generate(request)
         .await

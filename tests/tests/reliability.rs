@@ -261,23 +261,13 @@ async fn with_api_keys_only_a_request_presenting_one_gets_in() {
     let status = done.expect_err("no key");
     assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
     assert!(!status.message().contains("s3cr3t"));
-    let mut request = tonic::Request::new(story(8, 4));
-    request
-        .metadata_mut()
-        .insert("authorization", "Bearer s3cr3t-two".parse().expect("ascii"));
-    let mut client = v1::coordinator_client::CoordinatorClient::connect(three.coordinator.url())
-        .await
-        .expect("connect");
-    let mut replies = client
-        .generate(request)
-        .await
-        .expect("admitted")
-        .into_inner();
-    while let Some(reply) = replies.message().await.expect("streamed") {
-        if let Some(v1::generate_response::Kind::Done(done)) = reply.kind {
-            assert_eq!(done.token_ids.len(), 8);
-        }
-    }
+    let request = with_metadata(story(8, 4), "authorization", "Bearer s3cr3t-two");
+    let replies = generate_over_grpc(three.coordinator.url(), request).await;
+    let done = replies.into_iter().find_map(|reply| match reply.kind {
+        Some(v1::generate_response::Kind::Done(done)) => Some(done),
+        _ => None,
+    });
+    assert_eq!(done.expect("done").token_ids.len(), 8);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

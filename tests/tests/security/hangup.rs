@@ -427,14 +427,12 @@ async fn clients_behind_a_trusted_proxy_are_told_apart_and_others_cannot_spoof_a
         .local_address(proxy);
     let channel = endpoint.connect().await.expect("connect from 127.0.0.2");
     let call = |xff: &str| {
-        let mut request = tonic::Request::new(v1::GenerateRequest {
+        let request = v1::GenerateRequest {
             prompt: "Once upon a time".into(),
             max_tokens: 8,
             ..Default::default()
-        });
-        request
-            .metadata_mut()
-            .insert("x-forwarded-for", xff.parse().expect("metadata"));
+        };
+        let request = with_metadata(request, "x-forwarded-for", xff);
         let mut client = v1::coordinator_client::CoordinatorClient::new(channel.clone());
         async move { client.generate(request).await.map(|_| ()) }
     };

@@ -64,22 +64,13 @@ async fn complete(http: SocketAddr, key: &str, prompt: &str, salt: Option<&str>)
 
 /// A greedy generation of `prompt` over gRPC presenting `key`.
 async fn generate_grpc(url: String, key: &str, prompt: &str) {
-    let mut request = tonic::Request::new(v1::GenerateRequest {
+    let request = v1::GenerateRequest {
         prompt: prompt.into(),
         max_tokens: 16,
         ..Default::default()
-    });
-    let bearer = format!("Bearer {key}").parse().expect("ascii");
-    request.metadata_mut().insert("authorization", bearer);
-    let mut client = v1::coordinator_client::CoordinatorClient::connect(url)
-        .await
-        .expect("connect");
-    let mut replies = client
-        .generate(request)
-        .await
-        .expect("admitted")
-        .into_inner();
-    while replies.message().await.expect("streamed").is_some() {}
+    };
+    let request = with_metadata(request, "authorization", &format!("Bearer {key}"));
+    generate_over_grpc(url, request).await;
 }
 
 /// Tenant B is told nothing of what A sent; each reuses its own prompts; keys that give one
