@@ -112,11 +112,10 @@ impl<'e> Generation<'e> {
             }
             let mut round = self.plan();
             let block = self.propose(&mut round).await;
-            let verified = match self.verify(&round, &block).await {
+            let mut verified = match self.verify(&round, &block).await {
                 Ok(v) => v,
                 Err(e) => break Err(e),
             };
-            let mut verified = verified;
             self.learn(&round, &block, &mut verified);
             if let Err(e) = self.commit(&round, verified, sink).await {
                 break Err(e);
@@ -165,10 +164,9 @@ impl<'e> Generation<'e> {
 
     /// The drafter and K of [`Self::plan`], and n-gram lookup's proposal when it was considered.
     fn choose(&mut self) -> (RoundPlan, DraftBlock) {
-        let (job, remaining) = (self.job, self.transcript.remaining());
+        let (job, remaining, attached) = (self.job, self.transcript.remaining(), self.attached());
         let (log, grammar) = (&self.log, self.grammar.as_mut());
         let cap = job.draft_tokens.min(remaining.saturating_sub(1));
-        let attached = self.model.as_ref().is_some_and(|m| m.session.is_some());
         if !job.adaptive {
             let plan = match cap {
                 0 => RoundPlan::TARGET_ONLY,
@@ -200,6 +198,11 @@ impl<'e> Generation<'e> {
         };
         let model = attached && job.drafter.uses_model();
         (self.policy.choose(model, offer, remaining), ngram)
+    }
+
+    /// Whether the draft-node's session is attached (and idle): the model can draft.
+    fn attached(&self) -> bool {
+        self.model.as_ref().is_some_and(|m| m.session.is_some())
     }
 
     /// Phase 2: the round's block, from its drafter. More drafts than asked for are refused
@@ -309,8 +312,7 @@ impl<'e> Generation<'e> {
     /// The shape of the block to draft during the verify of `block` (whose chain is `chain`
     /// long), where one is drafted ([`Self::verify`]).
     fn ahead_len(&self, round: &Round, block: &DraftBlock, chain: usize) -> Option<Ask> {
-        let attached = self.model.as_ref().is_some_and(|m| m.session.is_some());
-        if round.plan.drafter != Some(DrafterKind::Model) || !attached {
+        if round.plan.drafter != Some(DrafterKind::Model) || !self.attached() {
             return None;
         }
         let want = chain.max(round.plan.k);
