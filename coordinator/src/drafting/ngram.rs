@@ -5,6 +5,15 @@
 //! acceptance rule handles exactly. Asked for branches, it makes a token tree of the other
 //! earlier occurrences' continuations where they part from the chosen one.
 
+use std::time::Instant;
+
+use tandem_runtime::{Constraint, TokenLog};
+
+use super::block::{Ask, DraftBlock};
+use super::policy::NgramOffer;
+use super::{DrafterKind, Propose, Proposing};
+use crate::constraints::cut;
+
 /// Longest and shortest suffix looked up; a longer match is tried first.
 const MAX_MATCH: usize = 8;
 const MIN_MATCH: usize = 2;
@@ -106,6 +115,64 @@ pub fn propose_tree(tokens: &[u32], k: usize, branches: usize) -> Lookup {
         tokens: proposal,
         matched,
         parents,
+    }
+}
+
+/// The n-gram drafter of one generation: each round's lookup, made where the plan weighs it
+/// ([`Self::look_up`]), and proposed where the plan chose it.
+#[derive(Debug, Default)]
+pub struct NgramDrafter {
+    /// The last lookup, and the length of the log it continues.
+    looked_up: Option<(usize, DraftBlock)>,
+}
+
+impl NgramDrafter {
+    /// Looks up `k` drafts past `log` (and, with `branches`, a token tree of other earlier
+    /// continuations; none under a grammar: it checks the chain), cut before the first one the
+    /// generation's grammar forbids, and keeps them for this round's [`Propose::propose`].
+    /// Their q is one-hot: exact under the acceptance rule, whatever the sampling. Returns
+    /// what the lookup offers the policy.
+    pub fn look_up(
+        &mut self,
+        log: &TokenLog,
+        (k, branches): (usize, usize),
+        grammar: Option<&mut Constraint>,
+    ) -> NgramOffer {
+        let start = Instant::now();
+        let branches = if grammar.is_some() { 0 } else { branches };
+        let Lookup {
+            mut tokens,
+            matched,
+            parents,
+        } = propose_tree(log.tokens(), k, branches);
+        // A grammar state that cannot follow the log proposes nothing (the target decides).
+        let valid = cut(grammar, log.tokens(), &tokens).unwrap_or(0);
+        tokens.truncate(valid);
+        let secs = start.elapsed().as_secs_f64();
+        let block = DraftBlock::one_hot(tokens, parents, secs);
+        let offer = NgramOffer {
+            len: block.tokens.len(),
+            matched,
+        };
+        self.looked_up = Some((log.len(), block));
+        offer
+    }
+}
+
+impl Propose for NgramDrafter {
+    fn kind(&self) -> DrafterKind {
+        DrafterKind::Ngram
+    }
+
+    /// The round's lookup, cut to `ask.k` (a tree, looked up at the round's shape already,
+    /// whole); nothing where none was looked up past this `log`.
+    fn propose<'a>(&'a mut self, log: &'a TokenLog, ask: Ask, _: Option<f64>) -> Proposing<'a> {
+        let block = match self.looked_up.take() {
+            Some((at, block)) if at == log.len() && !block.parents.is_empty() => block,
+            Some((at, block)) if at == log.len() => block.truncated(ask.k),
+            _ => DraftBlock::default(),
+        };
+        Box::pin(std::future::ready(Ok(block)))
     }
 }
 

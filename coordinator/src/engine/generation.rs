@@ -32,11 +32,10 @@ use tracing::Instrument;
 
 use super::tree::Committed;
 use super::{CommitSink, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats};
-use crate::drafting::drafters::{
-    Ask, DraftBlock, ModelDrafter, StepFailure, chain_len, fixed_drafter, ngram_proposal,
-};
-use crate::drafting::policy::{DrafterKind, KPolicy, NgramOffer, RoundCosts, RoundPlan};
+use crate::drafting::block::{Ask, DraftBlock, StepFailure, chain_len};
+use crate::drafting::policy::{KPolicy, NgramOffer, RoundCosts, RoundPlan};
 use crate::drafting::shadow::{Shadow, shadow_len};
+use crate::drafting::{DrafterKind, Drafters};
 use crate::nodes::links::{NodeSession, Target};
 use crate::nodes::replicas::Lease;
 
@@ -48,8 +47,8 @@ pub struct Generation<'e> {
     target: NodeSession<Target>,
     /// The replicas' counts of this generation (the target's, the draft's), given back at its end.
     _leases: (Lease, Option<Lease>),
-    /// The draft-node's model, while it is attached.
-    model: Option<ModelDrafter>,
+    /// The draft-node's model (while it is attached) and n-gram lookup.
+    drafters: Drafters,
     policy: KPolicy,
     /// The load the generation ran at, summed over its rounds (and its start), and their count.
     load: (usize, usize),
@@ -57,9 +56,6 @@ pub struct Generation<'e> {
     grammar: Option<Constraint>,
     transcript: Transcript<'e>,
     shadow: Shadow,
-    /// A block the draft drafted during the last verify, when a guess of the bonus token was
-    /// right: the next round's drafts, ready without asking.
-    ahead: Option<DraftBlock>,
     /// Drafts the draft-node accepts per step (0 without one).
     max_draft: usize,
     logprobs: Vec<v1::TokenLogprobs>,
@@ -73,13 +69,6 @@ pub struct Generation<'e> {
 #[derive(Debug)]
 struct Round {
     plan: RoundPlan,
-    /// N-gram lookup's proposal, where it was considered (looked up once: the choice weighs its
-    /// length, the round uses its tokens).
-    ngram: DraftBlock,
-    /// The block drafted during the last verify, where this round drafts with the model.
-    ready: Option<DraftBlock>,
-    /// Whether the drafts were drafted during the last verify.
-    drafted_ahead: bool,
     /// Sibling leaves beside the chain (a token tree).
     branches: usize,
     /// Where the draft's chain stops.
@@ -110,8 +99,8 @@ impl<'e> Generation<'e> {
             if let Some(finish) = self.transcript.finish_reason() {
                 break Ok(finish);
             }
-            let mut round = self.plan();
-            let block = self.propose(&mut round).await;
+            let round = self.plan();
+            let block = self.propose(&round).await;
             let mut verified = match self.verify(&round, &block).await {
                 Ok(v) => v,
                 Err(e) => break Err(e),
@@ -127,18 +116,21 @@ impl<'e> Generation<'e> {
     /// Phase 1: this round's drafter and K (the request's fixed K, or the policy's choice), and
     /// the block's shape.
     fn plan(&mut self) -> Round {
-        if let Some(t) = self.model.as_mut().and_then(|m| m.poll(&self.log)) {
+        let model = self.drafters.model.as_mut();
+        if let Some(t) = model.and_then(|m| m.poll(&self.log)) {
             self.policy.observe_timing(&t);
             self.shadow.drafted(&t);
         }
-        let (plan, ngram) = self.choose();
+        let plan = self.choose();
         tracing::debug!(?plan, policy = %self.policy.summary(), "round planned");
         let start = Instant::now();
         let span = tracing::info_span!("round", n = self.stats.base.rounds + 1, k = plan.k);
-        let ready = self
-            .ahead
-            .take()
-            .filter(|_| plan.drafter == Some(DrafterKind::Model));
+        // A block drafted ahead is the model's next drafts only where the model drafts next.
+        if plan.drafter != Some(DrafterKind::Model)
+            && let Some(m) = self.drafters.model.as_mut()
+        {
+            m.hold_ahead(None);
+        }
         // Sibling leaves beside the model's drafts (a token tree): the request's, or as many as
         // the policy expects to pay.
         let room = self.max_draft.saturating_sub(plan.k).min(plan.k);
@@ -152,81 +144,74 @@ impl<'e> Generation<'e> {
         };
         Round {
             min_confidence: self.job.stop_below(&self.policy, plan.k),
-            drafted_ahead: ready.is_some(),
             plan,
-            ngram,
-            ready,
             branches,
             start,
             span,
         }
     }
 
-    /// The drafter and K of [`Self::plan`], and n-gram lookup's proposal when it was considered.
-    fn choose(&mut self) -> (RoundPlan, DraftBlock) {
-        let (job, remaining, attached) = (self.job, self.transcript.remaining(), self.attached());
-        let (log, grammar) = (&self.log, self.grammar.as_mut());
+    /// The drafter and K of [`Self::plan`]; n-gram lookup looks up its drafts where it may
+    /// draft (once: the choice weighs their length, the round uses them).
+    fn choose(&mut self) -> RoundPlan {
+        let (job, remaining) = (self.job, self.transcript.remaining());
+        let attached = self.drafters.model_attached();
+        let (log, grammar, ngram) = (&self.log, self.grammar.as_mut(), &mut self.drafters.ngram);
         let cap = job.draft_tokens.min(remaining.saturating_sub(1));
         if !job.adaptive {
-            let plan = match cap {
-                0 => RoundPlan::TARGET_ONLY,
-                k => RoundPlan {
-                    drafter: Some(fixed_drafter(job.drafter, attached)),
-                    k,
-                },
-            };
-            let ngram = match plan.drafter {
+            if cap == 0 {
+                return RoundPlan::TARGET_ONLY;
+            }
+            let drafter = job.drafter.fixed(attached);
+            if drafter == DrafterKind::Ngram {
                 // A fixed request's siblings: the n-gram drafter's other continuations.
-                Some(DrafterKind::Ngram) => {
-                    ngram_proposal(log, (cap, job.branches.unwrap_or(0).min(cap)), grammar).0
-                }
-                _ => DraftBlock::default(),
+                ngram.look_up(log, (cap, job.branches.unwrap_or(0).min(cap)), grammar);
+            }
+            return RoundPlan {
+                drafter: Some(drafter),
+                k: cap,
             };
-            return (plan, ngram);
         }
         if self.engine.crowded() {
-            return (RoundPlan::TARGET_ONLY, DraftBlock::default());
+            return RoundPlan::TARGET_ONLY;
         }
-        let (ngram, matched) = if job.drafter.uses_ngram() {
-            ngram_proposal(log, (cap, 0), grammar)
+        let offer = if job.drafter.uses_ngram() {
+            ngram.look_up(log, (cap, 0), grammar)
         } else {
-            (DraftBlock::default(), 0)
-        };
-        let offer = NgramOffer {
-            len: ngram.tokens.len(),
-            matched,
+            NgramOffer::default()
         };
         let model = attached && job.drafter.uses_model();
-        (self.policy.choose(model, offer, remaining), ngram)
+        self.policy.choose(model, offer, remaining)
     }
 
-    /// Whether the draft-node's session is attached (and idle): the model can draft.
-    fn attached(&self) -> bool {
-        self.model.as_ref().is_some_and(|m| m.session.is_some())
-    }
-
-    /// Phase 2: the round's block, from its drafter. More drafts than asked for are refused
-    /// here: the round is then a plain target step.
-    async fn propose(&mut self, round: &mut Round) -> DraftBlock {
+    /// Phase 2: the round's block, from the drafter the plan chose ([`crate::drafting::Propose`]).
+    /// More drafts than asked for are refused here: the round is then a plain target step.
+    async fn propose(&mut self, round: &Round) -> DraftBlock {
         let (k, branches) = (round.plan.k, round.branches);
-        let mut proposal = match round.plan.drafter {
-            Some(DrafterKind::Model) if let Some(ready) = round.ready.take() => {
-                self.stats.pipeline_hits += 1;
-                ready.truncated(k + branches)
-            }
-            Some(DrafterKind::Model) => {
-                let ask = Ask {
-                    k,
-                    branches,
-                    min_confidence: round.min_confidence,
-                };
-                let expected = self.policy.expected_draft_seconds(k);
-                let m = self.model.as_mut().expect("attached");
+        let ask = Ask {
+            k,
+            branches,
+            min_confidence: round.min_confidence,
+        };
+        let expected = self.policy.expected_draft_seconds(k);
+        let drafter = round.plan.drafter.and_then(|kind| self.drafters.get(kind));
+        let mut proposal = match drafter {
+            Some(drafter) => {
+                let kind = drafter.kind();
                 let span = tracing::info_span!(parent: &round.span, "draft", k);
-                let stepped = m.step(&self.log, ask, expected).instrument(span).await;
-                match stepped {
+                match drafter
+                    .propose(&self.log, ask, expected)
+                    .instrument(span)
+                    .await
+                {
+                    Ok(p) if p.drafted_ahead => {
+                        self.stats.pipeline_hits += 1;
+                        p
+                    }
                     Ok(p) => {
-                        self.stats.draft_node_tokens += p.tokens.len() as u32;
+                        if kind == DrafterKind::Model {
+                            self.stats.draft_node_tokens += p.tokens.len() as u32;
+                        }
                         p
                     }
                     Err(e) => {
@@ -235,11 +220,6 @@ impl<'e> Generation<'e> {
                     }
                 }
             }
-            // A tree (a fixed request's branches) is looked up at the round's K already.
-            Some(DrafterKind::Ngram) if !round.ngram.parents.is_empty() => {
-                std::mem::take(&mut round.ngram)
-            }
-            Some(DrafterKind::Ngram) => std::mem::take(&mut round.ngram).truncated(k),
             None => DraftBlock::default(),
         };
         if proposal.tokens.len() > k + branches {
@@ -287,7 +267,8 @@ impl<'e> Generation<'e> {
                 .await;
             (verdict, start.elapsed().as_secs_f64())
         };
-        let ((verdict, verify_wall), drafted_next) = match (self.model.as_mut(), ahead) {
+        let model = self.drafters.model.as_mut();
+        let ((verdict, verify_wall), drafted_next) = match (model, ahead) {
             (Some(m), Some(shape)) => {
                 let expected = self.policy.expected_draft_seconds(shape.k);
                 let next = m.step_ahead(&self.log, &drafts[..chain], shape, expected);
@@ -312,7 +293,7 @@ impl<'e> Generation<'e> {
     /// The shape of the block to draft during the verify of `block` (whose chain is `chain`
     /// long), where one is drafted ([`Self::verify`]).
     fn ahead_len(&self, round: &Round, block: &DraftBlock, chain: usize) -> Option<Ask> {
-        if round.plan.drafter != Some(DrafterKind::Model) || !self.attached() {
+        if round.plan.drafter != Some(DrafterKind::Model) || !self.drafters.model_attached() {
             return None;
         }
         let want = chain.max(round.plan.k);
@@ -391,7 +372,7 @@ impl<'e> Generation<'e> {
             &RoundCosts {
                 drafted: chain,
                 siblings: drafts - chain,
-                drafted_ahead: round.drafted_ahead,
+                drafted_ahead: block.drafted_ahead,
                 drafted_next,
                 accepted: chain_accepted,
                 draft_wall: block.wall_secs,
@@ -417,7 +398,7 @@ impl<'e> Generation<'e> {
     fn drafted_ahead(&mut self, round: &Round, verified: &mut Verified) -> f64 {
         let next = match verified.drafted_next.take() {
             Some((_, Ok(next))) => next,
-            Some((k, Err(e))) if self.model.is_some() => {
+            Some((k, Err(e))) if self.drafters.model.is_some() => {
                 self.draft_failed(e, k);
                 return 0.0;
             }
@@ -431,9 +412,9 @@ impl<'e> Generation<'e> {
         if verified.tree.chain == (chain, chain) && verified.verdict.accepted as usize == chain {
             let under = next.under(verified.verdict.next_token);
             self.policy.observe_guess(under.is_some());
-            self.ahead = under
-                .map(|p| p.cut(round.min_confidence))
-                .filter(|p| !p.tokens.is_empty());
+            if let Some(m) = self.drafters.model.as_mut() {
+                m.hold_ahead(under.map(|p| p.cut(round.min_confidence)));
+            }
         }
         waited
     }
@@ -454,7 +435,7 @@ impl<'e> Generation<'e> {
         let k = self.shadow_k(self.transcript.remaining());
         if round.plan.drafter != Some(DrafterKind::Model)
             && !crowded
-            && let Some(m) = self.model.as_mut()
+            && let Some(m) = self.drafters.model.as_mut()
         {
             if self.shadow.due(self.policy.model_could_pay()) {
                 if k > 0 {
@@ -493,7 +474,7 @@ impl<'e> Generation<'e> {
         self.engine.learnt.keep(load, self.policy);
         self.stats.settle(&self.target);
         self.target.close();
-        if let Some(m) = self.model.as_mut() {
+        if let Some(m) = self.drafters.model.as_mut() {
             self.stats.draft_reattached = m.reattached;
             if let Some(d) = m.detach() {
                 self.stats.settle(&d);
@@ -524,7 +505,7 @@ impl<'e> Generation<'e> {
             }
             StepFailure::Failed(e) => self.stats.lose_draft(format!("the draft-node failed: {e}")),
         }
-        if let Some(d) = self.model.as_mut().and_then(|m| m.session.take()) {
+        if let Some(d) = self.drafters.model.as_mut().and_then(|m| m.session.take()) {
             self.stats.settle(&d);
         }
     }
@@ -534,7 +515,7 @@ impl<'e> Generation<'e> {
         self.engine.metrics.draft_blocks_refused.add(reason, 1);
         self.stats.draft_blocks_refused += 1;
         if self.stats.draft_blocks_refused >= MAX_REFUSED_BLOCKS
-            && let Some(mut m) = self.model.take()
+            && let Some(mut m) = self.drafters.model.take()
         {
             let why = format!(
                 "{} drafted blocks refused, the last: {}",

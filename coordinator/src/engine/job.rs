@@ -7,7 +7,7 @@ use tandem_proto::Result;
 use tandem_proto::v1;
 use tandem_runtime::{Commit, FinishReason, GenerateRequest};
 
-use crate::drafting::drafters::DrafterChoice;
+use crate::drafting::DrafterChoice;
 use crate::drafting::policy::KPolicy;
 use crate::engine::stats::Stats;
 

@@ -13,7 +13,7 @@ use prometheus_client::registry::Registry;
 use tandem_node::metrics::{FloatGauge, LabeledCounter, encode, latency, register_all};
 
 use super::job::Outcome;
-use crate::drafting::policy::DrafterKind;
+use crate::drafting::DrafterKind;
 
 /// Token-latency buckets in seconds: 1 ms to 60 s (a first token waits for a prefill).
 const REQUEST_BUCKETS: [f64; 16] = [

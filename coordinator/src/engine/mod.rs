@@ -28,7 +28,7 @@ use tandem_runtime::generator::MAX_DRAFT_TOKENS;
 use tandem_runtime::{GenerateRequest, RequestLimits, SamplingParams, Tokenizer};
 
 use crate::constraints::Grammars;
-use crate::drafting::drafters::DrafterChoice;
+use crate::drafting::DrafterChoice;
 use crate::drafting::policy::ADAPTIVE_MAX_K;
 use crate::nodes::replicas::Replicas;
 use crate::nodes::{CALL_FLOOR, LateDraft, NodeHandle};
@@ -140,7 +140,7 @@ impl Engine {
             // (docs/benchmarks/concurrency.md, unpinned and pinned).
             max_speculating: (cpu_target && shares_cores).then_some(1),
             target_retry: Duration::from_secs(30),
-            draft_step_slack: crate::drafting::drafters::DEFAULT_STEP_SLACK,
+            draft_step_slack: crate::drafting::model::DEFAULT_STEP_SLACK,
             draft_open_grace: DRAFT_GRACE,
             call_floor: CALL_FLOOR,
             learnt: Learnt::default(),

@@ -58,7 +58,7 @@ pub fn committed(drafts: &[u32], parents: &[u32], verdict: &v1::VerdictReply) ->
             path.len()
         )));
     }
-    let chain = crate::drafting::drafters::chain_len(parents, drafts.len());
+    let chain = crate::drafting::block::chain_len(parents, drafts.len());
     let on_chain = path
         .iter()
         .enumerate()

@@ -11,7 +11,8 @@ use tandem_runtime::{TokenLog, Transcript};
 use tokio::sync::Notify;
 
 use super::Generation;
-use crate::drafting::drafters::ModelDrafter;
+use crate::drafting::Drafters;
+use crate::drafting::model::ModelDrafter;
 use crate::drafting::shadow::Shadow;
 use crate::engine::metrics::Counted;
 use crate::engine::{Engine, Job, Stats};
@@ -91,7 +92,10 @@ impl<'e> Generation<'e> {
             },
             target,
             _leases: leases,
-            model,
+            drafters: Drafters {
+                model,
+                ..Drafters::default()
+            },
             policy,
             load: (active, 1),
             log,
@@ -106,7 +110,6 @@ impl<'e> Generation<'e> {
                 job.adaptive && job.sampling.is_greedy(),
                 engine.draft_shares_cores,
             ),
-            ahead: None,
             max_draft: drafts.map_or(0, |d| d.primary().limits().max_draft_tokens as usize),
             logprobs: Vec::new(),
             prefill_start,
@@ -125,7 +128,7 @@ impl<'e> Generation<'e> {
     /// it never was, or is timed again); where it did not, the generation starts target-only
     /// and attaches it in the background.
     fn attach(&mut self, draft: Option<(Result<NodeSession<Draft>>, f64)>, retime: bool) {
-        let (Some((session, open_secs)), Some(m)) = (draft, self.model.as_mut()) else {
+        let (Some((session, open_secs)), Some(m)) = (draft, self.drafters.model.as_mut()) else {
             return;
         };
         match session {
@@ -137,7 +140,7 @@ impl<'e> Generation<'e> {
                 let k = self.shadow_k(self.job.max_new_tokens);
                 let untimed = retime || !self.policy.draft_timed();
                 if self.job.adaptive && untimed && k > 0 && !self.engine.crowded() {
-                    let m = self.model.as_mut().expect("attached above");
+                    let m = self.drafters.model.as_mut().expect("attached above");
                     m.time_in_background(&self.log, k);
                 }
             }

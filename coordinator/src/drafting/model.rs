@@ -1,166 +1,21 @@
-//! Where a round's drafts come from: the draft-node's model over its session stream, or n-gram
-//! lookup in the coordinator ([`crate::drafting::ngram`]). A draft-node that fails or misses its deadline
-//! is dropped for the round (never awaited) and attached again in the background, with backoff,
-//! by replaying the log into a new session; meanwhile the rounds run on n-gram drafts or the
-//! target alone.
+//! The model drafter: the draft-node's model over its session stream. A draft-node that fails
+//! or misses its deadline is dropped for the round (never awaited) and attached again in the
+//! background, with backoff, by replaying the log into a new session; meanwhile the rounds run
+//! on n-gram drafts or the target alone. Between its rounds the idle session is lent to
+//! background steps (a catch-up, a timing); during a verify it drafts the next block ahead.
 
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1;
 use tandem_proto::{Error, Result};
-use tandem_runtime::{Constraint, TokenLog};
+use tandem_runtime::TokenLog;
 use tokio::sync::oneshot;
 
-use crate::constraints::cut;
-use crate::drafting::policy::{DrafterKind, Timing};
+use super::block::{Ask, DraftBlock, StepFailure};
+use super::policy::Timing;
+use super::{DrafterKind, Propose, Proposing};
 use crate::nodes::Reachable;
 use crate::nodes::links::{Draft, NodeSession, SessionSpec};
-
-/// Who may draft, per request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DrafterChoice {
-    /// The draft-node, and n-gram lookup where it pays more (or when the draft-node is lost).
-    #[default]
-    Auto,
-    /// The draft-node only.
-    Model,
-    /// N-gram lookup only: no draft-node session is opened.
-    Ngram,
-}
-
-impl DrafterChoice {
-    /// Parses the request's `drafter` field, naming the accepted values when it is unknown.
-    pub fn parse(value: &str) -> Result<Self> {
-        match value {
-            "" | "auto" => Ok(Self::Auto),
-            "model" => Ok(Self::Model),
-            "ngram" => Ok(Self::Ngram),
-            other => Err(tandem_runtime::Error::invalid(
-                "drafter",
-                format!("{other:?}"),
-                "expected \"auto\", \"model\" or \"ngram\"",
-            )
-            .into()),
-        }
-    }
-
-    pub fn uses_model(self) -> bool {
-        self != Self::Ngram
-    }
-
-    pub fn uses_ngram(self) -> bool {
-        self != Self::Model
-    }
-}
-
-/// Why a draft-node step gave no drafts.
-#[derive(Debug)]
-pub enum StepFailure {
-    /// It failed (the node or the link).
-    Failed(Error),
-    /// It did not answer within its deadline.
-    Stalled(Duration),
-}
-
-impl std::fmt::Display for StepFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Failed(e) => write!(f, "{e}"),
-            Self::Stalled(d) => write!(f, "no drafts within the deadline of {d:?}"),
-        }
-    }
-}
-
-/// A round's drafts.
-#[derive(Debug, Default)]
-pub struct DraftBlock {
-    pub tokens: Vec<u32>,
-    pub q: Vec<v1::Distribution>,
-    /// A token tree's parents (`v1::VerifyBlock::parents`); empty for a chain.
-    pub parents: Vec<u32>,
-    /// A chain's: the draft model's confidence at each draft (`v1::Proposal::confidence`);
-    /// empty for a tree and for n-gram lookup.
-    pub confidence: Vec<f32>,
-    /// The drafter's compute (the node's report; the lookup's own time).
-    pub compute_secs: f64,
-    /// From asking to having the drafts.
-    pub wall_secs: f64,
-}
-
-impl DraftBlock {
-    /// The first `k` drafts (and their q; a tree stays one, its parents before its children).
-    pub fn truncated(mut self, k: usize) -> Self {
-        self.tokens.truncate(k);
-        self.q.truncate(k);
-        self.parents.truncate(k);
-        self.confidence.truncate(k);
-        self
-    }
-
-    /// A chain cut where the draft was unsure, as the draft-node cuts the chains it drafts
-    /// (`v1::DraftStep::min_confidence`): before its first draft past the first whose
-    /// confidence is below `bound`. A tree, or a block without confidences, stays whole.
-    pub fn cut(self, bound: f32) -> Self {
-        if !self.parents.is_empty() || self.confidence.len() != self.tokens.len() {
-            return self;
-        }
-        let n = self.tokens.len();
-        let keep = (1..n).find(|&i| self.confidence[i] < bound).unwrap_or(n);
-        self.truncated(keep)
-    }
-
-    /// Where a first draft (a chain's, or any of a tree's at its first depth) is `token`: the
-    /// drafts under it, as a block of their own (its children first-depth drafts; a block that
-    /// is one path a chain). `None` where no first draft is `token` or the block is malformed.
-    pub fn under(&self, token: u32) -> Option<Self> {
-        let n = self.tokens.len();
-        let tree = !self.parents.is_empty();
-        if self.q.len() != n || (tree && self.parents.len() != n) {
-            return None;
-        }
-        // A node's parent in wire form: 0 the block's root, i + 1 the node i.
-        let parent = |i: usize| if tree { self.parents[i] as usize } else { i };
-        let at = (0..n).find(|&i| parent(i) == 0 && self.tokens[i] == token)?;
-        let mut below = Self::default();
-        // Each node's index in the new block, where it is under `at`.
-        let mut index: Vec<Option<u32>> = vec![None; n];
-        for i in at + 1..n {
-            let p = parent(i);
-            let new_parent = if p == at + 1 {
-                Some(0)
-            } else {
-                p.checked_sub(1)
-                    .filter(|&p| p < i)
-                    .and_then(|p| index[p])
-                    .map(|j| j + 1)
-            };
-            if let Some(new_parent) = new_parent {
-                index[i] = Some(below.tokens.len() as u32);
-                below.tokens.push(self.tokens[i]);
-                below.q.push(self.q[i].clone());
-                below.parents.push(new_parent);
-                below.confidence.extend(self.confidence.get(i));
-            }
-        }
-        if chain_len(&below.parents, below.tokens.len()) == below.tokens.len() {
-            below.parents.clear();
-        }
-        Some(below)
-    }
-}
-
-/// How many of a block's `drafts` (`parents` in wire form, empty for a chain) are its chain:
-/// the drafts before the first that is not the child of the one before it.
-pub fn chain_len(parents: &[u32], drafts: usize) -> usize {
-    if parents.is_empty() {
-        return drafts;
-    }
-    parents
-        .iter()
-        .enumerate()
-        .take_while(|&(i, &p)| p as usize == i)
-        .count()
-}
 
 /// First and largest wait before attaching a lost draft-node again.
 const REATTACH_FIRST: Duration = Duration::from_millis(50);
@@ -191,6 +46,9 @@ pub struct ModelDrafter {
     pub reattached: u32,
     /// Added to a timed step's deadline.
     slack: Duration,
+    /// A block drafted during the last verify, when a guess of the bonus token was right: the
+    /// next round's drafts, ready without asking ([`Self::hold_ahead`]).
+    ahead: Option<DraftBlock>,
 }
 
 /// What a background task does with the session.
@@ -207,25 +65,6 @@ enum Background {
 /// A session back from a background task, with the step it ran when it timed one (and the
 /// length of the log it drafted past).
 type Lent = (NodeSession<Draft>, Option<(usize, DraftBlock)>);
-
-/// What a draft step asks for: `k` drafts, `branches` more nodes (a token tree), and where the
-/// chain stops early (`v1::DraftStep::min_confidence`).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Ask {
-    pub k: usize,
-    pub branches: usize,
-    pub min_confidence: f32,
-}
-
-impl Ask {
-    /// A chain of `k` drafts, never cut short.
-    pub fn chain(k: usize) -> Self {
-        Self {
-            k,
-            ..Self::default()
-        }
-    }
-}
 
 /// A draft step asking for `ask` after feeding `new_tokens` past `committed`.
 fn draft_step(committed: v1::Prefix, new_tokens: Vec<u32>, ask: Ask) -> v1::DraftRequest {
@@ -273,7 +112,19 @@ impl ModelDrafter {
             pending: None,
             backoff: REATTACH_FIRST,
             reattached: 0,
+            ahead: None,
         }
+    }
+
+    /// Whether the session is attached and idle: the model can draft.
+    pub fn attached(&self) -> bool {
+        self.session.is_some()
+    }
+
+    /// Holds `block`, drafted during a verify, for the next round to take without asking; or
+    /// drops the one held (`None`: the guess was wrong, or the round drafts otherwise).
+    pub fn hold_ahead(&mut self, block: Option<DraftBlock>) {
+        self.ahead = block.filter(|b| !b.tokens.is_empty());
     }
 
     /// Takes back a session a background task has finished with, and the timing of the step it
@@ -453,7 +304,7 @@ impl ModelDrafter {
     /// Asks the attached draft-node for `k` drafts within a deadline `expected` seconds long
     /// times [`DEADLINE_FACTOR`], plus the slack (a first step gets [`FIRST_DEADLINE`]). On failure or timeout
     /// the session is dropped and re-attachment starts; the error says which.
-    pub async fn step(
+    async fn step(
         &mut self,
         log: &TokenLog,
         ask: Ask,
@@ -505,6 +356,7 @@ impl ModelDrafter {
                     confidence: p.confidence,
                     compute_secs: p.compute_micros as f64 * 1e-6,
                     wall_secs: start.elapsed().as_secs_f64(),
+                    drafted_ahead: false,
                 })
             }
             Err(e) => {
@@ -550,107 +402,30 @@ impl ModelDrafter {
     /// Detaches the session for good (a lying draft): no re-attachment.
     pub fn detach(&mut self) -> Option<NodeSession<Draft>> {
         self.pending = None;
+        self.ahead = None;
         self.session.take()
     }
 }
 
-/// N-gram drafts with one-hot q: exact under the acceptance rule, whatever the sampling, cut
-/// before the first one the generation's grammar forbids; and the length of the match they
-/// continue. With `branches`, a token tree of other earlier continuations (none under a
-/// grammar: it checks the chain).
-pub fn ngram_proposal(
-    log: &TokenLog,
-    (k, branches): (usize, usize),
-    grammar: Option<&mut Constraint>,
-) -> (DraftBlock, usize) {
-    let start = Instant::now();
-    let branches = if grammar.is_some() { 0 } else { branches };
-    let crate::drafting::ngram::Lookup {
-        mut tokens,
-        matched,
-        parents,
-    } = crate::drafting::ngram::propose_tree(log.tokens(), k, branches);
-    // A grammar state that cannot follow the log proposes nothing (the target decides).
-    let valid = cut(grammar, log.tokens(), &tokens).unwrap_or(0);
-    tokens.truncate(valid);
-    let q = tokens
-        .iter()
-        .map(|&t| v1::Distribution {
-            kind: Some(v1::distribution::Kind::OneHot(t)),
-        })
-        .collect();
-    let secs = start.elapsed().as_secs_f64();
-    let proposal = DraftBlock {
-        tokens,
-        q,
-        parents,
-        compute_secs: secs,
-        wall_secs: secs,
-        ..DraftBlock::default()
-    };
-    (proposal, matched)
-}
-
-/// Which drafter a fixed-K round uses.
-pub fn fixed_drafter(choice: DrafterChoice, model_attached: bool) -> DrafterKind {
-    match choice {
-        DrafterChoice::Ngram => DrafterKind::Ngram,
-        DrafterChoice::Model | DrafterChoice::Auto if model_attached => DrafterKind::Model,
-        // The draft-node is lost (or never came): n-gram lookup stands in.
-        _ => DrafterKind::Ngram,
+impl Propose for ModelDrafter {
+    fn kind(&self) -> DrafterKind {
+        DrafterKind::Model
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn block(tokens: &[u32], parents: &[u32]) -> DraftBlock {
-        let q = tokens
-            .iter()
-            .map(|&t| v1::Distribution {
-                kind: Some(v1::distribution::Kind::OneHot(t)),
-            })
-            .collect();
-        DraftBlock {
-            tokens: tokens.to_vec(),
-            q,
-            parents: parents.to_vec(),
-            ..DraftBlock::default()
+    /// The block drafted during the last verify, where one is held (cut to the ask's size);
+    /// else a step on the draft-node ([`Self::step`]).
+    fn propose<'a>(
+        &'a mut self,
+        log: &'a TokenLog,
+        ask: Ask,
+        expected: Option<f64>,
+    ) -> Proposing<'a> {
+        if let Some(mut ready) = self.ahead.take() {
+            ready.drafted_ahead = true;
+            return Box::pin(std::future::ready(
+                Ok(ready.truncated(ask.k + ask.branches)),
+            ));
         }
-    }
-
-    #[test]
-    fn the_drafts_under_the_right_guess_are_a_block_of_their_own() {
-        // A chain: what follows its first draft, when that was the guess.
-        let chain = block(&[5, 6, 7], &[]);
-        let under = chain.under(5).expect("the guess");
-        assert_eq!((under.tokens, under.parents), (vec![6, 7], vec![]));
-        assert_eq!(under.q.len(), 2);
-        assert!(chain.under(6).is_none(), "6 is not a first draft");
-        assert_eq!(block(&[5], &[]).under(5).map(|p| p.tokens), Some(vec![]));
-        // Under the guess, a chain drafted whole is cut as the draft-node would have cut it.
-        let mut sure = block(&[5, 6, 7, 8], &[]);
-        sure.confidence = vec![0.1, 0.9, 0.3, 0.9];
-        let under = |bound| sure.under(5).expect("the guess").cut(bound);
-        assert_eq!(under(0.0).confidence, [0.9, 0.3, 0.9]);
-        assert_eq!(under(0.5).tokens, [6]);
-        assert_eq!(under(0.2).tokens, [6, 7, 8]);
-        assert_eq!(under(0.95).tokens, [6], "the first draft is always kept");
-        // A tree: guesses 5 and 9 at the first depth; under 5 a chain 6, 7 and 8 beside 6;
-        // under 9 the path 10, 11.
-        let tree = block(&[5, 6, 7, 9, 8, 10, 11], &[0, 1, 2, 0, 1, 4, 6]);
-        let under = tree.under(5).expect("the first guess");
-        assert_eq!(
-            (under.tokens, under.parents),
-            (vec![6, 7, 8], vec![0, 1, 0])
-        );
-        let under = tree.under(9).expect("the second guess");
-        assert_eq!((under.tokens, under.parents), (vec![10, 11], vec![]));
-        assert!(tree.under(6).is_none(), "6 is under 5, not a guess");
-        // Malformed: parents that do not fit, a node's parent after it.
-        assert!(block(&[5, 6], &[0]).under(5).is_none());
-        let forward = block(&[5, 6, 7], &[0, 3, 1]);
-        assert_eq!(forward.under(5).map(|p| p.tokens), Some(vec![7]));
+        Box::pin(self.step(log, ask, expected))
     }
 }
