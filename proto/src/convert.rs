@@ -218,6 +218,21 @@ pub fn logprobs_to_wire(l: &tandem_runtime::sampling::TokenLogprobs) -> v1::Toke
     }
 }
 
+/// A token's log-probabilities from the wire (alternatives past the shorter of the two lists
+/// dropped).
+pub fn logprobs_from_wire(l: &v1::TokenLogprobs) -> tandem_runtime::sampling::TokenLogprobs {
+    tandem_runtime::sampling::TokenLogprobs {
+        token: l.token,
+        logprob: l.logprob,
+        top: l
+            .top_ids
+            .iter()
+            .copied()
+            .zip(l.top_logprobs.iter().copied())
+            .collect(),
+    }
+}
+
 /// Longest `session_id` a node accepts.
 pub const MAX_SESSION_ID_BYTES: usize = 128;
 
@@ -280,6 +295,21 @@ mod tests {
         let err =
             distribution_from_wire(&v1::Distribution { kind: None }, 100, 0).expect_err("no kind");
         assert_eq!(err.reason, RefusalReason::MalformedQ);
+    }
+
+    #[test]
+    fn logprobs_round_trip_and_mismatched_alternatives_are_cut_to_the_shorter() {
+        use super::{logprobs_from_wire, logprobs_to_wire};
+        use tandem_runtime::sampling::TokenLogprobs;
+        let l = TokenLogprobs {
+            token: 7,
+            logprob: -0.5,
+            top: vec![(7, -0.5), (3, -1.25)],
+        };
+        assert_eq!(logprobs_from_wire(&logprobs_to_wire(&l)), l);
+        let mut wire = logprobs_to_wire(&l);
+        wire.top_logprobs.pop();
+        assert_eq!(logprobs_from_wire(&wire).top, [(7, -0.5)]);
     }
 
     #[test]

@@ -15,8 +15,8 @@ pub mod v1 {
 
 pub use convert::{
     MAX_CACHE_SALT_BYTES, MAX_SESSION_ID_BYTES, check_cache_salt, check_session_id,
-    distribution_from_wire, distribution_to_wire, logprobs_to_wire, prefix_from_wire,
-    prefix_to_wire, random_seed,
+    distribution_from_wire, distribution_to_wire, logprobs_from_wire, logprobs_to_wire,
+    prefix_from_wire, prefix_to_wire, random_seed,
 };
 pub use error::{Error, Result};
 

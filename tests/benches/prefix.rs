@@ -24,7 +24,11 @@ struct FirstToken {
 }
 
 impl CommitSink for FirstToken {
-    async fn send(&mut self, commit: &Commit, _: &[v1::TokenLogprobs]) -> bool {
+    async fn send(
+        &mut self,
+        commit: &Commit,
+        _: &[tandem_runtime::sampling::TokenLogprobs],
+    ) -> bool {
         if !commit.tokens.is_empty() {
             self.first.get_or_insert(self.start.elapsed());
         }

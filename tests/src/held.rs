@@ -81,7 +81,11 @@ struct Holding {
 }
 
 impl tandem_coordinator::CommitSink for Holding {
-    async fn send(&mut self, _: &tandem_runtime::Commit, _: &[v1::TokenLogprobs]) -> bool {
+    async fn send(
+        &mut self,
+        _: &tandem_runtime::Commit,
+        _: &[tandem_runtime::sampling::TokenLogprobs],
+    ) -> bool {
         if let Some(started) = self.started.take() {
             let _ = started.send(self.start.elapsed());
         }

@@ -210,7 +210,11 @@ struct BlockAtFirstCommit {
 }
 
 impl tandem_coordinator::CommitSink for BlockAtFirstCommit {
-    async fn send(&mut self, _: &tandem_runtime::Commit, _: &[v1::TokenLogprobs]) -> bool {
+    async fn send(
+        &mut self,
+        _: &tandem_runtime::Commit,
+        _: &[tandem_runtime::sampling::TokenLogprobs],
+    ) -> bool {
         if let Some(release) = self.release.take() {
             let node = Arc::clone(&self.node);
             tokio::spawn(async move { node.worker.run(move || release.recv()).await });

@@ -8,6 +8,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use tandem_runtime::Commit;
+use tandem_runtime::sampling::TokenLogprobs;
 
 use crate::api::auth::Access;
 use crate::engine::late::LateEngine;
@@ -71,11 +72,14 @@ fn message(kind: v1::generate_response::Kind) -> Result<v1::GenerateResponse, St
 struct DeltaSink(mpsc::Sender<Result<v1::GenerateResponse, Status>>);
 
 impl CommitSink for DeltaSink {
-    async fn send(&mut self, commit: &Commit, logprobs: &[v1::TokenLogprobs]) -> bool {
+    async fn send(&mut self, commit: &Commit, logprobs: &[TokenLogprobs]) -> bool {
         let delta = v1::TokenDelta {
             text: commit.text.clone(),
             token_ids: commit.tokens.clone(),
-            logprobs: logprobs.to_vec(),
+            logprobs: logprobs
+                .iter()
+                .map(tandem_proto::logprobs_to_wire)
+                .collect(),
         };
         self.0
             .send(message(v1::generate_response::Kind::Delta(delta)))

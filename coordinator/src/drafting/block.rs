@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use tandem_proto::Error;
-use tandem_proto::v1;
+
+pub use crate::nodes::steps::Ask;
+use crate::nodes::steps::{DraftQ, Drafted};
 
 /// Why a draft-node step gave no drafts.
 #[derive(Debug)]
@@ -28,11 +30,12 @@ impl std::fmt::Display for StepFailure {
 #[derive(Debug, Default)]
 pub struct DraftBlock {
     pub tokens: Vec<u32>,
-    pub q: Vec<v1::Distribution>,
-    /// A token tree's parents (`v1::VerifyBlock::parents`); empty for a chain.
+    pub q: Vec<DraftQ>,
+    /// A token tree's parents (0: a child of the committed tokens, j + 1: of draft j); empty
+    /// for a chain.
     pub parents: Vec<u32>,
-    /// A chain's: the draft model's confidence at each draft (`v1::Proposal::confidence`);
-    /// empty for a tree and for n-gram lookup.
+    /// A chain's: the draft model's confidence at each draft; empty for a tree and for n-gram
+    /// lookup.
     pub confidence: Vec<f32>,
     /// The drafter's compute (the node's report; the lookup's own time).
     pub compute_secs: f64,
@@ -46,12 +49,7 @@ impl DraftBlock {
     /// Drafts with one-hot q (a deterministic drafter's: exact under the acceptance rule,
     /// whatever the sampling), made in `secs`.
     pub fn one_hot(tokens: Vec<u32>, parents: Vec<u32>, secs: f64) -> Self {
-        let q = tokens
-            .iter()
-            .map(|&t| v1::Distribution {
-                kind: Some(v1::distribution::Kind::OneHot(t)),
-            })
-            .collect();
+        let q = tokens.iter().map(|&t| DraftQ::one_hot(t)).collect();
         Self {
             tokens,
             q,
@@ -71,8 +69,21 @@ impl DraftBlock {
         self
     }
 
+    /// A draft step's answer, `wall_secs` after asking.
+    pub fn drafted(d: Drafted, wall_secs: f64) -> Self {
+        Self {
+            tokens: d.tokens,
+            q: d.q,
+            parents: d.parents,
+            confidence: d.confidence,
+            compute_secs: d.compute_secs,
+            wall_secs,
+            drafted_ahead: false,
+        }
+    }
+
     /// A chain cut where the draft was unsure, as the draft-node cuts the chains it drafts
-    /// (`v1::DraftStep::min_confidence`): before its first draft past the first whose
+    /// (its `min_confidence`): before its first draft past the first whose
     /// confidence is below `bound`. A tree, or a block without confidences, stays whole.
     pub fn cut(self, bound: f32) -> Self {
         if !self.parents.is_empty() || self.confidence.len() != self.tokens.len() {
@@ -134,25 +145,6 @@ pub fn chain_len(parents: &[u32], drafts: usize) -> usize {
         .enumerate()
         .take_while(|&(i, &p)| p as usize == i)
         .count()
-}
-
-/// What a draft step asks for: `k` drafts, `branches` more nodes (a token tree), and where the
-/// chain stops early (`v1::DraftStep::min_confidence`).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Ask {
-    pub k: usize,
-    pub branches: usize,
-    pub min_confidence: f32,
-}
-
-impl Ask {
-    /// A chain of `k` drafts, never cut short.
-    pub fn chain(k: usize) -> Self {
-        Self {
-            k,
-            ..Self::default()
-        }
-    }
 }
 
 #[cfg(test)]

@@ -6,7 +6,6 @@
 
 use std::time::{Duration, Instant};
 
-use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::TokenLog;
 use tokio::sync::oneshot;
@@ -65,19 +64,6 @@ enum Background {
 /// A session back from a background task, with the step it ran when it timed one (and the
 /// length of the log it drafted past).
 type Lent = (NodeSession<Draft>, Option<(usize, DraftBlock)>);
-
-/// A draft step asking for `ask` after feeding `new_tokens` past `committed`.
-fn draft_step(committed: v1::Prefix, new_tokens: Vec<u32>, ask: Ask) -> v1::DraftRequest {
-    v1::DraftRequest {
-        kind: Some(v1::draft_request::Kind::Step(v1::DraftStep {
-            committed: Some(committed),
-            new_tokens,
-            k: ask.k as u32,
-            branches: ask.branches as u32,
-            min_confidence: ask.min_confidence,
-        })),
-    }
-}
 
 /// A draft-node at least this many committed tokens behind is worth catching up.
 const CATCH_UP_LAG: usize = 2;
@@ -258,14 +244,10 @@ impl ModelDrafter {
         tokio::spawn(async move {
             let run = async {
                 if let Some(behind) = &behind {
-                    session
-                        .call(behind, |c, new| draft_step(c, new, Ask::default()))
-                        .await?;
+                    session.draft(behind, Ask::default()).await?;
                 }
                 let start = Instant::now();
-                let p = session
-                    .call(&log, |c, new| draft_step(c, new, Ask::chain(k)))
-                    .await?;
+                let p = session.draft(&log, Ask::chain(k)).await?;
                 Ok::<_, Error>((p, start.elapsed().as_secs_f64()))
             };
             let result = match tokio::time::timeout(deadline, run).await {
@@ -275,7 +257,7 @@ impl ModelDrafter {
                         // A draft-node that sends more than asked is not believed past `k`.
                         p.tokens.truncate(k);
                         let step = DraftBlock {
-                            compute_secs: p.compute_micros as f64 * 1e-6,
+                            compute_secs: p.compute_secs,
                             wall_secs,
                             tokens: p.tokens,
                             ..DraftBlock::default()
@@ -332,9 +314,7 @@ impl ModelDrafter {
             Duration::from_secs_f64(secs * DEADLINE_FACTOR) + self.slack
         });
         let start = Instant::now();
-        let call = session.call(log, |committed, new_tokens| {
-            draft_step(committed, new_tokens, ask)
-        });
+        let call = session.draft(log, ask);
         let outcome = match tokio::time::timeout(deadline, call).await {
             Ok(r) => r.map_err(StepFailure::Failed),
             Err(_) => {
@@ -349,15 +329,7 @@ impl ModelDrafter {
             Ok(p) => {
                 // The draft-node answers again: a later loss starts its backoff afresh.
                 self.backoff = REATTACH_FIRST;
-                Ok(DraftBlock {
-                    tokens: p.tokens,
-                    q: p.q,
-                    parents: p.parents,
-                    confidence: p.confidence,
-                    compute_secs: p.compute_micros as f64 * 1e-6,
-                    wall_secs: start.elapsed().as_secs_f64(),
-                    drafted_ahead: false,
-                })
+                Ok(DraftBlock::drafted(p, start.elapsed().as_secs_f64()))
             }
             Err(e) => {
                 // The caller drops the session (counting its traffic) before the next round; a

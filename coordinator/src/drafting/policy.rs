@@ -311,7 +311,7 @@ pub struct KPolicy {
     /// Drafts of background steps the target would have accepted, and those compared.
     shadow: [u32; 2],
     /// How often a token tree's sibling leaves are right ([`tree`]).
-    siblings: tree::Siblings,
+    siblings: siblings::Siblings,
     /// How often drafts of each confidence are accepted: where a chain stops ([`confidence`]).
     confidence: confidence::Confidence,
 }
@@ -337,7 +337,7 @@ impl KPolicy {
             drafted_rounds: 0,
             pipelining: true,
             shadow: [0, 0],
-            siblings: tree::Siblings::default(),
+            siblings: siblings::Siblings::default(),
             confidence: confidence::Confidence::default(),
         }
     }
@@ -786,6 +786,6 @@ pub struct RoundCosts {
 }
 
 mod confidence;
+mod siblings;
 #[cfg(test)]
 mod tests;
-mod tree;

@@ -18,6 +18,7 @@
 //! than asked for are refused here. After [`MAX_REFUSED_BLOCKS`] refused blocks the draft is
 //! detached from the generation, which goes on target-only. A bad draft never fails a request.
 
+mod committed;
 mod open;
 mod verify;
 
@@ -25,12 +26,11 @@ pub use open::DRAFT_GRACE;
 
 use std::time::Instant;
 
-use tandem_proto::v1;
 use tandem_proto::{Error, Result};
+use tandem_runtime::sampling::TokenLogprobs;
 use tandem_runtime::{Constraint, DraftRefusal, FinishReason, RefusalReason, TokenLog, Transcript};
 use tracing::Instrument;
 
-use super::tree::Committed;
 use super::{CommitSink, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats};
 use crate::drafting::block::{Ask, DraftBlock, StepFailure, chain_len};
 use crate::drafting::policy::{KPolicy, NgramOffer, RoundCosts, RoundPlan};
@@ -38,6 +38,8 @@ use crate::drafting::shadow::{Shadow, shadow_len};
 use crate::drafting::{DrafterKind, Drafters};
 use crate::nodes::links::{NodeSession, Target};
 use crate::nodes::replicas::Lease;
+use crate::nodes::steps::TargetVerdict;
+use committed::Committed;
 
 /// One generation: its sessions, its log, its policy and its transcript.
 #[derive(Debug)]
@@ -58,7 +60,7 @@ pub struct Generation<'e> {
     shadow: Shadow,
     /// Drafts the draft-node accepts per step (0 without one).
     max_draft: usize,
-    logprobs: Vec<v1::TokenLogprobs>,
+    logprobs: Vec<TokenLogprobs>,
     stats: Stats,
     prefill_start: Instant,
     decode_start: Instant,
@@ -80,7 +82,7 @@ struct Round {
 /// A round's block as verified.
 #[derive(Debug)]
 struct Verified {
-    verdict: v1::VerdictReply,
+    verdict: TargetVerdict,
     /// What the verdict committed, and the block's chain length.
     tree: Committed,
     chain: usize,
@@ -279,7 +281,7 @@ impl<'e> Generation<'e> {
         };
         let round_wall = round.start.elapsed().as_secs_f64();
         let verdict = verdict?;
-        let tree = super::tree::committed(drafts, parents, &verdict)?;
+        let tree = committed::committed(drafts, parents, &verdict)?;
         Ok(Verified {
             verdict,
             tree,
@@ -332,15 +334,15 @@ impl<'e> Generation<'e> {
             Some((_, Err(_))) => (0, true),
             None => (0, false),
         };
-        if let Some(r) = verified.verdict.draft_refused.take() {
+        if let Some(r) = verified.verdict.refused.take() {
             self.refused(&r.reason, || r.message.clone());
         }
         // The draft's compute the round waited for: its step, and of a block drafted during the
         // verify what ran past the verdict.
         let draft_waited = block.compute_secs + self.drafted_ahead(round, verified);
         let Verified { verdict, tree, .. } = &*verified;
-        let (drafts, accepted) = (block.tokens.len(), verdict.accepted as usize);
-        let verify_secs = verdict.compute_micros as f64 * 1e-6;
+        let (drafts, accepted) = (block.tokens.len(), verdict.accepted);
+        let verify_secs = verdict.compute_secs;
         self.stats.base.target_seconds += verify_secs;
         if let Some(right) = tree.sibling {
             let past_chain = if right { accepted - tree.chain.1 } else { 0 };
@@ -409,7 +411,7 @@ impl<'e> Generation<'e> {
         self.stats.base.draft_seconds += next.compute_secs;
         let waited = (next.compute_secs - verified.verify_wall).max(0.0);
         let chain = verified.chain;
-        if verified.tree.chain == (chain, chain) && verified.verdict.accepted as usize == chain {
+        if verified.tree.chain == (chain, chain) && verified.verdict.accepted == chain {
             let under = next.under(verified.verdict.next_token);
             self.policy.observe_guess(under.is_some());
             if let Some(m) = self.drafters.model.as_mut() {

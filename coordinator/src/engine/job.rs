@@ -5,6 +5,7 @@ use std::future::Future;
 
 use tandem_proto::Result;
 use tandem_proto::v1;
+use tandem_runtime::sampling::TokenLogprobs;
 use tandem_runtime::{Commit, FinishReason, GenerateRequest};
 
 use crate::drafting::DrafterChoice;
@@ -18,7 +19,7 @@ pub trait CommitSink: Send {
     fn send(
         &mut self,
         commit: &Commit,
-        logprobs: &[v1::TokenLogprobs],
+        logprobs: &[TokenLogprobs],
     ) -> impl Future<Output = bool> + Send;
 }
 
@@ -27,7 +28,7 @@ pub trait CommitSink: Send {
 pub struct Discard;
 
 impl CommitSink for Discard {
-    async fn send(&mut self, _: &Commit, _: &[v1::TokenLogprobs]) -> bool {
+    async fn send(&mut self, _: &Commit, _: &[TokenLogprobs]) -> bool {
         true
     }
 }
@@ -89,7 +90,7 @@ pub struct Outcome {
     pub finish_reason: FinishReason,
     pub stats: Stats,
     /// Each token's log-probabilities, when the request asked for them.
-    pub logprobs: Vec<v1::TokenLogprobs>,
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 /// Most `stop_token_ids` a request may give (each committed token is checked against them).

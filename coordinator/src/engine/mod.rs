@@ -16,7 +16,6 @@ mod learnt;
 pub mod local;
 pub mod metrics;
 pub mod stats;
-pub mod tree;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};

@@ -1,6 +1,7 @@
 //! The nodes as the coordinator sees them: a node's handle and what losing it means
 //! ([`handle`]), whether a replica answers ([`health`]), the gRPC session streams to a
-//! target-node or a draft-node ([`links`]), a node's replicas and the choice between them
+//! target-node or a draft-node ([`links`]) and what their steps ask and answer ([`steps`]: the
+//! wire's messages end there), a node's replicas and the choice between them
 //! ([`replicas`]), a draft-node that may come late ([`late`]), where the nodes run
 //! ([`machine`]), and the in-process cluster of the all-in-one mode ([`cluster`]).
 //!
@@ -13,6 +14,7 @@ pub mod late;
 pub mod links;
 pub mod machine;
 pub mod replicas;
+pub mod steps;
 
 pub use cluster::LocalCluster;
 pub use handle::{

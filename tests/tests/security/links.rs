@@ -107,7 +107,7 @@ async fn generations_do_not_wait_on_a_silent_draft_link_and_drafting_resumes_aft
 struct SilenceAtFirstCommit<'a>(&'a Link);
 
 impl CommitSink for SilenceAtFirstCommit<'_> {
-    async fn send(&mut self, _: &Commit, _: &[v1::TokenLogprobs]) -> bool {
+    async fn send(&mut self, _: &Commit, _: &[tandem_runtime::sampling::TokenLogprobs]) -> bool {
         self.0.silence(true);
         true
     }

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use tandem_proto::{Result, v1};
 use tandem_runtime::Commit;
+use tandem_runtime::sampling::TokenLogprobs;
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
@@ -40,7 +41,7 @@ pub fn whole(n: usize) -> (mpsc::Receiver<Infallible>, Vec<Whole>) {
 }
 
 impl CommitSink for Whole {
-    async fn send(&mut self, _: &Commit, _: &[v1::TokenLogprobs]) -> bool {
+    async fn send(&mut self, _: &Commit, _: &[TokenLogprobs]) -> bool {
         !self.0.is_closed()
     }
 }
@@ -75,7 +76,7 @@ struct First<S> {
 }
 
 impl<S: CommitSink> CommitSink for First<S> {
-    async fn send(&mut self, commit: &Commit, logprobs: &[v1::TokenLogprobs]) -> bool {
+    async fn send(&mut self, commit: &Commit, logprobs: &[TokenLogprobs]) -> bool {
         let open = self.sink.send(commit, logprobs).await;
         // Where the client has gone, the others are not started (dropped, it is told nothing).
         let started = self.started.take();

@@ -10,6 +10,7 @@ use super::error::ApiError;
 use super::tools::{Delta, Reply};
 use crate::engine::{Job, Outcome};
 use tandem_runtime::Tokenizer;
+use tandem_runtime::sampling::TokenLogprobs;
 
 /// A string or a list of strings (`prompt`, `stop`).
 #[derive(Debug, Clone, Deserialize)]
@@ -516,7 +517,7 @@ pub fn delta_json(delta: Delta) -> Value {
 pub fn logprobs_json(
     kind: Kind,
     tok: &Tokenizer,
-    logprobs: &[v1::TokenLogprobs],
+    logprobs: &[TokenLogprobs],
     offset: &mut usize,
 ) -> Value {
     if logprobs.is_empty() {
@@ -562,11 +563,8 @@ pub fn logprobs_json(
 }
 
 /// A token's alternatives: (id, log-probability), most likely first.
-fn top(l: &v1::TokenLogprobs) -> impl Iterator<Item = (u32, f32)> + '_ {
-    l.top_ids
-        .iter()
-        .copied()
-        .zip(l.top_logprobs.iter().copied())
+fn top(l: &TokenLogprobs) -> impl Iterator<Item = (u32, f32)> + '_ {
+    l.top.iter().copied()
 }
 
 /// Usage as OpenAI counts it: the prompt once, the completion tokens of every choice; the

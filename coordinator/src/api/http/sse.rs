@@ -8,8 +8,9 @@ use axum::http::StatusCode;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
-use tandem_proto::{Result, v1};
+use tandem_proto::Result;
 use tandem_runtime::Commit;
+use tandem_runtime::sampling::TokenLogprobs;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
@@ -118,7 +119,7 @@ impl SseSink {
 }
 
 impl CommitSink for SseSink {
-    async fn send(&mut self, commit: &Commit, logprobs: &[v1::TokenLogprobs]) -> bool {
+    async fn send(&mut self, commit: &Commit, logprobs: &[TokenLogprobs]) -> bool {
         self.start();
         // Text held back (half a character, a possible stop string) sends nothing, unless its
         // tokens' log-probabilities were asked for.

@@ -2,12 +2,12 @@
 
 use std::time::Instant;
 
-use tandem_proto::v1;
 use tandem_proto::{Error, Result};
 use tandem_runtime::TokenLog;
 
 use crate::engine::Engine;
 use crate::nodes::links::{NodeSession, Target};
+use crate::nodes::steps::{DraftQ, TargetVerdict};
 use crate::nodes::{TARGET_BACKOFF, TARGET_BACKOFF_MAX, call_deadline, jittered, session_lost};
 
 /// Verifies `drafts` on the target, within a deadline derived from what the policy expects
@@ -20,18 +20,9 @@ pub(super) async fn on_target(
     engine: &Engine,
     target: &mut NodeSession<Target>,
     log: &TokenLog,
-    (drafts, q, parents): (&[u32], &[v1::Distribution], &[u32]),
+    block: (&[u32], &[DraftQ], &[u32]),
     expected: Option<f64>,
-) -> Result<v1::VerdictReply> {
-    let make = |committed, new_tokens| v1::TargetRequest {
-        kind: Some(v1::target_request::Kind::Verify(v1::VerifyBlock {
-            committed: Some(committed),
-            new_tokens,
-            drafts: drafts.to_vec(),
-            q: q.to_vec(),
-            parents: parents.to_vec(),
-        })),
-    };
+) -> Result<TargetVerdict> {
     let give_up = Instant::now() + engine.target_retry;
     let home = target.replica;
     let mut backoff = TARGET_BACKOFF;
@@ -62,7 +53,7 @@ pub(super) async fn on_target(
                     let to = if replica == home { "same" } else { "other" };
                     engine.metrics.target_replays.add(to, 1);
                 }
-                target.call(log, make).await
+                target.verify(log, block).await
             };
             tokio::pin!(call);
             // Late is not lost while the node works on the message (queued behind other

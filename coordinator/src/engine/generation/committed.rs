@@ -2,9 +2,10 @@
 //! policy learns from it. A chain is the tree of one path; the draft-node's trees are its
 //! chain of drafts (its own choices), then the branches off it.
 
-use tandem_proto::v1;
-
 use tandem_proto::{Error, Result};
+
+use crate::drafting::block::chain_len;
+use crate::nodes::steps::TargetVerdict;
 
 /// What a verified block committed.
 #[derive(Debug, PartialEq)]
@@ -21,13 +22,13 @@ pub struct Committed {
 /// The tokens a verdict commits from `drafts` (a chain, or a tree with `parents` in wire form),
 /// its path checked to be one: from a child of the committed tokens, each node a child of the
 /// one before.
-pub fn committed(drafts: &[u32], parents: &[u32], verdict: &v1::VerdictReply) -> Result<Committed> {
-    let accepted = verdict.accepted as usize;
+pub fn committed(drafts: &[u32], parents: &[u32], verdict: &TargetVerdict) -> Result<Committed> {
+    let accepted = verdict.accepted;
     let bad = |what: String| Error::Protocol {
         node: "target-node",
         what,
     };
-    if accepted > drafts.len() || (verdict.draft_refused.is_some() && accepted > 0) {
+    if accepted > drafts.len() || (verdict.refused.is_some() && accepted > 0) {
         return Err(bad(format!(
             "accepted {accepted} of {} drafts",
             drafts.len()
@@ -42,9 +43,9 @@ pub fn committed(drafts: &[u32], parents: &[u32], verdict: &v1::VerdictReply) ->
             sibling: None,
         });
     }
-    let path: Vec<usize> = verdict.path.iter().map(|&i| i as usize).collect();
+    let path = &verdict.path;
     let mut parent = 0;
-    for &node in &path {
+    for &node in path {
         if parents.get(node) != Some(&parent) {
             return Err(bad(format!(
                 "a path {path:?} not down the tree {parents:?}"
@@ -58,14 +59,14 @@ pub fn committed(drafts: &[u32], parents: &[u32], verdict: &v1::VerdictReply) ->
             path.len()
         )));
     }
-    let chain = crate::drafting::block::chain_len(parents, drafts.len());
+    let chain = chain_len(parents, drafts.len());
     let on_chain = path
         .iter()
         .enumerate()
         .take_while(|&(depth, &node)| node == depth && node < chain)
         .count();
     // The sibling beside the first rejected chain draft, where the round reached it.
-    let sibling = (on_chain < chain && verdict.draft_refused.is_none())
+    let sibling = (on_chain < chain && verdict.refused.is_none())
         .then(|| {
             (chain..drafts.len())
                 .find(|&j| parents[j] as usize == on_chain)
@@ -85,8 +86,8 @@ pub fn committed(drafts: &[u32], parents: &[u32], verdict: &v1::VerdictReply) ->
 mod tests {
     use super::*;
 
-    fn verdict(accepted: u32, path: &[u32], next: u32) -> v1::VerdictReply {
-        v1::VerdictReply {
+    fn verdict(accepted: usize, path: &[usize], next: u32) -> TargetVerdict {
+        TargetVerdict {
             accepted,
             next_token: next,
             path: path.to_vec(),
