@@ -2,11 +2,12 @@
 //! committed log it was told; a step rolls back to the named committed prefix, appends the
 //! newly committed tokens and proposes K tokens with the distributions they were sampled from.
 
+use tandem_node::{Error, Result};
 use tandem_node::{Incoming, NodeState, Session};
 use tandem_proto::v1::draft_response::Kind as Reply;
 use tandem_proto::v1::draft_service_server::{DraftService, DraftServiceServer};
 use tandem_proto::v1::{self, draft_request::Kind};
-use tandem_proto::{Error, Result, distribution_to_wire, prefix_from_wire, prefix_to_wire};
+use tandem_proto::{distribution_to_wire, prefix_from_wire, prefix_to_wire};
 use tandem_runtime::speculative::ProposeJob;
 use tandem_runtime::{Drafter, KvPrefix, Prefix, Proposal, SequenceState, TokenLog};
 
@@ -23,7 +24,10 @@ impl Session for DraftSession {
     type Work = v1::DraftStep;
 
     fn classify(request: v1::DraftRequest) -> Result<Incoming<v1::DraftStep>> {
-        match request.kind.ok_or(Error::MissingField("kind"))? {
+        match request
+            .kind
+            .ok_or(tandem_proto::Error::MissingField("kind"))?
+        {
             Kind::Open(open) => Ok(Incoming::Open(open)),
             Kind::Step(step) => Ok(Incoming::Work(step)),
             Kind::Close(_) => Ok(Incoming::Close),
@@ -99,10 +103,9 @@ impl Session for DraftSession {
                     Some(proposal) => s.answer(committed, proposal, compute_micros),
                     None => {
                         s.log.rollback_to(committed)?;
-                        Err(Error::Protocol {
-                            node: "draft-node",
-                            what: "a step of the batch got no proposal".into(),
-                        })
+                        Err(Error::Internal(
+                            "a step of the batch got no proposal".into(),
+                        ))
                     }
                 }
             })

@@ -4,6 +4,7 @@
 //! node info, health, and serving (a role's service: [`session_service!`]).
 
 mod config;
+mod error;
 mod host;
 mod http;
 pub mod metrics;
@@ -17,6 +18,7 @@ mod telemetry;
 mod worker;
 
 pub use config::{LimitsArgs, ModelSource, NodeArgs};
+pub use error::{Error, Result};
 pub use serve::{Shutdown, announce_listening, bind_http, run, serve, serve_until_signal, stopped};
 pub use sessions::{SessionSlot, SessionTable};
 pub use state::{Limits, NodeState, Role};

@@ -1,8 +1,8 @@
 //! What a node serves from: its model and tokenizer, resolved limits and the session table, with
 //! the checks every incoming request passes before it touches a cache.
 
+use crate::{Error, Result};
 use tandem_proto::v1;
-use tandem_proto::{Error, Result};
 use tandem_runtime::sampling::MAX_TOP_LOGPROBS;
 use tandem_runtime::{
     Constraint, LazyGrammars, LoadOptions, Model, SamplingParams, Tokenizer, default_stop_tokens,
@@ -203,10 +203,10 @@ impl NodeState {
             )
             .into());
         }
-        open.sampling
-            .as_ref()
-            .ok_or(Error::MissingField("sampling"))?
-            .to_runtime()
+        let sampling = open.sampling.as_ref();
+        Ok(sampling
+            .ok_or(tandem_proto::Error::MissingField("sampling"))?
+            .to_runtime()?)
     }
 
     /// The grammar state of a session opened by `open`, if it names a grammar (compiled for

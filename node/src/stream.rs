@@ -7,8 +7,9 @@
 
 use std::sync::Arc;
 
+use crate::{Error, Result};
+use tandem_proto::prefix_to_wire;
 use tandem_proto::v1;
-use tandem_proto::{Error, Result, prefix_to_wire};
 use tandem_runtime::{KvPrefix, Prefix};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;

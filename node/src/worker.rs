@@ -17,7 +17,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use tandem_proto::{Error, Result};
+use crate::{Error, Result};
 use tandem_runtime::kernels::Cores;
 use tokio::sync::oneshot;
 
@@ -142,10 +142,7 @@ impl ModelThread {
 }
 
 fn failed(what: &str) -> Error {
-    Error::Protocol {
-        node: "node",
-        what: what.to_string(),
-    }
+    Error::Internal(what.to_string())
 }
 
 /// A wait for the rest of a batch: it ends `max_wait` after it began, and for a model on the

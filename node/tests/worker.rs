@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
+use tandem_node::Result;
 use tandem_node::{Batch, ModelThread};
-use tandem_proto::Result;
 use tandem_runtime::kernels::Cores;
 
 #[tokio::test]

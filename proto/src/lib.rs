@@ -1,6 +1,6 @@
 //! tandem-proto: the wire contract of Tandem (package `tandem.v1`), the conversions between
-//! wire and runtime types that every service shares, and the one mapping of errors to
-//! [`tonic::Code`].
+//! wire and runtime types that every service shares, and what every service may fail with
+//! ([`Error`], with its gRPC codes).
 
 mod convert;
 mod error;

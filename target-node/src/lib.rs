@@ -8,11 +8,12 @@
 //! target step and the verdict carries the refusal. A block that repeats the last one answered
 //! gets the same verdict again without a forward pass.
 
+use tandem_node::{Error, Result};
 use tandem_node::{Incoming, NodeState, Session};
 use tandem_proto::v1::target_response::Kind as Reply;
 use tandem_proto::v1::target_service_server::{TargetService, TargetServiceServer};
 use tandem_proto::v1::{self, target_request::Kind};
-use tandem_proto::{Error, Result, distribution_from_wire, prefix_from_wire, prefix_to_wire};
+use tandem_proto::{distribution_from_wire, prefix_from_wire, prefix_to_wire};
 use tandem_runtime::draft_check::check_counts;
 use tandem_runtime::speculative::tree::{DraftTree, MAX_TREE_DEPTH, TreeLimits};
 use tandem_runtime::speculative::{BlockVerified, VerifyJob};
@@ -44,7 +45,10 @@ impl Session for TargetSession {
     type Work = v1::VerifyBlock;
 
     fn classify(request: v1::TargetRequest) -> Result<Incoming<v1::VerifyBlock>> {
-        match request.kind.ok_or(Error::MissingField("kind"))? {
+        match request
+            .kind
+            .ok_or(tandem_proto::Error::MissingField("kind"))?
+        {
             Kind::Open(open) => Ok(Incoming::Open(open)),
             Kind::Verify(block) => Ok(Incoming::Work(block)),
             Kind::Close(_) => Ok(Incoming::Close),
@@ -134,10 +138,9 @@ impl Session for TargetSession {
             .into_iter()
             .map(|r| {
                 r.unwrap_or_else(|| {
-                    Err(Error::Protocol {
-                        node: "target-node",
-                        what: "a block of the batch got no verdict".into(),
-                    })
+                    Err(Error::Internal(
+                        "a block of the batch got no verdict".into(),
+                    ))
                 })
             })
             .collect()

@@ -25,7 +25,7 @@ static DRAFT: LazyLock<NodeState> =
     LazyLock::new(|| node(Role::Draft, &stories_q8(), &LimitsArgs::default()));
 
 /// A client error that says what was wrong; anything else fails the case.
-fn check_refusal(e: &tandem_proto::Error) -> Result<(), TestCaseError> {
+fn check_refusal(e: &tandem_node::Error) -> Result<(), TestCaseError> {
     let text = e.to_string();
     let client = matches!(
         e.code(),
@@ -250,7 +250,7 @@ fn drive<S: Session>(
         match incoming {
             Incoming::Open(open) => {
                 let opened = tandem_proto::check_session_id(&open.session_id)
-                    .map_err(tandem_proto::Error::from)
+                    .map_err(tandem_node::Error::from)
                     .and_then(|()| S::open(state, open, None));
                 match opened {
                     Ok(mut s) => {

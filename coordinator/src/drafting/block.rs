@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tandem_proto::Error;
+use crate::Error;
 
 pub use crate::nodes::steps::Ask;
 use crate::nodes::steps::{DraftQ, Drafted};

@@ -17,7 +17,7 @@ pub mod shadow;
 use std::future::Future;
 use std::pin::Pin;
 
-use tandem_proto::Result;
+use crate::Result;
 use tandem_runtime::TokenLog;
 
 use block::{Ask, DraftBlock, StepFailure};

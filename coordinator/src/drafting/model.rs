@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use tandem_proto::{Error, Result};
+use crate::{Error, Result};
 use tandem_runtime::TokenLog;
 use tokio::sync::oneshot;
 

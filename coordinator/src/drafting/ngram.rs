@@ -10,7 +10,6 @@ use std::time::Instant;
 use tandem_runtime::{Constraint, TokenLog};
 
 use super::block::{Ask, DraftBlock};
-use super::policy::NgramOffer;
 use super::{DrafterKind, Propose, Proposing};
 use crate::constraints::cut;
 
@@ -116,6 +115,13 @@ pub fn propose_tree(tokens: &[u32], k: usize, branches: usize) -> Lookup {
         matched,
         parents,
     }
+}
+
+/// What n-gram lookup can propose this round: how many tokens, continuing a match of how many.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NgramOffer {
+    pub len: usize,
+    pub matched: usize,
 }
 
 /// The n-gram drafter of one generation: each round's lookup, made where the plan weighs it

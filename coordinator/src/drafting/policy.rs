@@ -15,7 +15,8 @@
 //! loss under [`PROBE_BUDGET`] of the time spent without the draft; a draft never timed is tried
 //! the same way, its first probe's cost taken from how long its session took to open.
 
-use crate::drafting::{DrafterKind, ngram};
+use crate::drafting::DrafterKind;
+use crate::drafting::ngram::{self, NgramOffer};
 
 /// Largest K the adaptive policy tries.
 pub const ADAPTIVE_MAX_K: usize = 8;
@@ -53,13 +54,6 @@ const SPIKE: f64 = 2.0;
 /// Bounds on one round's measured-over-predicted time, as it enters the calibration (one round
 /// may be an outlier: a page fault, a scheduler hiccup).
 const CALIBRATION_SAMPLE: (f64, f64) = (0.25, 4.0);
-
-/// What n-gram lookup can propose this round: how many tokens, continuing a match of how many.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct NgramOffer {
-    pub len: usize,
-    pub matched: usize,
-}
 
 /// What a round does: `k == 0` is a plain target step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

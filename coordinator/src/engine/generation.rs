@@ -26,14 +26,15 @@ pub use open::DRAFT_GRACE;
 
 use std::time::Instant;
 
-use tandem_proto::{Error, Result};
+use crate::{Error, Result};
 use tandem_runtime::sampling::TokenLogprobs;
 use tandem_runtime::{Constraint, DraftRefusal, FinishReason, RefusalReason, TokenLog, Transcript};
 use tracing::Instrument;
 
 use super::{CommitSink, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats};
 use crate::drafting::block::{Ask, DraftBlock, StepFailure, chain_len};
-use crate::drafting::policy::{KPolicy, NgramOffer, RoundCosts, RoundPlan};
+use crate::drafting::ngram::NgramOffer;
+use crate::drafting::policy::{KPolicy, RoundCosts, RoundPlan};
 use crate::drafting::shadow::{Shadow, shadow_len};
 use crate::drafting::{DrafterKind, Drafters};
 use crate::nodes::links::{NodeSession, Target};

@@ -3,7 +3,7 @@
 
 use std::future::Future;
 
-use tandem_proto::Result;
+use crate::Result;
 use tandem_proto::v1;
 use tandem_runtime::sampling::TokenLogprobs;
 use tandem_runtime::{Commit, FinishReason, GenerateRequest};

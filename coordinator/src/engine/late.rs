@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tandem_proto::{Error, Result};
+use crate::{Error, Result};
 use tokio::sync::watch;
 
 use crate::engine::Engine;

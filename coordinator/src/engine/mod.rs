@@ -20,9 +20,9 @@ pub mod stats;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::{Error, Result};
 use tandem_proto::tls::ClientTls;
 use tandem_proto::v1;
-use tandem_proto::{Error, Result};
 use tandem_runtime::generator::MAX_DRAFT_TOKENS;
 use tandem_runtime::{GenerateRequest, RequestLimits, SamplingParams, Tokenizer};
 

@@ -5,9 +5,9 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::{Error, Result};
 use tandem_node::{NodeState, stopped};
 use tandem_proto::tls::ServerTlsSetup;
-use tandem_proto::{Error, Result};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 

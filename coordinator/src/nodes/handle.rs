@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
+use crate::{Error, Result};
 use tandem_proto::tls::ClientTls;
 use tandem_proto::v1;
-use tandem_proto::{Error, Result};
 use tonic::Code;
 use tonic::transport::Channel;
 

@@ -3,7 +3,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tandem_proto::Result;
+use crate::Result;
 use tandem_proto::tls::ClientTls;
 
 use super::handle::NodeHandle;

@@ -4,13 +4,14 @@
 //! repairs a mismatch: by rolling the node back when it holds a prefix of the log, else by
 //! replaying the log into a new session.
 
+use crate::{Error, Result};
 use prost::Message;
 use std::future::Future;
 use std::time::Duration;
 use tandem_proto::v1::draft_service_client::DraftServiceClient;
 use tandem_proto::v1::target_service_client::TargetServiceClient;
 use tandem_proto::v1::{self, draft_request, draft_response, target_request, target_response};
-use tandem_proto::{Error, Result, prefix_from_wire, prefix_to_wire};
+use tandem_proto::{prefix_from_wire, prefix_to_wire};
 use tandem_runtime::{Prefix, SamplingParams, TokenLog};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;

@@ -14,9 +14,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
+use crate::{Error, Result};
 use tandem_proto::tls::ClientTls;
 use tandem_proto::v1;
-use tandem_proto::{Error, Result};
 use tokio::sync::Notify;
 
 use crate::nodes::health::{DOWN_PROBE, Health, Reachable};

@@ -13,7 +13,8 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 
-use tandem_proto::{Result, v1};
+use crate::Result;
+use tandem_proto::v1;
 use tandem_runtime::Commit;
 use tandem_runtime::sampling::TokenLogprobs;
 use tokio::sync::{mpsc, oneshot};

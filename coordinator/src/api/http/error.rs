@@ -35,14 +35,14 @@ impl ApiError {
     }
 }
 
-impl From<tandem_proto::Error> for ApiError {
-    fn from(e: tandem_proto::Error) -> Self {
+impl From<crate::Error> for ApiError {
+    fn from(e: crate::Error) -> Self {
         Self::from(&e)
     }
 }
 
-impl From<&tandem_proto::Error> for ApiError {
-    fn from(e: &tandem_proto::Error) -> Self {
+impl From<&crate::Error> for ApiError {
+    fn from(e: &crate::Error) -> Self {
         let status = match e.code() {
             Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
                 StatusCode::BAD_REQUEST
@@ -52,16 +52,14 @@ impl From<&tandem_proto::Error> for ApiError {
             Code::Unavailable | Code::DeadlineExceeded => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
+        use tandem_runtime::Error as R;
         let param = match e {
-            tandem_proto::Error::Runtime(tandem_runtime::Error::InvalidParameter {
-                field, ..
-            }) => Some((*field).to_string()),
-            tandem_proto::Error::Runtime(
-                tandem_runtime::Error::PromptTooLong { .. } | tandem_runtime::Error::EmptyPrompt,
-            ) => Some("prompt".into()),
-            tandem_proto::Error::Runtime(tandem_runtime::Error::Grammar(_)) => {
-                Some("response_format".into())
-            }
+            crate::Error::Shared(tandem_proto::Error::Runtime(r)) => match r {
+                R::InvalidParameter { field, .. } => Some((*field).to_string()),
+                R::PromptTooLong { .. } | R::EmptyPrompt => Some("prompt".into()),
+                R::Grammar(_) => Some("response_format".into()),
+                _ => None,
+            },
             _ => None,
         };
         Self {

@@ -4,11 +4,11 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
+use crate::Result;
 use axum::http::StatusCode;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
-use tandem_proto::Result;
 use tandem_runtime::Commit;
 use tandem_runtime::sampling::TokenLogprobs;
 use tokio::sync::{mpsc, oneshot};

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use tandem_proto::{Error, Result};
+use crate::{Error, Result};
 use tandem_runtime::TokenLog;
 
 use crate::engine::Engine;

@@ -64,7 +64,10 @@ async fn generations_go_to_the_least_loaded_replica_and_leave_it_when_they_end()
     );
     assert_eq!(targets.primary().endpoint, "http://127.0.0.1:1");
     // A full replica's refusal is one to move on from, where there are others.
-    let full = Error::TooManySessions { limit: 1 };
+    let full = Error::Remote {
+        node: "target-node",
+        status: tonic::Status::resource_exhausted("too many sessions"),
+    };
     assert_eq!(targets.failed(2, full).code(), tonic::Code::Unavailable);
 }
 
