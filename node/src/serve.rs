@@ -30,7 +30,7 @@ impl NodeService for NodeInfoService {
     ) -> Result<Response<v1::TokenizerReply>, Status> {
         let t = &self.0.tokenizer;
         Ok(Response::new(v1::TokenizerReply {
-            tokenizer_json: t.to_json().map_err(crate::Error::from)?,
+            tokenizer_json: t.to_json().map_err(crate::error::Error::from)?,
             bos_id: t.bos_id(),
             eos_id: t.eos_id(),
             chat_template: t.chat_template().map(str::to_string),

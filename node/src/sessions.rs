@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_runtime::KvPrefix;
 
 /// One open session's memory, and whether it has a message the node works on.

@@ -1,7 +1,7 @@
 //! What a node serves from: its model and tokenizer, resolved limits and the session table, with
 //! the checks every incoming request passes before it touches a cache.
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_proto::v1;
 use tandem_runtime::sampling::MAX_TOP_LOGPROBS;
 use tandem_runtime::{

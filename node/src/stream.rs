@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_proto::prefix_to_wire;
 use tandem_proto::v1;
 use tandem_runtime::{KvPrefix, Prefix};

@@ -17,7 +17,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_runtime::kernels::Cores;
 use tokio::sync::oneshot;
 

@@ -115,7 +115,7 @@ impl Access {
         authorization: Option<&str>,
         peer: Option<std::net::IpAddr>,
         forwarded_for: impl IntoIterator<Item = &'a str>,
-    ) -> Result<ClientPermit, crate::Error> {
+    ) -> Result<ClientPermit, crate::error::Error> {
         let key = self.keys.matched(authorization);
         let address = peer.map(|p| self.proxies.client(p, forwarded_for));
         self.per_client.acquire(Client::of(key, address))

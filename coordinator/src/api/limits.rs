@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
-use crate::Error;
+use crate::error::Error;
 
 /// Generations in flight per client, against a limit.
 #[derive(Debug, Clone, Default)]

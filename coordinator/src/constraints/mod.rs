@@ -5,7 +5,7 @@
 //! their first forbidden token (a forbidden draft would be rejected anyway: this only saves the
 //! verify positions).
 
-use crate::Result;
+use crate::error::Result;
 use tandem_proto::v1;
 use tandem_runtime::{Constraint, LazyGrammars, Tokenizer};
 

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::Error;
+use crate::error::Error;
 
 pub use crate::nodes::steps::Ask;
 use crate::nodes::steps::{DraftQ, Drafted};

@@ -17,7 +17,7 @@ pub mod shadow;
 use std::future::Future;
 use std::pin::Pin;
 
-use crate::Result;
+use crate::error::Result;
 use tandem_runtime::TokenLog;
 
 use block::{Ask, DraftBlock, StepFailure};

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_runtime::TokenLog;
 use tokio::sync::oneshot;
 

@@ -26,7 +26,7 @@ pub use open::DRAFT_GRACE;
 
 use std::time::Instant;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_runtime::sampling::TokenLogprobs;
 use tandem_runtime::{Constraint, DraftRefusal, FinishReason, RefusalReason, TokenLog, Transcript};
 use tracing::Instrument;

@@ -3,7 +3,7 @@
 
 use std::future::Future;
 
-use crate::Result;
+use crate::error::Result;
 use tandem_proto::v1;
 use tandem_runtime::sampling::TokenLogprobs;
 use tandem_runtime::{Commit, FinishReason, GenerateRequest};

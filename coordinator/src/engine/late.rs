@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tokio::sync::watch;
 
 use crate::engine::Engine;

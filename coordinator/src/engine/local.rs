@@ -1,6 +1,6 @@
 //! The engine of the local all-in-one mode: connected to an in-process cluster's nodes.
 
-use crate::Result;
+use crate::error::Result;
 use tandem_proto::tls::ClientTls;
 
 use super::Engine;

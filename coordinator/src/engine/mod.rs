@@ -20,7 +20,7 @@ pub mod stats;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_proto::tls::ClientTls;
 use tandem_proto::v1;
 use tandem_runtime::generator::MAX_DRAFT_TOKENS;

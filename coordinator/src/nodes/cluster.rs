@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_node::{NodeState, stopped};
 use tandem_proto::tls::ServerTlsSetup;
 use tokio::net::TcpListener;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_proto::tls::ClientTls;
 use tandem_proto::v1;
 use tonic::Code;

@@ -3,7 +3,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use crate::Result;
+use crate::error::Result;
 use tandem_proto::tls::ClientTls;
 
 use super::handle::NodeHandle;

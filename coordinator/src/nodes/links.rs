@@ -4,7 +4,7 @@
 //! repairs a mismatch: by rolling the node back when it holds a prefix of the log, else by
 //! replaying the log into a new session.
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use prost::Message;
 use std::future::Future;
 use std::time::Duration;

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_proto::tls::ClientTls;
 use tandem_proto::v1;
 use tokio::sync::Notify;

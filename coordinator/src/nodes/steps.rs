@@ -3,7 +3,7 @@
 //! Their wire forms are made and read here, at the edge: the drafters and the engine never
 //! see a `v1::` message (docs/architecture.md "Layout").
 
-use crate::Result;
+use crate::error::Result;
 use tandem_proto::logprobs_from_wire;
 use tandem_proto::v1;
 use tandem_runtime::TokenLog;

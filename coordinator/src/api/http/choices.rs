@@ -13,7 +13,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::Result;
+use crate::error::Result;
 use tandem_proto::v1;
 use tandem_runtime::Commit;
 use tandem_runtime::sampling::TokenLogprobs;

@@ -35,14 +35,14 @@ impl ApiError {
     }
 }
 
-impl From<crate::Error> for ApiError {
-    fn from(e: crate::Error) -> Self {
+impl From<crate::error::Error> for ApiError {
+    fn from(e: crate::error::Error) -> Self {
         Self::from(&e)
     }
 }
 
-impl From<&crate::Error> for ApiError {
-    fn from(e: &crate::Error) -> Self {
+impl From<&crate::error::Error> for ApiError {
+    fn from(e: &crate::error::Error) -> Self {
         let status = match e.code() {
             Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
                 StatusCode::BAD_REQUEST
@@ -54,7 +54,7 @@ impl From<&crate::Error> for ApiError {
         };
         use tandem_runtime::Error as R;
         let param = match e {
-            crate::Error::Shared(tandem_proto::Error::Runtime(r)) => match r {
+            crate::error::Error::Shared(tandem_proto::Error::Runtime(r)) => match r {
                 R::InvalidParameter { field, .. } => Some((*field).to_string()),
                 R::PromptTooLong { .. } | R::EmptyPrompt => Some("prompt".into()),
                 R::Grammar(_) => Some("response_format".into()),

@@ -330,7 +330,7 @@ async fn chat_completions(
             &req.chat_template_kwargs,
         )?;
         let request = v1::GenerateRequest {
-            prompt_tokens: tok.encode_raw(&text).map_err(crate::Error::from)?,
+            prompt_tokens: tok.encode_raw(&text).map_err(crate::error::Error::from)?,
             constraint: tools
                 .as_ref()
                 .and_then(Tools::grammar)

@@ -2,7 +2,7 @@
 //! policy learns from it. A chain is the tree of one path; the draft-node's trees are its
 //! chain of drafts (its own choices), then the branches off it.
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 use crate::drafting::block::chain_len;
 use crate::nodes::steps::TargetVerdict;

@@ -6,7 +6,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_runtime::{TokenLog, Transcript};
 use tokio::sync::Notify;
 

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use tandem_runtime::TokenLog;
 
 use crate::engine::Engine;
