@@ -114,7 +114,7 @@ pub fn tenant_salt(kind: &str, name: &str) -> Vec<u8> {
 
 /// A generation's salt ([`Job::cache_salt`]): `requested`'s (a request's `cache_salt`) where it
 /// is given, else `tenant`.
-pub(super) fn cache_salt(requested: &str, tenant: &[u8]) -> Result<Vec<u8>> {
+pub(crate) fn cache_salt(requested: &str, tenant: &[u8]) -> Result<Vec<u8>> {
     match requested.len() {
         0 => Ok(tenant.to_vec()),
         n if n > MAX_CACHE_SALT_BYTES => {

@@ -1,8 +1,8 @@
 //! The coordinator's engine: [`Engine`] holds what every generation shares (the nodes'
-//! replicas, the tokenizer, the metrics, what sessions learnt) and checks each request into a
-//! [`Job`]; [`generation`] runs one job's rounds in phases (docs/architecture.md "Data flow of
-//! one round"). Beside them: what a generation is asked and gives back ([`job`]), what a token
-//! tree's verdict commits ([`tree`]), a generation's statistics ([`stats`]), what sessions
+//! replicas, the tokenizer, the metrics, what sessions learnt) and runs [`Job`]s (the APIs check
+//! each request into one: `crate::api::request`); [`generation`] runs one job's rounds in
+//! phases (docs/architecture.md "Data flow of one round"). Beside them: what a generation is
+//! asked and gives back ([`job`]), a generation's statistics ([`stats`]), what sessions
 //! learnt for the next to start from (`learnt`), the coordinator's metrics ([`metrics`]), an
 //! engine that may still be connecting ([`late`]), and the engine of the in-process cluster
 //! ([`local`]).
@@ -22,17 +22,12 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use tandem_proto::tls::ClientTls;
-use tandem_proto::v1;
-use tandem_runtime::generator::MAX_DRAFT_TOKENS;
-use tandem_runtime::{GenerateRequest, RequestLimits, SamplingParams, Tokenizer};
+use tandem_runtime::Tokenizer;
 
 use crate::constraints::Grammars;
-use crate::drafting::DrafterChoice;
-use crate::drafting::policy::ADAPTIVE_MAX_K;
 use crate::nodes::replicas::Replicas;
 use crate::nodes::{CALL_FLOOR, LateDraft, NodeHandle};
 use generation::{DRAFT_GRACE, Generation};
-use job::cache_salt;
 pub use job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
 pub use late::LateEngine;
 use learnt::Learnt;
@@ -83,7 +78,7 @@ pub struct Engine {
     /// Adaptive generations that started with a draft that could not pay.
     hopeless: AtomicUsize,
     /// Compiles requests' grammars to check them (built at the first one).
-    grammars: Grammars,
+    pub(crate) grammars: Grammars,
     active: AtomicUsize,
     next_id: AtomicUsize,
 }
@@ -99,7 +94,7 @@ impl Engine {
     ) -> Result<Self> {
         let targets = Replicas::connect("target-node", targets, tls).await?;
         let target = targets.primary().clone();
-        let cpu_target = target.info.device.starts_with("cpu");
+        let cpu_target = target.on_cpu();
         let draft = match drafts {
             [] => LateDraft::default(),
             urls => LateDraft::connect(urls, &target, tls).await?,
@@ -111,22 +106,7 @@ impl Engine {
                 .unwrap_or_else(|| crate::nodes::same_machine(&target.endpoint, url)),
             (None, Some(url)) => crate::nodes::same_machine(&target.endpoint, url),
         };
-        let reply = v1::node_service_client::NodeServiceClient::new(target.channel.clone())
-            .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
-            .tokenizer(v1::TokenizerRequest {})
-            .await
-            .map_err(|status| Error::Remote {
-                node: "target-node",
-                status,
-            })?
-            .into_inner();
-        let tokenizer = Tokenizer::from_json(
-            &reply.tokenizer_json,
-            reply.bos_id,
-            reply.eos_id,
-            reply.chat_template,
-            &target.endpoint,
-        )?;
+        let tokenizer = target.tokenizer("target-node").await?;
         Ok(Self {
             targets,
             draft,
@@ -180,10 +160,9 @@ impl Engine {
     /// drafts no block ahead there: 8 sessions at K = 4 in one process, 268.6 tokens/s without
     /// against 247.2 with, one session 100.1 against 96.7 (docs/benchmarks/concurrency.md).
     fn passes_take_turns(&self) -> bool {
-        let cpu = |info: &v1::NodeInfo| info.device.starts_with("cpu");
         self.draft_shares_cores
-            && cpu(&self.target().info)
-            && self.draft.get().is_some_and(|d| cpu(&d.primary().info))
+            && self.target().on_cpu()
+            && self.draft.get().is_some_and(|d| d.primary().on_cpu())
     }
 
     /// Whether more generations run than adaptive K speculates for ([`Self::max_speculating`]).
@@ -191,22 +170,7 @@ impl Engine {
         self.max_speculating.is_some_and(|n| self.active() > n)
     }
 
-    /// Checks a request against the nodes' limits, naming the field and the limit: a request of
-    /// the tenant of all that name none ([`Self::prepare_for`]).
-    pub fn prepare(&self, request: &v1::GenerateRequest) -> Result<Job> {
-        self.prepare_for(request, &[])
-    }
-
-    /// [`Self::prepare`] for a request of the tenant whose salt is `tenant` (its API key's,
-    /// [`crate::engine::job::tenant_salt`]; empty: the tenant of all): its generation finds only
-    /// its tenant's entries of the nodes' prefix caches, or those of the request's `cache_salt`
-    /// where it gives one.
-    pub fn prepare_for(&self, request: &v1::GenerateRequest, tenant: &[u8]) -> Result<Job> {
-        self.check(request, tenant)
-            .inspect_err(|e| self.count_error(e))
-    }
-
-    fn count_error(&self, e: &Error) {
+    pub(crate) fn count_error(&self, e: &Error) {
         self.metrics.errors.add(&format!("{:?}", e.code()), 1);
     }
 
@@ -233,98 +197,6 @@ impl Engine {
             Err(e) => self.count_error(e),
         }
         outcome
-    }
-
-    /// A request checked against the nodes' limits (naming the field and the limit) and turned
-    /// into a job: the prompt tokenized, K fixed or adaptive, the stop tokens, the grammar
-    /// compiled, the salt of its tenant (`tenant`'s unless it names one).
-    fn check(&self, request: &v1::GenerateRequest, tenant: &[u8]) -> Result<Job> {
-        if request.prompt_tokens.is_empty() && request.prompt.is_empty() {
-            return Err(tandem_runtime::Error::EmptyPrompt.into());
-        }
-        if request.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
-            let n = request.stop_token_ids.len();
-            let limit = format!("at most {MAX_STOP_TOKEN_IDS} ids");
-            return Err(tandem_runtime::Error::invalid("stop_token_ids", n, limit).into());
-        }
-        let prompt = if request.prompt_tokens.is_empty() {
-            self.tokenizer.encode(&request.prompt)?
-        } else {
-            request.prompt_tokens.clone()
-        };
-        let mut limits = RequestLimits {
-            vocab_size: self.target().info.vocab_size as usize,
-            context: self.target().limits().max_session_tokens as usize,
-            max_draft_tokens: (self.target().limits().max_draft_tokens as usize)
-                .min(MAX_DRAFT_TOKENS),
-            draft_limit_source: " (the nodes' --max-draft-tokens)",
-        };
-        if let Some(d) = self.draft.get().map(Replicas::primary) {
-            limits.context = limits.context.min(d.limits().max_session_tokens as usize);
-            limits.max_draft_tokens = limits
-                .max_draft_tokens
-                .min(d.limits().max_draft_tokens as usize);
-        }
-        let fixed_k = request
-            .draft_tokens
-            .map(|k| k as usize)
-            .or(self.default_draft_tokens);
-        let adaptive = fixed_k.is_none();
-        let request_job = GenerateRequest {
-            prompt,
-            max_new_tokens: match request.max_tokens {
-                0 => DEFAULT_MAX_TOKENS,
-                n => n as usize,
-            },
-            sampling: request.sampling.as_ref().map_or(
-                Ok(SamplingParams::default()),
-                v1::SamplingParams::to_runtime,
-            )?,
-            draft_tokens: fixed_k.unwrap_or_else(|| ADAPTIVE_MAX_K.min(limits.max_draft_tokens)),
-            stop_token_ids: if request.ignore_eos {
-                request.stop_token_ids.clone()
-            } else {
-                let model = &self.target().info.stop_token_ids;
-                [model.as_slice(), &request.stop_token_ids].concat()
-            },
-            stop_strings: request.stop.clone(),
-        };
-        request_job.check(&limits)?;
-        let constraint = self.grammars.check(
-            &self.tokenizer,
-            &self.target().info,
-            request.constraint.as_ref(),
-            request_job.prompt.len(),
-        )?;
-        let branches = request.draft_branches.map(|b| b as usize);
-        if let Some(b) = branches {
-            let k = request_job.draft_tokens;
-            if b > k || k + b > limits.max_draft_tokens {
-                let limit = format!(
-                    "at most draft_tokens ({k}), with them at most {}{}",
-                    limits.max_draft_tokens, limits.draft_limit_source
-                );
-                return Err(tandem_runtime::Error::invalid("draft_branches", b, limit).into());
-            }
-        }
-        if let Some(c) = request
-            .draft_min_confidence
-            .filter(|c| !(0.0..=1.0).contains(c))
-        {
-            let error = tandem_runtime::Error::invalid("draft_min_confidence", c, "in [0, 1]");
-            return Err(error.into());
-        }
-        Ok(Job {
-            min_confidence: request.draft_min_confidence,
-            request: request_job,
-            adaptive,
-            branches: branches.or(if adaptive { None } else { Some(0) }),
-            drafter: DrafterChoice::parse(&request.drafter)?,
-            pipeline: request.pipeline.unwrap_or(true),
-            top_logprobs: request.top_logprobs,
-            constraint,
-            cache_salt: cache_salt(&request.cache_salt, tenant)?,
-        })
     }
 }
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use tandem_proto::tls::ClientTls;
 use tandem_proto::v1;
+use tandem_runtime::Tokenizer;
 use tonic::Code;
 use tonic::transport::Channel;
 
@@ -62,6 +63,28 @@ impl NodeHandle {
 
     pub fn limits(&self) -> v1::NodeLimits {
         self.info.limits.unwrap_or_default()
+    }
+
+    /// Whether the node's model runs on the CPU.
+    pub fn on_cpu(&self) -> bool {
+        self.info.device.starts_with("cpu")
+    }
+
+    /// The tokenizer of the node's model (the coordinator needs no copy of its own).
+    pub async fn tokenizer(&self, node: &'static str) -> Result<Tokenizer> {
+        let reply = v1::node_service_client::NodeServiceClient::new(self.channel.clone())
+            .max_decoding_message_size(tandem_proto::MAX_MESSAGE_BYTES)
+            .tokenizer(v1::TokenizerRequest {})
+            .await
+            .map_err(|status| Error::Remote { node, status })?
+            .into_inner();
+        Ok(Tokenizer::from_json(
+            &reply.tokenizer_json,
+            reply.bos_id,
+            reply.eos_id,
+            reply.chat_template,
+            &self.endpoint,
+        )?)
     }
 
     /// After the node was lost: reads its info again and refuses a node that now serves
