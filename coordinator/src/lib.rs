@@ -19,7 +19,9 @@ pub mod nodes;
 
 pub use api::{auth, http, limits, serve, service};
 pub use cli::{client, local};
-pub use engine::{CommitSink, Discard, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats, late};
+pub use engine::{
+    CommitSink, Discard, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats, late_engine,
+};
 pub use error::{Error, Result};
 pub use nodes::LocalCluster;
 pub use tandem_proto::error_chain;

@@ -12,7 +12,7 @@ use tandem_coordinator::api::http::{self, HttpState};
 use tandem_coordinator::api::limits::{ClientLimits, TrustedProxies};
 use tandem_coordinator::cli::{Cli, Command, ServeArgs, client, local};
 use tandem_coordinator::engine::Engine;
-use tandem_coordinator::engine::late::{LateEngine, connect_until_ready};
+use tandem_coordinator::engine::late_engine::{LateEngine, connect_until_ready};
 use tandem_coordinator::nodes::LocalCluster;
 use tandem_proto::tls::{ClientTls, ClientTlsArgs, DefaultClients};
 

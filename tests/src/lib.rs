@@ -250,7 +250,7 @@ pub async fn serve_http(engine: std::sync::Arc<Engine>) -> std::net::SocketAddr 
     tokio::spawn(tandem_coordinator::http::serve(
         listener,
         tandem_coordinator::http::HttpState::new(
-            tandem_coordinator::late::LateEngine::ready(engine),
+            tandem_coordinator::late_engine::LateEngine::ready(engine),
             Default::default(),
             Vec::new(),
         ),
@@ -508,7 +508,7 @@ pub fn post_json(path: &str, body: &serde_json::Value) -> axum::http::Request<ax
 pub async fn router_over(cluster: &LocalCluster, served_names: Vec<String>) -> axum::Router {
     let engine = std::sync::Arc::new(patient_engine(cluster, 4).await);
     let state = tandem_coordinator::http::HttpState::new(
-        tandem_coordinator::late::LateEngine::ready(engine),
+        tandem_coordinator::late_engine::LateEngine::ready(engine),
         Default::default(),
         served_names,
     );

@@ -468,7 +468,7 @@ fn openai_requests_are_served_or_refused_with_a_4xx_naming_the_field() {
         let cluster = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
         let engine = Arc::new(cluster.engine(4).await.expect("engine"));
         let state = tandem_coordinator::http::HttpState::new(
-            tandem_coordinator::late::LateEngine::ready(engine),
+            tandem_coordinator::late_engine::LateEngine::ready(engine),
             Default::default(),
             Vec::new(),
         );

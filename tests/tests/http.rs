@@ -27,7 +27,7 @@ async fn serve(target: &std::path::Path) -> Served {
     let grpc_url = format!("http://{}", grpc.local_addr().expect("addr"));
     tokio::spawn(tandem_coordinator::serve(
         grpc,
-        tandem_coordinator::late::LateEngine::ready(Arc::clone(&engine)),
+        tandem_coordinator::late_engine::LateEngine::ready(Arc::clone(&engine)),
         Default::default(),
         Default::default(),
         std::future::pending(),

@@ -423,7 +423,7 @@ async fn cancelling_a_generation_frees_the_sessions_on_both_nodes() {
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     tokio::spawn(tandem_coordinator::serve(
         listener,
-        tandem_coordinator::late::LateEngine::ready(Arc::clone(&engine)),
+        tandem_coordinator::late_engine::LateEngine::ready(Arc::clone(&engine)),
         Default::default(),
         Default::default(),
         std::future::pending(),

@@ -11,7 +11,7 @@ use tandem_runtime::Commit;
 use tandem_runtime::sampling::TokenLogprobs;
 
 use crate::api::auth::Access;
-use crate::engine::late::LateEngine;
+use crate::engine::late_engine::LateEngine;
 use crate::engine::{CommitSink, Outcome};
 
 /// Largest public request: a prompt of a million tokens' text fits.

@@ -75,7 +75,7 @@ pub async fn start_local(
     let url = format!("http://{}", listener.local_addr()?);
     tokio::spawn(crate::api::serve(
         listener,
-        crate::engine::late::LateEngine::ready(Arc::new(engine)),
+        crate::engine::late_engine::LateEngine::ready(Arc::new(engine)),
         Default::default(),
         Default::default(),
         std::future::pending(),

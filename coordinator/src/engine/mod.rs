@@ -4,14 +4,14 @@
 //! phases (docs/architecture.md "Data flow of one round"). Beside them: what a generation is
 //! asked and gives back ([`job`]), a generation's statistics ([`stats`]), what sessions
 //! learnt for the next to start from (`learnt`), the coordinator's metrics ([`metrics`]), an
-//! engine that may still be connecting ([`late`]), and the engine of the in-process cluster
+//! engine that may still be connecting ([`late_engine`]), and the engine of the in-process cluster
 //! ([`local`]).
 //!
 //! Uses [`crate::drafting`] and [`crate::nodes`]; the APIs above it use it.
 
 pub mod generation;
 pub mod job;
-pub mod late;
+pub mod late_engine;
 mod learnt;
 pub mod local;
 pub mod metrics;
@@ -29,7 +29,7 @@ use crate::nodes::replicas::Replicas;
 use crate::nodes::{CALL_FLOOR, LateDraft, NodeHandle};
 use generation::{DRAFT_GRACE, Generation};
 pub use job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
-pub use late::LateEngine;
+pub use late_engine::LateEngine;
 use learnt::Learnt;
 use metrics::CoordinatorMetrics;
 pub use stats::Stats;

@@ -2,7 +2,7 @@
 //! ([`handle`]), whether a replica answers ([`health`]), the gRPC session streams to a
 //! target-node or a draft-node ([`links`]) and what their steps ask and answer ([`steps`]: the
 //! wire's messages end there), a node's replicas and the choice between them
-//! ([`replicas`]), a draft-node that may come late ([`late`]), where the nodes run
+//! ([`replicas`]), a draft-node that may come late ([`late_draft`]), where the nodes run
 //! ([`machine`]), and the in-process cluster of the all-in-one mode ([`cluster`]).
 //!
 //! The lowest folder: it uses nothing else of this crate.
@@ -10,7 +10,7 @@
 pub mod cluster;
 pub mod handle;
 pub mod health;
-pub mod late;
+pub mod late_draft;
 pub mod links;
 pub mod machine;
 pub mod replicas;
@@ -22,6 +22,6 @@ pub use handle::{
     jittered, session_lost,
 };
 pub use health::{Health, Reachable};
-pub use late::LateDraft;
+pub use late_draft::LateDraft;
 pub use machine::{same_machine, shares_cores};
 pub use replicas::Replicas;

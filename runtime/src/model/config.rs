@@ -183,7 +183,7 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 enum TokenIds {
     One(u32),
@@ -305,44 +305,12 @@ impl ModelConfig {
             .or_else(|| hf.architectures.as_ref().and_then(|a| a.first().cloned()))
             .unwrap_or_default();
         let architecture = Architecture::parse(&arch_name, &path)?;
-        let activation = match hf.hidden_activation.as_deref().or(hf.hidden_act.as_deref()) {
-            None if architecture == Architecture::Gemma3 => Activation::GeluTanh,
-            None | Some("silu") => Activation::Silu,
-            Some("gelu_pytorch_tanh") => Activation::GeluTanh,
-            Some(act) => {
-                return Err(Error::InvalidFile {
-                    path,
-                    reason: format!(
-                        "hidden_act `{act}` is not supported; supported: silu, gelu_pytorch_tanh"
-                    ),
-                });
-            }
-        };
+        let activation = hf_activation(&hf, architecture, &path)?;
         let head_dim = hf
             .head_dim
             .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1));
-        // Gemma 3's local layers: `layer_types`, or every layer but each `pattern`-th.
-        let local_layers = match (architecture, &hf.layer_types, hf.sliding_window_pattern) {
-            (Architecture::Gemma3, Some(types), _) => {
-                types.iter().map(|t| t == "sliding_attention").collect()
-            }
-            (Architecture::Gemma3, None, pattern) => {
-                let pattern = pattern.unwrap_or(GEMMA3_PATTERN);
-                (0..hf.num_hidden_layers)
-                    .map(|i| !(i + 1).is_multiple_of(pattern))
-                    .collect()
-            }
-            // Phi-3's window covers every layer (Phi-3-mini-4k: 2047 of 4096; the later ones name
-            // one longer than their context, i.e. none).
-            (Architecture::Phi3, _, _)
-                if hf
-                    .sliding_window
-                    .is_some_and(|w| w < hf.max_position_embeddings) =>
-            {
-                vec![true; hf.num_hidden_layers]
-            }
-            _ => Vec::new(),
-        };
+        let local_layers = hf_local_layers(&hf, architecture);
+        let (bos_token_id, eos_token_ids) = hf_special_tokens(dir, &hf)?;
         let rope_scaling = match hf.rope_scaling {
             None => RopeScaling::None,
             Some(s) => rope_scaling_from_hf(
@@ -352,16 +320,6 @@ impl ModelConfig {
                 &path,
             )?,
         };
-        let mut bos_token_id = hf.bos_token_id;
-        let mut eos_token_ids = hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default();
-        let gen_path = dir.join("generation_config.json");
-        if gen_path.exists() {
-            let generation: HfGenerationConfig = read_json(&gen_path)?;
-            bos_token_id = generation.bos_token_id.or(bos_token_id);
-            if let Some(eos) = generation.eos_token_id {
-                eos_token_ids = eos.into_vec();
-            }
-        }
         let attention_bias = hf.attention_bias.unwrap_or(false);
         let config = Self {
             architecture,
@@ -527,6 +485,65 @@ impl ModelConfig {
         };
         scaled.into_iter().map(|f| f as f32).collect()
     }
+}
+
+/// The MLP's activation a Hugging Face config names (`hidden_activation` or `hidden_act`).
+fn hf_activation(hf: &HfConfig, architecture: Architecture, path: &Path) -> Result<Activation> {
+    match hf.hidden_activation.as_deref().or(hf.hidden_act.as_deref()) {
+        None if architecture == Architecture::Gemma3 => Ok(Activation::GeluTanh),
+        None | Some("silu") => Ok(Activation::Silu),
+        Some("gelu_pytorch_tanh") => Ok(Activation::GeluTanh),
+        Some(act) => Err(Error::InvalidFile {
+            path: path.to_path_buf(),
+            reason: format!(
+                "hidden_act `{act}` is not supported; supported: silu, gelu_pytorch_tanh"
+            ),
+        }),
+    }
+}
+
+/// Which layers attend within the sliding window (empty: none).
+fn hf_local_layers(hf: &HfConfig, architecture: Architecture) -> Vec<bool> {
+    // Gemma 3's local layers: `layer_types`, or every layer but each `pattern`-th.
+    match (architecture, &hf.layer_types, hf.sliding_window_pattern) {
+        (Architecture::Gemma3, Some(types), _) => {
+            types.iter().map(|t| t == "sliding_attention").collect()
+        }
+        (Architecture::Gemma3, None, pattern) => {
+            let pattern = pattern.unwrap_or(GEMMA3_PATTERN);
+            (0..hf.num_hidden_layers)
+                .map(|i| !(i + 1).is_multiple_of(pattern))
+                .collect()
+        }
+        // Phi-3's window covers every layer (Phi-3-mini-4k: 2047 of 4096; the later ones name
+        // one longer than their context, i.e. none).
+        (Architecture::Phi3, _, _)
+            if hf
+                .sliding_window
+                .is_some_and(|w| w < hf.max_position_embeddings) =>
+        {
+            vec![true; hf.num_hidden_layers]
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// The BOS token and the EOS tokens: the config's, overridden by `generation_config.json` where
+/// the folder has one.
+fn hf_special_tokens(dir: &Path, hf: &HfConfig) -> Result<(Option<u32>, Vec<u32>)> {
+    let mut bos_token_id = hf.bos_token_id;
+    let mut eos_token_ids = (hf.eos_token_id.clone())
+        .map(TokenIds::into_vec)
+        .unwrap_or_default();
+    let gen_path = dir.join("generation_config.json");
+    if gen_path.exists() {
+        let generation: HfGenerationConfig = read_json(&gen_path)?;
+        bos_token_id = generation.bos_token_id.or(bos_token_id);
+        if let Some(eos) = generation.eos_token_id {
+            eos_token_ids = eos.into_vec();
+        }
+    }
+    Ok((bos_token_id, eos_token_ids))
 }
 
 fn rope_scaling_from_hf(

@@ -553,68 +553,11 @@ impl Llama {
         let mut offset = 0;
         let mut seqs = Vec::with_capacity(items.len());
         for item in items.iter() {
-            let (n, pos) = (item.tokens.len(), item.cache.len());
-            if let Some(parents) = item.parents {
-                seqs.push(self.tree_rows(item, parents, offset)?);
-                offset += n;
-                continue;
-            }
-            // The keys a layer holds before the block: a windowed layer's start at the cache's
-            // base.
-            let held = |window: usize| {
-                if window == usize::MAX {
-                    pos
-                } else {
-                    pos - item.cache.base()
-                }
-            };
-            // The attention kernels mask by construction; candle's attention needs a mask (a
-            // decode row of a windowed layer too).
-            let masks = self
-                .windows
-                .iter()
-                .map(|&window| {
-                    let held = held(window);
-                    let needed = (n > 1 || held + n > window) && masked(device, self.dtype);
-                    needed
-                        .then(|| causal_mask(n, held, window, self.dtype, device))
-                        .transpose()
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let rope = self
-                .tables
-                .iter()
-                .map(|t| {
-                    Ok(Rope {
-                        cos: t.cos.narrow(0, pos, n)?,
-                        sin: t.sin.narrow(0, pos, n)?,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            #[cfg(feature = "cuda")]
-            let keys = self
-                .windows
-                .iter()
-                .map(|&window| {
-                    device
-                        .is_cuda()
-                        .then(|| {
-                            crate::kernels::KeyTables::new(n, held(window), window, None, device)
-                        })
-                        .transpose()
-                })
-                .collect::<Result<Vec<_>>>()?;
-            seqs.push(SeqRows {
-                offset,
-                n,
-                rope,
-                masks,
-                paths: None,
-                #[cfg(feature = "cuda")]
-                keys,
-                cache: &*item.cache,
+            seqs.push(match item.parents {
+                Some(parents) => self.tree_rows(item, parents, offset)?,
+                None => self.chain_rows(item, offset)?,
             });
-            offset += n;
+            offset += item.tokens.len();
         }
         for (i, layer) in self.layers.iter().enumerate() {
             xs = layer.forward(&xs, i, &seqs)?;
@@ -661,6 +604,67 @@ impl Llama {
     /// Whether token trees run on this model: none with sliding-window layers.
     pub(crate) fn takes_trees(&self) -> bool {
         self.windows.iter().all(|&w| w == usize::MAX)
+    }
+
+    /// A chain's rows in the batch (the item's tokens after its cache, each attending to all
+    /// before it): their rotary embeddings, masks where the kernel needs one, and their keys'
+    /// tables on a GPU.
+    fn chain_rows<'a>(&self, item: &'a BatchItem<'_>, offset: usize) -> Result<SeqRows<'a>> {
+        let device = self.embed_tokens.device();
+        let (n, pos) = (item.tokens.len(), item.cache.len());
+        // The keys a layer holds before the block: a windowed layer's start at the cache's
+        // base.
+        let held = |window: usize| {
+            if window == usize::MAX {
+                pos
+            } else {
+                pos - item.cache.base()
+            }
+        };
+        // The attention kernels mask by construction; candle's attention needs a mask (a
+        // decode row of a windowed layer too).
+        let masks = self
+            .windows
+            .iter()
+            .map(|&window| {
+                let held = held(window);
+                let needed = (n > 1 || held + n > window) && masked(device, self.dtype);
+                needed
+                    .then(|| causal_mask(n, held, window, self.dtype, device))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rope = self
+            .tables
+            .iter()
+            .map(|t| {
+                Ok(Rope {
+                    cos: t.cos.narrow(0, pos, n)?,
+                    sin: t.sin.narrow(0, pos, n)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        #[cfg(feature = "cuda")]
+        let keys = self
+            .windows
+            .iter()
+            .map(|&window| {
+                device
+                    .is_cuda()
+                    .then(|| crate::kernels::KeyTables::new(n, held(window), window, None, device))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SeqRows {
+            offset,
+            n,
+            rope,
+            masks,
+            paths: None,
+            #[cfg(feature = "cuda")]
+            keys,
+            cache: &*item.cache,
+        })
     }
 
     /// A token tree's rows ([`BatchItem::parents`]): each at the position of its depth past the

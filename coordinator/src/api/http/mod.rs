@@ -26,7 +26,7 @@ use tracing::Instrument;
 
 use crate::api::auth::Access;
 use crate::api::limits::ClientPermit;
-use crate::engine::late::LateEngine;
+use crate::engine::late_engine::LateEngine;
 use crate::engine::{Engine, Job};
 use error::ApiError;
 use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
