@@ -1,0 +1,171 @@
+//! Real prompts (issue 54): first turns of `fixtures/prompts/spec-bench-52.jsonl` (the 13
+//! categories of Spec-Bench: chat, writing, QA, summarization, RAG, translation, math, code) in
+//! the target's ChatML, through the real Qwen2.5-Coder pair (`scripts/fetch-qwen-pair.sh`),
+//! greedy. Each process starts fresh (no generation teaches the policy before the first
+//! prompt but a 4-token target-only one that pages the weights in); each prompt's variants run
+//! back to back, target-only first, and every greedy output is checked equal to its.
+//!
+//! Setups: `split` (target-node and coordinator pinned to one core, the draft-node to the
+//! other: two machines emulated) and `one` (both models in one `coordinator serve` process,
+//! its cores shared: the one-machine default). Printed per setup, category and variant: tokens/s
+//! (median over the category's prompts), its ratio to target-only (median of the per-prompt
+//! ratios), acceptance, and the rounds drafted by the model / n-gram lookup / neither; then the
+//! geometric mean of the ratios over the categories.
+//!
+//! Environment: BENCH_SETUPS (default `split,one`), BENCH_VARIANTS (default
+//! `target-only,auto,8`: a number is a fixed K), BENCH_PER_CATEGORY (default 1, at most 4),
+//! BENCH_CATEGORIES (default: all 13), BENCH_TOKENS (default 96), BENCH_CPUS (default `0,1`: the
+//! target's and the draft's core in `split`).
+
+use std::collections::BTreeMap;
+
+use serde_json::json;
+use tandem_proto::v1;
+use tandem_proto::v1::coordinator_client::CoordinatorClient;
+use tandem_runtime::SamplingParams;
+use tandem_tests::bench::{env_list, env_usize, median};
+use tandem_tests::processes::Proc;
+
+const PROMPTS: &str = include_str!("../../fixtures/prompts/spec-bench-52.jsonl");
+
+/// One variant's figures in one category, over its prompts.
+#[derive(Debug, Default)]
+struct Figures {
+    tps: Vec<f64>,
+    ratio: Vec<f64>,
+    alpha: Vec<f64>,
+    rounds: [u32; 3],
+}
+
+/// The prompts of the chosen categories, `per` of each, as (category, ChatML prompt).
+fn prompts(per: usize, categories: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+    let mut taken: BTreeMap<String, usize> = BTreeMap::new();
+    let mut out = Vec::new();
+    for line in PROMPTS.lines() {
+        let q: serde_json::Value = serde_json::from_str(line)?;
+        let category = q["category"].as_str().unwrap_or_default().to_string();
+        let n = taken.entry(category.clone()).or_default();
+        let wanted = categories.is_empty() || categories.contains(&category);
+        if *n < per && wanted {
+            *n += 1;
+            let turn = q["turns"][0].as_str().unwrap_or_default();
+            let chat = format!(
+                "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n\
+                 <|im_start|>user\n{turn}<|im_end|>\n<|im_start|>assistant\n"
+            );
+            out.push((category, chat));
+        }
+    }
+    Ok(out)
+}
+
+fn request(prompt: &str, variant: &str, tokens: usize) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        prompt: prompt.to_string(),
+        max_tokens: tokens as u32,
+        sampling: Some((&SamplingParams::greedy()).into()),
+        draft_tokens: match variant {
+            "target-only" => Some(0),
+            "auto" => None,
+            k => Some(k.parse().expect("a variant is target-only, auto or K")),
+        },
+        ..Default::default()
+    }
+}
+
+/// The setup's coordinator (and the nodes it needs, kept alive beside it).
+fn start(setup: &str, target: &std::path::Path, draft: &std::path::Path) -> Vec<Proc> {
+    let cpus = env_list("BENCH_CPUS", "0,1");
+    let (target_cpu, draft_cpu) = (&cpus[0], &cpus[cpus.len() - 1]);
+    match setup {
+        "one" => vec![Proc::coordinator_serving(target, draft, &[])],
+        _ => {
+            let node = |name, model: &std::path::Path, cpu| {
+                let model = model.display().to_string();
+                Proc::start_pinned(name, &["--model", &model, "--listen", "127.0.0.1:0"], cpu)
+            };
+            let t = node("target-node", target, target_cpu.as_str());
+            let d = node("draft-node", draft, draft_cpu.as_str());
+            let c = Proc::coordinator(&t.url(), &d.url(), &[], Some(target_cpu));
+            vec![c, t, d]
+        }
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 1)]
+async fn main() -> anyhow::Result<()> {
+    let Some((target, draft)) = tandem_tests::qwen_pair("prompts bench") else {
+        return Ok(());
+    };
+    let variants = env_list("BENCH_VARIANTS", "target-only,auto,8");
+    anyhow::ensure!(
+        variants[0] == "target-only",
+        "the first variant is target-only"
+    );
+    let tokens = env_usize("BENCH_TOKENS", 96);
+    let chosen =
+        std::env::var("BENCH_CATEGORIES").map_or(Vec::new(), |_| env_list("BENCH_CATEGORIES", ""));
+    let prompts = prompts(env_usize("BENCH_PER_CATEGORY", 1), &chosen)?;
+    println!(
+        "| setup | category | variant | tok/s | × target-only | α | rounds model / n-gram / target |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for setup in env_list("BENCH_SETUPS", "split,one") {
+        let procs = start(&setup, &target, &draft);
+        let mut client = CoordinatorClient::connect(procs[0].url()).await?;
+        let warm = request(&prompts[0].1, "target-only", 4);
+        tandem_coordinator::client::run(&mut client, warm, |_| {}).await?;
+        let mut figures: BTreeMap<(String, String), Figures> = BTreeMap::new();
+        for (category, prompt) in &prompts {
+            let mut base: Option<(f64, Vec<u32>)> = None;
+            for variant in &variants {
+                let done = tandem_coordinator::client::run(
+                    &mut client,
+                    request(prompt, variant, tokens),
+                    |_| {},
+                )
+                .await?;
+                let st = done.stats.unwrap_or_default();
+                let f = figures
+                    .entry((category.clone(), variant.clone()))
+                    .or_default();
+                match &base {
+                    None => base = Some((st.tokens_per_second, done.token_ids.clone())),
+                    Some((_, ids)) => anyhow::ensure!(
+                        &done.token_ids == ids,
+                        "{setup} {category} {variant}: greedy output differs from target-only"
+                    ),
+                }
+                f.tps.push(st.tokens_per_second);
+                f.ratio
+                    .push(st.tokens_per_second / base.as_ref().map_or(1.0, |b| b.0));
+                f.alpha.push(st.acceptance_rate);
+                f.rounds[0] += st.model_rounds;
+                f.rounds[1] += st.ngram_rounds;
+                f.rounds[2] += st.target_only_rounds;
+            }
+        }
+        let mut logs: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+        for ((category, variant), f) in &figures {
+            let ratio = median(f.ratio.clone());
+            logs.entry(variant.clone()).or_default().push(ratio.ln());
+            let [m, n, t] = f.rounds;
+            println!(
+                "| {setup} | {category} | {variant} | {:.1} | {ratio:.2}× | {:.2} | {m} / {n} / {t} |",
+                median(f.tps.clone()),
+                median(f.alpha.clone()),
+            );
+            let row = json!({"setup": setup, "category": category, "variant": variant,
+                "prompts": f.tps.len(), "tokens": tokens,
+                "tokens_per_second": median(f.tps.clone()), "over_target_only": ratio,
+                "acceptance_rate": median(f.alpha.clone()), "rounds_model_ngram_target": f.rounds});
+            println!("{row}");
+        }
+        for (variant, l) in logs {
+            let geomean = (l.iter().sum::<f64>() / l.len() as f64).exp();
+            println!("| {setup} | geometric mean | {variant} | | {geomean:.2}× | | |");
+        }
+        drop(procs);
+    }
+    Ok(())
+}
