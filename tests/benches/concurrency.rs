@@ -130,20 +130,12 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .map(|p| tok.encode(p))
             .collect::<Result<_, _>>()?;
-        let node = |name: &str, model: &std::path::Path, extra: &[&str], cpus: Option<&str>| {
-            let model = model.display().to_string();
-            let mut args = vec!["--model", &model, "--listen", "127.0.0.1:0"];
-            args.extend_from_slice(extra);
-            match cpus {
-                Some(cpus) => Proc::start_pinned(name, &args, cpus),
-                None => Proc::start(name, &args),
-            }
-        };
         let (target_cpus, draft_cpus) = match cpus.as_slice() {
             [t, d] => (Some(t.as_str()), Some(d.as_str())),
             _ => (None, None),
         };
-        let draft = (!batches.is_empty()).then(|| node("draft-node", &pair.draft, &[], draft_cpus));
+        let draft = (!batches.is_empty())
+            .then(|| Proc::node_on("draft-node", &pair.draft, &[], draft_cpus));
         // `N[:W]`: --max-batch N [--batch-wait-us W], after `args`.
         let batching = |mut args: Vec<String>, max_batch: &str| {
             args.push("--max-batch".into());
@@ -160,7 +152,7 @@ async fn main() -> anyhow::Result<()> {
         for max_batch in &batches {
             let args = batching(target_args.clone(), max_batch);
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            let target = node("target-node", &pair.target, &args, target_cpus);
+            let target = Proc::node_on("target-node", &pair.target, &args, target_cpus);
             let draft = draft.as_ref().expect("started with the first setup");
             let coordinator = Proc::coordinator(&target.url(), &draft.url(), &[], draft_cpus);
             let client = CoordinatorClient::connect(coordinator.url()).await?;

@@ -61,13 +61,6 @@ struct Samples {
     outside_ms: Vec<f64>,
 }
 
-fn node(name: &str, model: &std::path::Path, cpu: &str, extra: &[String]) -> Proc {
-    let model = model.display().to_string();
-    let mut args = vec!["--model", &model, "--listen", "127.0.0.1:0"];
-    args.extend(extra.iter().map(String::as_str));
-    Proc::start_pinned(name, &args, cpu)
-}
-
 // The link's tasks run on a worker thread: the main one blocks while a process starts.
 #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 async fn main() -> anyhow::Result<()> {
@@ -99,8 +92,10 @@ async fn main() -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for pair in &pairs {
         let prompt = tokenizer(&pair.target).encode(pair.prompt)?;
-        let target = node("target-node", &pair.target, &target_cpu, &target_args());
-        let draft = node("draft-node", &pair.draft, &draft_cpu, &[]);
+        let extra = target_args();
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let target = Proc::node_on("target-node", &pair.target, &extra, Some(&target_cpu));
+        let draft = Proc::node_on("draft-node", &pair.draft, &[], Some(&draft_cpu));
         for &rtt in &rtts {
             for &mbit in &mbits {
                 let spec = LinkSpec {

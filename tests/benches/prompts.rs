@@ -80,12 +80,8 @@ fn start(setup: &str, target: &std::path::Path, draft: &std::path::Path) -> Vec<
     match setup {
         "one" => vec![Proc::coordinator_serving(target, draft, &[])],
         _ => {
-            let node = |name, model: &std::path::Path, cpu| {
-                let model = model.display().to_string();
-                Proc::start_pinned(name, &["--model", &model, "--listen", "127.0.0.1:0"], cpu)
-            };
-            let t = node("target-node", target, target_cpu.as_str());
-            let d = node("draft-node", draft, draft_cpu.as_str());
+            let t = Proc::node_on("target-node", target, &[], Some(target_cpu));
+            let d = Proc::node_on("draft-node", draft, &[], Some(draft_cpu));
             let c = Proc::coordinator(&t.url(), &d.url(), &[], Some(target_cpu));
             vec![c, t, d]
         }
@@ -103,8 +99,7 @@ async fn main() -> anyhow::Result<()> {
         "the first variant is target-only"
     );
     let tokens = env_usize("BENCH_TOKENS", 96);
-    let chosen =
-        std::env::var("BENCH_CATEGORIES").map_or(Vec::new(), |_| env_list("BENCH_CATEGORIES", ""));
+    let chosen = env_list("BENCH_CATEGORIES", "");
     let prompts = prompts(env_usize("BENCH_PER_CATEGORY", 1), &chosen)?;
     println!(
         "| setup | category | variant | tok/s | × target-only | α | rounds model / n-gram / target |"

@@ -31,11 +31,6 @@ use tonic::transport::Channel;
 
 type Client = CoordinatorClient<Channel>;
 
-fn node(name: &str, model: &std::path::Path, cpu: &str) -> Proc {
-    let model = model.display().to_string();
-    Proc::start_pinned(name, &["--model", &model, "--listen", "127.0.0.1:0"], cpu)
-}
-
 /// One generation: its wall time in seconds, its tokens, and the rounds its draft model drafted.
 async fn run(
     client: &mut Client,
@@ -67,8 +62,8 @@ async fn main() -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|");
     for pair in pairs(scratch.path(), &env_list("BENCH_PAIRS", "110m-q8_0"))? {
         let prompt = tokenizer(&pair.target).encode(pair.prompt)?;
-        let target = node("target-node", &pair.target, &target_cpu);
-        let draft = node("draft-node", &pair.draft, &draft_cpu);
+        let target = Proc::node_on("target-node", &pair.target, &[], Some(&target_cpu));
+        let draft = Proc::node_on("draft-node", &pair.draft, &[], Some(&draft_cpu));
         // The draft model only (no n-gram lookup, which drafts well on a random model's
         // repetitive text): without the draft-node a round is the target's alone, as K = 0's.
         let request = |k: Option<u32>| v1::GenerateRequest {

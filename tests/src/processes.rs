@@ -97,10 +97,19 @@ impl Proc {
     /// A node (`target-node` or `draft-node`) serving `model` on a free loopback port, with
     /// `extra` arguments.
     pub fn node(name: &str, model: &Path, extra: &[&str]) -> Self {
+        Self::node_on(name, model, extra, None)
+    }
+
+    /// [`Self::node`] pinned to the CPUs `cpus` names, where it names some
+    /// ([`Self::start_pinned`]).
+    pub fn node_on(name: &str, model: &Path, extra: &[&str], cpus: Option<&str>) -> Self {
         let model = model.display().to_string();
         let mut args = vec!["--model", &model, "--listen", "127.0.0.1:0"];
         args.extend_from_slice(extra);
-        Self::start(name, &args)
+        match cpus {
+            Some(cpus) => Self::start_pinned(name, &args, cpus),
+            None => Self::start(name, &args),
+        }
     }
 
     /// [`Self::start`] with extra environment variables.

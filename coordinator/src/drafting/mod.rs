@@ -39,9 +39,6 @@ pub type Proposing<'a> =
 
 /// One round's drafts, from whichever drafter the policy chose.
 pub trait Propose: Send {
-    /// Its name in the policy, the statistics and the metrics.
-    fn kind(&self) -> DrafterKind;
-
     /// Up to `ask.k` drafts continuing `log` (and `ask.branches` more nodes: a token tree),
     /// expected to take `expected` seconds where the drafter has been timed (a drafter across
     /// a link gives up after a multiple of it).

@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 
 use super::block::{Ask, DraftBlock, StepFailure};
 use super::policy::Timing;
-use super::{DrafterKind, Propose, Proposing};
+use super::{Propose, Proposing};
 use crate::nodes::Reachable;
 use crate::nodes::links::{Draft, NodeSession, SessionSpec};
 
@@ -380,10 +380,6 @@ impl ModelDrafter {
 }
 
 impl Propose for ModelDrafter {
-    fn kind(&self) -> DrafterKind {
-        DrafterKind::Model
-    }
-
     /// The block drafted during the last verify, where one is held (cut to the ask's size);
     /// else a step on the draft-node ([`Self::step`]).
     fn propose<'a>(

@@ -10,7 +10,7 @@ use std::time::Instant;
 use tandem_runtime::{Constraint, TokenLog};
 
 use super::block::{Ask, DraftBlock};
-use super::{DrafterKind, Propose, Proposing};
+use super::{Propose, Proposing};
 use crate::constraints::cut;
 
 /// Longest and shortest suffix looked up; a longer match is tried first.
@@ -166,16 +166,14 @@ impl NgramDrafter {
 }
 
 impl Propose for NgramDrafter {
-    fn kind(&self) -> DrafterKind {
-        DrafterKind::Ngram
-    }
-
     /// The round's lookup, cut to `ask.k` (a tree, looked up at the round's shape already,
     /// whole); nothing where none was looked up past this `log`.
     fn propose<'a>(&'a mut self, log: &'a TokenLog, ask: Ask, _: Option<f64>) -> Proposing<'a> {
         let block = match self.looked_up.take() {
-            Some((at, block)) if at == log.len() && !block.parents.is_empty() => block,
-            Some((at, block)) if at == log.len() => block.truncated(ask.k),
+            Some((at, block)) if at == log.len() && block.parents.is_empty() => {
+                block.truncated(ask.k)
+            }
+            Some((at, block)) if at == log.len() => block,
             _ => DraftBlock::default(),
         };
         Box::pin(std::future::ready(Ok(block)))

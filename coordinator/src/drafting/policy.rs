@@ -304,7 +304,7 @@ pub struct KPolicy {
     pipelining: bool,
     /// Drafts of background steps the target would have accepted, and those compared.
     shadow: [u32; 2],
-    /// How often a token tree's sibling leaves are right ([`tree`]).
+    /// How often a token tree's sibling leaves are right ([`siblings`]).
     siblings: siblings::Siblings,
     /// How often drafts of each confidence are accepted: where a chain stops ([`confidence`]).
     confidence: confidence::Confidence,

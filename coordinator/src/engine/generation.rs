@@ -200,7 +200,6 @@ impl<'e> Generation<'e> {
         let drafter = round.plan.drafter.and_then(|kind| self.drafters.get(kind));
         let mut proposal = match drafter {
             Some(drafter) => {
-                let kind = drafter.kind();
                 let span = tracing::info_span!(parent: &round.span, "draft", k);
                 match drafter
                     .propose(&self.log, ask, expected)
@@ -212,7 +211,7 @@ impl<'e> Generation<'e> {
                         p
                     }
                     Ok(p) => {
-                        if kind == DrafterKind::Model {
+                        if round.plan.drafter == Some(DrafterKind::Model) {
                             self.stats.draft_node_tokens += p.tokens.len() as u32;
                         }
                         p
