@@ -12,6 +12,7 @@ use tandem_coordinator::api::http::{self, HttpState};
 use tandem_coordinator::api::limits::{ClientLimits, TrustedProxies};
 use tandem_coordinator::cli::{Cli, Command, ServeArgs, client, local};
 use tandem_coordinator::engine::Engine;
+use tandem_coordinator::engine::history::History;
 use tandem_coordinator::engine::late_engine::{LateEngine, connect_until_ready};
 use tandem_coordinator::nodes::LocalCluster;
 use tandem_proto::tls::{ClientTls, ClientTlsArgs, DefaultClients};
@@ -171,7 +172,9 @@ async fn start_engine(
     let target_retry = std::time::Duration::from_secs(args.target_retry_secs);
     let draft_step_slack = std::time::Duration::from_millis(args.draft_step_slack_ms);
     let draft_open_grace = std::time::Duration::from_millis(args.draft_open_grace_ms);
+    let history_tokens = args.history_tokens;
     let configure = move |engine: &mut Engine| {
+        engine.history = History::new(history_tokens);
         if let Some(n) = max_speculating {
             engine.max_speculating = (n > 0).then_some(n);
         }

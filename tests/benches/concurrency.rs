@@ -154,13 +154,15 @@ async fn main() -> anyhow::Result<()> {
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let target = Proc::node_on("target-node", &pair.target, &args, target_cpus);
             let draft = draft.as_ref().expect("started with the first setup");
-            let coordinator = Proc::coordinator(&target.url(), &draft.url(), &[], draft_cpus);
+            let coordinator =
+                Proc::coordinator(&target.url(), &draft.url(), &Proc::NO_HISTORY, draft_cpus);
             let client = CoordinatorClient::connect(coordinator.url()).await?;
             setups.push((max_batch.clone(), vec![target, coordinator], client));
         }
         for max_batch in &one_process {
             let args = batching(target_args.clone(), max_batch);
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+            args.extend(Proc::NO_HISTORY);
             let coordinator = Proc::coordinator_serving(&pair.target, &pair.draft, &args);
             let client = CoordinatorClient::connect(coordinator.url()).await?;
             setups.push((

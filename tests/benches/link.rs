@@ -105,8 +105,12 @@ async fn main() -> anyhow::Result<()> {
                 let link = Link::start(draft.addr, spec).await?;
                 let draft_url = format!("http://{}", link.addr);
                 // The coordinator sits beside the target, on its core.
-                let coordinator =
-                    Proc::coordinator(&target.url(), &draft_url, &[], Some(&target_cpu));
+                let coordinator = Proc::coordinator(
+                    &target.url(),
+                    &draft_url,
+                    &Proc::NO_HISTORY,
+                    Some(&target_cpu),
+                );
                 let mut client = CoordinatorClient::connect(coordinator.url()).await?;
                 let request = |variant: &str| {
                     let (k, serial) = variant

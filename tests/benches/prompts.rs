@@ -1,20 +1,28 @@
 //! Real prompts (issue 54): first turns of `fixtures/prompts/spec-bench-52.jsonl` (the 13
-//! categories of Spec-Bench: chat, writing, QA, summarization, RAG, translation, math, code) in
-//! the target's ChatML, through the real Qwen2.5-Coder pair (`scripts/fetch-qwen-pair.sh`),
-//! greedy. Each process starts fresh (no generation teaches the policy before the first
-//! prompt but a 4-token target-only one that pages the weights in); each prompt's variants run
-//! back to back, target-only first, and every greedy output is checked equal to its.
+//! categories of Spec-Bench: chat, writing, QA, summarization, RAG, translation, math, code) and
+//! `edits-and-tools-8.jsonl` (code edits, tool calls) in the target's ChatML, through the real
+//! Qwen2.5-Coder pair (`scripts/fetch-qwen-pair.sh`), greedy. Each process starts fresh (no
+//! generation teaches the policy before the first prompt but a 4-token target-only one that
+//! pages the weights in); each prompt's variants run back to back, target-only first, and every
+//! greedy output is checked equal to its.
+//!
+//! Each category and variant is one tenant (`cache_salt`) sending the category's prompts in
+//! order: its first prompt has no earlier output to draft from, the next ones have the
+//! category's earlier answers (an agent's or an editor's next request), never those of the
+//! same prompt's other variants (that would be a repeat, not a new request).
 //!
 //! Setups: `split` (target-node and coordinator pinned to one core, the draft-node to the
 //! other: two machines emulated) and `one` (both models in one `coordinator serve` process,
 //! its cores shared: the one-machine default). Printed per setup, category and variant: tokens/s
 //! (median over the category's prompts), its ratio to target-only (median of the per-prompt
-//! ratios), acceptance, and the rounds drafted by the model / n-gram lookup / neither; then the
-//! geometric mean of the ratios over the categories.
+//! ratios), acceptance, mean accepted length (tokens per round), and the rounds drafted by the
+//! model / n-gram lookup (of them from earlier outputs) / neither; then the geometric mean of
+//! the ratios over the categories.
 //!
 //! Environment: BENCH_SETUPS (default `split,one`), BENCH_VARIANTS (default
-//! `target-only,auto,8`: a number is a fixed K), BENCH_PER_CATEGORY (default 1, at most 4),
-//! BENCH_CATEGORIES (default: all 13), BENCH_TOKENS (default 96), BENCH_CPUS (default `0,1`: the
+//! `target-only,auto,8`: a number is a fixed K drafted by the model, `model` and `ngram` that
+//! drafter alone at K = auto), BENCH_PER_CATEGORY (default 1, at most 4),
+//! BENCH_CATEGORIES (default: all 15), BENCH_TOKENS (default 96), BENCH_CPUS (default `0,1`: the
 //! target's and the draft's core in `split`).
 
 use std::collections::BTreeMap;
@@ -26,7 +34,12 @@ use tandem_runtime::SamplingParams;
 use tandem_tests::bench::{env_list, env_usize, median};
 use tandem_tests::processes::Proc;
 
-const PROMPTS: &str = include_str!("../../fixtures/prompts/spec-bench-52.jsonl");
+const PROMPTS: [&str; 2] = [
+    include_str!("../../fixtures/prompts/spec-bench-52.jsonl"),
+    include_str!("../../fixtures/prompts/edits-and-tools-8.jsonl"),
+];
+/// The system prompt of a turn that names none.
+const SYSTEM: &str = "You are a helpful assistant.";
 
 /// One variant's figures in one category, over its prompts.
 #[derive(Debug, Default)]
@@ -34,14 +47,16 @@ struct Figures {
     tps: Vec<f64>,
     ratio: Vec<f64>,
     alpha: Vec<f64>,
-    rounds: [u32; 3],
+    length: Vec<f64>,
+    /// Rounds by the model, n-gram lookup, n-gram lookup from earlier outputs, the target alone.
+    rounds: [u32; 4],
 }
 
 /// The prompts of the chosen categories, `per` of each, as (category, ChatML prompt).
 fn prompts(per: usize, categories: &[String]) -> anyhow::Result<Vec<(String, String)>> {
     let mut taken: BTreeMap<String, usize> = BTreeMap::new();
     let mut out = Vec::new();
-    for line in PROMPTS.lines() {
+    for line in PROMPTS.iter().flat_map(|p| p.lines()) {
         let q: serde_json::Value = serde_json::from_str(line)?;
         let category = q["category"].as_str().unwrap_or_default().to_string();
         let n = taken.entry(category.clone()).or_default();
@@ -49,8 +64,9 @@ fn prompts(per: usize, categories: &[String]) -> anyhow::Result<Vec<(String, Str
         if *n < per && wanted {
             *n += 1;
             let turn = q["turns"][0].as_str().unwrap_or_default();
+            let system = q["system"].as_str().unwrap_or(SYSTEM);
             let chat = format!(
-                "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n\
+                "<|im_start|>system\n{system}<|im_end|>\n\
                  <|im_start|>user\n{turn}<|im_end|>\n<|im_start|>assistant\n"
             );
             out.push((category, chat));
@@ -59,16 +75,27 @@ fn prompts(per: usize, categories: &[String]) -> anyhow::Result<Vec<(String, Str
     Ok(out)
 }
 
-fn request(prompt: &str, variant: &str, tokens: usize) -> v1::GenerateRequest {
+/// `variant` of `prompt`, sent as `tenant`.
+fn request(prompt: &str, variant: &str, tokens: usize, tenant: String) -> v1::GenerateRequest {
+    let (draft_tokens, drafter) = match variant {
+        "target-only" => (Some(0), ""),
+        "auto" => (None, ""),
+        "model" | "ngram" => (None, variant),
+        k => (
+            Some(
+                k.parse()
+                    .expect("a variant is target-only, auto, model, ngram or K"),
+            ),
+            "",
+        ),
+    };
     v1::GenerateRequest {
         prompt: prompt.to_string(),
         max_tokens: tokens as u32,
         sampling: Some((&SamplingParams::greedy()).into()),
-        draft_tokens: match variant {
-            "target-only" => Some(0),
-            "auto" => None,
-            k => Some(k.parse().expect("a variant is target-only, auto or K")),
-        },
+        draft_tokens,
+        drafter: drafter.into(),
+        cache_salt: tenant,
         ..Default::default()
     }
 }
@@ -102,13 +129,13 @@ async fn main() -> anyhow::Result<()> {
     let chosen = env_list("BENCH_CATEGORIES", "");
     let prompts = prompts(env_usize("BENCH_PER_CATEGORY", 1), &chosen)?;
     println!(
-        "| setup | category | variant | tok/s | × target-only | α | rounds model / n-gram / target |"
+        "| setup | category | variant | tok/s | × target-only | α | tokens/round | rounds model / n-gram (earlier outputs) / target |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for setup in env_list("BENCH_SETUPS", "split,one") {
         let procs = start(&setup, &target, &draft);
         let mut client = CoordinatorClient::connect(procs[0].url()).await?;
-        let warm = request(&prompts[0].1, "target-only", 4);
+        let warm = request(&prompts[0].1, "target-only", 4, "warm-up".into());
         tandem_coordinator::client::run(&mut client, warm, |_| {}).await?;
         let mut figures: BTreeMap<(String, String), Figures> = BTreeMap::new();
         for (category, prompt) in &prompts {
@@ -116,7 +143,7 @@ async fn main() -> anyhow::Result<()> {
             for variant in &variants {
                 let done = tandem_coordinator::client::run(
                     &mut client,
-                    request(prompt, variant, tokens),
+                    request(prompt, variant, tokens, format!("{category} {variant}")),
                     |_| {},
                 )
                 .await?;
@@ -135,30 +162,35 @@ async fn main() -> anyhow::Result<()> {
                 f.ratio
                     .push(st.tokens_per_second / base.as_ref().map_or(1.0, |b| b.0));
                 f.alpha.push(st.acceptance_rate);
+                f.length.push(st.mean_accepted_length);
                 f.rounds[0] += st.model_rounds;
                 f.rounds[1] += st.ngram_rounds;
-                f.rounds[2] += st.target_only_rounds;
+                f.rounds[2] += st.history_rounds;
+                f.rounds[3] += st.target_only_rounds;
             }
         }
         let mut logs: BTreeMap<String, Vec<f64>> = BTreeMap::new();
         for ((category, variant), f) in &figures {
             let ratio = median(f.ratio.clone());
             logs.entry(variant.clone()).or_default().push(ratio.ln());
-            let [m, n, t] = f.rounds;
+            let [m, n, h, t] = f.rounds;
             println!(
-                "| {setup} | {category} | {variant} | {:.1} | {ratio:.2}× | {:.2} | {m} / {n} / {t} |",
+                "| {setup} | {category} | {variant} | {:.1} | {ratio:.2}× | {:.2} | {:.2} | {m} / {n} ({h}) / {t} |",
                 median(f.tps.clone()),
                 median(f.alpha.clone()),
+                median(f.length.clone()),
             );
             let row = json!({"setup": setup, "category": category, "variant": variant,
                 "prompts": f.tps.len(), "tokens": tokens,
                 "tokens_per_second": median(f.tps.clone()), "over_target_only": ratio,
-                "acceptance_rate": median(f.alpha.clone()), "rounds_model_ngram_target": f.rounds});
+                "acceptance_rate": median(f.alpha.clone()),
+                "mean_accepted_length": median(f.length.clone()),
+                "rounds_model_ngram_history_target": f.rounds});
             println!("{row}");
         }
         for (variant, l) in logs {
             let geomean = (l.iter().sum::<f64>() / l.len() as f64).exp();
-            println!("| {setup} | geometric mean | {variant} | | {geomean:.2}× | | |");
+            println!("| {setup} | geometric mean | {variant} | | {geomean:.2}× | | | |");
         }
         drop(procs);
     }

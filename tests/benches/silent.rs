@@ -77,7 +77,12 @@ async fn main() -> anyhow::Result<()> {
         for variant in &variants {
             let k = variant.parse::<u32>().ok();
             let link = Link::start(draft.addr, LinkSpec::DIRECT).await?;
-            let coordinator = Proc::coordinator(&target.url(), &link.url(), &[], Some(&target_cpu));
+            let coordinator = Proc::coordinator(
+                &target.url(),
+                &link.url(),
+                &Proc::NO_HISTORY,
+                Some(&target_cpu),
+            );
             let mut client = Client::connect(coordinator.url()).await?;
             let (_, alone, _) = run(&mut client, request(Some(0)), || {}).await?;
             let mut cases: [(&str, Vec<f64>); 4] = [

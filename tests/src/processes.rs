@@ -269,6 +269,11 @@ impl Proc {
         )
     }
 
+    /// A coordinator's arguments that keep no tenant's earlier outputs: for benchmarks that
+    /// repeat one prompt, whose repeats n-gram lookup would otherwise draft whole from the
+    /// first run's output (a cache hit, not the speed of speculation).
+    pub const NO_HISTORY: [&str; 2] = ["--history-tokens", "0"];
+
     /// `coordinator serve` in front of the target-node and draft-node at these URLs, on a free
     /// loopback port, with `extra` arguments; pinned to `cpus` when given. Returns once it is
     /// ready (it has reached its nodes).

@@ -39,9 +39,10 @@ fn target_only(target: &Path, prompt: &[u32], n: u32) -> Vec<u32> {
 fn describe(o: &Outcome) -> String {
     let s = &o.stats;
     format!(
-        "model {} / ngram {} / target-only {} rounds, α {:.2}, stalls {}, re-attached {}, lost {:?}",
+        "model {} / ngram {} ({} from earlier outputs) / target-only {} rounds, α {:.2}, stalls {}, re-attached {}, lost {:?}",
         s.model_rounds,
         s.ngram_rounds,
+        s.history_rounds,
         s.target_only_rounds,
         s.base.acceptance_rate(),
         s.draft_stalls,
@@ -134,6 +135,48 @@ async fn ngram_drafting_accepts_what_the_text_repeats() {
         describe(&out)
     );
     assert_eq!(s.model_rounds, 0);
+}
+
+#[tokio::test]
+async fn a_tenant_drafts_from_its_earlier_outputs_and_no_other_tenant_does() {
+    // The second run of one tenant's request finds the first's output in the tenant's history
+    // (n-gram lookup continues it); another tenant's run of the same request does not, and
+    // drafts exactly as the first did. Greedy output equals target-only in each.
+    let target = random_model(21);
+    let cluster = cluster(&target, None, &LimitsArgs::default()).await;
+    let engine = cluster.engine(None).await.expect("engine");
+    let prompt = tokenizer(&target)
+        .encode("Once upon a time")
+        .expect("encode");
+    let expected = target_only(&target, &prompt, 120);
+    let ask = |salt: &str| v1::GenerateRequest {
+        cache_salt: salt.into(),
+        ..adaptive(&prompt, 120, Some(4), "ngram")
+    };
+    let first = generate(&engine, &ask("alpha")).await;
+    let again = generate(&engine, &ask("alpha")).await;
+    let other = generate(&engine, &ask("beta")).await;
+    let case = format!(
+        "first: {} / again: {} / other tenant: {}",
+        describe(&first),
+        describe(&again),
+        describe(&other)
+    );
+    for out in [&first, &again, &other] {
+        assert_eq!(out.token_ids, expected, "{case}");
+    }
+    assert_eq!(first.stats.history_rounds, 0, "{case}");
+    assert!(again.stats.history_rounds > 0, "{case}");
+    assert!(
+        again.stats.base.accepted > first.stats.base.accepted,
+        "{case}"
+    );
+    assert_eq!(other.stats.history_rounds, 0, "{case}");
+    assert_eq!(
+        (other.stats.base.accepted, other.stats.base.rounds),
+        (first.stats.base.accepted, first.stats.base.rounds),
+        "{case}"
+    );
 }
 
 #[tokio::test]

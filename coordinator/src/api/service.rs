@@ -44,6 +44,7 @@ pub fn stats_to_wire(o: &Outcome) -> v1::GenerationStats {
         seed: s.seed,
         model_rounds: s.model_rounds,
         ngram_rounds: s.ngram_rounds,
+        history_rounds: s.history_rounds,
         target_only_rounds: s.target_only_rounds,
         draft_reattached: s.draft_reattached,
         draft_stalls: s.draft_stalls,

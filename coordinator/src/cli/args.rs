@@ -265,6 +265,11 @@ pub struct ServeArgs {
     /// delays no generation).
     #[arg(long, env = "TANDEM_DRAFT_OPEN_GRACE_MS", default_value_t = 250)]
     pub draft_open_grace_ms: u64,
+    /// Tokens of each tenant's earlier outputs that n-gram lookup may continue (a tenant: a
+    /// request's `cache_salt`, else its API key; the oldest outputs go first, and the least
+    /// recently seen of more than 64 tenants); 0 keeps none.
+    #[arg(long, env = "TANDEM_HISTORY_TOKENS", default_value_t = crate::engine::history::DEFAULT_HISTORY_TOKENS)]
+    pub history_tokens: usize,
     /// A key clients must present (`Authorization: Bearer KEY`; gRPC: `authorization`
     /// metadata) on the public APIs; repeatable. Unset: the APIs are open. Health, readiness and
     /// metrics stay open.

@@ -338,6 +338,17 @@ async fn compare(
         ..speculative.clone()
     };
     let rate = |done: &v1::GenerateDone| done.stats.as_ref().map_or(0.0, |s| s.tokens_per_second);
+    // Each measured run a tenant of its own: none drafts from an earlier run's output (the
+    // coordinator keeps each tenant's, `--history-tokens`), which would measure a repeat.
+    let salt = format!("tandem generate {:?}", std::time::SystemTime::now());
+    let mut runs_made = 0;
+    let mut measured = |request: &v1::GenerateRequest| {
+        runs_made += 1;
+        v1::GenerateRequest {
+            cache_salt: format!("{salt} run {runs_made}"),
+            ..request.clone()
+        }
+    };
     let mut comparison = Comparison {
         pairs: Vec::new(),
         identical: true,
@@ -356,14 +367,14 @@ async fn compare(
         }
         // Whichever runs second may find the machine warmer or busier: each goes first in
         // every other pair.
-        let alone = || keyed(target_only.clone(), authorization);
-        let drafted = || keyed(speculative.clone(), authorization);
+        let alone = keyed(measured(&target_only), authorization);
+        let drafted = keyed(measured(&speculative), authorization);
         let (alone, drafted) = if n.is_multiple_of(2) {
-            let alone = run(client, alone(), |_| {}).await?;
-            (alone, run(client, drafted(), |_| {}).await?)
+            let alone = run(client, alone, |_| {}).await?;
+            (alone, run(client, drafted, |_| {}).await?)
         } else {
-            let drafted = run(client, drafted(), |_| {}).await?;
-            (run(client, alone(), |_| {}).await?, drafted)
+            let drafted = run(client, drafted, |_| {}).await?;
+            (run(client, alone, |_| {}).await?, drafted)
         };
         comparison.identical &=
             alone.token_ids == first.token_ids && drafted.token_ids == first.token_ids;
@@ -399,6 +410,7 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, comparison: Option<&Comp
                 "seed": st.seed,
                 "model_rounds": st.model_rounds,
                 "ngram_rounds": st.ngram_rounds,
+                "history_rounds": st.history_rounds,
                 "target_only_rounds": st.target_only_rounds,
                 "draft_reattached": st.draft_reattached,
                 "draft_stalls": st.draft_stalls,
@@ -448,9 +460,10 @@ fn report(args: &GenerateArgs, done: &v1::GenerateDone, comparison: Option<&Comp
         (st.bytes_sent + st.bytes_received) as f64 / rounds,
     );
     eprintln!(
-        "rounds drafted by the model {}, by n-gram lookup {}, target only {}; drafted ahead {}, used {}",
+        "rounds drafted by the model {}, by n-gram lookup {} ({} of them continuing earlier outputs), target only {}; drafted ahead {}, used {}",
         st.model_rounds,
         st.ngram_rounds,
+        st.history_rounds,
         st.target_only_rounds,
         st.pipeline_rounds,
         st.pipeline_hits

@@ -1,6 +1,7 @@
 //! Who drafts each round, and how much. Every drafter is one file behind one trait,
 //! [`Propose`], as vLLM's proposers: the draft-node's model with its background steps and
-//! re-attachment ([`model`]) and n-gram lookup ([`ngram`]), each giving a [`block::DraftBlock`]
+//! re-attachment ([`model`]) and n-gram lookup ([`ngram`], over the session's text and the
+//! tenant's earlier outputs, [`suffix`]), each giving a [`block::DraftBlock`]
 //! shaped by an [`block::Ask`] (a chain, or a token tree where the ask has branches). The
 //! adaptive K policy and its cost model ([`policy`]) choose the drafter and K of each round;
 //! background steps measure the idle draft ([`shadow`]). Adding a drafter is its file, a
@@ -13,6 +14,7 @@ pub mod model;
 pub mod ngram;
 pub mod policy;
 pub mod shadow;
+pub mod suffix;
 
 use std::future::Future;
 use std::pin::Pin;

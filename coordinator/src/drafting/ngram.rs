@@ -3,19 +3,26 @@
 //! runs in the coordinator in microseconds; code editing, quoting and repetitive text accept
 //! most of it. Its q is one-hot on each proposed token (the proposal is deterministic), which the
 //! acceptance rule handles exactly. Asked for branches, it makes a token tree of the other
-//! earlier occurrences' continuations where they part from the chosen one.
+//! earlier occurrences' continuations where they part from the chosen one. Where the tenant's
+//! earlier outputs ([`super::suffix`]) hold a longer match than the session's own text, it
+//! proposes what followed there instead.
 
 use std::time::Instant;
 
 use tandem_runtime::{Constraint, TokenLog};
 
 use super::block::{Ask, DraftBlock};
+use super::suffix::{SuffixIndex, TenantHistory};
 use super::{Propose, Proposing};
 use crate::constraints::cut;
 
 /// Longest and shortest suffix looked up; a longer match is tried first.
 const MAX_MATCH: usize = 8;
 const MIN_MATCH: usize = 2;
+/// The log's last tokens looked up in the tenant's earlier outputs, and the shortest match
+/// there that is continued (shorter ones, in another text, are mostly common words).
+const HISTORY_WINDOW: usize = 64;
+const MIN_HISTORY_MATCH: usize = 3;
 
 /// A proposal, and the length of the match it continues: the longer the match, the likelier the
 /// text is being copied (the policy keeps acceptance per class of length, [`class`]).
@@ -117,6 +124,34 @@ pub fn propose_tree(tokens: &[u32], k: usize, branches: usize) -> Lookup {
     }
 }
 
+/// [`propose_tree`] over `tokens`, or a chain continuing the longest match in `history` where it
+/// is longer (and at least [`MIN_HISTORY_MATCH`]): whether it came from there too.
+fn look_up_in(
+    history: Option<&SuffixIndex>,
+    tokens: &[u32],
+    k: usize,
+    branches: usize,
+) -> (Lookup, bool) {
+    let own = propose_tree(tokens, k, branches);
+    let Some(index) = history else {
+        return (own, false);
+    };
+    let found = index.longest_match(tokens, HISTORY_WINDOW);
+    if found.len < MIN_HISTORY_MATCH || found.len <= own.matched || k == 0 {
+        return (own, false);
+    }
+    let tokens = index.continuation(found, k);
+    if tokens.is_empty() {
+        return (own, false);
+    }
+    let lookup = Lookup {
+        tokens,
+        matched: found.len,
+        parents: Vec::new(),
+    };
+    (lookup, true)
+}
+
 /// What n-gram lookup can propose this round: how many tokens, continuing a match of how many.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NgramOffer {
@@ -128,11 +163,39 @@ pub struct NgramOffer {
 /// ([`Self::look_up`]), and proposed where the plan chose it.
 #[derive(Debug, Default)]
 pub struct NgramDrafter {
-    /// The last lookup, and the length of the log it continues.
-    looked_up: Option<(usize, DraftBlock)>,
+    /// The last lookup, the length of the log it continues, and whether it continued an
+    /// earlier output.
+    looked_up: Option<(usize, DraftBlock, bool)>,
+    /// Whether the block proposed last continued an earlier output.
+    from_history: bool,
+    /// The tenant's earlier outputs, where they are kept.
+    pub history: Option<TenantHistory>,
 }
 
 impl NgramDrafter {
+    /// A drafter that also continues the tenant's earlier outputs in `history`.
+    pub fn with_history(history: Option<TenantHistory>) -> Self {
+        Self {
+            looked_up: None,
+            from_history: false,
+            history,
+        }
+    }
+
+    /// Whether the block proposed last continued an earlier output (not the session's text).
+    pub fn proposed_from_history(&self) -> bool {
+        self.from_history
+    }
+
+    /// Keeps a finished generation's `output` for the tenant's next generations.
+    pub fn remember(&self, output: &[u32]) {
+        if let Some(index) = &self.history
+            && let Ok(mut index) = index.lock()
+        {
+            index.add(output);
+        }
+    }
+
     /// Looks up `k` drafts past `log` (and, with `branches`, a token tree of other earlier
     /// continuations; none under a grammar: it checks the chain), cut before the first one the
     /// generation's grammar forbids, and keeps them for this round's [`Propose::propose`].
@@ -146,11 +209,14 @@ impl NgramDrafter {
     ) -> NgramOffer {
         let start = Instant::now();
         let branches = if grammar.is_some() { 0 } else { branches };
+        let history = self.history.as_ref().and_then(|h| h.lock().ok());
+        let (lookup, from_history) = look_up_in(history.as_deref(), log.tokens(), k, branches);
+        drop(history);
         let Lookup {
             mut tokens,
             matched,
             parents,
-        } = propose_tree(log.tokens(), k, branches);
+        } = lookup;
         // A grammar state that cannot follow the log proposes nothing (the target decides).
         let valid = cut(grammar, log.tokens(), &tokens).unwrap_or(0);
         tokens.truncate(valid);
@@ -160,7 +226,7 @@ impl NgramDrafter {
             len: block.tokens.len(),
             matched,
         };
-        self.looked_up = Some((log.len(), block));
+        self.looked_up = Some((log.len(), block, from_history));
         offer
     }
 }
@@ -169,20 +235,21 @@ impl Propose for NgramDrafter {
     /// The round's lookup, cut to `ask.k` (a tree, looked up at the round's shape already,
     /// whole); nothing where none was looked up past this `log`.
     fn propose<'a>(&'a mut self, log: &'a TokenLog, ask: Ask, _: Option<f64>) -> Proposing<'a> {
-        let block = match self.looked_up.take() {
-            Some((at, block)) if at == log.len() && block.parents.is_empty() => {
-                block.truncated(ask.k)
+        let (block, from_history) = match self.looked_up.take() {
+            Some((at, block, h)) if at == log.len() && block.parents.is_empty() => {
+                (block.truncated(ask.k), h)
             }
-            Some((at, block)) if at == log.len() => block,
-            _ => DraftBlock::default(),
+            Some((at, block, h)) if at == log.len() => (block, h),
+            _ => (DraftBlock::default(), false),
         };
+        self.from_history = from_history;
         Box::pin(std::future::ready(Ok(block)))
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{class, propose, propose_tree};
+    use super::{SuffixIndex, class, look_up_in, propose, propose_tree};
 
     fn propose_tokens(tokens: &[u32], k: usize) -> Vec<u32> {
         propose(tokens, k).tokens
@@ -256,5 +323,24 @@ mod tests {
         assert_eq!((tree.tokens, tree.parents), (vec![7, 8], vec![]));
         let tree = propose_tree(&[5, 6, 7, 5, 6, 7, 5, 6], 2, 4);
         assert_eq!((tree.tokens, tree.parents), (vec![7, 5], vec![]));
+    }
+
+    #[test]
+    fn an_earlier_output_is_continued_where_it_matches_longer() {
+        let mut earlier = SuffixIndex::new(100);
+        earlier.add(&[1, 2, 3, 4, 5, 6]);
+        // The session's own text has "2 3" (then 9); the earlier output has "1 2 3".
+        let (lookup, from_history) = look_up_in(Some(&earlier), &[2, 3, 9, 1, 2, 3], 3, 0);
+        assert!(from_history);
+        assert_eq!((lookup.tokens, lookup.matched), (vec![4, 5, 6], 3));
+        // The session's own "7 1 2 3" is the longer match: its continuation is proposed.
+        let (lookup, from_history) = look_up_in(Some(&earlier), &[7, 1, 2, 3, 8, 7, 1, 2, 3], 2, 0);
+        assert!(!from_history);
+        assert_eq!(lookup.tokens, vec![8, 7]);
+        // Two tokens of another text are not enough.
+        let (lookup, from_history) = look_up_in(Some(&earlier), &[9, 5, 6], 2, 0);
+        assert!(!from_history && lookup.tokens.is_empty());
+        let (lookup, _) = look_up_in(None, &[2, 3, 9, 1, 2, 3], 3, 0);
+        assert_eq!(lookup.tokens, vec![9, 1, 2]);
     }
 }

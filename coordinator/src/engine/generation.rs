@@ -356,7 +356,11 @@ impl<'e> Generation<'e> {
         self.load = (self.load.0 + self.engine.active(), self.load.1 + 1);
         match drafter {
             Some(DrafterKind::Model) => self.stats.model_rounds += 1,
-            Some(DrafterKind::Ngram) => self.stats.ngram_rounds += 1,
+            Some(DrafterKind::Ngram) => {
+                self.stats.ngram_rounds += 1;
+                let earlier = self.drafters.ngram.proposed_from_history();
+                self.stats.history_rounds += u32::from(earlier);
+            }
             None => self.stats.target_only_rounds += 1,
         }
         // The policy learns the chain's acceptance by depth (siblings: observe_sibling), and by
@@ -485,6 +489,7 @@ impl<'e> Generation<'e> {
         }
         let finish_reason = result?;
         let (text, token_ids) = self.transcript.into_output();
+        self.drafters.ngram.remember(&token_ids);
         self.stats.base.generated_tokens = token_ids.len();
         Ok(Outcome {
             text,

@@ -60,12 +60,19 @@ pub struct Job {
 }
 
 impl Job {
+    /// Whether the output may not depend on where blocks end, nor on what was drafted: greedy
+    /// (the target's argmax whatever the drafts), or K adaptive (blocks chosen by what earlier
+    /// generations measured). A sampled request at a fixed K is reproducible from its seed only
+    /// while its drafts are the same every run: nothing learnt elsewhere may change them.
+    pub fn blocks_may_vary(&self) -> bool {
+        self.adaptive || self.sampling.is_greedy()
+    }
+
     /// Where the draft's chain of `k` stops this round: the request's, else the policy's where
     /// the output cannot depend on where blocks end (greedy, or K already adaptive), else never.
     pub fn stop_below(&self, policy: &KPolicy, k: usize) -> f32 {
-        let learned = self.adaptive || self.sampling.is_greedy();
         self.min_confidence.unwrap_or_else(|| {
-            if learned {
+            if self.blocks_may_vary() {
                 policy.min_confidence(k)
             } else {
                 0.0

@@ -10,6 +10,7 @@
 //! Uses [`crate::drafting`] and [`crate::nodes`]; the APIs above it use it.
 
 pub mod generation;
+pub mod history;
 pub mod job;
 pub mod late_engine;
 mod learnt;
@@ -28,6 +29,7 @@ use crate::constraints::Grammars;
 use crate::nodes::replicas::Replicas;
 use crate::nodes::{CALL_FLOOR, LateDraft, NodeHandle};
 use generation::{DRAFT_GRACE, Generation};
+use history::History;
 pub use job::{CommitSink, Discard, Job, MAX_STOP_TOKEN_IDS, Outcome};
 pub use late_engine::LateEngine;
 use learnt::Learnt;
@@ -75,6 +77,8 @@ pub struct Engine {
     pub call_floor: Duration,
     /// What the last session at each load learnt of the nodes' costs and the draft's acceptance.
     learnt: Learnt,
+    /// Each tenant's earlier outputs, continued by the n-gram drafter (`--history-tokens`).
+    pub history: History,
     /// Adaptive generations that started with a draft that could not pay.
     hopeless: AtomicUsize,
     /// Compiles requests' grammars to check them (built at the first one).
@@ -123,6 +127,7 @@ impl Engine {
             draft_open_grace: DRAFT_GRACE,
             call_floor: CALL_FLOOR,
             learnt: Learnt::default(),
+            history: History::default(),
             hopeless: AtomicUsize::new(0),
             grammars: Grammars::default(),
             active: AtomicUsize::new(0),

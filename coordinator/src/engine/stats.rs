@@ -23,6 +23,8 @@ pub struct Stats {
     pub model_rounds: u32,
     pub ngram_rounds: u32,
     pub target_only_rounds: u32,
+    /// Of `ngram_rounds`, those that continued an earlier output of the tenant.
+    pub history_rounds: u32,
     /// Times a lost or stalled draft-node was attached again.
     pub draft_reattached: u32,
     /// Draft steps abandoned at their deadline.

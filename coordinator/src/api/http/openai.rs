@@ -594,6 +594,7 @@ fn speculation(outcome: &Outcome) -> Value {
         "seed": outcome.stats.seed,
         "model_rounds": outcome.stats.model_rounds,
         "ngram_rounds": outcome.stats.ngram_rounds,
+        "history_rounds": outcome.stats.history_rounds,
         "target_only_rounds": outcome.stats.target_only_rounds,
         "draft_reattached": outcome.stats.draft_reattached,
         "draft_stalls": outcome.stats.draft_stalls,

@@ -13,6 +13,7 @@ use tokio::sync::Notify;
 use super::Generation;
 use crate::drafting::Drafters;
 use crate::drafting::model::ModelDrafter;
+use crate::drafting::ngram::NgramDrafter;
 use crate::drafting::shadow::Shadow;
 use crate::engine::metrics::Counted;
 use crate::engine::{Engine, Job, Stats};
@@ -94,7 +95,13 @@ impl<'e> Generation<'e> {
             _leases: leases,
             drafters: Drafters {
                 model,
-                ..Drafters::default()
+                // The tenant's earlier outputs, where n-gram lookup may draft and what it drafts
+                // may differ from run to run.
+                ngram: NgramDrafter::with_history(
+                    (job.drafter.uses_ngram() && job.blocks_may_vary())
+                        .then(|| engine.history.of(&job.cache_salt))
+                        .flatten(),
+                ),
             },
             policy,
             load: (active, 1),
