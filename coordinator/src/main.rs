@@ -173,8 +173,14 @@ async fn start_engine(
     let draft_step_slack = std::time::Duration::from_millis(args.draft_step_slack_ms);
     let draft_open_grace = std::time::Duration::from_millis(args.draft_open_grace_ms);
     let history_tokens = args.history_tokens;
+    let policy_file = args.policy_file.clone();
     let configure = move |engine: &mut Engine| {
         engine.history = History::new(history_tokens);
+        if let Some(path) = &policy_file
+            && let Some(why) = engine.learn_in(path)
+        {
+            tracing::warn!(%why, "the policy file is not used: starting from priors");
+        }
         if let Some(n) = max_speculating {
             engine.max_speculating = (n > 0).then_some(n);
         }

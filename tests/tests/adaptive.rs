@@ -180,6 +180,31 @@ async fn a_tenant_drafts_from_its_earlier_outputs_and_no_other_tenant_does() {
 }
 
 #[tokio::test]
+async fn a_policy_file_is_saved_as_generations_end_and_opened_by_the_next_engine() {
+    let (target, draft) = (stories(), stories_q8());
+    let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("policy.json");
+    let mut engine = cluster.engine(None).await.expect("engine");
+    assert_eq!(engine.learn_in(&path), None, "no file yet: priors");
+    let prompt = tokenizer(&target)
+        .encode("Once upon a time")
+        .expect("encode");
+    let out = generate(&engine, &adaptive(&prompt, 60, None, "")).await;
+    assert_eq!(out.token_ids, target_only(&target, &prompt, 60));
+    let saved = std::fs::read_to_string(&path).expect("saved when the generation ended");
+    let model = &engine.target().info.model_name;
+    assert!(saved.contains(model.as_str()), "{saved}");
+    // The next engine of this pair opens it; an engine without the draft is another pair.
+    let mut next = cluster.engine(None).await.expect("engine");
+    assert_eq!(next.learn_in(&path), None);
+    let alone = tandem_tests::cluster(&target, None, &LimitsArgs::default()).await;
+    let mut other = alone.engine(None).await.expect("engine");
+    let why = other.learn_in(&path).expect("another pair");
+    assert!(why.contains("draft none"), "{why}");
+}
+
+#[tokio::test]
 async fn adaptive_k_stops_speculating_past_its_concurrency_limit() {
     // Past `max_speculating` generations (here 0: every one is past it) adaptive K decodes with
     // the target alone, where a batch of plain steps is cheaper than drafts, and leaves the

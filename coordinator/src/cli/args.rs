@@ -270,6 +270,12 @@ pub struct ServeArgs {
     /// recently seen of more than 64 tenants); 0 keeps none.
     #[arg(long, env = "TANDEM_HISTORY_TOKENS", default_value_t = crate::engine::history::DEFAULT_HISTORY_TOKENS)]
     pub history_tokens: usize,
+    /// A file where what the adaptive policy learns (the nodes' costs, the drafts' acceptance,
+    /// per load) is saved as generations end, and which a coordinator of the same models on
+    /// the same devices starts from instead of priors. Missing: created; of another pair:
+    /// replaced (with a warning).
+    #[arg(long, env = "TANDEM_POLICY_FILE")]
+    pub policy_file: Option<std::path::PathBuf>,
     /// A key clients must present (`Authorization: Bearer KEY`; gRPC: `authorization`
     /// metadata) on the public APIs; repeatable. Unset: the APIs are open. Health, readiness and
     /// metrics stay open.

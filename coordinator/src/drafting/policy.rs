@@ -15,6 +15,8 @@
 //! loss under [`PROBE_BUDGET`] of the time spent without the draft; a draft never timed is tried
 //! the same way, its first probe's cost taken from how long its session took to open.
 
+use serde::{Deserialize, Serialize};
+
 use crate::drafting::DrafterKind;
 use crate::drafting::ngram::{self, NgramOffer};
 
@@ -74,7 +76,7 @@ impl RoundPlan {
 /// packet queued adds, nothing subtracts), and on a 0.2 ms step one 4 ms hiccup unbounded moved
 /// the average 3×, enough for a draft that cannot pay to look as if it did for a whole session.
 /// A lasting slowdown still shows: each round raises the average by up to `LEARN · (SPIKE − 1)`.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 struct Ewma(Option<f64>);
 
 impl Ewma {
@@ -90,7 +92,7 @@ impl Ewma {
 /// seen, a least-squares line between and beyond them, and never less for a larger size than for
 /// a smaller one seen (measured noise would otherwise make a longer block look cheaper). With
 /// one size seen, other sizes scale by `1 + prior_slope · (size − 1)`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct SizeCost {
     by_size: Vec<Ewma>,
     seen: Vec<u32>,
@@ -104,7 +106,7 @@ struct SizeCost {
 }
 
 /// The sizes seen: one (scaled by the prior slope), or a least-squares line.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 enum Fit {
     One { size: f64, seconds: f64 },
     Line { mx: f64, my: f64, slope: f64 },
@@ -177,7 +179,7 @@ impl SizeCost {
 }
 
 /// What is known of one drafter.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct DrafterCosts {
     accept: [f64; ADAPTIVE_MAX_K],
     /// Rounds that reached each position.
@@ -272,8 +274,8 @@ impl DrafterCosts {
     }
 }
 
-/// The per-session K controller.
-#[derive(Debug, Clone)]
+/// The per-session K controller (saved whole by `--policy-file`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct KPolicy {
     max_k: usize,
     model: DrafterCosts,

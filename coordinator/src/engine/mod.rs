@@ -153,6 +153,29 @@ impl Engine {
         self.metrics.exposition(self.active(), &round_trips)
     }
 
+    /// Starts sessions from what `path` holds (`--policy-file`) where it was learnt on these
+    /// models and machines, and saves what they learn there. Returns why it was not used, where
+    /// it could not be (it is replaced at the first save).
+    pub fn learn_in(&mut self, path: &std::path::Path) -> Option<String> {
+        let describe = |node: &NodeHandle| {
+            let info = &node.info;
+            format!(
+                "{} on {} ({} CPUs)",
+                info.model_name,
+                info.device,
+                info.cpus.len()
+            )
+        };
+        let draft = self
+            .draft
+            .get()
+            .map_or_else(|| "none".to_string(), |d| describe(d.primary()));
+        let pair = format!("target {} · draft {draft}", describe(self.target()));
+        let (learnt, why) = Learnt::open(path, &pair);
+        self.learnt = learnt;
+        why
+    }
+
     /// Generations running now.
     pub fn active(&self) -> usize {
         self.active.load(Ordering::Relaxed)

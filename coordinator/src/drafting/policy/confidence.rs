@@ -26,7 +26,7 @@ const EXPLORE_EVERY: u32 = 16;
 const CARRIED: f64 = 16.0;
 
 /// How often drafts made at each confidence are accepted, as decaying counts.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct Confidence {
     reached: [f64; BUCKETS],
     accepted: [f64; BUCKETS],

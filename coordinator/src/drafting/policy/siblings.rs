@@ -16,7 +16,7 @@ const PRIOR_TOKENS: f64 = 1.0;
 /// What the branches beside the chain commit where they are tested (the depth of the chain's
 /// first rejected draft reached, a node beside it sent): the tokens past the chain's accepted
 /// drafts (none where wrong, one for a right leaf, more down a deeper branch).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Siblings {
     tested: f64,
     tokens: f64,
