@@ -28,6 +28,12 @@ const LEARN: f64 = 0.15;
 const LEARN_ACCEPT: f64 = 0.04;
 /// Acceptance assumed for a position never tried.
 const PRIOR_ACCEPT: f64 = 0.6;
+/// Acceptance assumed for an n-gram match never tried, by class of its length
+/// ([`ngram::class`]): a match of 2 or 3–4 tokens in chat text is mostly a common phrase that
+/// goes elsewhere (Spec-Bench's extraction and RAG prompts accepted none of 5 such rounds, a
+/// short answer's whole length), while 5 or more is copied text. Each failed round costs a
+/// longer verify, which a short answer never earns back.
+const PRIOR_NGRAM_ACCEPT: [f64; ngram::CLASSES] = [0.3, 0.45, PRIOR_ACCEPT];
 /// How much longer than the verify a block drafted ahead may take.
 const AHEAD_WINDOW: f64 = 2.0;
 /// Rounds of acceptance evidence per position a new session keeps from an earlier one.
@@ -195,27 +201,34 @@ struct DrafterCosts {
     /// stops choosing it after a few rounds.
     calibration: f64,
     calibrated: u32,
+    /// Acceptance assumed where no round has reached a position.
+    prior: f64,
 }
 
 impl Default for DrafterCosts {
     fn default() -> Self {
+        Self::with_prior(PRIOR_ACCEPT)
+    }
+}
+
+impl DrafterCosts {
+    fn with_prior(prior: f64) -> Self {
         Self {
-            accept: [PRIOR_ACCEPT; ADAPTIVE_MAX_K],
+            accept: [prior; ADAPTIVE_MAX_K],
             tried: [0; ADAPTIVE_MAX_K],
             overhead: Ewma::default(),
             compute: SizeCost::new(ADAPTIVE_MAX_K, 1.0),
             calibration: 1.0,
             calibrated: 0,
+            prior,
         }
     }
-}
 
-impl DrafterCosts {
     /// For i = 1..=k, the probability that drafts 1..=i are all accepted. A position never
     /// reached is assumed to fare as the last one reached (acceptance by position is flat or
     /// falls slowly), so a draft that does well is tried on longer blocks.
     fn reach(&self, k: usize) -> impl Iterator<Item = f64> + '_ {
-        let (mut last, mut reach) = (PRIOR_ACCEPT, 1.0);
+        let (mut last, mut reach) = (self.prior, 1.0);
         (0..k.min(ADAPTIVE_MAX_K)).map(move |i| {
             if self.tried[i] > 0 {
                 last = self.accept[i];
@@ -318,7 +331,7 @@ impl KPolicy {
         Self {
             max_k,
             model: DrafterCosts::default(),
-            ngram: Default::default(),
+            ngram: PRIOR_NGRAM_ACCEPT.map(DrafterCosts::with_prior),
             ngram_class: 0,
             // Sized for every K, so that sessions with other bounds share what they learn.
             verify: SizeCost::new(ADAPTIVE_MAX_K + 1, PRIOR_VERIFY_SLOPE),
