@@ -107,15 +107,6 @@ impl ModelDrafter {
         self.session.is_some()
     }
 
-    /// Whether a background task computes on the draft-node (catching up, or a timed step):
-    /// where it shares the target's cores, a verify meanwhile is slowed by it.
-    pub fn computing_in_background(&self) -> bool {
-        matches!(
-            self.pending,
-            Some((Background::CatchUp | Background::Time, _))
-        )
-    }
-
     /// Holds `block`, drafted during a verify, for the next round to take without asking; or
     /// drops the one held (`None`: the guess was wrong, or the round drafts otherwise).
     pub fn hold_ahead(&mut self, block: Option<DraftBlock>) {

@@ -755,12 +755,8 @@ impl KPolicy {
                 costs.observe_costs(round.drafted, round.draft_wall, round.draft_compute);
             }
         }
-        // A verify slowed by a background draft step on its cores would make target-only look
-        // slower than it is, and drafting pay where it does not.
-        if !round.contended {
-            self.verify
-                .observe(round.drafted + round.siblings + 1, round.verify_wall);
-        }
+        self.verify
+            .observe(round.drafted + round.siblings + 1, round.verify_wall);
         self.rounds = self.rounds.saturating_add(1);
         if self.rounds == EARLY_ROUNDS {
             self.early_verify = Some(self.verify.clone());
@@ -796,9 +792,6 @@ pub struct RoundCosts {
     pub verify_wall: f64,
     /// The whole round, from the plan to the verdict (0: not measured).
     pub round_wall: f64,
-    /// The draft-node computed in the background on the target's cores during the verify
-    /// (one machine): the verify's time is not the target's alone, and is not learnt.
-    pub contended: bool,
 }
 
 mod confidence;

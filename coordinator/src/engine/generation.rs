@@ -33,7 +33,6 @@ use tracing::Instrument;
 
 use super::{CommitSink, Engine, Job, MAX_REFUSED_BLOCKS, Outcome, Stats};
 use crate::drafting::block::{Ask, DraftBlock, StepFailure, chain_len};
-use crate::drafting::model::ModelDrafter;
 use crate::drafting::ngram::NgramOffer;
 use crate::drafting::policy::{KPolicy, RoundCosts, RoundPlan};
 use crate::drafting::shadow::{Shadow, shadow_len};
@@ -91,8 +90,6 @@ struct Verified {
     /// The verify's own time and the round's, from its plan to the verdict.
     verify_wall: f64,
     round_wall: f64,
-    /// The draft-node computed in the background on the target's cores as the verify began.
-    contended: bool,
     /// The block drafted during the verify: its length (K + 1) and what came of it.
     drafted_next: Option<(usize, std::result::Result<DraftBlock, StepFailure>)>,
 }
@@ -261,8 +258,6 @@ impl<'e> Generation<'e> {
         let expected = self.policy.expected_verify_seconds(drafts.len() + 1);
         let chain = chain_len(parents, drafts.len());
         let ahead = self.ahead_len(round, block, chain);
-        let contended = self.engine.draft_shares_cores
-            && (self.drafters.model.as_ref()).is_some_and(ModelDrafter::computing_in_background);
         let start = Instant::now();
         // The verify's own time, whatever the draft-node does meanwhile.
         let span = tracing::info_span!(parent: &round.span, "verify", drafts = drafts.len());
@@ -293,7 +288,6 @@ impl<'e> Generation<'e> {
             chain,
             verify_wall,
             round_wall,
-            contended,
             drafted_next,
         })
     }
@@ -390,7 +384,6 @@ impl<'e> Generation<'e> {
                 draft_wall: block.wall_secs,
                 draft_compute: block.compute_secs,
                 verify_wall: verified.verify_wall,
-                contended: verified.contended,
                 round_wall: if ahead_failed {
                     0.0
                 } else {

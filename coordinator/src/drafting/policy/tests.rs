@@ -114,7 +114,6 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<RoundPlan> {
                 // The engine does not calibrate on a round whose step ahead failed.
                 round_wall: if stalled { 0.0 } else { round + hidden },
                 siblings: 0,
-                contended: false,
             },
         );
         plans.push(plan);
@@ -541,19 +540,4 @@ fn drafts_that_cannot_pay_cost_a_fresh_policy_under_three_percent() {
             "slope {slope}: {ratio:.3}× target-only, {drafted} drafted rounds"
         );
     }
-}
-
-#[test]
-fn a_verify_slowed_by_a_background_draft_step_is_not_learnt() {
-    let mut policy = KPolicy::new(8);
-    let round = |verify_wall, contended| RoundCosts {
-        verify_wall,
-        contended,
-        ..RoundCosts::default()
-    };
-    policy.observe(RoundPlan::TARGET_ONLY, &round(0.05, false));
-    policy.observe(RoundPlan::TARGET_ONLY, &round(0.09, true));
-    assert_eq!(policy.verify_seconds(1), 0.05);
-    policy.observe(RoundPlan::TARGET_ONLY, &round(0.06, false));
-    assert!(policy.verify_seconds(1) > 0.05);
 }
