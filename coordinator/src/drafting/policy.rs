@@ -377,8 +377,17 @@ impl KPolicy {
             for tried in &mut to.tried {
                 *tried = (*tried).min(CARRIED_TRIALS);
             }
-            // A calibration raised by one session's stalls weighs no more than its acceptance.
+            // A calibration raised by one session's stalls weighs no more than its acceptance,
+            // and carries half its excess: it is learnt only from the drafter's own rounds, so a
+            // drafter it prices out is never chosen to bring it back, and one session's bad luck
+            // would price it out of every later session.
             to.calibrated = to.calibrated.min(CARRIED_TRIALS);
+            to.calibration = 1.0 + (to.calibration - 1.0) / 2.0;
+        }
+        // N-gram rounds cost the target's verify alone, which is learnt by size: what their
+        // calibration saw was one session's.
+        for ngram in &mut next.ngram {
+            (ngram.calibration, ngram.calibrated) = (1.0, 0);
         }
         next
     }

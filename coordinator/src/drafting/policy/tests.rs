@@ -541,3 +541,20 @@ fn drafts_that_cannot_pay_cost_a_fresh_policy_under_three_percent() {
         );
     }
 }
+
+/// A session whose n-gram rounds ran 4 times slower than predicted (the machine busy) prices
+/// n-gram lookup out of its own choices; the next session starts without that, and the model's
+/// excess is halved, so neither is shut out of every later session by one session's luck.
+#[test]
+fn one_sessions_calibration_does_not_shut_a_drafter_out_of_the_next() {
+    let mut policy = KPolicy::new(8);
+    for _ in 0..20 {
+        policy.ngram[2].calibrate(4.0);
+        policy.model.calibrate(4.0);
+    }
+    assert!(policy.ngram[2].calibration > 3.0 && policy.model.calibration > 3.0);
+    let next = policy.continued(8);
+    assert_eq!(next.ngram[2].calibration, 1.0);
+    let excess = policy.model.calibration - 1.0;
+    assert!((next.model.calibration - (1.0 + excess / 2.0)).abs() < 1e-12);
+}
