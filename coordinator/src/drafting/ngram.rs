@@ -133,11 +133,11 @@ fn look_up_in(
     branches: usize,
 ) -> (Lookup, bool) {
     let own = propose_tree(tokens, k, branches);
-    let Some(index) = history else {
+    let Some(index) = history.filter(|_| k > 0) else {
         return (own, false);
     };
     let found = index.longest_match(tokens, HISTORY_WINDOW);
-    if found.len < MIN_HISTORY_MATCH || found.len <= own.matched || k == 0 {
+    if found.len < MIN_HISTORY_MATCH || found.len <= own.matched {
         return (own, false);
     }
     let tokens = index.continuation(found, k);
@@ -169,7 +169,7 @@ pub struct NgramDrafter {
     /// Whether the block proposed last continued an earlier output.
     from_history: bool,
     /// The tenant's earlier outputs, where they are kept.
-    pub history: Option<TenantHistory>,
+    history: Option<TenantHistory>,
 }
 
 impl NgramDrafter {

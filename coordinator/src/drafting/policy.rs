@@ -377,15 +377,14 @@ impl KPolicy {
             for tried in &mut to.tried {
                 *tried = (*tried).min(CARRIED_TRIALS);
             }
-            // A calibration raised by one session's stalls weighs no more than its acceptance,
-            // and carries half its excess: it is learnt only from the drafter's own rounds, so a
-            // drafter it prices out is never chosen to bring it back, and one session's bad luck
-            // would price it out of every later session.
+            // A calibration raised by one session's stalls weighs no more than its acceptance.
             to.calibrated = to.calibrated.min(CARRIED_TRIALS);
-            to.calibration = 1.0 + (to.calibration - 1.0) / 2.0;
         }
-        // N-gram rounds cost the target's verify alone, which is learnt by size: what their
-        // calibration saw was one session's.
+        // A calibration is learnt only from the drafter's own rounds: a drafter it prices out is
+        // never chosen to bring it back, and one session's bad luck would price it out of every
+        // later session. The model carries half its excess; n-gram rounds cost the target's
+        // verify alone, learnt by size, so what their calibration saw was one session's.
+        next.model.calibration = 1.0 + (self.model.calibration - 1.0) / 2.0;
         for ngram in &mut next.ngram {
             (ngram.calibration, ngram.calibrated) = (1.0, 0);
         }
