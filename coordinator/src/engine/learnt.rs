@@ -212,8 +212,11 @@ mod tests {
             learnt.start(1, 8).verify_seconds(1),
             KPolicy::new(8).verify_seconds(1)
         );
-        // The first session's end saves at once; the next within SAVE_EVERY waits.
+        // The first session's end saves at once; the next within SAVE_EVERY waits (the last
+        // save set ahead, so that however slow this machine, the wait has not passed).
         learnt.keep(1.0, stepped(0.015));
+        let file = learnt.file.as_ref().expect("a file");
+        *file.saved.lock().expect("lock") = Some(Instant::now() + SAVE_EVERY);
         learnt.keep(7.6, stepped(0.024));
         let (again, why) = Learnt::open(&path, "pair A");
         assert_eq!(why, None);
