@@ -6,10 +6,10 @@
 //! pages the weights in); each prompt's variants run back to back, target-only first, and every
 //! greedy output is checked equal to its.
 //!
-//! Each category and variant is one tenant (`cache_salt`) sending the category's prompts in
-//! order: its first prompt has no earlier output to draft from, the next ones have the
-//! category's earlier answers (an agent's or an editor's next request), never those of the
-//! same prompt's other variants (that would be a repeat, not a new request).
+//! Each category, variant and repeat is one tenant (`cache_salt`) sending the category's
+//! prompts in order: its first prompt has no earlier output to draft from, the next ones have
+//! the category's earlier answers (an agent's or an editor's next request), never those of the
+//! same prompt's other variants or repeats (that would be a repeat, not a new request).
 //!
 //! Setups: `split` (target-node and coordinator pinned to one core, the draft-node to the
 //! other: two machines emulated) and `one` (both models in one `coordinator serve` process,
@@ -23,7 +23,9 @@
 //! `target-only,auto,8`: a number is a fixed K drafted by the model, `model` and `ngram` that
 //! drafter alone at K = auto), BENCH_PER_CATEGORY (default 1, at most 4),
 //! BENCH_CATEGORIES (default: all 15), BENCH_TOKENS (default 96), BENCH_CPUS (default `0,1`: the
-//! target's and the draft's core in `split`).
+//! target's and the draft's core in `split`), BENCH_REPEATS (default 1: the whole prompt set
+//! again, each time in the same order; the medians are over prompts and repeats: one
+//! generation's tokens/s on this shared 2-core machine varies by ±10 %).
 
 use std::collections::BTreeMap;
 
@@ -128,6 +130,7 @@ async fn main() -> anyhow::Result<()> {
     let tokens = env_usize("BENCH_TOKENS", 96);
     let chosen = env_list("BENCH_CATEGORIES", "");
     let prompts = prompts(env_usize("BENCH_PER_CATEGORY", 1), &chosen)?;
+    let repeats = env_usize("BENCH_REPEATS", 1);
     println!(
         "| setup | category | variant | tok/s | × target-only | α | tokens/round | rounds model / n-gram (earlier outputs) / target |"
     );
@@ -138,12 +141,15 @@ async fn main() -> anyhow::Result<()> {
         let warm = request(&prompts[0].1, "target-only", 4, "warm-up".into());
         tandem_coordinator::client::run(&mut client, warm, |_| {}).await?;
         let mut figures: BTreeMap<(String, String), Figures> = BTreeMap::new();
-        for (category, prompt) in &prompts {
+        for (category, prompt, repeat) in
+            (0..repeats).flat_map(|r| prompts.iter().map(move |(c, p)| (c, p, r)))
+        {
             let mut base: Option<(f64, Vec<u32>)> = None;
             for variant in &variants {
+                let tenant = format!("{category} {variant} #{repeat}");
                 let done = tandem_coordinator::client::run(
                     &mut client,
-                    request(prompt, variant, tokens, format!("{category} {variant}")),
+                    request(prompt, variant, tokens, tenant),
                     |_| {},
                 )
                 .await?;

@@ -61,9 +61,10 @@ enum Background {
     Time,
 }
 
-/// A session back from a background task, with the step it ran when it timed one (and the
-/// length of the log it drafted past).
-type Lent = (NodeSession<Draft>, Option<(usize, DraftBlock)>);
+/// A session back from a background task, with the step it ran when it timed one (the length
+/// of the log it drafted past, the step, and the whole task's wall seconds, the gap it fed
+/// first included).
+type Lent = (NodeSession<Draft>, Option<(usize, DraftBlock, f64)>);
 
 /// A draft-node at least this many committed tokens behind is worth catching up.
 const CATCH_UP_LAG: usize = 2;
@@ -129,10 +130,11 @@ impl ModelDrafter {
                 }
                 self.pending = None;
                 self.session = Some(session);
-                return step.map(|(from, p)| Timing {
+                return step.map(|(from, p, task_secs)| Timing {
                     k: p.tokens.len(),
                     wall_secs: p.wall_secs,
                     compute_secs: p.compute_secs,
+                    task_secs,
                     from,
                     tokens: p.tokens,
                 });
@@ -242,6 +244,7 @@ impl ModelDrafter {
         let deadline = background_deadline(from.saturating_sub(session.held_len()) + k);
         let health = self.channels.get(self.current).map(|r| r.health.clone());
         tokio::spawn(async move {
+            let began = Instant::now();
             let run = async {
                 if let Some(behind) = &behind {
                     session.draft(behind, Ask::default()).await?;
@@ -262,7 +265,7 @@ impl ModelDrafter {
                             tokens: p.tokens,
                             ..DraftBlock::default()
                         };
-                        (from, step)
+                        (from, step, began.elapsed().as_secs_f64())
                     }),
                 )),
                 Ok(Err(e)) => Err(e),

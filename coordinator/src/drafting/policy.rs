@@ -58,6 +58,9 @@ const PRIOR_VERIFY_SLOPE: f64 = 0.25;
 const RECENT_ROUNDS: u32 = 8;
 /// Share of the time spent without the draft that its probes may lose.
 const PROBE_BUDGET: f64 = 0.02;
+/// The most exploration credit a session holds, in target-only tokens' time: a long stretch
+/// where the draft could not pay does not buy a burst of probes once it could.
+const CREDIT_CAP_TOKENS: f64 = 10.0;
 /// Bounds on one round's measured-over-predicted time, as it enters the calibration (one round
 /// may be an outlier: a page fault, a scheduler hiccup).
 const CALIBRATION_SAMPLE: (f64, f64) = (0.25, 4.0);
@@ -206,6 +209,13 @@ pub struct KPolicy {
     /// What a first probe is expected to cost, before the draft has been timed.
     first_probe_cost: f64,
     probes: u32,
+    /// Seconds exploring may still lose: [`PROBE_BUDGET`] of each round without the model, less
+    /// what each probe measurably lost against target-only decoding and what each background
+    /// step on the target's cores took ([`Self::spend`]). Probes priced by the cost model alone
+    /// lost about 5× their price on one machine (the gap fed first, the steps around them).
+    explore_credit: f64,
+    /// The model's round now running is a probe, priced at this many seconds.
+    probing: Option<f64>,
     drafted_rounds: u32,
     /// Whether the engine drafts ahead during the verify.
     pipelining: bool,
@@ -235,6 +245,8 @@ impl KPolicy {
             idle_rounds: 0,
             first_probe_cost: 0.0,
             probes: 0,
+            explore_credit: 0.0,
+            probing: None,
             drafted_rounds: 0,
             pipelining: true,
             shadow: [0, 0],
@@ -501,6 +513,25 @@ impl KPolicy {
                 plan.k += 1;
             }
         }
+        if plan.drafter.is_none()
+            && ngram > 0
+            && cap > 0
+            && self.verify.seen[1..].iter().all(|&n| n == 0)
+        {
+            // A block's verify is timed only where a round drafts: at the prior slope (a
+            // quarter of a step per position) short matches never pay, so the target's real
+            // slope (nearly flat on a CPU's first positions) was never learnt and nothing was
+            // drafted in whole runs. One n-gram draft times it, charged as a probe.
+            let price = self.verify_seconds(2)
+                - (1.0 + self.ngram[self.ngram_class].accept[0]) * self.verify_seconds(1);
+            if self.explore_credit >= price {
+                self.probing = Some(price.max(0.0));
+                return RoundPlan {
+                    drafter: Some(DrafterKind::Ngram),
+                    k: 1,
+                };
+            }
+        }
         if plan.drafter == Some(DrafterKind::Model) || !model || cap == 0 {
             return plan;
         }
@@ -514,10 +545,11 @@ impl KPolicy {
         let k = (k + (self.probes % 2) as usize).min(cap);
         if self.idle_seconds > 0.0
             && self.shadow[1] == 0
-            && self.idle_seconds * PROBE_BUDGET >= self.probe_cost(k)
+            && self.explore_credit >= self.probe_cost(k)
             && self.model_could_pay()
         {
             self.probes += 1;
+            self.probing = Some(self.probe_cost(k));
             return RoundPlan {
                 drafter: Some(DrafterKind::Model),
                 k,
@@ -610,32 +642,58 @@ impl KPolicy {
     }
 
     /// Whether the idle draft-node should be fed what was committed since it last drafted, in
-    /// the background: a probe is near, or (where it has cores of its own) the model drafted one
+    /// the background, where it has cores of its own: a probe is near, or the model drafted one
     /// of the last [`RECENT_ROUNDS`] rounds and may well draft the next. Alternating with n-gram
     /// lookup, a draft left behind first prefilled what the lookup's rounds had committed, a
     /// cost its estimates did not show (on the real pair's code edit, the default with both
-    /// drafters read 1.35× target-only where n-gram lookup alone read 1.68×).
+    /// drafters read 1.35× target-only where n-gram lookup alone read 1.68×). Never on the
+    /// target's cores: there the feed slows the target's rounds as much as it would the model's
+    /// next round, where it is measured (and a probe's charged to the exploration credit).
     pub fn catch_up_soon(&self, own_cores: bool) -> bool {
-        self.probe_soon()
-            || (own_cores && self.idle_rounds < RECENT_ROUNDS && self.model_could_pay())
+        own_cores
+            && (self.probe_soon() || (self.idle_rounds < RECENT_ROUNDS && self.model_could_pay()))
     }
 
     /// Whether a probe of the idle draft is near (its budget mostly earned).
     fn probe_soon(&self) -> bool {
         // Not where no probe will come: a draft-node kept caught up round after round costs the
         // coordinator's core a step per round trip.
-        self.idle_seconds * PROBE_BUDGET >= 0.7 * self.probe_cost(1) && self.model_could_pay()
+        self.explore_credit >= 0.7 * self.probe_cost(1) && self.model_could_pay()
+    }
+
+    /// The exploration credit left, in seconds ([`Self::spend`]).
+    pub fn explore_credit(&self) -> f64 {
+        self.explore_credit
+    }
+
+    /// Charges `seconds` of exploration to the credit: a background step that ran on the
+    /// target's cores.
+    pub fn spend(&mut self, seconds: f64) {
+        self.explore_credit -= seconds;
     }
 
     /// Learns from a finished round: `drafted` tokens by `plan.drafter` (fewer than `plan.k` when
     /// the drafter had no more), `accepted` of them, the drafter's wall and compute seconds and
     /// the verify's wall seconds.
     pub fn observe(&mut self, plan: RoundPlan, round: &RoundCosts) {
+        let wall = if round.round_wall > 0.0 {
+            round.round_wall
+        } else {
+            round.draft_wall + round.verify_wall
+        };
+        if let Some(price) = self.probing.take() {
+            // What the probe lost against decoding its tokens without the draft, and at least
+            // its price (a round measured faster than its parts is a lull's luck).
+            let committed = (round.accepted + 1) as f64;
+            self.spend((wall - committed * self.verify_seconds(1)).max(price));
+        }
         if plan.drafter == Some(DrafterKind::Model) {
             (self.idle_seconds, self.idle_rounds) = (0.0, 0);
         } else {
             self.idle_seconds += round.draft_wall + round.verify_wall;
             self.idle_rounds = self.idle_rounds.saturating_add(1);
+            let cap = (CREDIT_CAP_TOKENS * self.verify_seconds(1)).max(self.probe_cost(self.max_k));
+            self.explore_credit = (self.explore_credit + wall * PROBE_BUDGET).min(cap);
         }
         if let Some(drafter) = plan.drafter {
             // How long the round took against what the model, as it stood, predicts for a round
@@ -671,6 +729,8 @@ pub struct Timing {
     pub k: usize,
     pub wall_secs: f64,
     pub compute_secs: f64,
+    /// The whole background task's wall seconds: the step and the gap it fed first.
+    pub task_secs: f64,
     pub from: usize,
     pub tokens: Vec<u32>,
 }

@@ -14,13 +14,10 @@ use crate::drafting::policy::{KPolicy, Timing};
 
 /// Drafts per background step.
 pub const SHADOW_K: usize = 4;
-/// Rounds without the draft model between two background steps, where the draft-node has cores
+/// Rounds without the draft model between two background steps where the draft-node has cores
 /// of its own (a step holds the session for about a round trip and 4 draft tokens, rounds in
-/// which the policy could not switch to drafting), and where it shares the target's (the
-/// all-in-one mode: there a step slows the target down, 1 draft token per 4 target tokens at
-/// most).
+/// which the policy could not switch to drafting).
 const EVERY: usize = 4;
-const EVERY_SHARING_CORES: usize = 4 * SHADOW_K;
 /// How much further apart the steps are where the draft could not pay even if every draft were
 /// accepted ([`KPolicy::model_could_pay`]): acceptance cannot change the choice, and the steps
 /// only re-time the node (a link that got faster), while their gRPC work shares the
@@ -39,9 +36,21 @@ pub struct Shadow {
     /// Drafts past the first `.0` tokens of the log, to compare once the target has produced
     /// their positions.
     pending: Option<(usize, Vec<u32>)>,
-    every: usize,
-    rounds: usize,
+    pacing: Pacing,
     on: bool,
+}
+
+/// When the next background step comes.
+#[derive(Debug)]
+enum Pacing {
+    /// After [`EVERY`] rounds without the model (the draft-node's own cores); the count so far.
+    Rounds(usize),
+    /// Where the draft shares the target's cores (the all-in-one mode), a step slows the target
+    /// down by what it takes: it comes once the policy's exploration credit pays for it (what
+    /// the last step took, the gap it fed first included, where one was timed), and is charged
+    /// to it ([`KPolicy::spend`]). Every 16 rounds instead, the real pair's roleplay prompt ran
+    /// the draft model alone at 0.84× target-only while the model drafted 9 rounds of 153.
+    Budget { step: Option<f64> },
 }
 
 impl Shadow {
@@ -50,18 +59,23 @@ impl Shadow {
     pub fn new(greedy: bool, sharing_cores: bool) -> Self {
         Self {
             pending: None,
-            every: if sharing_cores {
-                EVERY_SHARING_CORES
+            pacing: if sharing_cores {
+                Pacing::Budget { step: None }
             } else {
-                EVERY
+                Pacing::Rounds(0)
             },
-            rounds: 0,
             on: greedy,
         }
     }
 
     /// Keeps what a background step drafted, to compare.
-    pub fn drafted(&mut self, t: &Timing) {
+    /// Where the draft shares the target's cores, what it took is charged to the policy's
+    /// exploration credit.
+    pub fn drafted(&mut self, t: &Timing, policy: &mut KPolicy) {
+        if let Pacing::Budget { step } = &mut self.pacing {
+            *step = Some(t.task_secs);
+            policy.spend(t.task_secs);
+        }
         if self.on && !t.tokens.is_empty() {
             self.pending = Some((t.from, t.tokens.clone()));
         }
@@ -85,22 +99,27 @@ impl Shadow {
         self.pending = None;
     }
 
-    /// Counts a round without the draft model; true when a background step is due (none is
-    /// waiting to be compared, and enough such rounds have passed: [`SPREAD_WHEN_HOPELESS`]
-    /// times more where the draft `could_pay` no matter its acceptance).
-    pub fn due(&mut self, could_pay: bool) -> bool {
+    /// Counts a round without the draft model; true when a background step is due: none is
+    /// waiting to be compared, and enough such rounds have passed (own cores) or the policy's
+    /// exploration `credit` pays for a step (shared cores: what the last took, else
+    /// `expected_step` seconds), [`SPREAD_WHEN_HOPELESS`] times more where the draft `could_pay`
+    /// no matter its acceptance.
+    pub fn due(&mut self, could_pay: bool, credit: f64, expected_step: f64) -> bool {
         if !self.on || self.pending.is_some() {
             return false;
         }
-        self.rounds += 1;
-        let every = if could_pay {
-            self.every
-        } else {
-            self.every * SPREAD_WHEN_HOPELESS
-        };
-        if self.rounds >= every {
-            self.rounds = 0;
-            return true;
+        let spread = if could_pay { 1 } else { SPREAD_WHEN_HOPELESS };
+        match &mut self.pacing {
+            Pacing::Rounds(rounds) => {
+                *rounds += 1;
+                if *rounds >= EVERY * spread {
+                    *rounds = 0;
+                    return true;
+                }
+            }
+            Pacing::Budget { step } => {
+                return credit >= step.unwrap_or(expected_step) * spread as f64;
+            }
         }
         false
     }
@@ -115,6 +134,7 @@ mod tests {
             k: tokens.len(),
             wall_secs: 0.01,
             compute_secs: 0.005,
+            task_secs: 0.02,
             from,
             tokens: tokens.to_vec(),
         }
@@ -125,10 +145,13 @@ mod tests {
         let mut policy = KPolicy::new(8);
         let mut shadow = Shadow::new(true, false);
         let mut log = TokenLog::new(&[1, 2, 3]);
-        shadow.drafted(&timing(3, &[10, 11, 12, 13]));
+        shadow.drafted(&timing(3, &[10, 11, 12, 13]), &mut policy);
         log.extend(&[10, 11]);
         shadow.compare(&log, &mut policy);
-        assert!(!shadow.due(true), "still waiting for two positions");
+        assert!(
+            !shadow.due(true, 0.0, 0.0),
+            "still waiting for two positions"
+        );
         log.extend(&[12, 99, 5]);
         let before = policy.summary();
         shadow.compare(&log, &mut policy);
@@ -137,13 +160,16 @@ mod tests {
         assert_ne!(before, after);
         assert_eq!(policy.shadow_acceptance(), [3, 4]);
         // Compared: the next step is due after `EVERY` rounds.
-        assert_eq!((0..EVERY).filter(|_| shadow.due(true)).count(), 1);
-        assert!(!shadow.due(true));
+        assert_eq!((0..EVERY).filter(|_| shadow.due(true, 0.0, 0.0)).count(), 1);
+        assert!(!shadow.due(true, 0.0, 0.0));
         // A draft that could not pay even if always right: steps much further apart.
         let spread = EVERY * SPREAD_WHEN_HOPELESS;
         // (one round counted already, by the call above)
-        assert_eq!((2..spread).filter(|_| shadow.due(false)).count(), 0);
-        assert!(shadow.due(false));
+        assert_eq!(
+            (2..spread).filter(|_| shadow.due(false, 0.0, 0.0)).count(),
+            0
+        );
+        assert!(shadow.due(false, 0.0, 0.0));
     }
 
     #[test]
@@ -159,9 +185,39 @@ mod tests {
     fn sampled_generations_are_not_measured() {
         let mut policy = KPolicy::new(8);
         let mut shadow = Shadow::new(false, false);
-        shadow.drafted(&timing(0, &[1, 2]));
+        shadow.drafted(&timing(0, &[1, 2]), &mut policy);
         shadow.compare(&TokenLog::new(&[1, 2, 3]), &mut policy);
         assert_eq!(policy.shadow_acceptance(), [0, 0]);
-        assert!(!(0..10).any(|_| shadow.due(true)));
+        assert!(!(0..10).any(|_| shadow.due(true, 0.0, 0.0)));
+    }
+
+    #[test]
+    fn on_shared_cores_steps_come_when_the_exploration_credit_pays_and_are_charged_to_it() {
+        let mut policy = KPolicy::new(8);
+        let mut shadow = Shadow::new(true, true);
+        // Before any step was timed, the expected cost decides, against the credit (however
+        // many rounds earned it).
+        assert!(!shadow.due(true, 0.09, 0.1));
+        assert!(shadow.due(true, 0.1, 0.1));
+        // A step that took 0.2 s in all (the gap it fed and its drafts) is charged to the
+        // policy's credit, and prices the next step, whatever the estimate.
+        let mut step = timing(3, &[10, 11]);
+        step.task_secs = 0.2;
+        let credit = policy.explore_credit();
+        shadow.drafted(&step, &mut policy);
+        assert!((credit - 0.2 - policy.explore_credit()).abs() < 1e-12);
+        assert!(!shadow.due(true, 1.0, 0.1), "waiting to be compared");
+        shadow.compare(&TokenLog::new(&[1, 2, 3, 10, 11]), &mut policy);
+        assert!(!shadow.due(true, 0.15, 0.1));
+        assert!(shadow.due(true, 0.2, 0.1));
+        // A draft that could not pay: the step costs as much as many.
+        let hopeless = 0.2 * SPREAD_WHEN_HOPELESS as f64;
+        assert!(!shadow.due(false, hopeless * 0.99, 0.1));
+        assert!(shadow.due(false, hopeless, 0.1));
+        // On its own cores a step is not charged.
+        let mut own = Shadow::new(true, false);
+        let credit = policy.explore_credit();
+        own.drafted(&step, &mut policy);
+        assert_eq!(policy.explore_credit(), credit);
     }
 }

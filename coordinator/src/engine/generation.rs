@@ -122,7 +122,7 @@ impl<'e> Generation<'e> {
         let model = self.drafters.model.as_mut();
         if let Some(t) = model.and_then(|m| m.poll(&self.log)) {
             self.policy.observe_timing(&t);
-            self.shadow.drafted(&t);
+            self.shadow.drafted(&t, &mut self.policy);
         }
         let plan = self.choose();
         tracing::debug!(?plan, policy = %self.policy.summary(), "round planned");
@@ -443,7 +443,9 @@ impl<'e> Generation<'e> {
             && !crowded
             && let Some(m) = self.drafters.model.as_mut()
         {
-            if self.shadow.due(self.policy.model_could_pay()) {
+            let expected = self.policy.expected_draft_seconds(k).unwrap_or(0.0);
+            let (could_pay, credit) = (self.policy.model_could_pay(), self.policy.explore_credit());
+            if self.shadow.due(could_pay, credit, expected) {
                 if k > 0 {
                     m.time_in_background(&self.log, k);
                 }
