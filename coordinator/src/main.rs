@@ -120,6 +120,7 @@ async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         engine.clone(),
         access.clone(),
         args.served_model_names.clone(),
+        args.per_request_spec_decode_metrics,
     );
     let metrics_on = match metrics_listener {
         Some(l) => {

@@ -16,6 +16,7 @@ pub mod python;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
+use tandem_coordinator::http::spec_metrics::SpecMetrics;
 use tandem_coordinator::{Discard, Engine, LocalCluster, Outcome};
 use tandem_node::{LimitsArgs, NodeState, Role};
 use tandem_proto::v1;
@@ -243,6 +244,14 @@ pub async fn generate_concurrently(
 
 /// Serves the OpenAI-compatible HTTP API of `engine` on 127.0.0.1:0.
 pub async fn serve_http(engine: std::sync::Arc<Engine>) -> std::net::SocketAddr {
+    serve_http_with(engine, SpecMetrics::None).await
+}
+
+/// [`serve_http`], its responses saying `spec_metrics` of their speculation.
+pub async fn serve_http_with(
+    engine: std::sync::Arc<Engine>,
+    spec_metrics: SpecMetrics,
+) -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -253,6 +262,7 @@ pub async fn serve_http(engine: std::sync::Arc<Engine>) -> std::net::SocketAddr 
             tandem_coordinator::late_engine::LateEngine::ready(engine),
             Default::default(),
             Vec::new(),
+            spec_metrics,
         ),
         tandem_coordinator::http::MetricsOn::Api,
         std::future::pending(),
@@ -425,9 +435,27 @@ pub fn qwen_pair(test: &str) -> Option<(PathBuf, PathBuf)> {
         dir.display(),
         dir.display()
     );
-    assert!(std::env::var_os("CI").is_none(), "{test}: {how}");
-    eprintln!("NOT RUN {test}: {how}");
+    not_run(test, &how);
     None
+}
+
+/// Says that `test` could not run here and why: in CI (`CI` set) a failure; elsewhere a line on
+/// stderr and in the file `TANDEM_NOT_RUN` names (scripts/test counts them in its closing
+/// line), so that a test that passed without running is never taken for one that ran.
+pub fn not_run(test: &str, why: &str) {
+    assert!(std::env::var_os("CI").is_none(), "{test}: {why}");
+    eprintln!("NOT RUN {test}: {why}");
+    if let Some(path) = std::env::var_os("TANDEM_NOT_RUN") {
+        use std::io::Write;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path);
+        // One write per line: tests of one binary run on threads, binaries one after another.
+        if let Ok(mut f) = file {
+            let _ = f.write_all(format!("{test}: {why}\n").as_bytes());
+        }
+    }
 }
 
 /// `request` as a gRPC call carrying the metadata `key: value` (an API key's
@@ -511,6 +539,7 @@ pub async fn router_over(cluster: &LocalCluster, served_names: Vec<String>) -> a
         tandem_coordinator::late_engine::LateEngine::ready(engine),
         Default::default(),
         served_names,
+        SpecMetrics::None,
     );
     tandem_coordinator::http::router(state, tandem_coordinator::http::MetricsOn::Api)
 }

@@ -471,6 +471,8 @@ fn openai_requests_are_served_or_refused_with_a_4xx_naming_the_field() {
             tandem_coordinator::late_engine::LateEngine::ready(engine),
             Default::default(),
             Vec::new(),
+            // Every response through the per-request speculation metrics too.
+            tandem_coordinator::http::spec_metrics::SpecMetrics::Detailed,
         );
         let router =
             tandem_coordinator::http::router(state, tandem_coordinator::http::MetricsOn::Api);

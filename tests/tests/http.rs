@@ -433,3 +433,97 @@ async fn logprobs_come_from_the_target_whatever_the_draft() {
         );
     }
 }
+
+/// `--per-request-spec-decode-metrics` (vLLM's shape): `metrics.speculative_decoding` in a
+/// whole response and in the streamed usage chunk, consistent with itself and with the `tandem`
+/// extension; `null` for two choices; absent where not asked for.
+#[tokio::test]
+async fn responses_carry_per_request_speculation_metrics_when_asked() {
+    use tandem_coordinator::http::spec_metrics::SpecMetrics;
+    let served = cluster(&stories(), Some(&stories_q8()), &LimitsArgs::default()).await;
+    let engine = Arc::new(patient_engine(&served, 4).await);
+    let router = |level| {
+        let state = tandem_coordinator::http::HttpState::new(
+            tandem_coordinator::late_engine::LateEngine::ready(Arc::clone(&engine)),
+            Default::default(),
+            Vec::new(),
+            level,
+        );
+        tandem_coordinator::http::router(state, tandem_coordinator::http::MetricsOn::Api)
+    };
+    let (detailed, none) = (router(SpecMetrics::Detailed), router(SpecMetrics::None));
+    let ask = json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+                     "draft_tokens": 4, "drafter": "model"});
+    let check = |body: &Value| {
+        let s = &body["metrics"]["speculative_decoding"];
+        let accepted: Vec<u64> =
+            serde_json::from_value(s["per_step_accepted"].clone()).expect("per_step_accepted");
+        let drafted: Vec<u64> =
+            serde_json::from_value(s["per_step_drafted"].clone()).expect("per_step_drafted");
+        let histogram: Vec<u64> = serde_json::from_value(s["acceptance_histogram"].clone())
+            .expect("acceptance_histogram");
+        let steps = s["num_spec_steps"].as_u64().expect("a count");
+        assert!(steps > 0, "the model drafted: {body}");
+        assert_eq!(s["num_spec_tokens"], 4, "{body}");
+        assert_eq!(histogram.len(), 5, "{body}");
+        assert_eq!(histogram.iter().sum::<u64>(), steps, "{body}");
+        assert_eq!(accepted.len() as u64, steps, "{body}");
+        assert_eq!(drafted.len() as u64, steps, "{body}");
+        assert!(
+            accepted
+                .iter()
+                .zip(&drafted)
+                .all(|(a, d)| a <= d && *a <= 4)
+        );
+        for (j, n) in histogram.iter().enumerate() {
+            assert_eq!(
+                accepted.iter().filter(|&&a| a == j as u64).count() as u64,
+                *n
+            );
+        }
+        let (a, d) = (accepted.iter().sum::<u64>(), drafted.iter().sum::<u64>());
+        assert_eq!(s["num_accepted_draft_tokens"], a, "{body}");
+        assert_eq!(s["num_draft_tokens"], d, "{body}");
+        // Every draft this request made was in a step: the extension's counts agree.
+        assert_eq!(body["tandem"]["drafted"], d, "{body}");
+        assert_eq!(body["tandem"]["accepted"], a, "{body}");
+        let mean = s["mean_acceptance_length"].as_f64().expect("a number");
+        assert!(
+            (mean - (1.0 + a as f64 / steps as f64)).abs() < 1e-9,
+            "{body}"
+        );
+        let rate = s["draft_acceptance_rate"].as_f64().expect("a number");
+        assert!((rate - a as f64 / d as f64).abs() < 1e-9, "{body}");
+    };
+    let (status, _, whole) = call(&detailed, post_json("/v1/completions", &ask)).await;
+    assert_eq!(status, 200, "{whole}");
+    check(&whole);
+
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let chunks = events(&detailed, post_json("/v1/completions", &streamed)).await;
+    let last = chunks.last().expect("chunks");
+    assert!(last["usage"].is_object(), "{last}");
+    check(last);
+    assert!(
+        chunks[..chunks.len() - 1]
+            .iter()
+            .all(|c| c.get("metrics").is_none()),
+        "only the usage chunk carries metrics"
+    );
+
+    let mut two = ask.clone();
+    two["n"] = json!(2);
+    let (status, _, body) = call(&detailed, post_json("/v1/completions", &two)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["metrics"],
+        json!({"speculative_decoding": null}),
+        "{body}"
+    );
+
+    let (status, _, plain) = call(&none, post_json("/v1/completions", &ask)).await;
+    assert_eq!(status, 200, "{plain}");
+    assert!(plain.get("metrics").is_none(), "{plain}");
+}

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::api::http::spec_metrics::SpecMetrics;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "coordinator",
@@ -300,6 +302,17 @@ pub struct ServeArgs {
         value_delimiter = ','
     )]
     pub served_model_names: Vec<String>,
+    /// What the HTTP API's responses say of each request's speculation, in vLLM's
+    /// `metrics.speculative_decoding`: `none`, `summary` (counts, acceptance rate, mean
+    /// acceptance length, histogram of accepted drafts per verify), or `detailed` (and per
+    /// verify, drafts proposed and accepted). Streamed: in the usage chunk.
+    #[arg(
+        long,
+        env = "TANDEM_PER_REQUEST_SPEC_DECODE_METRICS",
+        value_enum,
+        default_value_t = SpecMetrics::None
+    )]
+    pub per_request_spec_decode_metrics: SpecMetrics,
     /// Generations one client (its API key where keys are required, else its IP address) may
     /// have in flight on the public APIs; one more gets RESOURCE_EXHAUSTED / HTTP 429 with
     /// `Retry-After`. 0: no limit.

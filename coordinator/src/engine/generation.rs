@@ -392,6 +392,10 @@ impl<'e> Generation<'e> {
             },
         );
         self.stats.base.record_round(drafts, accepted);
+        if drafts > 0 {
+            let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+            self.stats.steps.push([count(drafts), count(accepted)]);
+        }
         self.stats.draft_waited_seconds += draft_waited;
         let wall = round.start.elapsed().as_secs_f64();
         let counts = (drafts, accepted);

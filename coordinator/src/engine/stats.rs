@@ -43,6 +43,9 @@ pub struct Stats {
     /// Rounds verified as token trees, and rounds whose path left the chain for a branch.
     pub tree_rounds: u32,
     pub sibling_hits: u32,
+    /// Per round that drafted: the drafts proposed and those accepted (the responses'
+    /// per-request speculation metrics).
+    pub steps: Vec<[u32; 2]>,
 }
 
 impl Stats {

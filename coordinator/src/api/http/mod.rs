@@ -6,6 +6,7 @@ pub mod chat;
 mod choices;
 mod error;
 mod openai;
+pub mod spec_metrics;
 mod sse;
 mod tools;
 
@@ -30,6 +31,7 @@ use crate::engine::late_engine::LateEngine;
 use crate::engine::{Engine, Job};
 use error::ApiError;
 use openai::{ChatRequest, Common, CompletionRequest, Head, Kind};
+use spec_metrics::SpecMetrics;
 use tools::Tools;
 
 /// What the handlers share.
@@ -44,6 +46,8 @@ pub struct HttpState {
     pub served_names: Vec<String>,
     /// False while shutting down: `/ready` fails so load balancers stop sending.
     pub ready: AtomicBool,
+    /// What responses say of their speculation (`--per-request-spec-decode-metrics`).
+    pub spec_metrics: SpecMetrics,
     /// Response ids: this process's random prefix, then a count (unique across restarts and
     /// replicas, as OpenAI's are).
     id_prefix: u64,
@@ -51,12 +55,18 @@ pub struct HttpState {
 }
 
 impl HttpState {
-    pub fn new(engine: LateEngine, access: Access, served_names: Vec<String>) -> Arc<Self> {
+    pub fn new(
+        engine: LateEngine,
+        access: Access,
+        served_names: Vec<String>,
+        spec_metrics: SpecMetrics,
+    ) -> Arc<Self> {
         Arc::new(Self {
             engine,
             access,
             served_names,
             ready: AtomicBool::new(true),
+            spec_metrics,
             id_prefix: tandem_proto::random_seed(),
             next_id: AtomicU64::new(0),
         })
@@ -105,6 +115,7 @@ impl HttpState {
             created: now(),
             model,
             kind,
+            spec_metrics: self.spec_metrics,
         };
         Ok((engine, head))
     }

@@ -7,6 +7,7 @@ use tandem_proto::v1;
 
 use super::chat::Message;
 use super::error::ApiError;
+use super::spec_metrics::SpecMetrics;
 use super::tools::{Delta, Reply};
 use crate::engine::{Job, Outcome};
 use tandem_runtime::Tokenizer;
@@ -363,6 +364,8 @@ pub struct Head {
     pub created: u64,
     pub model: String,
     pub kind: Kind,
+    /// What the response says of its speculation, in `metrics` ([`SpecMetrics`]).
+    pub spec_metrics: SpecMetrics,
 }
 
 impl Head {
@@ -453,10 +456,18 @@ impl Head {
     pub fn usage_chunk(&self, job: &Job, outcomes: &[&Outcome]) -> Value {
         let mut v = self.envelope(true, json!([]));
         v["usage"] = usage(job, outcomes);
+        self.add_speculation(&mut v, job, outcomes);
+        v
+    }
+
+    /// The `tandem` extension (of the first choice) and, where asked for, vLLM's `metrics`.
+    fn add_speculation(&self, v: &mut Value, job: &Job, outcomes: &[&Outcome]) {
         if let Some(first) = outcomes.first() {
             v["tandem"] = speculation(first);
         }
-        v
+        if let Some(metrics) = self.spec_metrics.metrics(job.draft_tokens, outcomes) {
+            v["metrics"] = metrics;
+        }
     }
 
     /// The whole response of a request without streaming: one choice per outcome, each with
@@ -480,9 +491,7 @@ impl Head {
         let mut v = self.envelope(false, Value::Array(choices));
         let outcomes: Vec<&Outcome> = answers.iter().map(|(o, _, _)| o).collect();
         v["usage"] = usage(job, &outcomes);
-        if let Some(first) = outcomes.first() {
-            v["tandem"] = speculation(first);
-        }
+        self.add_speculation(&mut v, job, &outcomes);
         v
     }
 }

