@@ -439,23 +439,14 @@ pub fn qwen_pair(test: &str) -> Option<(PathBuf, PathBuf)> {
     None
 }
 
-/// Says that `test` could not run here and why: in CI (`CI` set) a failure; elsewhere a line on
-/// stderr and in the file `TANDEM_NOT_RUN` names (scripts/test counts them in its closing
-/// line), so that a test that passed without running is never taken for one that ran.
+/// Says that `test` could not run here and why: in CI (`CI` set) a failure; elsewhere a line
+/// written to the process's standard error itself, past the test harness's capture (which kept
+/// `eprintln!`'s "NOT RUN" out of sight), so that a test that passed without running is never
+/// taken for one that ran. `scripts/prerequisites.sh` names these tests before the suite starts.
 pub fn not_run(test: &str, why: &str) {
+    use std::io::Write;
     assert!(std::env::var_os("CI").is_none(), "{test}: {why}");
-    eprintln!("NOT RUN {test}: {why}");
-    if let Some(path) = std::env::var_os("TANDEM_NOT_RUN") {
-        use std::io::Write;
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path);
-        // One write per line: tests of one binary run on threads, binaries one after another.
-        if let Ok(mut f) = file {
-            let _ = f.write_all(format!("{test}: {why}\n").as_bytes());
-        }
-    }
+    let _ = std::io::stderr().write_all(format!("NOT RUN {test}: {why}\n").as_bytes());
 }
 
 /// `request` as a gRPC call carrying the metadata `key: value` (an API key's
