@@ -543,13 +543,14 @@ impl KPolicy {
         // at 20 ms: 1.17× with probes, n-gram lookup alone 1.69×).
         let k = best_model.map_or(1, |(_, k)| k);
         let k = (k + (self.probes % 2) as usize).min(cap);
+        let price = self.probe_cost(k);
         if self.idle_seconds > 0.0
             && self.shadow[1] == 0
-            && self.explore_credit >= self.probe_cost(k)
+            && self.explore_credit >= price
             && self.model_could_pay()
         {
             self.probes += 1;
-            self.probing = Some(self.probe_cost(k));
+            self.probing = Some(price);
             return RoundPlan {
                 drafter: Some(DrafterKind::Model),
                 k,
