@@ -4,8 +4,7 @@
 # will pass here without running (each also says so in the test output; in CI they fail).
 # The README's test command runs it first.
 #
-#   cc, c++          llama-cpp-python is built from source (the tests' llama.cpp reference;
-#                    pip brings cmake and ninja from PyPI)
+#   cc, c++          crates with C and C++ parts (the tokenizers crate's suffix arrays)
 #   python3 + venv   the tests drive the services with Python clients in a virtualenv
 #   openssl          the mTLS tests make certificates with it
 #   ip, tc           the network-namespace tests (which also need root; without it they are

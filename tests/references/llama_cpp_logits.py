@@ -1,9 +1,10 @@
 """llama.cpp's answer for a GGUF file, through llama-cpp-python (which vendors llama.cpp).
 
-Usage: python llama_cpp_logits.py MODEL.gguf '{"tokens": [...], "greedy": N, "n_ctx": C}'
-Prints JSON: {"logits": [[...] per token], "greedy": [N ids after the tokens],
-"llama_cpp": version}. The logits are every position's, computed as one batch; the greedy ids
-come from decoding one token at a time after it.
+Usage: python llama_cpp_logits.py MODEL.gguf '{"tokens": [...], "greedy": N, "n_ctx": C,
+"positions": [...]}'
+Prints JSON: {"logits": [[...] per position asked], "greedy": [N ids after the tokens],
+"llama_cpp": version}. The logits (to 9 significant digits: every float32 exactly) are computed
+for every position as one batch; the greedy ids come from decoding one token at a time after it.
 """
 
 import json
@@ -30,7 +31,8 @@ def main() -> None:
         verbose=bool(os.environ.get("TANDEM_LLAMA_CPP_VERBOSE")),
     )
     llm.eval(tokens)
-    logits = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
+    rows = np.asarray(llm.scores[: len(tokens)], dtype=np.float32)[request["positions"]]
+    logits = [[float(f"{x:.9g}") for x in row] for row in rows.tolist()]
     greedy = []
     for _ in range(request["greedy"]):
         nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
@@ -38,7 +40,7 @@ def main() -> None:
         llm.eval([nxt])
     json.dump(
         {
-            "logits": logits.tolist(),
+            "logits": logits,
             "greedy": greedy,
             "llama_cpp": llama_cpp.__version__,
         },

@@ -12,6 +12,7 @@ pub mod pki;
 pub mod processes;
 pub mod proxy;
 pub mod python;
+pub mod recorded;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};

@@ -45,7 +45,7 @@ pub fn python_with(packages: &[(&str, &str)]) -> PathBuf {
 }
 
 /// The llama-cpp-python release (project, version) whose vendored llama.cpp is the reference of
-/// the model families and their tokenizers (the same pin as in tests/requirements.txt).
+/// the model families and their tokenizers (its answers recorded in `tests/references/llama_cpp/`).
 pub const LLAMA_CPP_PYTHON: (&str, &str) = ("llama-cpp-python", "0.3.36");
 
 /// The pins of Hugging Face transformers and torch that record the model families' reference

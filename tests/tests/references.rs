@@ -2,10 +2,12 @@
 //! written as Hugging Face folders and converted to GGUF (f32 and Q8_0) by `coordinator
 //! quantize`'s converter:
 //! - llama.cpp (through llama-cpp-python, which vendors it; `tests/references/llama_cpp_logits.py`)
-//!   reads the f32 file, here, on every run;
+//!   reads the f32 file; its answers are recorded in `tests/references/llama_cpp/` for the exact
+//!   files (llama-cpp-python builds llama.cpp from source: ~6 minutes on every run) and recorded
+//!   anew with `TANDEM_REFRESH_LLAMA_CPP=1`;
 //! - Hugging Face transformers (`tests/references/transformers_logits.py`) reads the folder and
 //!   both files; its answers are recorded in `tests/references/transformers/` for the exact
-//!   checkpoints (torch is ~6 GB of wheels: too much to install on every run) and recorded anew
+//!   checkpoints (torch is ~3 GB of wheels: too much to install on every run) and recorded anew
 //!   with `TANDEM_REFRESH_TRANSFORMERS=1`.
 //!
 //! Tandem's logits of the story's positions agree with each reference's within a tolerance, and
@@ -19,7 +21,8 @@ use tandem_runtime::model::Architecture;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
 use tandem_runtime::{GenerateRequest, Logits, Model, SamplingParams, SpeculativeGenerator};
-use tandem_tests::python::{llama_cpp_answer, transformers_answer};
+use tandem_tests::python::transformers_answer;
+use tandem_tests::recorded;
 use tandem_tests::*;
 
 /// Largest |Δlogit| allowed between Tandem and a reference on the same f32 weights, relative to
@@ -53,17 +56,26 @@ fn story() -> Vec<u32> {
         .expect("encode")
 }
 
-fn llama_cpp(gguf: &Path, n_ctx: usize) -> Reference {
-    let request = serde_json::json!({"tokens": story(), "greedy": GREEDY, "n_ctx": n_ctx});
-    let answer = llama_cpp_answer("llama_cpp_logits.py", gguf, &request);
-    let logits: Vec<Vec<f64>> =
-        serde_json::from_value(answer["logits"].clone()).expect("logit rows");
+/// llama.cpp's answer for `family`'s f32 file, as recorded in `tests/references/llama_cpp/`
+/// ([`recorded::llama_cpp`]).
+fn llama_cpp(family: &Family, n_ctx: usize) -> Reference {
+    let positions = positions();
+    let request = serde_json::json!({"tokens": story(), "greedy": GREEDY, "n_ctx": n_ctx,
+        "positions": positions});
+    let name = format!("{}-f32", family.name);
+    let answer = recorded::llama_cpp(&name, "llama_cpp_logits.py", &family.f32, &request);
     Reference {
-        positions: (0..logits.len()).collect(),
-        logits,
+        positions,
+        logits: serde_json::from_value(answer["logits"].clone()).expect("logit rows"),
         greedy: serde_json::from_value(answer["greedy"].clone()).expect("ids"),
         name: format!("llama.cpp {}", answer["llama_cpp"].as_str().unwrap_or("?")),
     }
+}
+
+/// The story's positions whose logits the references record: every fourth, and the last.
+fn positions() -> Vec<usize> {
+    let n = story().len();
+    (0..n).step_by(4).chain([n - 1]).collect()
 }
 
 /// A checkpoint in its three forms: the Hugging Face folder, and GGUF files in f32 and Q8_0.
@@ -215,7 +227,7 @@ fn check(family: &Family) {
         compare(
             &what("f32 GGUF"),
             &f32,
-            &llama_cpp(&family.f32, n_ctx),
+            &llama_cpp(family, n_ctx),
             TOLERANCE,
             NEAR_TIE,
         );
@@ -250,43 +262,32 @@ fn check(family: &Family) {
 /// transformers and torch, runs `tests/references/transformers_logits.py` on each form, and the
 /// file is rewritten.
 fn transformers(family: &Family) -> BTreeMap<String, Reference> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("references/transformers")
-        .join(format!("{}.json", family.name));
-    let digest = checkpoint_digest(&family.folder);
-    if std::env::var_os("TANDEM_REFRESH_TRANSFORMERS").is_some() {
-        let n = story().len();
-        let positions: Vec<usize> = (0..n).step_by(4).chain([n - 1]).collect();
-        let request =
-            serde_json::json!({"tokens": story(), "greedy": GREEDY, "positions": positions});
-        let mut recorded = serde_json::Map::new();
-        let forms = [
-            ("folder", &family.folder),
-            ("f32 GGUF", &family.f32),
-            ("Q8_0 GGUF", &family.q8_0),
-        ];
-        let read = if family.gguf_in_transformers { 3 } else { 1 };
-        for (form, model) in &forms[..read] {
-            let mut answer = transformers_answer(model, &request);
-            answer["positions"] = serde_json::json!(positions);
-            recorded.insert(form.to_string(), answer);
-        }
-        let record = serde_json::json!({"checkpoint_sha256": digest, "forms": recorded});
-        std::fs::create_dir_all(path.parent().expect("folder")).expect("mkdir");
-        std::fs::write(&path, serde_json::to_string(&record).expect("json") + "\n").expect("write");
-    }
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let record: serde_json::Value = serde_json::from_str(&text).expect("json");
-    assert_eq!(
-        record["checkpoint_sha256"].as_str(),
-        Some(digest.as_str()),
-        "{}: recorded for another checkpoint than this {} (did the random writer change?): \
-         record anew with TANDEM_REFRESH_TRANSFORMERS=1",
-        path.display(),
-        family.name
+    let key = serde_json::json!({"checkpoint_sha256": recorded::folder_sha256(&family.folder)});
+    let forms = recorded::recorded(
+        &recorded::record_path("transformers", &family.name),
+        key,
+        recorded::REFRESH_TRANSFORMERS,
+        || {
+            let positions = positions();
+            let request =
+                serde_json::json!({"tokens": story(), "greedy": GREEDY, "positions": positions});
+            let forms = [
+                ("folder", &family.folder),
+                ("f32 GGUF", &family.f32),
+                ("Q8_0 GGUF", &family.q8_0),
+            ];
+            let read = if family.gguf_in_transformers { 3 } else { 1 };
+            let mut recorded = serde_json::Map::new();
+            for (form, model) in &forms[..read] {
+                let mut answer = transformers_answer(model, &request);
+                answer["positions"] = serde_json::json!(positions);
+                recorded.insert(form.to_string(), answer);
+            }
+            recorded.into()
+        },
     );
     let field = |answer: &serde_json::Value, key: &str| answer[key].clone();
-    record["forms"]
+    forms
         .as_object()
         .expect("forms")
         .iter()
@@ -304,44 +305,6 @@ fn transformers(family: &Family) -> BTreeMap<String, Reference> {
             (form.clone(), reference)
         })
         .collect()
-}
-
-/// SHA-256 over a folder's files in name order (each name, then its bytes; a JSON file's
-/// content with its keys sorted, so that how a writer orders or spaces keys does not count).
-fn checkpoint_digest(folder: &Path) -> String {
-    use sha2::Digest;
-    fn sorted(v: serde_json::Value) -> serde_json::Value {
-        match v {
-            serde_json::Value::Object(map) => {
-                let mut entries: Vec<_> = map.into_iter().collect();
-                entries.sort_by(|a, b| a.0.cmp(&b.0));
-                serde_json::Value::Object(
-                    entries.into_iter().map(|(k, v)| (k, sorted(v))).collect(),
-                )
-            }
-            serde_json::Value::Array(items) => {
-                serde_json::Value::Array(items.into_iter().map(sorted).collect())
-            }
-            other => other,
-        }
-    }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(folder)
-        .expect("read folder")
-        .map(|e| e.expect("entry").path())
-        .collect();
-    files.sort();
-    let mut hash = sha2::Sha256::new();
-    for file in files {
-        hash.update(file.file_name().expect("name").as_encoded_bytes());
-        let bytes = std::fs::read(&file).expect("read");
-        if file.extension().is_some_and(|e| e == "json") {
-            let value = serde_json::from_slice(&bytes).expect("json");
-            hash.update(serde_json::to_vec(&sorted(value)).expect("json"));
-        } else {
-            hash.update(bytes);
-        }
-    }
-    format!("{:x}", hash.finalize())
 }
 
 fn spec(architecture: Architecture, seed: u64) -> SyntheticSpec {

@@ -4,7 +4,9 @@
 //! hard strings of llama.cpp's `convert_hf_to_gguf_update.py` (`.inp`: whitespace runs, digits
 //! up to nine, CJK, Khmer, Cyrillic, emoji sequences, code) and the ids Hugging Face's tokenizer
 //! gave them (`.out`, `add_special_tokens=False`); then chat markup, whose special tokens are
-//! compared with llama.cpp's own tokenizer on the same file.
+//! compared with llama.cpp's own tokenizer on the same file (its answers recorded in
+//! `tests/references/llama_cpp/` for the exact files, `TANDEM_REFRESH_LLAMA_CPP=1` records them
+//! anew).
 
 use std::path::Path;
 
@@ -13,8 +15,9 @@ use tandem_runtime::model::Architecture;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
 use tandem_tests::python::{
-    LLAMA_CPP_PYTHON, Registry, hf_tokenizer_ids, llama_cpp_answer, package_files, source_files,
+    LLAMA_CPP_PYTHON, Registry, hf_tokenizer_ids, package_files, source_files,
 };
+use tandem_tests::recorded;
 
 /// A vocabulary of the families Tandem runs, as llama.cpp names its file, with text in its chat
 /// markup and one special token of that markup.
@@ -83,8 +86,11 @@ fn cases(dir: &Path, name: &str) -> Vec<(String, Vec<u32>)> {
     texts.into_iter().map(String::from).zip(ids).collect()
 }
 
-fn llama_cpp_ids(gguf: &Path, texts: &[&str]) -> Vec<Vec<u32>> {
-    let answer = llama_cpp_answer("llama_cpp_tokenize.py", gguf, &serde_json::json!(texts));
+/// llama.cpp's ids for `texts` on `gguf`'s vocabulary, as recorded under `name`
+/// ([`recorded::llama_cpp`]).
+fn llama_cpp_ids(name: &str, gguf: &Path, texts: &[&str]) -> Vec<Vec<u32>> {
+    let request = serde_json::json!(texts);
+    let answer = recorded::llama_cpp(name, "llama_cpp_tokenize.py", gguf, &request);
     serde_json::from_value(answer).expect("ids")
 }
 
@@ -113,7 +119,7 @@ fn each_vocabulary_encodes_hard_strings_and_chat_markup_as_its_references_do() {
                 ));
             }
         }
-        let want = llama_cpp_ids(&gguf, &[v.chat]).remove(0);
+        let want = llama_cpp_ids(&format!("vocab-{}", v.name), &gguf, &[v.chat]).remove(0);
         let got = tokenizer.encode_raw(v.chat).expect("encode");
         let special = tokenizer.encode_raw(v.special).expect("encode");
         assert!(
@@ -134,8 +140,10 @@ fn each_vocabulary_encodes_hard_strings_and_chat_markup_as_its_references_do() {
 
 /// The tokenizer rebuilt from `gguf`'s metadata alone, and where it differs from the references
 /// on the hard strings of llama.cpp's fixture `fixture` and on `chat`: Hugging Face's
-/// `tokenizers` on `tokenizer_json` for every text, llama.cpp on `gguf` for the chat markup.
+/// `tokenizers` on `tokenizer_json` for every text, llama.cpp on `gguf` for the chat markup
+/// (recorded as `name`).
 fn against_the_references(
+    name: &str,
     gguf: &Path,
     tokenizer_json: &Path,
     fixture: &str,
@@ -151,7 +159,7 @@ fn against_the_references(
         .collect();
     let texts: Vec<&str> = texts.iter().map(String::as_str).chain([chat]).collect();
     let hugging_face = hf_tokenizer_ids(tokenizer_json, &texts);
-    let llama_cpp = llama_cpp_ids(gguf, &[chat]).remove(0);
+    let llama_cpp = llama_cpp_ids(name, gguf, &[chat]).remove(0);
     let mut failures = Vec::new();
     for (text, want) in texts.iter().zip(&hugging_face) {
         let got = tokenizer.encode_raw(text).expect("encode");
@@ -194,7 +202,8 @@ fn gemma3s_vocabulary_from_gguf_encodes_as_hugging_face_and_llama_cpp_do() {
     quantize_to_gguf(&folder, &gguf, QuantType::Q8_0).expect("quantize");
     let chat = "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n";
     let tokenizer_json = package.join("models/tokenizer.json");
-    let (tokenizer, failures) = against_the_references(&gguf, &tokenizer_json, "llama-spm", chat);
+    let (tokenizer, failures) =
+        against_the_references("vocab-gemma3", &gguf, &tokenizer_json, "llama-spm", chat);
     // 262,144 pieces and the image token added after them.
     assert_eq!(tokenizer.vocab_size(), 262_145);
     let turn = tokenizer.encode_raw("<start_of_turn>").expect("encode");
@@ -253,7 +262,8 @@ fn phi4_minis_o200k_vocabulary_from_gguf_encodes_as_hugging_face_and_llama_cpp_d
     );
     let chat =
         "<|system|>Be brief.<|end|><|user|>Write 12 lines\n  in 日本語 🦙<|end|><|assistant|>";
-    let (tokenizer, failures) = against_the_references(&gguf, &tokenizer_json, "llama-bpe", chat);
+    let (tokenizer, failures) =
+        against_the_references("vocab-gpt-4o", &gguf, &tokenizer_json, "llama-bpe", chat);
     assert_eq!(tokenizer.vocab_size(), 200_023);
     for (i, token) in chat_tokens.iter().enumerate() {
         assert_eq!(
