@@ -13,6 +13,7 @@ pub mod processes;
 pub mod proxy;
 pub mod python;
 pub mod recorded;
+pub mod reference;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};

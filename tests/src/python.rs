@@ -5,11 +5,16 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The venv's python, with `packages` importable (`(import name, pip requirement)`).
+/// The tests' venv's python, with `packages` importable (`(import name, pip requirement)`).
 pub fn python_with(packages: &[(&str, &str)]) -> PathBuf {
+    venv_python("tandem-test-venv", packages)
+}
+
+/// The python of the venv `name` under the target directory, with `packages` importable.
+pub fn venv_python(name: &str, packages: &[(&str, &str)]) -> PathBuf {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = LOCK.lock().expect("venv lock");
-    let venv = crate::processes::profile_dir().join("tandem-test-venv");
+    let venv = crate::processes::profile_dir().join(name);
     let python = venv.join("bin/python");
     if !python.exists() {
         let system = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| "python3".into());
@@ -44,9 +49,111 @@ pub fn python_with(packages: &[(&str, &str)]) -> PathBuf {
     python
 }
 
+/// One of the vocabulary files llama.cpp tests its tokenizer with, from [`LLAMA_CPP_PYTHON`]'s
+/// source: `models/ggml-vocab-NAME.gguf`, and its cases as llama.cpp's test-tokenizer-0 reads
+/// them (`.inp`: texts split by its separator; `.out`: Hugging Face's ids, a line per text).
+pub fn llama_cpp_vocab(name: &str) -> (PathBuf, Vec<(String, Vec<u32>)>) {
+    let file = |suffix| format!("vendor/llama.cpp/models/ggml-vocab-{name}.gguf{suffix}");
+    let members = ["", ".inp", ".out"].map(file);
+    let (project, version) = LLAMA_CPP_PYTHON;
+    let dir = source_files(project, version, &members.each_ref().map(String::as_str));
+    let read = |i: usize| std::fs::read_to_string(dir.join(&members[i])).expect("fixture");
+    let (inputs, outputs) = (read(1), read(2));
+    let mut texts: Vec<&str> = inputs.split("\n__ggml_vocab_test__\n").collect();
+    if texts.last() == Some(&"") {
+        texts.pop();
+    }
+    let ids: Vec<Vec<u32>> = outputs
+        .lines()
+        .map(|l| {
+            l.split_whitespace()
+                .map(|x| x.parse().expect("id"))
+                .collect()
+        })
+        .collect();
+    assert_eq!(texts.len(), ids.len(), "{name}: texts and id lines");
+    let cases = texts.into_iter().map(String::from).zip(ids).collect();
+    (dir.join(&members[0]), cases)
+}
+
 /// The llama-cpp-python release (project, version) whose vendored llama.cpp is the reference of
 /// the model families and their tokenizers (its answers recorded in `tests/references/llama_cpp/`).
 pub const LLAMA_CPP_PYTHON: (&str, &str) = ("llama-cpp-python", "0.3.36");
+
+/// What llama.cpp's converter needs (its `requirements/requirements-convert_hf_to_gguf.txt` in
+/// [`LLAMA_CPP_PYTHON`]'s source: torch from PyPI, its CPU index being out of reach), as
+/// (import name, pip requirement); the converter brings its own `gguf` package.
+pub const LLAMA_CPP_CONVERTER: [(&str, &str); 5] = [
+    ("torch", "torch==2.11.0"),
+    ("numpy", "numpy~=2.2.6"),
+    ("sentencepiece", "sentencepiece>=0.1.98,<0.3.0"),
+    ("transformers", "transformers==4.57.6"),
+    ("google.protobuf", "protobuf>=4.21.0,<5.0.0"),
+];
+
+/// Runs llama.cpp's own converter, `convert_hf_to_gguf.py` from [`LLAMA_CPP_PYTHON`]'s source,
+/// with `args`, in a venv of its own ([`LLAMA_CPP_CONVERTER`]: its transformers is not the
+/// tests').
+pub fn llama_cpp_convert(args: &[&std::ffi::OsStr]) {
+    let (project, version) = LLAMA_CPP_PYTHON;
+    let root = "vendor/llama.cpp/";
+    let members =
+        ["convert_hf_to_gguf.py", "conversion/", "gguf-py/"].map(|m| format!("{root}{m}"));
+    let dir = source_files(project, version, &members.each_ref().map(String::as_str));
+    converter_python(&dir.join(&members[0]), args);
+}
+
+/// Writes `tokenizer.model` into `folder` from its `tokenizer.json` (`tests/references/spm_model.py`:
+/// the SentencePiece file Gemma 3's converter reads), with or without a dummy prefix.
+pub fn spm_model(folder: &Path, add_dummy_prefix: bool) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("references/spm_model.py");
+    let options = serde_json::json!({"add_dummy_prefix": add_dummy_prefix}).to_string();
+    let (json, model) = (
+        folder.join("tokenizer.json"),
+        folder.join("tokenizer.model"),
+    );
+    converter_python(
+        &script,
+        &[json.as_os_str(), model.as_os_str(), options.as_ref()],
+    );
+}
+
+/// Runs `script` with `args` by the converter's venv's python ([`LLAMA_CPP_CONVERTER`]).
+fn converter_python(script: &Path, args: &[&std::ffi::OsStr]) {
+    let python = venv_python("tandem-convert-venv", &LLAMA_CPP_CONVERTER);
+    let out = Command::new(python)
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
+    assert!(
+        out.status.success(),
+        "{} {args:?}: {}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Quantizes `gguf` into `out` as `ftype` (`q8_0`, `q4_k_m`, …) with llama.cpp's quantizer
+/// (`llama_model_quantize` of [`LLAMA_CPP_PYTHON`], built into the tests' venv).
+pub fn llama_cpp_quantize(gguf: &Path, out: &Path, ftype: &str) {
+    let (project, version) = LLAMA_CPP_PYTHON;
+    let requirement = format!("{project}=={version}");
+    let python = python_with(&[("llama_cpp", &requirement)]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("references/llama_cpp_quantize.py");
+    let run = Command::new(python)
+        .arg(script)
+        .args([gguf.as_os_str(), out.as_os_str()])
+        .arg(ftype)
+        .output()
+        .expect("run llama_cpp_quantize.py");
+    assert!(
+        run.status.success(),
+        "quantizing {} as {ftype}: {}",
+        gguf.display(),
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
 
 /// The pins of Hugging Face transformers and torch that record the model families' reference
 /// answers (`tests/references/transformers/`), with what their script reads GGUF files and
@@ -168,7 +275,8 @@ pub fn source_files(project: &str, version: &str, members: &[&str]) -> PathBuf {
 
 /// Files of `project`'s archive at `version` from `registry` (checked against the digest the
 /// registry lists), unpacked once under the target directory: `members` are paths inside the
-/// archive below its top folder. Returns the folder that holds them in the archive's layout.
+/// archive below its top folder (one ending in `/`: the folder's files). Returns the folder that
+/// holds them in the archive's layout.
 pub fn package_files(
     registry: Registry,
     project: &str,
@@ -229,14 +337,16 @@ with urllib.request.urlopen(url) as r:
 if not check(data):
     sys.exit(f"{url}: the digest differs from the registry's")
 with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+    folders = {w for w in wanted if w.endswith("/")}
     for member in tar.getmembers():
         name = member.name.split("/", 1)[-1]
-        if name in wanted and member.isfile():
+        folder = next((f for f in folders if name.startswith(f)), None)
+        if (name in wanted or folder) and member.isfile():
             path = out / name
             path.parent.mkdir(parents=True, exist_ok=True)
             part = path.with_name(path.name + ".part")
             part.write_bytes(tar.extractfile(member).read())
             part.replace(path)
-            wanted.discard(name)
+            wanted.discard(folder or name)
 sys.exit(f"not in {url}: {sorted(wanted)}" if wanted else 0)
 "#;

@@ -20,9 +20,10 @@ use std::path::{Path, PathBuf};
 use tandem_runtime::model::Architecture;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
-use tandem_runtime::{GenerateRequest, Logits, Model, SamplingParams, SpeculativeGenerator};
+use tandem_runtime::{Logits, Model};
 use tandem_tests::python::transformers_answer;
 use tandem_tests::recorded;
+use tandem_tests::reference::{self, Ours, Reference};
 use tandem_tests::*;
 
 /// Largest |Δlogit| allowed between Tandem and a reference on the same f32 weights, relative to
@@ -40,15 +41,6 @@ const NEAR_TIE: f32 = 1e-3;
 /// The same where the logits may differ by up to [`Q8_TOLERANCE`].
 const Q8_NEAR_TIE: f32 = 0.5;
 
-/// A reference's answer for one model: the logits of some positions of the story, and its
-/// greedy continuation.
-struct Reference {
-    positions: Vec<usize>,
-    logits: Vec<Vec<f64>>,
-    greedy: Vec<u32>,
-    name: String,
-}
-
 /// The story every model reads.
 fn story() -> Vec<u32> {
     tokenizer(&stories())
@@ -56,20 +48,15 @@ fn story() -> Vec<u32> {
         .expect("encode")
 }
 
-/// llama.cpp's answer for `family`'s f32 file, as recorded in `tests/references/llama_cpp/`
-/// ([`recorded::llama_cpp`]).
+/// llama.cpp's answer for `family`'s f32 file, as recorded in `tests/references/llama_cpp/`.
 fn llama_cpp(family: &Family, n_ctx: usize) -> Reference {
-    let positions = positions();
-    let request = serde_json::json!({"tokens": story(), "greedy": GREEDY, "n_ctx": n_ctx,
-        "positions": positions});
     let name = format!("{}-f32", family.name);
-    let answer = recorded::llama_cpp(&name, "llama_cpp_logits.py", &family.f32, &request);
-    Reference {
-        positions,
-        logits: serde_json::from_value(answer["logits"].clone()).expect("logit rows"),
-        greedy: serde_json::from_value(answer["greedy"].clone()).expect("ids"),
-        name: format!("llama.cpp {}", answer["llama_cpp"].as_str().unwrap_or("?")),
-    }
+    reference::llama_cpp(&name, &family.f32, &story(), GREEDY, n_ctx, &positions())
+}
+
+/// Tandem's answer for `model` on the story.
+fn ours(model: &Model) -> Ours {
+    reference::ours(model, &tokenizer(&stories()), &story(), GREEDY)
 }
 
 /// The story's positions whose logits the references record: every fourth, and the last.
@@ -125,98 +112,6 @@ fn family_with(dir: &Path, name: &str, spec: SyntheticSpec, config: serde_json::
     }
 }
 
-/// What Tandem computes for a model on the story: every position's logits, and its greedy
-/// continuation (the generator's, target alone) with the gap between the top two logits before
-/// each step.
-struct Ours {
-    logits: Vec<Vec<f32>>,
-    greedy: Vec<u32>,
-    gaps: Vec<f32>,
-}
-
-fn ours(model: &Model) -> Ours {
-    let tokens = story();
-    let logits = model
-        .forward(&tokens, &mut model.new_cache(), Logits::All)
-        .expect("forward");
-    let greedy = SpeculativeGenerator::new(model, None, &tokenizer(&stories()))
-        .expect("generator")
-        .generate(
-            &GenerateRequest {
-                prompt: tokens.clone(),
-                max_new_tokens: GREEDY,
-                sampling: SamplingParams::greedy(),
-                draft_tokens: 0,
-                stop_token_ids: vec![],
-                stop_strings: vec![],
-            },
-            |_| {},
-        )
-        .expect("generate")
-        .token_ids;
-    let mut cache = model.new_cache();
-    let mut row = model
-        .forward(&tokens, &mut cache, Logits::Last)
-        .expect("forward")
-        .remove(0);
-    let mut gaps = Vec::new();
-    for &token in &greedy {
-        let mut sorted = row.clone();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        gaps.push(sorted[0] - sorted[1]);
-        row = model
-            .forward(&[token], &mut cache, Logits::Last)
-            .expect("forward")
-            .remove(0);
-    }
-    Ours {
-        logits,
-        greedy,
-        gaps,
-    }
-}
-
-/// Tandem's answer on `what` against a reference's: logits within `tolerance` of the largest
-/// |logit|, and the same greedy tokens up to the first step whose top two logits are nearer
-/// than `near_tie` (there either answer is right, and the continuations may part).
-fn compare(what: &str, ours: &Ours, reference: &Reference, tolerance: f64, near_tie: f32) {
-    let (mut worst, mut scale) = (0f64, 0f64);
-    for (&p, theirs) in reference.positions.iter().zip(&reference.logits) {
-        assert_eq!(ours.logits[p].len(), theirs.len(), "{what}: vocabulary");
-        for (x, y) in ours.logits[p].iter().zip(theirs) {
-            worst = worst.max((f64::from(*x) - y).abs());
-            scale = scale.max(y.abs());
-        }
-    }
-    assert!(!reference.logits.is_empty(), "{what}: no logits");
-    eprintln!(
-        "{what}: max |Δlogit| {worst:.2e} (largest |logit| {scale:.1}) against {}",
-        reference.name
-    );
-    assert!(
-        worst < tolerance * scale,
-        "{what}: max |Δlogit| {worst} over logits up to {scale} against {}",
-        reference.name
-    );
-    assert_eq!(
-        reference.greedy.len(),
-        GREEDY,
-        "{what}: {}'s greedy",
-        reference.name
-    );
-    for (step, (&a, &b)) in ours.greedy.iter().zip(&reference.greedy).enumerate() {
-        if ours.gaps[step] < near_tie {
-            eprintln!("{what}: near-tie at greedy step {step}: compared up to it");
-            return;
-        }
-        assert_eq!(
-            a, b,
-            "{what}: greedy step {step} against {}",
-            reference.name
-        );
-    }
-}
-
 /// Checks `family` against llama.cpp (on the f32 file) and transformers (on every form).
 fn check(family: &Family) {
     let what = |form: &str| format!("{} ({form})", family.name);
@@ -224,7 +119,7 @@ fn check(family: &Family) {
     let n_ctx = f32.config().max_context;
     let f32 = ours(&f32);
     if family.in_llama_cpp {
-        compare(
+        reference::compare(
             &what("f32 GGUF"),
             &f32,
             &llama_cpp(family, n_ctx),
@@ -252,7 +147,7 @@ fn check(family: &Family) {
         let reference = recorded
             .get(*read)
             .unwrap_or_else(|| panic!("{}: no {read} recorded", family.name));
-        compare(&what(form), ours, reference, *tolerance, *near_tie);
+        reference::compare(&what(form), ours, reference, *tolerance, *near_tie);
     }
 }
 

@@ -14,9 +14,7 @@ use tandem_runtime::Tokenizer;
 use tandem_runtime::model::Architecture;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
-use tandem_tests::python::{
-    LLAMA_CPP_PYTHON, Registry, hf_tokenizer_ids, package_files, source_files,
-};
+use tandem_tests::python::{Registry, hf_tokenizer_ids, llama_cpp_vocab, package_files};
 use tandem_tests::recorded;
 
 /// A vocabulary of the families Tandem runs, as llama.cpp names its file, with text in its chat
@@ -61,31 +59,6 @@ const VOCABULARIES: [Vocabulary; 5] = [
     },
 ];
 
-fn file(name: &str, suffix: &str) -> String {
-    format!("vendor/llama.cpp/models/ggml-vocab-{name}.gguf{suffix}")
-}
-
-/// The fixtures' cases as llama.cpp's test-tokenizer-0 reads them: texts split by its separator,
-/// and one line of ids per text.
-fn cases(dir: &Path, name: &str) -> Vec<(String, Vec<u32>)> {
-    let read = |suffix| std::fs::read_to_string(dir.join(file(name, suffix))).expect("fixture");
-    let (inputs, outputs) = (read(".inp"), read(".out"));
-    let mut texts: Vec<&str> = inputs.split("\n__ggml_vocab_test__\n").collect();
-    if texts.last() == Some(&"") {
-        texts.pop();
-    }
-    let ids: Vec<Vec<u32>> = outputs
-        .lines()
-        .map(|l| {
-            l.split_whitespace()
-                .map(|x| x.parse().expect("id"))
-                .collect()
-        })
-        .collect();
-    assert_eq!(texts.len(), ids.len(), "{name}: texts and id lines");
-    texts.into_iter().map(String::from).zip(ids).collect()
-}
-
 /// llama.cpp's ids for `texts` on `gguf`'s vocabulary, as recorded under `name`
 /// ([`recorded::llama_cpp`]).
 fn llama_cpp_ids(name: &str, gguf: &Path, texts: &[&str]) -> Vec<Vec<u32>> {
@@ -96,19 +69,11 @@ fn llama_cpp_ids(name: &str, gguf: &Path, texts: &[&str]) -> Vec<Vec<u32>> {
 
 #[test]
 fn each_vocabulary_encodes_hard_strings_and_chat_markup_as_its_references_do() {
-    let members: Vec<String> = VOCABULARIES
-        .iter()
-        .flat_map(|v| ["", ".inp", ".out"].map(|suffix| file(v.name, suffix)))
-        .collect();
-    let members: Vec<&str> = members.iter().map(String::as_str).collect();
-    let (project, version) = LLAMA_CPP_PYTHON;
-    let dir = source_files(project, version, &members);
     let mut failures = Vec::new();
     for v in VOCABULARIES {
-        let gguf = dir.join(file(v.name, ""));
+        let (gguf, cases) = llama_cpp_vocab(v.name);
         let tokenizer = Tokenizer::for_model(&gguf)
             .unwrap_or_else(|e| panic!("{} ({}): {e}", v.name, v.families));
-        let cases = cases(&dir, v.name);
         assert!(cases.len() > 40, "{}: {} cases", v.name, cases.len());
         for (text, want) in &cases {
             let got = tokenizer.encode_raw(text).expect("encode");
@@ -149,11 +114,9 @@ fn against_the_references(
     fixture: &str,
     chat: &str,
 ) -> (Tokenizer, Vec<String>) {
-    let (project, version) = LLAMA_CPP_PYTHON;
-    let members = [".inp", ".out"].map(|suffix| file(fixture, suffix));
-    let fixtures = source_files(project, version, &members.each_ref().map(String::as_str));
     let tokenizer = Tokenizer::for_model(gguf).expect("the tokenizer from GGUF metadata");
-    let texts: Vec<String> = cases(&fixtures, fixture)
+    let texts: Vec<String> = llama_cpp_vocab(fixture)
+        .1
         .into_iter()
         .map(|(t, _)| t)
         .collect();

@@ -71,8 +71,10 @@ pub(crate) fn load(path: &Path, device: &Device) -> Result<GgufModel> {
         .or(rotary.filter(|_| architecture != Architecture::Phi3))
         .unwrap_or(hidden_size / num_heads.max(1));
     let gemma = architecture == Architecture::Gemma3;
+    // 0: none (llama.cpp's converter writes Phi-3's absent window so).
     let sliding_window = meta
         .opt_usize(&format!("{a}.attention.sliding_window"))
+        .filter(|&w| w > 0)
         .unwrap_or(usize::MAX);
     // llama.cpp's Gemma 3: the 27B model (62 layers) scales q·k by 1/√(hidden / heads), the
     // others by 1/√head_dim (their query_pre_attn_scalar, which the files do not carry).

@@ -197,9 +197,11 @@ fn sentencepiece(meta: &Meta, vocab: &Vocab) -> Json {
         b.0.total_cmp(&a.0)
             .then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3)))
     });
-    let merges: Vec<String> = merges
+    // As pairs, not "left right" strings: user-defined pieces may hold spaces (Gemma 3's runs
+    // of spaces, as llama.cpp's converter writes them), which a string cannot split.
+    let merges: Vec<[&str; 2]> = merges
         .iter()
-        .map(|(_, _, l, r)| format!("{} {}", tokens[*l], tokens[*r]))
+        .map(|(_, _, l, r)| [tokens[*l], tokens[*r]])
         .collect();
     let unk = meta
         .opt_usize("tokenizer.ggml.unknown_token_id")
