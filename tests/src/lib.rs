@@ -444,11 +444,27 @@ pub fn qwen_pair(test: &str) -> Option<(PathBuf, PathBuf)> {
 /// Says that `test` could not run here and why: in CI (`CI` set) a failure; elsewhere a line
 /// written to the process's standard error itself, past the test harness's capture (which kept
 /// `eprintln!`'s "NOT RUN" out of sight), so that a test that passed without running is never
-/// taken for one that ran. `scripts/prerequisites.sh` names these tests before the suite starts.
+/// taken for one that ran, and a line in [`not_run_list`], which the suite's last test binary
+/// counts (`tests/tests/zz_not_run.rs`). `scripts/prerequisites.sh` names these tests before the
+/// suite starts.
 pub fn not_run(test: &str, why: &str) {
     use std::io::Write;
     assert!(std::env::var_os("CI").is_none(), "{test}: {why}");
     let _ = std::io::stderr().write_all(format!("NOT RUN {test}: {why}\n").as_bytes());
+    let list = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(not_run_list());
+    if let Ok(mut list) = list {
+        let _ = list.write_all(format!("{test}: {why}\n").as_bytes());
+    }
+}
+
+/// Where the tests of this `cargo test` that could not run are listed: a file named by cargo's
+/// process id (every test binary it runs is its child).
+pub fn not_run_list() -> PathBuf {
+    let cargo = std::os::unix::process::parent_id();
+    processes::profile_dir().join(format!("tandem-not-run-{cargo}.txt"))
 }
 
 /// `request` as a gRPC call carrying the metadata `key: value` (an API key's

@@ -35,30 +35,10 @@ pub fn binary(name: &str) -> PathBuf {
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = profile_dir();
     if !built.iter().any(|b| b == name) {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut build = Command::new(cargo);
+        let mut build = cargo();
         build
             .args(["build", "--quiet", "--workspace", "--tests", "--bin", name])
             .current_dir(env!("CARGO_MANIFEST_DIR"));
-        // What `cargo test` set for this test process describes its package: a build script
-        // that watches one of them (ring's, CARGO_MANIFEST_DIR) would see it change, and the
-        // build here and the next `cargo test` would each rebuild it and all above it.
-        for (key, _) in std::env::vars_os() {
-            let package = key.to_str().is_some_and(|k| {
-                ["CARGO_MANIFEST_", "CARGO_PKG_", "CARGO_BIN_EXE_"]
-                    .iter()
-                    .any(|p| k.starts_with(p))
-                    || [
-                        "CARGO_CRATE_NAME",
-                        "CARGO_PRIMARY_PACKAGE",
-                        "CARGO_TARGET_TMPDIR",
-                    ]
-                    .contains(&k)
-            });
-            if package {
-                build.env_remove(key);
-            }
-        }
         if dir.file_name().is_some_and(|n| n == "release") {
             build.arg("--release");
         }
@@ -67,6 +47,39 @@ pub fn binary(name: &str) -> PathBuf {
         built.push(name.to_string());
     }
     dir.join(name)
+}
+
+/// Cargo, for a build from a test: without what `cargo test` set for this test process to
+/// describe its package. A build script that watches one of those variables (ring's,
+/// `CARGO_MANIFEST_DIR`) would see it change, and the build here and the next `cargo test`
+/// would each rebuild it and all above it (after the CUDA check ran with them, the next
+/// binaries' build took 4 minutes).
+pub fn cargo() -> Command {
+    let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    without_package_env(&mut cargo);
+    cargo
+}
+
+/// `command` without the variables `cargo test` set to describe this test's package (for a
+/// command that runs cargo: [`cargo`]).
+pub fn without_package_env(command: &mut Command) -> &mut Command {
+    for (key, _) in std::env::vars_os() {
+        let package = key.to_str().is_some_and(|k| {
+            ["CARGO_MANIFEST_", "CARGO_PKG_", "CARGO_BIN_EXE_"]
+                .iter()
+                .any(|p| k.starts_with(p))
+                || [
+                    "CARGO_CRATE_NAME",
+                    "CARGO_PRIMARY_PACKAGE",
+                    "CARGO_TARGET_TMPDIR",
+                ]
+                .contains(&k)
+        });
+        if package {
+            command.env_remove(key);
+        }
+    }
+    command
 }
 
 /// How long a process may take to load its model and listen.

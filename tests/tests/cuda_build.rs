@@ -4,15 +4,18 @@
 //! pass the feature on), nvcc compiling candle's kernels as a build does, and compiles Tandem's
 //! own attention kernel with nvcc. A change that breaks the GPU build fails here, not on the
 //! first GPU that runs it. It shares the suite's target directory (its build scripts and
-//! procedural macros); what it checks, it checks with the `cuda` feature, apart from the rest.
+//! procedural macros; without this test's package variables, which would make build scripts
+//! run again); what it checks, it checks with the `cuda` feature, apart from the rest.
 
 use std::path::Path;
 use std::process::Command;
 
+use tandem_tests::processes::without_package_env;
+
 #[test]
 fn the_cuda_path_compiles_with_nvcc_from_pypi() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new("bash")
+    let out = without_package_env(&mut Command::new("bash"))
         .arg(root.join("scripts/build-cuda.sh"))
         .args(["--check", "-p", "tandem-runtime", "--all-targets"])
         .current_dir(&root)
