@@ -106,7 +106,7 @@ pub fn llama_cpp_convert(args: &[&std::ffi::OsStr]) {
 /// Writes `tokenizer.model` into `folder` from its `tokenizer.json` (`tests/references/spm_model.py`:
 /// the SentencePiece file Gemma 3's converter reads), with or without a dummy prefix.
 pub fn spm_model(folder: &Path, add_dummy_prefix: bool) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("references/spm_model.py");
+    let script = reference_script("spm_model.py");
     let options = serde_json::json!({"add_dummy_prefix": add_dummy_prefix}).to_string();
     let (json, model) = (
         folder.join("tokenizer.json"),
@@ -121,17 +121,7 @@ pub fn spm_model(folder: &Path, add_dummy_prefix: bool) {
 /// Runs `script` with `args` by the converter's venv's python ([`LLAMA_CPP_CONVERTER`]).
 fn converter_python(script: &Path, args: &[&std::ffi::OsStr]) {
     let python = venv_python("tandem-convert-venv", &LLAMA_CPP_CONVERTER);
-    let out = Command::new(python)
-        .arg(script)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
-    assert!(
-        out.status.success(),
-        "{} {args:?}: {}",
-        script.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run_script(&python, script, args);
 }
 
 /// Quantizes `gguf` into `out` as `ftype` (`q8_0`, `q4_k_m`, …) with llama.cpp's quantizer
@@ -140,18 +130,11 @@ pub fn llama_cpp_quantize(gguf: &Path, out: &Path, ftype: &str) {
     let (project, version) = LLAMA_CPP_PYTHON;
     let requirement = format!("{project}=={version}");
     let python = python_with(&[("llama_cpp", &requirement)]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("references/llama_cpp_quantize.py");
-    let run = Command::new(python)
-        .arg(script)
-        .args([gguf.as_os_str(), out.as_os_str()])
-        .arg(ftype)
-        .output()
-        .expect("run llama_cpp_quantize.py");
-    assert!(
-        run.status.success(),
-        "quantizing {} as {ftype}: {}",
-        gguf.display(),
-        String::from_utf8_lossy(&run.stderr)
+    let script = reference_script("llama_cpp_quantize.py");
+    run_script(
+        &python,
+        &script,
+        &[gguf.as_os_str(), out.as_os_str(), ftype.as_ref()],
     );
 }
 
@@ -239,23 +222,37 @@ fn reference_answer(
     request: &serde_json::Value,
 ) -> serde_json::Value {
     let python = python_with(packages);
+    let request = request.to_string();
+    let stdout = run_script(
+        &python,
+        &reference_script(script),
+        &[model.as_os_str(), request.as_ref()],
+    );
+    serde_json::from_slice(&stdout).unwrap_or_else(|e| panic!("{script}'s JSON: {e}"))
+}
+
+/// `tests/references/NAME`.
+fn reference_script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("references")
+        .join(name)
+}
+
+/// Runs `script` by `python` with `args`, and returns what it printed; a failure names the
+/// script, its arguments and what it wrote to standard error.
+fn run_script(python: &Path, script: &Path, args: &[&std::ffi::OsStr]) -> Vec<u8> {
     let out = Command::new(python)
-        .arg(
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("references")
-                .join(script),
-        )
-        .arg(model)
-        .arg(request.to_string())
+        .arg(script)
+        .args(args)
         .output()
-        .unwrap_or_else(|e| panic!("run {script}: {e}"));
+        .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
     assert!(
         out.status.success(),
-        "{script} on {}: {}",
-        model.display(),
+        "{} {args:?}: {}",
+        script.display(),
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script}'s JSON: {e}"))
+    out.stdout
 }
 
 /// A package registry that [`package_files`] fetches archives from.

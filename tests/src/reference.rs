@@ -93,6 +93,20 @@ pub fn llama_cpp(
     }
 }
 
+/// llama.cpp's ids for `texts` on `gguf`'s vocabulary (special tokens parsed, no BOS), as
+/// recorded under `name` ([`recorded::llama_cpp`]).
+pub fn llama_cpp_ids(name: &str, gguf: &Path, texts: &[&str]) -> Vec<Vec<u32>> {
+    let request = serde_json::json!(texts);
+    let answer = recorded::llama_cpp(name, "llama_cpp_tokenize.py", gguf, &request);
+    serde_json::from_value(answer).expect("ids")
+}
+
+/// The positions of a prompt of `n` tokens whose logits the references record: every fourth,
+/// and the last.
+pub fn positions(n: usize) -> Vec<usize> {
+    (0..n).step_by(4).chain([n - 1]).collect()
+}
+
 /// Tandem's answer on `what` against a reference's: logits within `tolerance` of the largest
 /// |logit|, and the same greedy tokens up to the first step whose top two logits are nearer
 /// than `near_tie` (there either answer is right, and the continuations may part). Returns the

@@ -148,17 +148,15 @@ fn files(checkpoint: &Checkpoint) -> Vec<(&'static str, PathBuf)> {
     files
 }
 
-/// Tandem's ids for each text against llama.cpp's on the same file (special tokens parsed, no
-/// BOS), recorded as `name`: the texts that differ.
-fn ids_against_llama_cpp(name: &str, gguf: &Path, texts: &[&str]) -> Vec<String> {
-    let tokenizer = Tokenizer::for_model(gguf).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let answer = recorded::llama_cpp(
-        name,
-        "llama_cpp_tokenize.py",
-        gguf,
-        &serde_json::json!(texts),
-    );
-    let theirs: Vec<Vec<u32>> = serde_json::from_value(answer).expect("ids");
+/// `tokenizer`'s ids for each text against llama.cpp's on `gguf`, recorded as `name`: the texts
+/// that differ.
+fn ids_against_llama_cpp(
+    name: &str,
+    tokenizer: &Tokenizer,
+    gguf: &Path,
+    texts: &[&str],
+) -> Vec<String> {
+    let theirs = reference::llama_cpp_ids(name, gguf, texts);
     let mut failures = Vec::new();
     for (text, want) in texts.iter().zip(&theirs) {
         let got = tokenizer.encode_raw(text).expect("encode");
@@ -219,7 +217,8 @@ fn files_from_llama_cpps_converter_and_quantizer_run_as_llama_cpp_runs_them() {
     for checkpoint in &CHECKPOINTS {
         for (form, gguf) in files(checkpoint) {
             let name = format!("{}-{form}", checkpoint.name);
-            let differ = ids_against_llama_cpp(&format!("{name}-ids"), &gguf, &texts);
+            let tokenizer = Tokenizer::for_model(&gguf).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let differ = ids_against_llama_cpp(&format!("{name}-ids"), &tokenizer, &gguf, &texts);
             eprintln!(
                 "{name}: {} of {} hard strings tokenized otherwise than by llama.cpp",
                 differ.len(),
@@ -230,14 +229,10 @@ fn files_from_llama_cpps_converter_and_quantizer_run_as_llama_cpp_runs_them() {
             }
             let model = Model::load(&gguf, &LoadOptions::default())
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
-            let tokenizer = Tokenizer::for_model(&gguf).expect("tokenizer");
             let story = tokenizer
                 .encode("Once upon a time, there was a little girl named Lily. She loved to play outside.")
                 .expect("encode");
-            let positions: Vec<usize> = (0..story.len())
-                .step_by(4)
-                .chain([story.len() - 1])
-                .collect();
+            let positions = reference::positions(story.len());
             let n_ctx = model.config().max_context;
             let theirs = reference::llama_cpp(&name, &gguf, &story, GREEDY, n_ctx, &positions);
             let ours = reference::ours(&model, &tokenizer, &story, GREEDY);
@@ -310,6 +305,6 @@ fn gemma3s_vocabulary_as_llama_cpps_converter_writes_it_tokenizes_as_llama_cpp_d
     let chat = "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n";
     let texts = hard_strings();
     let texts: Vec<&str> = texts.iter().map(String::as_str).chain([chat]).collect();
-    let failures = ids_against_llama_cpp("gemma3-vocab-ids", &gguf, &texts);
+    let failures = ids_against_llama_cpp("gemma3-vocab-ids", &tokenizer, &gguf, &texts);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -61,8 +61,7 @@ fn ours(model: &Model) -> Ours {
 
 /// The story's positions whose logits the references record: every fourth, and the last.
 fn positions() -> Vec<usize> {
-    let n = story().len();
-    (0..n).step_by(4).chain([n - 1]).collect()
+    reference::positions(story().len())
 }
 
 /// A checkpoint in its three forms: the Hugging Face folder, and GGUF files in f32 and Q8_0.

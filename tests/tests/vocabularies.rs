@@ -15,7 +15,7 @@ use tandem_runtime::model::Architecture;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
 use tandem_runtime::synthetic::{SyntheticSpec, write_random_llama};
 use tandem_tests::python::{Registry, hf_tokenizer_ids, llama_cpp_vocab, package_files};
-use tandem_tests::recorded;
+use tandem_tests::reference;
 
 /// A vocabulary of the families Tandem runs, as llama.cpp names its file, with text in its chat
 /// markup and one special token of that markup.
@@ -59,14 +59,6 @@ const VOCABULARIES: [Vocabulary; 5] = [
     },
 ];
 
-/// llama.cpp's ids for `texts` on `gguf`'s vocabulary, as recorded under `name`
-/// ([`recorded::llama_cpp`]).
-fn llama_cpp_ids(name: &str, gguf: &Path, texts: &[&str]) -> Vec<Vec<u32>> {
-    let request = serde_json::json!(texts);
-    let answer = recorded::llama_cpp(name, "llama_cpp_tokenize.py", gguf, &request);
-    serde_json::from_value(answer).expect("ids")
-}
-
 #[test]
 fn each_vocabulary_encodes_hard_strings_and_chat_markup_as_its_references_do() {
     let mut failures = Vec::new();
@@ -84,7 +76,8 @@ fn each_vocabulary_encodes_hard_strings_and_chat_markup_as_its_references_do() {
                 ));
             }
         }
-        let want = llama_cpp_ids(&format!("vocab-{}", v.name), &gguf, &[v.chat]).remove(0);
+        let want =
+            reference::llama_cpp_ids(&format!("vocab-{}", v.name), &gguf, &[v.chat]).remove(0);
         let got = tokenizer.encode_raw(v.chat).expect("encode");
         let special = tokenizer.encode_raw(v.special).expect("encode");
         assert!(
@@ -122,7 +115,7 @@ fn against_the_references(
         .collect();
     let texts: Vec<&str> = texts.iter().map(String::as_str).chain([chat]).collect();
     let hugging_face = hf_tokenizer_ids(tokenizer_json, &texts);
-    let llama_cpp = llama_cpp_ids(name, gguf, &[chat]).remove(0);
+    let llama_cpp = reference::llama_cpp_ids(name, gguf, &[chat]).remove(0);
     let mut failures = Vec::new();
     for (text, want) in texts.iter().zip(&hugging_face) {
         let got = tokenizer.encode_raw(text).expect("encode");
