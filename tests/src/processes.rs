@@ -142,12 +142,8 @@ impl Proc {
 
     /// [`Self::start`] on `host` (its network namespace).
     pub fn start_on(host: &crate::netns::Host, name: &str, args: &[&str]) -> Self {
-        let mut command = Command::new("ip");
-        command
-            .env("RUST_LOG", log_level())
-            .args(host.exec_prefix())
-            .arg(binary(name))
-            .args(args);
+        let mut command = host.command(&binary(name));
+        command.env("RUST_LOG", log_level()).args(args);
         Self::spawn(name, command, None)
     }
 

@@ -1,8 +1,10 @@
 //! Several hosts (issue 13): the target-node and the draft-node each in a network namespace of
 //! its own, the coordinator here, links over veth pairs. A link is cut mid-generation (packets
 //! dropped, no reset: a silent peer) and healed, and the draft's link is limited to 2 Mbit/s
-//! with tc `tbf`: every generation ends with target-only's output. Needs root (CI has it);
-//! Without root, or with `TANDEM_SKIP_NETNS=1`, it is counted as not run (`not_run`; a failure in CI).
+//! with tc `tbf`: every generation ends with target-only's output. Needs root (CI has it) or,
+//! without it, unprivileged user namespaces: each test then runs again as root of one of its
+//! own. Where neither, or with `TANDEM_SKIP_NETNS=1`, it is counted as not run (`not_run`; a
+//! failure in CI).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -30,24 +32,33 @@ fn node_at(host: &Host, name: &str, model: &std::path::Path, addr: SocketAddr) -
     Proc::start_on(host, name, &["--model", &model, "--listen", &listen])
 }
 
-/// Whether `test` runs: network namespaces are available (root); where not, or where
+/// Whether `test`'s body runs here: network namespaces are available (root). Without root it
+/// runs again as root of a user namespace of its own where the kernel allows one (its result
+/// asserted here, [`netns::run_in_user_namespace`]); where neither, or where
 /// TANDEM_SKIP_NETNS says to skip, it is counted as not run ([`not_run`]: a failure in CI).
-fn hosts_available(test: &str) -> bool {
+fn runs_here(test: &str) -> bool {
     let why = if std::env::var_os("TANDEM_SKIP_NETNS").is_some() {
         "TANDEM_SKIP_NETNS is set".to_string()
     } else {
-        match netns::available() {
+        let root = match netns::available() {
             Ok(()) => return true,
-            Err(why) => format!("it needs network namespaces: {why}"),
+            Err(why) => why,
+        };
+        match netns::user_namespaces() {
+            Ok(()) => {
+                netns::run_in_user_namespace(test);
+                return false;
+            }
+            Err(why) => format!("it needs network namespaces: {root}; {why}"),
         }
     };
-    not_run(test, &why);
+    not_run(&format!("hosts::{test}"), &why);
     false
 }
 
 #[tokio::test]
 async fn cut_and_healed_links_between_hosts_keep_the_output_exact() {
-    if !hosts_available("hosts::cut_and_healed_links_between_hosts_keep_the_output_exact") {
+    if !runs_here("cut_and_healed_links_between_hosts_keep_the_output_exact") {
         return;
     }
     let (target_host, draft_host) = (Host::new(1), Host::new(2));
@@ -106,11 +117,11 @@ async fn cut_and_healed_links_between_hosts_keep_the_output_exact() {
 
 #[tokio::test]
 async fn a_host_name_with_two_addresses_is_two_replicas() {
-    if !hosts_available("hosts::a_host_name_with_two_addresses_is_two_replicas") {
+    if !runs_here("a_host_name_with_two_addresses_is_two_replicas") {
         return;
     }
     // A headless Service's name: `targets` is both addresses of the host.
-    let host = Host::new(3);
+    let mut host = Host::new(3);
     let second = host.add_address();
     host.set_hosts("targets", &[host.ip, second]);
     let (a_addr, b_addr) = (host.addr(50051), SocketAddr::from((second, 50051)));
