@@ -11,7 +11,10 @@
 //! `random-1.5b` one of the Qwen2.5 1.5B's shape (28 layers of 1536, 12 query heads to 2 key
 //! heads, 8960-wide MLP; the Llama 2 vocabulary); without BENCH_MODEL, the Qwen2.5-Coder 1.5B
 //! target in ~/.cache/tandem/models if it is there. BENCH_DEVICE (`cpu`, `cuda`) and
-//! BENCH_DTYPE (`f32`, `bf16`, `f16`; default the device's) place the model.
+//! BENCH_DTYPE (`f32`, `bf16`, `f16`; default the device's) place the model. Pinned to one
+//! core, give it one thread: `RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1 taskset -c 0 cargo bench
+//! …` (cargo's `.cargo/config.toml` sets 2 for tests and benches, and two threads spinning on one
+//! core ran the Qwen target's step at 410 ms instead of 76).
 
 use std::path::PathBuf;
 use std::time::Instant;
