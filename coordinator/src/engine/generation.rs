@@ -398,6 +398,17 @@ impl<'e> Generation<'e> {
         }
         self.stats.draft_waited_seconds += draft_waited;
         let wall = round.start.elapsed().as_secs_f64();
+        tracing::debug!(
+            ?drafter,
+            drafts,
+            accepted,
+            wall,
+            verify = verify_secs,
+            draft = block.wall_secs,
+            draft_waited,
+            ahead = block.drafted_ahead,
+            "round done"
+        );
         let counts = (drafts, accepted);
         (self.engine.metrics).round(drafter, counts, wall, draft_waited, verify_secs);
     }
