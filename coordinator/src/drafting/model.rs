@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use tandem_runtime::TokenLog;
 use tokio::sync::oneshot;
 
-use super::block::{Ask, DraftBlock, StepFailure};
+use super::block::{Ask, DraftBlock, StepFailure, chain_len};
 use super::policy::Timing;
 use super::{Propose, Proposing};
 use crate::nodes::Reachable;
@@ -112,6 +112,13 @@ impl ModelDrafter {
     /// drops the one held (`None`: the guess was wrong, or the round drafts otherwise).
     pub fn hold_ahead(&mut self, block: Option<DraftBlock>) {
         self.ahead = block.filter(|b| !b.tokens.is_empty());
+    }
+
+    /// The chain's length of the block held ready ([`Self::hold_ahead`]); 0 where none is.
+    pub fn held(&self) -> usize {
+        self.ahead
+            .as_ref()
+            .map_or(0, |b| chain_len(&b.parents, b.tokens.len()))
     }
 
     /// Takes back a session a background task has finished with, and the timing of the step it

@@ -219,6 +219,9 @@ pub struct KPolicy {
     drafted_rounds: u32,
     /// Whether the engine drafts ahead during the verify.
     pipelining: bool,
+    /// The model's drafts ready for the round being chosen (drafted during the last verify): a
+    /// model round of at most as many costs no drafting ([`Self::choose`]).
+    held: usize,
     /// Drafts of background steps the target would have accepted, and those compared.
     shadow: [u32; 2],
     /// How often a token tree's sibling leaves are right ([`siblings`]).
@@ -249,6 +252,7 @@ impl KPolicy {
             probing: None,
             drafted_rounds: 0,
             pipelining: true,
+            held: 0,
             shadow: [0, 0],
             siblings: siblings::Siblings::default(),
             confidence: confidence::Confidence::default(),
@@ -334,31 +338,44 @@ impl KPolicy {
 
     /// The expected wall time of a round drafting `k` with `drafter`, as the parts add up
     /// (before calibration).
+    /// A model round of at most the drafts held ready drafts nothing before its verify.
     fn round_seconds(&self, drafter: DrafterKind, k: usize, verify: f64) -> f64 {
-        let serial = self.costs(drafter).draft_seconds(k) + verify;
+        let draft = if drafter == DrafterKind::Model && k <= self.held {
+            0.0
+        } else {
+            self.costs(drafter).draft_seconds(k)
+        };
         match drafter {
-            DrafterKind::Model => self.ahead_plan(k, verify).map_or(serial, |(_, t)| t),
-            DrafterKind::Ngram => serial,
+            DrafterKind::Model => draft + self.ahead_plan(k, verify).map_or(verify, |(_, t)| t),
+            DrafterKind::Ngram => draft + verify,
         }
     }
 
     /// Drafting ahead during the verify of a block of `k` drafts, where it pays: the block's
-    /// length past the guess of the bonus token ([`Self::ahead_k`], one more than `k` where it
-    /// fits), and the expected round time. The round waits for the longer of the verify and the
-    /// step drafting ahead; the next round drafts only if that block is not used. `None` where
-    /// drafting then verifying is expected to be as fast: a step ahead that outlasts the verify
-    /// delays every round, and saves a draft only on a hit, so a poor draft is not drafted ahead
-    /// of (a miss must cost no more than a round without the pipeline).
+    /// length past the guess of the bonus token (`k`, or one more where that fits in the verify
+    /// as well: [`Self::ahead_k`]), and the round's expected time past its drafting: the longer
+    /// of the verify and the step drafting ahead, less the next round's draft saved on a hit
+    /// (every draft accepted, the guess right: the next round's drafts are then held ready).
+    /// `None` where verifying alone is expected to be as fast: a step ahead that outlasts the
+    /// verify delays the round, and saves a draft only on a hit, so a poor draft is not drafted
+    /// ahead of (a miss must cost no more than a round without the pipeline).
     fn ahead_plan(&self, k: usize, verify: f64) -> Option<(usize, f64)> {
-        let len = self.ahead_k(k).min(k + 1);
-        if k == 0 || len < k {
+        let fits = self.ahead_k(k);
+        if k == 0 || fits < k {
             return None;
         }
         let costs = &self.model;
-        let hit = costs.all_accepted(k) * self.guess;
-        let draft = costs.draft_seconds(k);
-        let pipelined = verify.max(costs.draft_seconds(len + 1)) + (1.0 - hit) * draft;
-        (pipelined < verify + draft).then_some((len, pipelined))
+        let step = |len: usize| verify.max(costs.draft_seconds(len + 1));
+        // One more than K only where it costs the round nothing more: a block of K + 1 held
+        // lets the policy grow K without drafting, but a step past the verify delays the round.
+        let len = if fits > k && step(k + 1) <= step(k) {
+            k + 1
+        } else {
+            k
+        };
+        let saved = costs.all_accepted(k) * self.guess * costs.draft_seconds(k);
+        let pipelined = step(len) - saved;
+        (pipelined < verify).then_some((len, pipelined))
     }
 
     /// What the model predicts for a round that went as `round` did.
@@ -463,7 +480,15 @@ impl KPolicy {
 
     /// The best plan: `model` says whether the draft-node is attached, `ngram` what the n-gram
     /// lookup can propose, `remaining` how many tokens the generation may still take.
-    pub fn choose(&mut self, model: bool, ngram: NgramOffer, remaining: usize) -> RoundPlan {
+    /// `held`: the model's drafts ready for this round (drafted during the last verify).
+    pub fn choose(
+        &mut self,
+        model: bool,
+        held: usize,
+        ngram: NgramOffer,
+        remaining: usize,
+    ) -> RoundPlan {
+        self.held = held;
         self.ngram_class = ngram::class(ngram.matched);
         self.seed_ngram_class();
         let ngram = ngram.len;

@@ -184,7 +184,8 @@ impl<'e> Generation<'e> {
             NgramOffer::default()
         };
         let model = attached && job.drafter.uses_model();
-        self.policy.choose(model, offer, remaining)
+        let held = self.drafters.model.as_ref().map_or(0, |m| m.held());
+        self.policy.choose(model, held, offer, remaining)
     }
 
     /// Phase 2: the round's block, from the drafter the plan chose ([`crate::drafting::Propose`]).
@@ -339,6 +340,11 @@ impl<'e> Generation<'e> {
         }
         // The draft's compute the round waited for: its step, and of a block drafted during the
         // verify what ran past the verdict.
+        let next_k = verified.drafted_next.as_ref().map_or(0, |(k, _)| *k);
+        let next_secs = match &verified.drafted_next {
+            Some((_, Ok(b))) => b.wall_secs,
+            _ => 0.0,
+        };
         let draft_waited = block.compute_secs + self.drafted_ahead(round, verified);
         let Verified { verdict, tree, .. } = &*verified;
         let (drafts, accepted) = (block.tokens.len(), verdict.accepted);
@@ -407,6 +413,9 @@ impl<'e> Generation<'e> {
             draft = block.wall_secs,
             draft_waited,
             ahead = block.drafted_ahead,
+            next_k,
+            next_secs,
+            verify_wall = verified.verify_wall,
             "round done"
         );
         let counts = (drafts, accepted);

@@ -61,7 +61,7 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<RoundPlan> {
     // The length of the block drafted ahead and ready for the next round.
     let mut ready = 0;
     for round_index in 0..rounds {
-        let plan = policy.choose(true, NgramOffer::default(), 1000);
+        let plan = policy.choose(true, ready, NgramOffer::default(), 1000);
         let drafted_ahead = plan.k > 0 && ready > 0;
         let k = if drafted_ahead {
             plan.k.min(ready)
@@ -236,14 +236,14 @@ fn the_choice_maximises_the_cost_model() {
     policy.model.overhead.add(0.0);
     policy.model.compute.observe(1, 0.001);
     assert_eq!(
-        policy.choose(true, NgramOffer::default(), 100),
+        policy.choose(true, 0, NgramOffer::default(), 100),
         RoundPlan {
             drafter: Some(DrafterKind::Model),
             k: 8
         }
     );
     // Only 3 tokens left: K = 2 at most (the last token is the bonus).
-    assert_eq!(policy.choose(true, NgramOffer::default(), 3).k, 2);
+    assert_eq!(policy.choose(true, 0, NgramOffer::default(), 3).k, 2);
     // A perfect, free n-gram match beats a model that costs time: acceptance is kept per class
     // of match length, so a long match does not vouch for a short one.
     let offer = |matched| NgramOffer { len: 8, matched };
@@ -252,19 +252,19 @@ fn the_choice_maximises_the_cost_model() {
     policy.ngram[0].accept = [0.1; ADAPTIVE_MAX_K];
     policy.ngram[0].tried = [100; ADAPTIVE_MAX_K];
     assert_eq!(
-        policy.choose(true, offer(6), 100),
+        policy.choose(true, 0, offer(6), 100),
         RoundPlan {
             drafter: Some(DrafterKind::Ngram),
             k: 8
         }
     );
     assert_eq!(
-        policy.choose(true, offer(2), 100).drafter,
+        policy.choose(true, 0, offer(2), 100).drafter,
         Some(DrafterKind::Model)
     );
     // Without a model or a match: target only.
     assert_eq!(
-        policy.choose(false, NgramOffer::default(), 100),
+        policy.choose(false, 0, NgramOffer::default(), 100),
         RoundPlan::TARGET_ONLY
     );
     // Its 8 drafts fit in the verify's 10 ms: drafted ahead (9 ms with the guess), they cost
@@ -305,7 +305,7 @@ fn a_new_session_starts_from_what_the_last_one_learnt() {
     let mut next = first.continued(8);
     // No target-only warm-up and no probe needed: the model drafts from the first round.
     assert_eq!(
-        next.choose(true, NgramOffer::default(), 100),
+        next.choose(true, 0, NgramOffer::default(), 100),
         RoundPlan {
             drafter: Some(DrafterKind::Model),
             k: 8
@@ -328,7 +328,9 @@ fn a_new_session_starts_from_what_the_last_one_learnt() {
     assert!(next.model.accept[0] < 0.61, "{:?}", next.model.accept);
     // A session with a lower bound on K (a request that fixes K = 4) learns from it too.
     assert_eq!(
-        first.continued(4).choose(true, NgramOffer::default(), 100),
+        first
+            .continued(4)
+            .choose(true, 0, NgramOffer::default(), 100),
         RoundPlan {
             drafter: Some(DrafterKind::Model),
             k: 4
@@ -419,6 +421,63 @@ fn a_nearly_perfect_draft_reaches_the_best_long_block() {
 }
 
 #[test]
+fn drafts_held_ready_cost_the_round_no_drafting() {
+    // Verify 10 ms flat; a draft of 8 ms a token accepted 9 times in 10; n-gram lookup offers
+    // two drafts accepted 8 times in 10, at no cost.
+    let mut policy = KPolicy::new(8);
+    for n in [1, 1, 2, 3, 4] {
+        policy.verify.observe(n, 0.010);
+    }
+    policy.model.overhead.add(0.0);
+    policy.model.compute.observe(1, 0.008);
+    policy.model.compute.observe(2, 0.016);
+    policy.model.accept = [0.9; ADAPTIVE_MAX_K];
+    policy.model.tried = [100; ADAPTIVE_MAX_K];
+    let class = ngram::class(4);
+    policy.ngram[class].accept = [0.8; ADAPTIVE_MAX_K];
+    policy.ngram[class].tried = [100; ADAPTIVE_MAX_K];
+    let offer = NgramOffer { len: 2, matched: 4 };
+    // Drafted first, the model's round costs its drafts: the free lookup is chosen.
+    assert_eq!(
+        policy.choose(true, 0, offer, 100).drafter,
+        Some(DrafterKind::Ngram)
+    );
+    // With two of its drafts ready (drafted during the last verify), its round costs the
+    // verify alone, as the lookup's: its better drafts win.
+    assert_eq!(
+        policy.choose(true, 2, offer, 100),
+        RoundPlan {
+            drafter: Some(DrafterKind::Model),
+            k: 2
+        }
+    );
+    // Past what is held, a model block is priced with its drafting again.
+    policy.held = 1;
+    let held = policy.round_seconds(DrafterKind::Model, 1, 0.010);
+    let drafted = policy.round_seconds(DrafterKind::Model, 2, 0.010);
+    assert!(held <= 0.010 && drafted >= 0.016, "{held} {drafted}");
+}
+
+#[test]
+fn a_block_drafted_ahead_is_one_longer_only_where_that_fits_in_the_verify() {
+    // Verify 10 ms flat, a draft always right. At 4 ms a token, the guess and one draft (8 ms)
+    // fit in the verify of K = 1, the guess and two (12 ms) would delay it: one is drafted
+    // ahead. At 3 ms a token two fit (9 ms).
+    for (t_d, len) in [(0.004, 1), (0.003, 2)] {
+        let mut policy = KPolicy::new(8);
+        for n in [1, 1, 2, 3] {
+            policy.verify.observe(n, 0.010);
+        }
+        policy.model.overhead.add(0.0);
+        policy.model.compute.observe(1, t_d);
+        policy.model.compute.observe(2, 2.0 * t_d);
+        policy.model.accept = [1.0; ADAPTIVE_MAX_K];
+        policy.model.tried = [100; ADAPTIVE_MAX_K];
+        assert_eq!(policy.ahead_len(1), len, "{t_d}");
+    }
+}
+
+#[test]
 fn a_block_is_drafted_ahead_only_where_that_pays() {
     // Verify 10 ms flat; a draft of 8 ms a token. Drafting 2 ahead (the guess and one more)
     // during the verify of K = 1 takes 16 ms: every round would wait 6 ms past the verify, and
@@ -464,14 +523,14 @@ fn a_draft_that_could_not_pay_even_if_always_right_is_not_probed() {
     policy.idle_seconds = 100.0;
     assert!(!policy.catch_up_soon(true));
     assert_eq!(
-        policy.choose(true, NgramOffer::default(), 100),
+        policy.choose(true, 0, NgramOffer::default(), 100),
         RoundPlan::TARGET_ONLY
     );
     policy.model.overhead = Ewma::default();
     policy.model.overhead.add(0.0);
     assert!(policy.model_could_pay());
     assert_eq!(
-        policy.choose(true, NgramOffer::default(), 100).drafter,
+        policy.choose(true, 0, NgramOffer::default(), 100).drafter,
         Some(DrafterKind::Model)
     );
 }
@@ -481,13 +540,13 @@ fn an_ngram_class_never_tried_starts_from_the_nearest_class_tried() {
     let mut policy = KPolicy::new(8);
     policy.ngram[2].accept = [0.95; ADAPTIVE_MAX_K];
     policy.ngram[2].tried = [50; ADAPTIVE_MAX_K];
-    policy.choose(false, NgramOffer { len: 4, matched: 3 }, 100);
+    policy.choose(false, 0, NgramOffer { len: 4, matched: 3 }, 100);
     assert_eq!(policy.ngram[1].accept, [0.95; ADAPTIVE_MAX_K]);
     assert_eq!(policy.ngram[1].tried, [PRIOR_WEIGHT; ADAPTIVE_MAX_K]);
     // A class already tried keeps its own.
     policy.ngram[0].accept = [0.2; ADAPTIVE_MAX_K];
     policy.ngram[0].tried = [9; ADAPTIVE_MAX_K];
-    policy.choose(false, NgramOffer { len: 4, matched: 2 }, 100);
+    policy.choose(false, 0, NgramOffer { len: 4, matched: 2 }, 100);
     assert_eq!(policy.ngram[0].accept, [0.2; ADAPTIVE_MAX_K]);
 }
 
@@ -512,7 +571,7 @@ fn drafts_that_cannot_pay_cost_a_fresh_policy_under_three_percent() {
             }
             let matched = [2, 3, 5][round % 3];
             let offer = NgramOffer { len: 8, matched };
-            let plan = policy.choose(true, offer, 96 - committed);
+            let plan = policy.choose(true, 0, offer, 96 - committed);
             let k = plan.k;
             // The draft model: 0.03 s a token behind a free link.
             let draft = match plan.drafter {
@@ -614,7 +673,7 @@ fn a_fresh_policy_times_a_block_and_drafts_short_matches_on_a_flat_verify() {
     };
     let mut ngram_rounds = 0;
     for _ in 0..200 {
-        let plan = policy.choose(false, NgramOffer { len: 1, matched: 2 }, 1000);
+        let plan = policy.choose(false, 0, NgramOffer { len: 1, matched: 2 }, 1000);
         let k = plan.k;
         let accepted = usize::from(k > 0 && uniform() < 0.5);
         ngram_rounds += usize::from(plan.drafter == Some(DrafterKind::Ngram));
