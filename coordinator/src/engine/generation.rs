@@ -139,7 +139,10 @@ impl<'e> Generation<'e> {
         let room = self.max_draft.saturating_sub(plan.k).min(plan.k);
         let branches = match (plan.drafter, self.job.branches) {
             (Some(DrafterKind::Model), Some(b)) => b.min(room),
-            (Some(DrafterKind::Model), None) => self.policy.branches(plan.k, room),
+            (Some(DrafterKind::Model), None) => {
+                let greedy = self.job.sampling.is_greedy();
+                self.policy.branches(plan.k, room, greedy)
+            }
             // The n-gram drafter's tree is the target's alone to take (the request's count,
             // checked against its limit).
             (Some(DrafterKind::Ngram), Some(b)) => b.min(plan.k),
