@@ -337,8 +337,8 @@ impl KPolicy {
     }
 
     /// The expected wall time of a round drafting `k` with `drafter`, as the parts add up
-    /// (before calibration).
-    /// A model round of at most the drafts held ready drafts nothing before its verify.
+    /// (before calibration); a model round of at most the drafts held ready drafts nothing
+    /// before its verify.
     fn round_seconds(&self, drafter: DrafterKind, k: usize, verify: f64) -> f64 {
         let draft = if drafter == DrafterKind::Model && k <= self.held {
             0.0

@@ -341,13 +341,14 @@ impl<'e> Generation<'e> {
         if let Some(r) = verified.verdict.refused.take() {
             self.refused(&r.reason, || r.message.clone());
         }
-        // The draft's compute the round waited for: its step, and of a block drafted during the
-        // verify what ran past the verdict.
+        // The block drafted during the verify, for the round's debug line (taken just below).
         let next_k = verified.drafted_next.as_ref().map_or(0, |(k, _)| *k);
         let next_secs = match &verified.drafted_next {
             Some((_, Ok(b))) => b.wall_secs,
             _ => 0.0,
         };
+        // The draft's compute the round waited for: its step, and of a block drafted during the
+        // verify what ran past the verdict.
         let draft_waited = block.compute_secs + self.drafted_ahead(round, verified);
         let Verified { verdict, tree, .. } = &*verified;
         let (drafts, accepted) = (block.tokens.len(), verdict.accepted);

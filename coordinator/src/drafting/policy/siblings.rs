@@ -134,15 +134,7 @@ mod tests {
     fn a_greedy_trees_draft_passes_are_priced() {
         // Verify 10 ms flat (positions free), a draft of 8 ms a pass, α = 0.6, a branch right
         // half the times it is tested.
-        let mut policy = KPolicy::new(8);
-        for n in [1, 1, 2, 3, 4] {
-            policy.verify.observe(n, 0.010);
-        }
-        policy.model.overhead.add(0.0);
-        policy.model.compute.observe(1, 0.008);
-        policy.model.compute.observe(2, 0.016);
-        policy.model.accept = [0.6; crate::drafting::policy::ADAPTIVE_MAX_K];
-        policy.model.tried = [100; crate::drafting::policy::ADAPTIVE_MAX_K];
+        let mut policy = crate::drafting::policy::tests::measured(0.010, 0.008, 0.6);
         for i in 0..100 {
             policy.observe_sibling(i % 2);
         }

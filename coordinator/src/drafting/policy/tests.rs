@@ -121,6 +121,22 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<RoundPlan> {
     plans
 }
 
+/// A policy that has measured a verify of `verify` seconds at 1 to 4 positions (flat), a draft
+/// of `t_d` seconds a token with no fixed cost, and the model's drafts accepted with chance
+/// `accept` at every depth (100 rounds each).
+pub(super) fn measured(verify: f64, t_d: f64, accept: f64) -> KPolicy {
+    let mut policy = KPolicy::new(8);
+    for n in [1, 1, 2, 3, 4] {
+        policy.verify.observe(n, verify);
+    }
+    policy.model.overhead.add(0.0);
+    policy.model.compute.observe(1, t_d);
+    policy.model.compute.observe(2, 2.0 * t_d);
+    policy.model.accept = [accept; ADAPTIVE_MAX_K];
+    policy.model.tried = [100; ADAPTIVE_MAX_K];
+    policy
+}
+
 fn settled_k(plans: &[RoundPlan]) -> usize {
     let tail = &plans[plans.len() - 40..];
     let mut ks: Vec<usize> = tail.iter().map(|p| p.k).collect();
@@ -424,15 +440,7 @@ fn a_nearly_perfect_draft_reaches_the_best_long_block() {
 fn drafts_held_ready_cost_the_round_no_drafting() {
     // Verify 10 ms flat; a draft of 8 ms a token accepted 9 times in 10; n-gram lookup offers
     // two drafts accepted 8 times in 10, at no cost.
-    let mut policy = KPolicy::new(8);
-    for n in [1, 1, 2, 3, 4] {
-        policy.verify.observe(n, 0.010);
-    }
-    policy.model.overhead.add(0.0);
-    policy.model.compute.observe(1, 0.008);
-    policy.model.compute.observe(2, 0.016);
-    policy.model.accept = [0.9; ADAPTIVE_MAX_K];
-    policy.model.tried = [100; ADAPTIVE_MAX_K];
+    let mut policy = measured(0.010, 0.008, 0.9);
     let class = ngram::class(4);
     policy.ngram[class].accept = [0.8; ADAPTIVE_MAX_K];
     policy.ngram[class].tried = [100; ADAPTIVE_MAX_K];
@@ -464,15 +472,7 @@ fn a_block_drafted_ahead_is_one_longer_only_where_that_fits_in_the_verify() {
     // fit in the verify of K = 1, the guess and two (12 ms) would delay it: one is drafted
     // ahead. At 3 ms a token two fit (9 ms).
     for (t_d, len) in [(0.004, 1), (0.003, 2)] {
-        let mut policy = KPolicy::new(8);
-        for n in [1, 1, 2, 3] {
-            policy.verify.observe(n, 0.010);
-        }
-        policy.model.overhead.add(0.0);
-        policy.model.compute.observe(1, t_d);
-        policy.model.compute.observe(2, 2.0 * t_d);
-        policy.model.accept = [1.0; ADAPTIVE_MAX_K];
-        policy.model.tried = [100; ADAPTIVE_MAX_K];
+        let policy = measured(0.010, t_d, 1.0);
         assert_eq!(policy.ahead_len(1), len, "{t_d}");
     }
 }
@@ -482,18 +482,10 @@ fn a_block_is_drafted_ahead_only_where_that_pays() {
     // Verify 10 ms flat; a draft of 8 ms a token. Drafting 2 ahead (the guess and one more)
     // during the verify of K = 1 takes 16 ms: every round would wait 6 ms past the verify, and
     // save its 8 ms draft only on a hit.
-    let mut policy = KPolicy::new(8);
-    for n in [1, 1, 2, 3] {
-        policy.verify.observe(n, 0.010);
-    }
-    policy.model.overhead.add(0.0);
-    policy.model.compute.observe(1, 0.008);
-    policy.model.compute.observe(2, 0.016);
-    assert_eq!(policy.ahead_k(1), 1);
     // A poor draft (half its drafts accepted, its guess of the bonus at the prior 0.6): a hit
     // in 0.3 of the rounds saves 2.4 ms of the 6 lost; drafted then verified, 18 ms a round.
-    policy.model.accept = [0.5; ADAPTIVE_MAX_K];
-    policy.model.tried = [100; ADAPTIVE_MAX_K];
+    let mut policy = measured(0.010, 0.008, 0.5);
+    assert_eq!(policy.ahead_k(1), 1);
     assert_eq!(policy.ahead_len(1), 0);
     assert!((policy.round_seconds(DrafterKind::Model, 1, 0.010) - 0.018).abs() < 1e-12);
     // A draft always right, its guess too: every round's drafts are ready, and a round takes
