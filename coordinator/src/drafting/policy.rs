@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::drafting::DrafterKind;
 use crate::drafting::ngram::{self, NgramOffer};
-use costs::{Ewma, SizeCost};
+use costs::{DrafterCosts, SizeCost};
 
 /// Largest K the adaptive policy tries.
 pub const ADAPTIVE_MAX_K: usize = 8;
@@ -79,109 +79,6 @@ impl RoundPlan {
     };
 }
 
-/// What is known of one drafter.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct DrafterCosts {
-    accept: [f64; ADAPTIVE_MAX_K],
-    /// Rounds that reached each position.
-    tried: [u32; ADAPTIVE_MAX_K],
-    /// The link's round trip and the node's fixed cost: wall time beyond the compute.
-    overhead: Ewma,
-    /// Compute by K (it includes feeding the previous round's tokens, a cost that does not grow
-    /// with K: hence a line, not a per-token rate).
-    compute: SizeCost,
-    /// Measured round time over the time the model predicted for it, as a moving average: what
-    /// the parts do not show (a link that queues, contention for the cores, a block drafted
-    /// ahead that ran late). Rates are divided by it, so a model that is wrong about a drafter
-    /// stops choosing it after a few rounds.
-    calibration: f64,
-    calibrated: u32,
-    /// Acceptance assumed where no round has reached a position.
-    prior: f64,
-}
-
-impl Default for DrafterCosts {
-    fn default() -> Self {
-        Self::with_prior(PRIOR_ACCEPT)
-    }
-}
-
-impl DrafterCosts {
-    fn with_prior(prior: f64) -> Self {
-        Self {
-            accept: [prior; ADAPTIVE_MAX_K],
-            tried: [0; ADAPTIVE_MAX_K],
-            overhead: Ewma::default(),
-            compute: SizeCost::new(ADAPTIVE_MAX_K, 1.0),
-            calibration: 1.0,
-            calibrated: 0,
-            prior,
-        }
-    }
-
-    /// For i = 1..=k, the probability that drafts 1..=i are all accepted. A position never
-    /// reached is assumed to fare as the last one reached (acceptance by position is flat or
-    /// falls slowly), so a draft that does well is tried on longer blocks.
-    fn reach(&self, k: usize) -> impl Iterator<Item = f64> + '_ {
-        let (mut last, mut reach) = (self.prior, 1.0);
-        (0..k.min(ADAPTIVE_MAX_K)).map(move |i| {
-            if self.tried[i] > 0 {
-                last = self.accept[i];
-            }
-            reach *= last;
-            reach
-        })
-    }
-
-    /// Probability that all of `k` drafts are accepted.
-    fn all_accepted(&self, k: usize) -> f64 {
-        self.reach(k).last().unwrap_or(1.0)
-    }
-
-    /// Expected committed tokens of a round drafting `k` (accepted drafts plus one).
-    fn expected_tokens(&self, k: usize) -> f64 {
-        1.0 + self.reach(k).sum::<f64>()
-    }
-
-    fn draft_seconds(&self, k: usize) -> f64 {
-        self.overhead.0.unwrap_or(0.0) + self.compute.seconds(k).unwrap_or(0.0)
-    }
-
-    fn observe_acceptance(&mut self, k: usize, accepted: usize) {
-        for i in 0..k.min(accepted + 1).min(ADAPTIVE_MAX_K) {
-            let hit = if i < accepted { 1.0 } else { 0.0 };
-            // A position reached for the first time starts from the one before it, as `reach`
-            // assumed while it was untried (not from the fixed prior: one success on an
-            // exploration round must not make a longer block look worse than before it).
-            if self.tried[i] == 0 && i > 0 {
-                self.accept[i] = self.accept[i - 1];
-            }
-            // The first trials weigh more, so a few rounds replace the prior.
-            self.tried[i] = self.tried[i].saturating_add(1);
-            let weight = LEARN_ACCEPT.max(1.0 / f64::from(self.tried[i] + PRIOR_WEIGHT));
-            self.accept[i] += weight * (hit - self.accept[i]);
-        }
-    }
-
-    fn timed(&self) -> bool {
-        self.compute.seen.iter().any(|&n| n > 0)
-    }
-
-    fn calibrate(&mut self, measured_over_predicted: f64) {
-        let (low, high) = CALIBRATION_SAMPLE;
-        self.calibrated = self.calibrated.saturating_add(1);
-        let weight = LEARN.max(1.0 / f64::from(self.calibrated + PRIOR_WEIGHT));
-        self.calibration += weight * (measured_over_predicted.clamp(low, high) - self.calibration);
-    }
-
-    fn observe_costs(&mut self, k: usize, wall: f64, compute: f64) {
-        if k > 0 {
-            self.compute.observe(k, compute);
-            self.overhead.add((wall - compute).max(0.0));
-        }
-    }
-}
-
 /// The per-session K controller (saved whole by `--policy-file`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct KPolicy {
@@ -222,6 +119,11 @@ pub struct KPolicy {
     /// The model's drafts ready for the round being chosen (drafted during the last verify): a
     /// model round of at most as many costs no drafting ([`Self::choose`]).
     held: usize,
+    /// The model's K at its long-run rate, its held drafts aside (as of the last choice): the
+    /// length a block drafted ahead grows to, so that the pipeline follows the K the policy
+    /// would choose, not the K of the block it holds ([`Self::ahead_plan`]).
+    #[serde(default)]
+    steady: usize,
     /// Drafts of background steps the target would have accepted, and those compared.
     shadow: [u32; 2],
     /// How often a token tree's sibling leaves are right ([`siblings`]).
@@ -253,6 +155,7 @@ impl KPolicy {
             drafted_rounds: 0,
             pipelining: true,
             held: 0,
+            steady: 0,
             shadow: [0, 0],
             siblings: siblings::Siblings::default(),
             confidence: confidence::Confidence::default(),
@@ -366,6 +269,7 @@ impl KPolicy {
         }
         let costs = &self.model;
         let step = |len: usize| verify.max(costs.draft_seconds(len + 1));
+        let hit = costs.all_accepted(k) * self.guess;
         // One more than K only where it costs the round nothing more: a block of K + 1 held
         // lets the policy grow K without drafting, but a step past the verify delays the round.
         let len = if fits > k && step(k + 1) <= step(k) {
@@ -373,9 +277,18 @@ impl KPolicy {
         } else {
             k
         };
-        let saved = costs.all_accepted(k) * self.guess * costs.draft_seconds(k);
-        let pipelined = step(len) - saved;
-        (pipelined < verify).then_some((len, pipelined))
+        let mut plan = (len, step(len) - hit * costs.draft_seconds(k));
+        // Up to the long-run K where that is longer and saves the next round more than it
+        // delays this one: held drafts are priced free, so a block as long as this round's K
+        // kept K where it was (a tool call after summaries ran K = 1 where K = 2 paid).
+        let steady = self.steady;
+        if steady > len && steady <= fits {
+            let longer = step(steady) - hit * costs.draft_seconds(steady);
+            if longer < plan.1 {
+                plan = (steady, longer);
+            }
+        }
+        (plan.1 < verify).then_some(plan)
     }
 
     /// What the model predicts for a round that went as `round` did.
@@ -458,6 +371,18 @@ impl KPolicy {
     }
 
     /// Learns whether the draft's guess of the bonus token was the target's, in a round whose
+    /// `chain` model drafts were all accepted. Greedy, the guess (of a chain drafted ahead) is
+    /// what draft `chain + 1` would have been, and right exactly where the target would have
+    /// accepted it: the acceptance of a position no round drafts, learnt for free, which lets K
+    /// grow where the text's drafts are better than the last text's.
+    pub fn observe_guess_after(&mut self, chain: usize, right: bool, greedy: bool) {
+        self.observe_guess(right);
+        if greedy && chain > 0 {
+            self.model.observe_position(chain, right);
+        }
+    }
+
+    /// Learns whether the draft's guess of the bonus token was the target's, in a round whose
     /// drafts were all accepted.
     pub fn observe_guess(&mut self, right: bool) {
         self.guesses = self.guesses.saturating_add(1);
@@ -503,6 +428,11 @@ impl KPolicy {
         let timed = self.model.timed();
         // Drafting must beat target-only by a margin: a near tie is noise, and K = 0 is safe.
         let verify: Vec<f64> = (1..=cap + 1).map(|n| self.verify_seconds(n)).collect();
+        self.steady = if model && timed {
+            self.steady_k(&verify)
+        } else {
+            0
+        };
         let mut best = ((1.0 + MARGIN) / verify[0], RoundPlan::TARGET_ONLY);
         let mut best_model = None;
         for (drafter, limit) in [
@@ -582,6 +512,17 @@ impl KPolicy {
             };
         }
         plan
+    }
+
+    /// The model's K with the best long-run rate (its held drafts and the long-run K aside),
+    /// `verify[n - 1]` the verify of n positions.
+    fn steady_k(&mut self, verify: &[f64]) -> usize {
+        let held = std::mem::take(&mut self.held);
+        self.steady = 0;
+        let rate = |k: usize| self.rate_with(DrafterKind::Model, k, verify[k]);
+        let best = (1..verify.len()).max_by(|&a, &b| rate(a).total_cmp(&rate(b)));
+        self.held = held;
+        best.unwrap_or(0)
     }
 
     /// Whether the draft-node's model could pay at all: at its measured costs (calibrated), its

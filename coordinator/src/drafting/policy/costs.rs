@@ -1,9 +1,10 @@
-//! The policy's measured costs: a time's moving average ([`Ewma`]) and a cost by size
-//! ([`SizeCost`]: the verify's by positions, a drafter's compute by K).
+//! The policy's measured costs: a time's moving average ([`Ewma`]), a cost by size
+//! ([`SizeCost`]: the verify's by positions, a drafter's compute by K), and what is known of one
+//! drafter ([`DrafterCosts`]: its acceptance by position, its costs, its calibration).
 
 use serde::{Deserialize, Serialize};
 
-use super::LEARN;
+use super::{ADAPTIVE_MAX_K, CALIBRATION_SAMPLE, LEARN, LEARN_ACCEPT, PRIOR_ACCEPT, PRIOR_WEIGHT};
 
 /// How far above its moving average one time sample counts ([`Ewma`]).
 const SPIKE: f64 = 2.0;
@@ -112,5 +113,115 @@ impl SizeCost {
             .copied()
             .unwrap_or(0.0);
         Some(raw.max(floor))
+    }
+}
+
+/// What is known of one drafter.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct DrafterCosts {
+    pub(super) accept: [f64; ADAPTIVE_MAX_K],
+    /// Rounds that reached each position.
+    pub(super) tried: [u32; ADAPTIVE_MAX_K],
+    /// The link's round trip and the node's fixed cost: wall time beyond the compute.
+    pub(super) overhead: Ewma,
+    /// Compute by K (it includes feeding the previous round's tokens, a cost that does not grow
+    /// with K: hence a line, not a per-token rate).
+    pub(super) compute: SizeCost,
+    /// Measured round time over the time the model predicted for it, as a moving average: what
+    /// the parts do not show (a link that queues, contention for the cores, a block drafted
+    /// ahead that ran late). Rates are divided by it, so a model that is wrong about a drafter
+    /// stops choosing it after a few rounds.
+    pub(super) calibration: f64,
+    pub(super) calibrated: u32,
+    /// Acceptance assumed where no round has reached a position.
+    pub(super) prior: f64,
+}
+
+impl Default for DrafterCosts {
+    fn default() -> Self {
+        Self::with_prior(PRIOR_ACCEPT)
+    }
+}
+
+impl DrafterCosts {
+    pub(super) fn with_prior(prior: f64) -> Self {
+        Self {
+            accept: [prior; ADAPTIVE_MAX_K],
+            tried: [0; ADAPTIVE_MAX_K],
+            overhead: Ewma::default(),
+            compute: SizeCost::new(ADAPTIVE_MAX_K, 1.0),
+            calibration: 1.0,
+            calibrated: 0,
+            prior,
+        }
+    }
+
+    /// For i = 1..=k, the probability that drafts 1..=i are all accepted. A position never
+    /// reached is assumed to fare as the last one reached (acceptance by position is flat or
+    /// falls slowly), so a draft that does well is tried on longer blocks.
+    pub(super) fn reach(&self, k: usize) -> impl Iterator<Item = f64> + '_ {
+        let (mut last, mut reach) = (self.prior, 1.0);
+        (0..k.min(ADAPTIVE_MAX_K)).map(move |i| {
+            if self.tried[i] > 0 {
+                last = self.accept[i];
+            }
+            reach *= last;
+            reach
+        })
+    }
+
+    /// Probability that all of `k` drafts are accepted.
+    pub(super) fn all_accepted(&self, k: usize) -> f64 {
+        self.reach(k).last().unwrap_or(1.0)
+    }
+
+    /// Expected committed tokens of a round drafting `k` (accepted drafts plus one).
+    pub(super) fn expected_tokens(&self, k: usize) -> f64 {
+        1.0 + self.reach(k).sum::<f64>()
+    }
+
+    pub(super) fn draft_seconds(&self, k: usize) -> f64 {
+        self.overhead.0.unwrap_or(0.0) + self.compute.seconds(k).unwrap_or(0.0)
+    }
+
+    pub(super) fn observe_acceptance(&mut self, k: usize, accepted: usize) {
+        for i in 0..k.min(accepted + 1) {
+            self.observe_position(i, i < accepted);
+        }
+    }
+
+    /// Learns whether draft position `i` (from 0) was accepted, its earlier ones having been.
+    pub(super) fn observe_position(&mut self, i: usize, hit: bool) {
+        if i >= ADAPTIVE_MAX_K {
+            return;
+        }
+        // A position reached for the first time starts from the one before it, as `reach`
+        // assumed while it was untried (not from the fixed prior: one success on an
+        // exploration round must not make a longer block look worse than before it).
+        if self.tried[i] == 0 && i > 0 {
+            self.accept[i] = self.accept[i - 1];
+        }
+        // The first trials weigh more, so a few rounds replace the prior.
+        self.tried[i] = self.tried[i].saturating_add(1);
+        let weight = LEARN_ACCEPT.max(1.0 / f64::from(self.tried[i] + PRIOR_WEIGHT));
+        self.accept[i] += weight * (f64::from(u8::from(hit)) - self.accept[i]);
+    }
+
+    pub(super) fn timed(&self) -> bool {
+        self.compute.seen.iter().any(|&n| n > 0)
+    }
+
+    pub(super) fn calibrate(&mut self, measured_over_predicted: f64) {
+        let (low, high) = CALIBRATION_SAMPLE;
+        self.calibrated = self.calibrated.saturating_add(1);
+        let weight = LEARN.max(1.0 / f64::from(self.calibrated + PRIOR_WEIGHT));
+        self.calibration += weight * (measured_over_predicted.clamp(low, high) - self.calibration);
+    }
+
+    pub(super) fn observe_costs(&mut self, k: usize, wall: f64, compute: f64) {
+        if k > 0 {
+            self.compute.observe(k, compute);
+            self.overhead.add((wall - compute).max(0.0));
+        }
     }
 }

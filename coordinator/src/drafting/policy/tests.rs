@@ -1,5 +1,6 @@
 //! The K controller on synthetic costs.
 
+use super::costs::Ewma;
 use super::*;
 
 #[derive(Clone, Copy)]
@@ -34,9 +35,16 @@ fn pair(alpha: f64, t_d: f64, rtt: f64, t1: f64, slope: f64) -> Pair {
 /// `t_v(n) = t1 · (1 + slope · (n − 1))`; a drafted round also costs `hidden` seconds that
 /// neither part shows. As the engine does, a block is drafted ahead during the verify where
 /// the policy says it fits (the round then lasts the longer of the two), and used by the
-/// next round when every draft was accepted (the draft's guess of the bonus always right).
+/// next round when every draft was accepted and the draft's guess of the bonus token (one more
+/// draft, as likely right) was the target's.
 /// Returns the plans chosen.
 fn simulate(pair: Pair, rounds: usize) -> Vec<RoundPlan> {
+    let mut policy = KPolicy::new(ADAPTIVE_MAX_K);
+    simulate_on(&mut policy, pair, rounds)
+}
+
+/// [`simulate`] from `policy` as it stands.
+fn simulate_on(policy: &mut KPolicy, pair: Pair, rounds: usize) -> Vec<RoundPlan> {
     let Pair {
         alpha,
         t_d,
@@ -47,7 +55,6 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<RoundPlan> {
         pipelining,
         mut stall_at,
     } = pair;
-    let mut policy = KPolicy::new(ADAPTIVE_MAX_K);
     policy.set_pipelining(pipelining);
     let mut plans = Vec::new();
     // A fixed-seed generator: each position is accepted with chance alpha.
@@ -93,13 +100,11 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<RoundPlan> {
         };
         let hidden = if k > 0 { hidden } else { 0.0 };
         let drafts_next = ahead && !stalled;
-        ready = if drafts_next && accepted == k {
-            next
-        } else {
-            0
-        };
-        if drafts_next && accepted == k {
-            policy.observe_guess(true);
+        // The guess of the bonus token is one more draft: right with chance alpha.
+        let guess = (drafts_next && accepted == k).then(|| uniform() < alpha);
+        ready = if guess == Some(true) { next } else { 0 };
+        if let Some(right) = guess {
+            policy.observe_guess_after(k, right, true);
         }
         policy.observe(
             RoundPlan { k, ..plan },
@@ -478,6 +483,28 @@ fn a_block_drafted_ahead_is_one_longer_only_where_that_fits_in_the_verify() {
 }
 
 #[test]
+fn a_block_drafted_ahead_grows_to_the_long_run_k_where_that_saves_more_than_it_delays() {
+    // Verify 10 ms flat, 4 ms a draft, always right. At K = 1 one is drafted past the guess;
+    // where K = 2 is the long-run choice, two (12 ms: the round waits 2 ms, the next saves 8).
+    let mut policy = measured(0.010, 0.004, 1.0);
+    policy.steady = 2;
+    assert_eq!(policy.ahead_len(1), 2);
+    // Not past what fits in twice the verify (the guess and four drafts, 20 ms).
+    policy.steady = 5;
+    assert_eq!(policy.ahead_len(1), 1);
+}
+
+#[test]
+fn a_right_guess_is_the_next_positions_acceptance_where_greedy() {
+    let mut policy = measured(0.010, 0.004, 0.5);
+    policy.observe_guess_after(1, true, false);
+    assert_eq!(policy.model.accept[1], 0.5);
+    policy.observe_guess_after(1, true, true);
+    assert!(policy.model.accept[1] > 0.5 && policy.model.accept[0] == 0.5);
+    assert_eq!(policy.model.tried[1], 101);
+}
+
+#[test]
 fn a_block_is_drafted_ahead_only_where_that_pays() {
     // Verify 10 ms flat; a draft of 8 ms a token. Drafting 2 ahead (the guess and one more)
     // during the verify of K = 1 takes 16 ms: every round would wait 6 ms past the verify, and
@@ -680,4 +707,28 @@ fn a_fresh_policy_times_a_block_and_drafts_short_matches_on_a_flat_verify() {
         policy.observe(plan, &costs);
     }
     assert!(ngram_rounds >= 150, "{ngram_rounds} n-gram rounds of 200");
+}
+
+#[test]
+fn a_draft_better_on_this_text_than_the_last_grows_k_past_the_block_it_holds() {
+    // The real pair in split, roughly: a step of 84 ms, a verify of 2 positions 21 ms more, a
+    // draft of 35 ms a token plus 5 ms. A session on prose (α = 0.6) then one on a tool call
+    // (α = 0.95) that starts from what the first learnt. Drafts held ready cost nothing, so K
+    // stayed at the length of the block drafted ahead, 1, for 50 rounds: position 2's
+    // acceptance was the prose's, and no round drafted it (10 rounds of the first 60 at K ≥ 2,
+    // against 54 for a fresh session). The guess of the bonus token is position 2's draft.
+    let (prose, tool_call) = (
+        pair(0.6, 0.035, 0.005, 0.084, 0.25),
+        pair(0.95, 0.035, 0.005, 0.084, 0.25),
+    );
+    let grown = |plans: &[RoundPlan]| plans[..60].iter().filter(|p| p.k >= 2).count();
+    let fresh = simulate(tool_call, 60);
+    let mut first = KPolicy::new(ADAPTIVE_MAX_K);
+    simulate_on(&mut first, prose, 200);
+    let continued = simulate_on(&mut first.continued(ADAPTIVE_MAX_K), tool_call, 60);
+    assert!(
+        2 * grown(&continued) >= grown(&fresh),
+        "{:?}",
+        continued.iter().map(|p| p.k).collect::<Vec<_>>()
+    );
 }
