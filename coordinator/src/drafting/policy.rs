@@ -160,7 +160,8 @@ impl KPolicy {
             guess: PRIOR_ACCEPT,
             guesses: 0,
             idle_seconds: 0.0,
-            idle_rounds: 0,
+            // No model round yet: not kept caught up until one ([`Self::catch_up_soon`]).
+            idle_rounds: RECENT_ROUNDS,
             first_probe_cost: 0.0,
             probes: 0,
             explore_credit: 0.0,

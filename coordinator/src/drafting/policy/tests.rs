@@ -732,3 +732,24 @@ fn a_draft_better_on_this_text_than_the_last_grows_k_past_the_block_it_holds() {
         continued.iter().map(|p| p.k).collect::<Vec<_>>()
     );
 }
+
+#[test]
+fn an_idle_draft_is_kept_caught_up_only_after_the_model_drafted() {
+    // A fresh session: the model has drafted no round, and no probe is near; catching the
+    // draft-node up each round only slows the target beside it.
+    let mut policy = KPolicy::new(8);
+    policy.set_first_probe_cost(0.05);
+    assert!(!policy.catch_up_soon(true));
+    let model = RoundPlan {
+        drafter: Some(DrafterKind::Model),
+        k: 1,
+    };
+    let round = RoundCosts {
+        drafted: 1,
+        verify_wall: 0.040,
+        ..RoundCosts::default()
+    };
+    policy.observe(model, &round);
+    assert!(policy.catch_up_soon(true));
+    assert!(!policy.catch_up_soon(false), "never on the target's cores");
+}
