@@ -61,6 +61,11 @@ const PROBE_BUDGET: f64 = 0.02;
 /// The most exploration credit a session holds, in target-only tokens' time: a long stretch
 /// where the draft could not pay does not buy a burst of probes once it could.
 const CREDIT_CAP_TOKENS: f64 = 10.0;
+/// How much slower the target runs beside a background step on the draft-node, as a fraction,
+/// until measured: two nodes on one machine share its memory and caches (the real pair's target
+/// steps, each pinned to its own core of a 2-core EPYC: 46-50 ms beside a step against 39 alone),
+/// and until a session has measured it a step is priced as if they did.
+const PRIOR_BESIDE: f64 = 0.25;
 /// Bounds on one round's measured-over-predicted time, as it enters the calibration (one round
 /// may be an outlier: a page fault, a scheduler hiccup).
 const CALIBRATION_SAMPLE: (f64, f64) = (0.25, 4.0);
@@ -129,10 +134,7 @@ pub struct KPolicy {
     #[serde(default)]
     quiet: Ewma,
     /// How much slower the target's rounds run beside a background step, as a fraction: the
-    /// machines' (carried from session to session). None until measured: priced at a guess
-    /// before the draft was ever timed (a step's cost then taken from its session's opening, a
-    /// long prompt's prefill), steps never came, and a fresh process starting on summaries never
-    /// drafted a round (0 model rounds in 237, against 114 without the pacing).
+    /// machines' (carried from session to session; [`PRIOR_BESIDE`] until measured).
     #[serde(default)]
     beside: Ewma,
     /// Drafts of background steps the target would have accepted, and those compared.
@@ -673,15 +675,21 @@ impl KPolicy {
                 self.beside.add(excess / quiet);
                 self.spend(excess);
             }
-            // Before a quiet round there is nothing to measure against.
-            (true, _) => {}
+            // Before a quiet round: at the slowdown expected.
+            (true, _) => {
+                self.spend(verify_wall * self.beside_ratio() / (1.0 + self.beside_ratio()))
+            }
         }
+    }
+
+    fn beside_ratio(&self) -> f64 {
+        self.beside.0.unwrap_or(PRIOR_BESIDE)
     }
 
     /// What a background step of `seconds` on the draft-node is expected to cost the target
     /// where the draft-node has cores of its own: the slowdown beside it, for as long as it runs.
     pub fn beside_cost(&self, seconds: f64) -> f64 {
-        self.beside.0.unwrap_or(0.0) * seconds
+        self.beside_ratio() * seconds
     }
 
     /// Learns from a finished round: `drafted` tokens by `plan.drafter` (fewer than `plan.k` when

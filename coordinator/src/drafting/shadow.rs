@@ -225,15 +225,6 @@ mod tests {
     }
 
     #[test]
-    fn before_a_slowdown_is_measured_steps_come_every_few_rounds_on_own_cores() {
-        // No credit yet and a step expected to take as long as a long prompt's prefill: the
-        // draft must still be measured (priced at a guess, it never was on summaries).
-        let policy = KPolicy::new(8);
-        let mut shadow = Shadow::new(true, false);
-        assert_eq!((0..EVERY).filter(|_| shadow.due(true, &policy, 1.5)).count(), 1);
-    }
-
-    #[test]
     fn a_step_fits_the_draft_nodes_limit_and_the_sessions_room() {
         assert_eq!(shadow_len(8, 100), SHADOW_K);
         assert_eq!(shadow_len(3, 100), 3);
