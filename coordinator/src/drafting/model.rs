@@ -103,11 +103,6 @@ impl ModelDrafter {
         }
     }
 
-    /// Whether a background task holds the session (a catch-up, a timing, a re-attachment).
-    pub fn busy(&self) -> bool {
-        self.pending.is_some()
-    }
-
     /// Whether the session is attached and idle: the model can draft.
     pub fn attached(&self) -> bool {
         self.session.is_some()

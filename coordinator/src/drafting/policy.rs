@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::drafting::DrafterKind;
 use crate::drafting::ngram::{self, NgramOffer};
-use costs::{DrafterCosts, Ewma, SizeCost};
+use costs::{DrafterCosts, SizeCost};
 
 /// Largest K the adaptive policy tries.
 pub const ADAPTIVE_MAX_K: usize = 8;
@@ -61,11 +61,6 @@ const PROBE_BUDGET: f64 = 0.02;
 /// The most exploration credit a session holds, in target-only tokens' time: a long stretch
 /// where the draft could not pay does not buy a burst of probes once it could.
 const CREDIT_CAP_TOKENS: f64 = 10.0;
-/// How much slower the target runs beside a background step on the draft-node, as a fraction,
-/// until measured: two nodes on one machine share its memory and caches (the real pair's target
-/// steps, each pinned to its own core of a 2-core EPYC: 46-50 ms beside a step against 39 alone),
-/// and until a session has measured it a step is priced as if they did.
-const PRIOR_BESIDE: f64 = 0.25;
 /// Bounds on one round's measured-over-predicted time, as it enters the calibration (one round
 /// may be an outlier: a page fault, a scheduler hiccup).
 const CALIBRATION_SAMPLE: (f64, f64) = (0.25, 4.0);
@@ -129,14 +124,6 @@ pub struct KPolicy {
     /// would choose, not the K of the block it holds ([`Self::ahead_plan`]).
     #[serde(default)]
     steady: usize,
-    /// The target's verify of one position while no background step runs on the draft-node:
-    /// what a round that ran beside one is measured against ([`Self::observe_plain_round`]).
-    #[serde(default)]
-    quiet: Ewma,
-    /// How much slower the target's rounds run beside a background step, as a fraction: the
-    /// machines' (carried from session to session; [`PRIOR_BESIDE`] until measured).
-    #[serde(default)]
-    beside: Ewma,
     /// Drafts of background steps the target would have accepted, and those compared.
     shadow: [u32; 2],
     /// How often a token tree's sibling leaves are right ([`siblings`]).
@@ -170,8 +157,6 @@ impl KPolicy {
             pipelining: true,
             held: 0,
             steady: 0,
-            quiet: Ewma::default(),
-            beside: Ewma::default(),
             shadow: [0, 0],
             siblings: siblings::Siblings::default(),
             confidence: confidence::Confidence::default(),
@@ -196,7 +181,6 @@ impl KPolicy {
         next.guess = self.guess;
         next.guesses = self.guesses.min(CARRIED_TRIALS);
         next.siblings = self.siblings.clone();
-        next.beside = self.beside;
         next.confidence = self.confidence.carried();
         for (to, from) in std::iter::once((&mut next.model, &self.model))
             .chain(next.ngram.iter_mut().zip(&self.ngram))
@@ -625,11 +609,6 @@ impl KPolicy {
         self.first_probe_cost = seconds;
     }
 
-    /// [`Self::set_first_probe_cost`]'s: what a step of the draft never timed is expected to take.
-    pub fn first_probe_cost(&self) -> f64 {
-        self.first_probe_cost
-    }
-
     /// Whether the idle draft-node should be fed what was committed since it last drafted, in
     /// the background, where it has cores of its own: a probe is near, or the model drafted one
     /// of the last [`RECENT_ROUNDS`] rounds and may well draft the next. Alternating with n-gram
@@ -659,37 +638,6 @@ impl KPolicy {
     /// target's cores.
     pub fn spend(&mut self, seconds: f64) {
         self.explore_credit -= seconds;
-    }
-
-    /// Learns from a target-only round (one position verified) whether the draft-node ran a
-    /// background step beside it (`background`): a draft-node with cores of its own still shares
-    /// the machine's memory and caches where both nodes run on one (two emulated machines: the
-    /// real pair's target step took 46-50 ms beside a background step against 39 alone, and the
-    /// steps every 4 rounds cost a short answer 10 %). What such a round took past a quiet one
-    /// is charged to the exploration credit, as steps on the target's own cores are.
-    pub fn observe_plain_round(&mut self, background: bool, verify_wall: f64) {
-        match (background, self.quiet.0) {
-            (false, _) => self.quiet.add(verify_wall),
-            (true, Some(quiet)) if quiet > 0.0 => {
-                let excess = (verify_wall - quiet).max(0.0);
-                self.beside.add(excess / quiet);
-                self.spend(excess);
-            }
-            // Before a quiet round: at the slowdown expected.
-            (true, _) => {
-                self.spend(verify_wall * self.beside_ratio() / (1.0 + self.beside_ratio()))
-            }
-        }
-    }
-
-    fn beside_ratio(&self) -> f64 {
-        self.beside.0.unwrap_or(PRIOR_BESIDE)
-    }
-
-    /// What a background step of `seconds` on the draft-node is expected to cost the target
-    /// where the draft-node has cores of its own: the slowdown beside it, for as long as it runs.
-    pub fn beside_cost(&self, seconds: f64) -> f64 {
-        self.beside_ratio() * seconds
     }
 
     /// Learns from a finished round: `drafted` tokens by `plan.drafter` (fewer than `plan.k` when

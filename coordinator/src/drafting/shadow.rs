@@ -7,8 +7,6 @@
 //!
 //! Without it the policy learns acceptance only from probes, which its 2 % budget spaces out: a
 //! good draft behind a 20 ms link stayed unused for whole requests, its acceptance at the prior.
-//! The steps are paced by the same budget wherever they measurably slow the target (the
-//! draft-node on the target's cores, or on a machine whose memory the two share).
 
 use tandem_runtime::TokenLog;
 
@@ -39,24 +37,20 @@ pub struct Shadow {
     /// their positions.
     pending: Option<(usize, Vec<u32>)>,
     pacing: Pacing,
-    /// What the last step took, the gap it fed first included, where one was timed.
-    step: Option<f64>,
     on: bool,
 }
 
 /// When the next background step comes.
 #[derive(Debug)]
 enum Pacing {
-    /// After [`EVERY`] rounds without the model (the draft-node's own cores), once the policy's
-    /// exploration credit pays for what a step is expected to slow the target down
-    /// ([`KPolicy::beside_cost`]; the rounds it slowed are charged to it); the count so far.
+    /// After [`EVERY`] rounds without the model (the draft-node's own cores); the count so far.
     Rounds(usize),
     /// Where the draft shares the target's cores (the all-in-one mode), a step slows the target
     /// down by what it takes: it comes once the policy's exploration credit pays for it (what
-    /// the last step took), and is charged to it ([`KPolicy::spend`]). Every 16 rounds instead,
-    /// the real pair's roleplay prompt ran the draft model alone at 0.84× target-only while the
-    /// model drafted 9 rounds of 153.
-    Budget,
+    /// the last step took, the gap it fed first included, where one was timed), and is charged
+    /// to it ([`KPolicy::spend`]). Every 16 rounds instead, the real pair's roleplay prompt ran
+    /// the draft model alone at 0.84× target-only while the model drafted 9 rounds of 153.
+    Budget { step: Option<f64> },
 }
 
 impl Shadow {
@@ -66,11 +60,10 @@ impl Shadow {
         Self {
             pending: None,
             pacing: if sharing_cores {
-                Pacing::Budget
+                Pacing::Budget { step: None }
             } else {
                 Pacing::Rounds(0)
             },
-            step: None,
             on: greedy,
         }
     }
@@ -79,8 +72,8 @@ impl Shadow {
     /// Where the draft shares the target's cores, what it took is charged to the policy's
     /// exploration credit.
     pub fn drafted(&mut self, t: &Timing, policy: &mut KPolicy) {
-        self.step = Some(t.task_secs);
-        if let Pacing::Budget = self.pacing {
+        if let Pacing::Budget { step } = &mut self.pacing {
+            *step = Some(t.task_secs);
             policy.spend(t.task_secs);
         }
         if self.on && !t.tokens.is_empty() {
@@ -107,26 +100,26 @@ impl Shadow {
     }
 
     /// Counts a round without the draft model; true when a background step is due: none is
-    /// waiting to be compared, and the policy's exploration credit pays for it: on own cores
-    /// after enough such rounds, what a step is expected to slow the target down
-    /// ([`KPolicy::beside_cost`]), on shared cores what it takes. A step is expected to take
-    /// what the last took, else `expected_step` seconds; [`SPREAD_WHEN_HOPELESS`] times more
-    /// where the draft `could_pay` no matter its acceptance.
-    pub fn due(&mut self, could_pay: bool, policy: &KPolicy, expected_step: f64) -> bool {
+    /// waiting to be compared, and enough such rounds have passed (own cores) or the policy's
+    /// exploration `credit` pays for a step (shared cores: what the last took, else
+    /// `expected_step` seconds), [`SPREAD_WHEN_HOPELESS`] times more where the draft `could_pay`
+    /// no matter its acceptance.
+    pub fn due(&mut self, could_pay: bool, credit: f64, expected_step: f64) -> bool {
         if !self.on || self.pending.is_some() {
             return false;
         }
         let spread = if could_pay { 1 } else { SPREAD_WHEN_HOPELESS };
-        let (step, credit) = (self.step.unwrap_or(expected_step), policy.explore_credit());
         match &mut self.pacing {
             Pacing::Rounds(rounds) => {
                 *rounds += 1;
-                if *rounds >= EVERY * spread && credit >= policy.beside_cost(step) {
+                if *rounds >= EVERY * spread {
                     *rounds = 0;
                     return true;
                 }
             }
-            Pacing::Budget => return credit >= step * spread as f64,
+            Pacing::Budget { step } => {
+                return credit >= step.unwrap_or(expected_step) * spread as f64;
+            }
         }
         false
     }
@@ -147,23 +140,16 @@ mod tests {
         }
     }
 
-    /// A fresh policy with `credit` seconds to explore with.
-    fn with_credit(credit: f64) -> KPolicy {
-        let mut policy = KPolicy::new(8);
-        policy.spend(-credit);
-        policy
-    }
-
     #[test]
     fn drafts_are_scored_against_the_targets_tokens_once_it_has_produced_them() {
-        let mut policy = with_credit(1.0);
+        let mut policy = KPolicy::new(8);
         let mut shadow = Shadow::new(true, false);
         let mut log = TokenLog::new(&[1, 2, 3]);
         shadow.drafted(&timing(3, &[10, 11, 12, 13]), &mut policy);
         log.extend(&[10, 11]);
         shadow.compare(&log, &mut policy);
         assert!(
-            !shadow.due(true, &policy, 0.0),
+            !shadow.due(true, 0.0, 0.0),
             "still waiting for two positions"
         );
         log.extend(&[12, 99, 5]);
@@ -174,54 +160,16 @@ mod tests {
         assert_ne!(before, after);
         assert_eq!(policy.shadow_acceptance(), [3, 4]);
         // Compared: the next step is due after `EVERY` rounds.
-        assert_eq!(
-            (0..EVERY)
-                .filter(|_| shadow.due(true, &policy, 0.0))
-                .count(),
-            1
-        );
-        assert!(!shadow.due(true, &policy, 0.0));
+        assert_eq!((0..EVERY).filter(|_| shadow.due(true, 0.0, 0.0)).count(), 1);
+        assert!(!shadow.due(true, 0.0, 0.0));
         // A draft that could not pay even if always right: steps much further apart.
         let spread = EVERY * SPREAD_WHEN_HOPELESS;
         // (one round counted already, by the call above)
         assert_eq!(
-            (2..spread)
-                .filter(|_| shadow.due(false, &policy, 0.0))
-                .count(),
+            (2..spread).filter(|_| shadow.due(false, 0.0, 0.0)).count(),
             0
         );
-        assert!(shadow.due(false, &policy, 0.0));
-    }
-
-    #[test]
-    fn on_own_cores_steps_come_when_the_credit_pays_for_what_they_slow_the_target() {
-        let mut policy = KPolicy::new(8);
-        let mut shadow = Shadow::new(true, false);
-        // Quiet target steps of 40 ms; one beside a background step took 48: 8 ms charged, and
-        // the target runs 20 % slower beside a step.
-        for _ in 0..3 {
-            policy.observe_plain_round(false, 0.040);
-        }
-        policy.observe_plain_round(true, 0.048);
-        assert!((policy.explore_credit() + 0.008).abs() < 1e-9);
-        assert!((policy.beside_cost(1.0) - 0.2).abs() < 1e-9);
-        // In debt: no step however many rounds pass; a step of 50 ms is due once the credit
-        // pays 10 (the rounds have passed).
-        assert!(!(0..2 * EVERY).any(|_| shadow.due(true, &policy, 0.05)));
-        policy.spend(-0.0179);
-        assert!(!shadow.due(true, &policy, 0.05));
-        policy.spend(-0.0002);
-        assert!(shadow.due(true, &policy, 0.05));
-        // A round beside a step that took no longer than a quiet one costs nothing.
-        let credit = policy.explore_credit();
-        policy.observe_plain_round(true, 0.039);
-        assert_eq!(policy.explore_credit(), credit);
-        // Where the draft-node runs on a machine of its own the slowdown measured falls, and
-        // steps come every `EVERY` rounds again.
-        for _ in 0..40 {
-            policy.observe_plain_round(true, 0.040);
-        }
-        assert!(policy.beside_cost(0.05) < 0.0001);
+        assert!(shadow.due(false, 0.0, 0.0));
     }
 
     #[test]
@@ -235,40 +183,38 @@ mod tests {
 
     #[test]
     fn sampled_generations_are_not_measured() {
-        let mut policy = with_credit(1.0);
+        let mut policy = KPolicy::new(8);
         let mut shadow = Shadow::new(false, false);
         shadow.drafted(&timing(0, &[1, 2]), &mut policy);
         shadow.compare(&TokenLog::new(&[1, 2, 3]), &mut policy);
         assert_eq!(policy.shadow_acceptance(), [0, 0]);
-        assert!(!(0..10).any(|_| shadow.due(true, &policy, 0.0)));
+        assert!(!(0..10).any(|_| shadow.due(true, 0.0, 0.0)));
     }
 
     #[test]
     fn on_shared_cores_steps_come_when_the_exploration_credit_pays_and_are_charged_to_it() {
+        let mut policy = KPolicy::new(8);
         let mut shadow = Shadow::new(true, true);
         // Before any step was timed, the expected cost decides, against the credit (however
         // many rounds earned it).
-        assert!(!shadow.due(true, &with_credit(0.09), 0.1));
-        assert!(shadow.due(true, &with_credit(0.1), 0.1));
+        assert!(!shadow.due(true, 0.09, 0.1));
+        assert!(shadow.due(true, 0.1, 0.1));
         // A step that took 0.2 s in all (the gap it fed and its drafts) is charged to the
         // policy's credit, and prices the next step, whatever the estimate.
         let mut step = timing(3, &[10, 11]);
         step.task_secs = 0.2;
-        let mut policy = KPolicy::new(8);
+        let credit = policy.explore_credit();
         shadow.drafted(&step, &mut policy);
-        assert!((policy.explore_credit() + 0.2).abs() < 1e-12);
-        assert!(
-            !shadow.due(true, &with_credit(1.0), 0.1),
-            "waiting to be compared"
-        );
+        assert!((credit - 0.2 - policy.explore_credit()).abs() < 1e-12);
+        assert!(!shadow.due(true, 1.0, 0.1), "waiting to be compared");
         shadow.compare(&TokenLog::new(&[1, 2, 3, 10, 11]), &mut policy);
-        assert!(!shadow.due(true, &with_credit(0.15), 0.1));
-        assert!(shadow.due(true, &with_credit(0.2), 0.1));
+        assert!(!shadow.due(true, 0.15, 0.1));
+        assert!(shadow.due(true, 0.2, 0.1));
         // A draft that could not pay: the step costs as much as many.
         let hopeless = 0.2 * SPREAD_WHEN_HOPELESS as f64;
-        assert!(!shadow.due(false, &with_credit(hopeless * 0.99), 0.1));
-        assert!(shadow.due(false, &with_credit(hopeless), 0.1));
-        // On its own cores a step is not charged (the rounds it slows are).
+        assert!(!shadow.due(false, hopeless * 0.99, 0.1));
+        assert!(shadow.due(false, hopeless, 0.1));
+        // On its own cores a step is not charged.
         let mut own = Shadow::new(true, false);
         let credit = policy.explore_credit();
         own.drafted(&step, &mut policy);

@@ -76,8 +76,6 @@ struct Round {
     branches: usize,
     /// Where the draft's chain stops.
     min_confidence: f32,
-    /// A background task ran on the draft-node when the round began.
-    background: bool,
     start: Instant,
     span: tracing::Span,
 }
@@ -150,10 +148,8 @@ impl<'e> Generation<'e> {
             (Some(DrafterKind::Ngram), Some(b)) => b.min(plan.k),
             _ => 0,
         };
-        let background = self.drafters.model.as_ref().is_some_and(|m| m.busy());
         Round {
             min_confidence: self.job.stop_below(&self.policy, plan.k),
-            background,
             plan,
             branches,
             start,
@@ -405,9 +401,6 @@ impl<'e> Generation<'e> {
                 },
             },
         );
-        if drafts == 0 && !self.engine.draft_shares_cores {
-            (self.policy).observe_plain_round(round.background, verified.verify_wall);
-        }
         self.stats.base.record_round(drafts, accepted);
         if drafts > 0 {
             let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
@@ -480,10 +473,9 @@ impl<'e> Generation<'e> {
             && !crowded
             && let Some(m) = self.drafters.model.as_mut()
         {
-            let expected = (self.policy.expected_draft_seconds(k))
-                .unwrap_or_else(|| self.policy.first_probe_cost());
-            let could_pay = self.policy.model_could_pay();
-            if self.shadow.due(could_pay, &self.policy, expected) {
+            let expected = self.policy.expected_draft_seconds(k).unwrap_or(0.0);
+            let (could_pay, credit) = (self.policy.model_could_pay(), self.policy.explore_credit());
+            if self.shadow.due(could_pay, credit, expected) {
                 if k > 0 {
                     m.time_in_background(&self.log, k);
                 }

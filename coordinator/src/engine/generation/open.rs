@@ -143,13 +143,10 @@ impl<'e> Generation<'e> {
                 m.session = Some(session);
                 self.policy.set_first_probe_cost(open_secs);
                 // A draft-node never timed (or timed again) is timed beside the first rounds,
-                // which do not wait, where what that slows them down is paid for (on its own
-                // cores; else by the background steps' pacing, [`Shadow`]).
+                // which do not wait.
                 let k = self.shadow_k(self.job.max_new_tokens);
                 let untimed = retime || !self.policy.draft_timed();
-                let paid = self.engine.draft_shares_cores
-                    || self.policy.explore_credit() >= self.policy.beside_cost(open_secs);
-                if self.job.adaptive && untimed && paid && k > 0 && !self.engine.crowded() {
+                if self.job.adaptive && untimed && k > 0 && !self.engine.crowded() {
                     let m = self.drafters.model.as_mut().expect("attached above");
                     m.time_in_background(&self.log, k);
                 }
