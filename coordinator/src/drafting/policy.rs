@@ -372,13 +372,14 @@ impl KPolicy {
     }
 
     /// Learns whether the draft's guess of the bonus token was the target's, in a round whose
-    /// `chain` model drafts were all accepted. Greedy, the guess (of a chain drafted ahead) is
-    /// what draft `chain + 1` would have been, and right exactly where the target would have
-    /// accepted it: the acceptance of a position no round drafts, learnt for free, which lets K
-    /// grow where the text's drafts are better than the last text's.
-    pub fn observe_guess_after(&mut self, chain: usize, right: bool, greedy: bool) {
+    /// `chain` model drafts were all accepted. Where it was the one guess of a greedy chain
+    /// drafted ahead (`sole_greedy`), it is what draft `chain + 1` would have been, and right
+    /// exactly where the target would have accepted it: the acceptance of a position no round
+    /// drafts, learnt for free, which lets K grow where the text's drafts are better than the
+    /// last text's.
+    pub fn observe_guess_after(&mut self, chain: usize, right: bool, sole_greedy: bool) {
         self.observe_guess(right);
-        if greedy && chain > 0 {
+        if sole_greedy && chain > 0 {
             self.model.observe_position(chain, right);
         }
     }

@@ -446,8 +446,8 @@ impl<'e> Generation<'e> {
         if verified.tree.chain == (chain, chain) && verified.verdict.accepted == chain {
             let under = next.under(verified.verdict.next_token);
             // One guess (a chain drafted ahead, not a tree's): draft `chain + 1`'s acceptance.
-            let one_guess = next.parents.is_empty() && self.job.sampling.is_greedy();
-            (self.policy).observe_guess_after(chain, under.is_some(), one_guess);
+            let sole_greedy = next.parents.is_empty() && self.job.sampling.is_greedy();
+            (self.policy).observe_guess_after(chain, under.is_some(), sole_greedy);
             if let Some(m) = self.drafters.model.as_mut() {
                 m.hold_ahead(under.map(|p| p.cut(round.min_confidence)));
             }
