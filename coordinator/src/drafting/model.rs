@@ -108,6 +108,22 @@ impl ModelDrafter {
         self.session.is_some()
     }
 
+    /// Whether the idle session is at least [`CATCH_UP_LAG`] committed tokens behind `log`: its
+    /// next draft step would feed them first.
+    pub fn behind(&self, log: &TokenLog) -> bool {
+        self.session
+            .as_ref()
+            .is_some_and(|s| log.len().saturating_sub(s.held_len()) >= CATCH_UP_LAG)
+    }
+
+    /// Whether the draft-node is computing for a background task (a catch-up or a timing step;
+    /// not a re-attachment, which mostly waits): a target step now runs beside it.
+    pub fn working_in_background(&self) -> bool {
+        self.pending
+            .as_ref()
+            .is_some_and(|(kind, _)| *kind != Background::Reattach)
+    }
+
     /// Holds `block`, drafted during a verify, for the next round to take without asking; or
     /// drops the one held (`None`: the guess was wrong, or the round drafts otherwise).
     pub fn hold_ahead(&mut self, block: Option<DraftBlock>) {
@@ -217,11 +233,7 @@ impl ModelDrafter {
     /// the draft shares the target's cores (the all-in-one mode) only before a probe, as
     /// catching up every few tokens would double the work.
     pub fn catch_up_in_background(&mut self, log: &TokenLog) {
-        let lagging = self
-            .session
-            .as_ref()
-            .is_some_and(|s| log.len().saturating_sub(s.held_len()) >= CATCH_UP_LAG);
-        if lagging {
+        if self.behind(log) {
             self.lend(log, Background::CatchUp, 0);
         }
     }

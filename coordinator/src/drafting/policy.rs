@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::drafting::DrafterKind;
 use crate::drafting::ngram::{self, NgramOffer};
-use costs::{DrafterCosts, SizeCost};
+use costs::{DrafterCosts, Interference, SizeCost};
 
 /// Largest K the adaptive policy tries.
 pub const ADAPTIVE_MAX_K: usize = 8;
@@ -58,6 +58,11 @@ const PRIOR_VERIFY_SLOPE: f64 = 0.25;
 const RECENT_ROUNDS: u32 = 8;
 /// Share of the time spent without the draft that its probes may lose.
 const PROBE_BUDGET: f64 = 0.02;
+/// Share of the target's time that the idle draft's background timing steps may cost it by
+/// slowing the target's steps beside them ([`Self::background_every`]).
+const BACKGROUND_BUDGET: f64 = 0.02;
+/// The target's slowdown beside a background step assumed until both have been timed.
+const PRIOR_SLOWDOWN: f64 = 0.1;
 /// The most exploration credit a session holds, in target-only tokens' time: a long stretch
 /// where the draft could not pay does not buy a burst of probes once it could.
 const CREDIT_CAP_TOKENS: f64 = 10.0;
@@ -126,6 +131,15 @@ pub struct KPolicy {
     steady: usize,
     /// Drafts of background steps the target would have accepted, and those compared.
     shadow: [u32; 2],
+    /// How much a background step of the draft-node slows the target's steps beside it.
+    #[serde(default)]
+    interference: Interference,
+    /// The idle draft-node is behind the log (as of this round's choice), and the model would
+    /// have won the round or been probed: it is caught up first ([`Self::set_model_behind`]).
+    #[serde(skip)]
+    behind: bool,
+    #[serde(skip)]
+    catch_up_wanted: bool,
     /// How often a token tree's sibling leaves are right ([`siblings`]).
     siblings: siblings::Siblings,
     /// How often drafts of each confidence are accepted: where a chain stops ([`confidence`]).
@@ -158,6 +172,9 @@ impl KPolicy {
             held: 0,
             steady: 0,
             shadow: [0, 0],
+            interference: Interference::default(),
+            behind: false,
+            catch_up_wanted: false,
             siblings: siblings::Siblings::default(),
             confidence: confidence::Confidence::default(),
         }
@@ -179,6 +196,7 @@ impl KPolicy {
         let mut next = Self::new(max_k);
         next.verify = self.early_verify.as_ref().unwrap_or(&self.verify).clone();
         next.guess = self.guess;
+        next.interference = self.interference;
         next.guesses = self.guesses.min(CARRIED_TRIALS);
         next.siblings = self.siblings.clone();
         next.confidence = self.confidence.carried();
@@ -416,6 +434,7 @@ impl KPolicy {
         remaining: usize,
     ) -> RoundPlan {
         self.held = held;
+        self.catch_up_wanted = false;
         self.ngram_class = ngram::class(ngram.matched);
         self.seed_ngram_class();
         let ngram = ngram.len;
@@ -447,7 +466,8 @@ impl KPolicy {
                 if drafter == DrafterKind::Model && best_model.is_none_or(|(r, _)| rate > r) {
                     best_model = Some((rate, k));
                 }
-                if rate > best.0 {
+                let caught_up = drafter != DrafterKind::Model || !self.behind || self.held >= k;
+                if rate > best.0 && caught_up {
                     best = (
                         rate,
                         RoundPlan {
@@ -459,6 +479,7 @@ impl KPolicy {
             }
         }
         let mut plan = best.1;
+        self.catch_up_wanted = self.behind && best_model.is_some_and(|(r, _)| r > best.0);
         if plan.drafter.is_some() {
             self.drafted_rounds += 1;
             let limit = if plan.drafter == Some(DrafterKind::Ngram) {
@@ -506,6 +527,10 @@ impl KPolicy {
             && self.explore_credit >= price
             && self.model_could_pay()
         {
+            if self.behind {
+                self.catch_up_wanted = true;
+                return plan;
+            }
             self.probes += 1;
             self.probing = Some(price);
             return RoundPlan {
@@ -586,7 +611,7 @@ impl KPolicy {
             .map(|k| format!("{:.0}", self.rate(DrafterKind::Model, k)))
             .collect();
         format!(
-            "target-only {:.0} tok/s, model by K {:?} (timed {}, calibration {:.2}, acceptance {:?}, draft s by K {:?}, ahead {}, shadow {:?}), verify s by n {:?}, guess {:.2}, idle {:.2} s",
+            "target-only {:.0} tok/s, model by K {:?} (timed {}, calibration {:.2}, acceptance {:?}, draft s by K {:?}, ahead {}, shadow {:?}), verify s by n {:?}, guess {:.2}, idle {:.2} s, background slowdown {:.2}",
             1.0 / self.verify_seconds(1),
             model,
             self.model.timed(),
@@ -602,6 +627,7 @@ impl KPolicy {
                 .collect::<Vec<_>>(),
             self.guess,
             self.idle_seconds,
+            self.interference.slowdown(f64::NAN),
         )
     }
 
@@ -627,7 +653,47 @@ impl KPolicy {
     fn probe_soon(&self) -> bool {
         // Not where no probe will come: a draft-node kept caught up round after round costs the
         // coordinator's core a step per round trip.
-        self.explore_credit >= 0.7 * self.probe_cost(1) && self.model_could_pay()
+        // Nor once background steps have measured the draft's acceptance: no probe comes then
+        // ([`Self::choose`]), and a catch-up after every round of a text the model could not
+        // pay on slowed the target's steps beside it by a sixth on one machine's two cores
+        // (the real pair's writing prompts, split: 0.89-0.96x target-only, no model round).
+        self.shadow[1] == 0
+            && self.explore_credit >= 0.7 * self.probe_cost(1)
+            && self.model_could_pay()
+    }
+
+    /// Whether the idle draft-node is behind the log as this round is chosen: a model round (or
+    /// a probe) would feed the gap first, a cost its estimates do not show (on the real pair's
+    /// writing prompts, split, one such round took 238 ms against 75 expected). The model then
+    /// does not draft this round; where it would have, it is caught up in the background
+    /// ([`Self::catch_up_wanted`]) and drafts the next.
+    pub fn set_model_behind(&mut self, behind: bool) {
+        self.behind = behind;
+    }
+
+    /// Whether the last choice left the model out only because it was behind.
+    pub fn catch_up_wanted(&self) -> bool {
+        self.catch_up_wanted
+    }
+
+    /// Learns a target-only round's verify, `beside` a background step of the draft-node or
+    /// alone.
+    pub fn observe_target_step(&mut self, beside: bool, seconds: f64) {
+        self.interference.observe(beside, seconds);
+    }
+
+    /// Rounds without the model between two background timing steps of `step` seconds, so that
+    /// what they slow the target's steps beside them stays within [`BACKGROUND_BUDGET`] of its
+    /// time: the step's time times the slowdown, over the budget of one round. Nothing where the
+    /// draft-node has a machine of its own; on one machine's two cores, some thirty rounds.
+    pub fn background_every(&self, step: f64) -> usize {
+        let slowdown = self.interference.slowdown(PRIOR_SLOWDOWN);
+        let rounds = step * slowdown / (BACKGROUND_BUDGET * self.verify_seconds(1));
+        if rounds.is_finite() {
+            rounds.ceil() as usize
+        } else {
+            0
+        }
     }
 
     /// The exploration credit left, in seconds ([`Self::spend`]).

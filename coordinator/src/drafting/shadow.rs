@@ -100,11 +100,12 @@ impl Shadow {
     }
 
     /// Counts a round without the draft model; true when a background step is due: none is
-    /// waiting to be compared, and enough such rounds have passed (own cores) or the policy's
-    /// exploration `credit` pays for a step (shared cores: what the last took, else
-    /// `expected_step` seconds), [`SPREAD_WHEN_HOPELESS`] times more where the draft `could_pay`
-    /// no matter its acceptance.
-    pub fn due(&mut self, could_pay: bool, credit: f64, expected_step: f64) -> bool {
+    /// waiting to be compared, and enough such rounds have passed (own cores: [`EVERY`], or
+    /// `every` where the policy found the steps slowing the target,
+    /// [`KPolicy::background_every`]) or the policy's exploration `credit` pays for a step
+    /// (shared cores: what the last took, else `expected_step` seconds),
+    /// [`SPREAD_WHEN_HOPELESS`] times more where the draft `could_pay` no matter its acceptance.
+    pub fn due(&mut self, could_pay: bool, credit: f64, expected_step: f64, every: usize) -> bool {
         if !self.on || self.pending.is_some() {
             return false;
         }
@@ -112,7 +113,7 @@ impl Shadow {
         match &mut self.pacing {
             Pacing::Rounds(rounds) => {
                 *rounds += 1;
-                if *rounds >= EVERY * spread {
+                if *rounds >= EVERY.max(every) * spread {
                     *rounds = 0;
                     return true;
                 }
@@ -149,7 +150,7 @@ mod tests {
         log.extend(&[10, 11]);
         shadow.compare(&log, &mut policy);
         assert!(
-            !shadow.due(true, 0.0, 0.0),
+            !shadow.due(true, 0.0, 0.0, 0),
             "still waiting for two positions"
         );
         log.extend(&[12, 99, 5]);
@@ -160,16 +161,21 @@ mod tests {
         assert_ne!(before, after);
         assert_eq!(policy.shadow_acceptance(), [3, 4]);
         // Compared: the next step is due after `EVERY` rounds.
-        assert_eq!((0..EVERY).filter(|_| shadow.due(true, 0.0, 0.0)).count(), 1);
-        assert!(!shadow.due(true, 0.0, 0.0));
+        assert_eq!(
+            (0..EVERY).filter(|_| shadow.due(true, 0.0, 0.0, 0)).count(),
+            1
+        );
+        assert!(!shadow.due(true, 0.0, 0.0, 0));
         // A draft that could not pay even if always right: steps much further apart.
         let spread = EVERY * SPREAD_WHEN_HOPELESS;
         // (one round counted already, by the call above)
         assert_eq!(
-            (2..spread).filter(|_| shadow.due(false, 0.0, 0.0)).count(),
+            (2..spread)
+                .filter(|_| shadow.due(false, 0.0, 0.0, 0))
+                .count(),
             0
         );
-        assert!(shadow.due(false, 0.0, 0.0));
+        assert!(shadow.due(false, 0.0, 0.0, 0));
     }
 
     #[test]
@@ -188,7 +194,7 @@ mod tests {
         shadow.drafted(&timing(0, &[1, 2]), &mut policy);
         shadow.compare(&TokenLog::new(&[1, 2, 3]), &mut policy);
         assert_eq!(policy.shadow_acceptance(), [0, 0]);
-        assert!(!(0..10).any(|_| shadow.due(true, 0.0, 0.0)));
+        assert!(!(0..10).any(|_| shadow.due(true, 0.0, 0.0, 0)));
     }
 
     #[test]
@@ -197,8 +203,8 @@ mod tests {
         let mut shadow = Shadow::new(true, true);
         // Before any step was timed, the expected cost decides, against the credit (however
         // many rounds earned it).
-        assert!(!shadow.due(true, 0.09, 0.1));
-        assert!(shadow.due(true, 0.1, 0.1));
+        assert!(!shadow.due(true, 0.09, 0.1, 0));
+        assert!(shadow.due(true, 0.1, 0.1, 0));
         // A step that took 0.2 s in all (the gap it fed and its drafts) is charged to the
         // policy's credit, and prices the next step, whatever the estimate.
         let mut step = timing(3, &[10, 11]);
@@ -206,18 +212,60 @@ mod tests {
         let credit = policy.explore_credit();
         shadow.drafted(&step, &mut policy);
         assert!((credit - 0.2 - policy.explore_credit()).abs() < 1e-12);
-        assert!(!shadow.due(true, 1.0, 0.1), "waiting to be compared");
+        assert!(!shadow.due(true, 1.0, 0.1, 0), "waiting to be compared");
         shadow.compare(&TokenLog::new(&[1, 2, 3, 10, 11]), &mut policy);
-        assert!(!shadow.due(true, 0.15, 0.1));
-        assert!(shadow.due(true, 0.2, 0.1));
+        assert!(!shadow.due(true, 0.15, 0.1, 0));
+        assert!(shadow.due(true, 0.2, 0.1, 0));
         // A draft that could not pay: the step costs as much as many.
         let hopeless = 0.2 * SPREAD_WHEN_HOPELESS as f64;
-        assert!(!shadow.due(false, hopeless * 0.99, 0.1));
-        assert!(shadow.due(false, hopeless, 0.1));
+        assert!(!shadow.due(false, hopeless * 0.99, 0.1, 0));
+        assert!(shadow.due(false, hopeless, 0.1, 0));
         // On its own cores a step is not charged.
         let mut own = Shadow::new(true, false);
         let credit = policy.explore_credit();
         own.drafted(&step, &mut policy);
         assert_eq!(policy.explore_credit(), credit);
+    }
+
+    #[test]
+    fn own_cores_steps_come_as_far_apart_as_what_they_slow_the_target_needs() {
+        let mut policy = KPolicy::new(8);
+        let target_only = crate::drafting::policy::RoundPlan::TARGET_ONLY;
+        let round = crate::drafting::policy::RoundCosts {
+            verify_wall: 0.040,
+            ..Default::default()
+        };
+        policy.observe(target_only, &round);
+        // A step of 4 drafts at 37 ms, its slowdown of the target not yet seen: the prior's
+        // (a tenth), within 2 % of the target's time: 0.148 · 0.1 / (0.02 · 0.040) = 18.5.
+        assert_eq!(policy.background_every(0.148), 19);
+        // Beside a step the target took 47 ms against 40 alone (one machine's two cores).
+        for _ in 0..10 {
+            policy.observe_target_step(false, 0.040);
+            policy.observe_target_step(true, 0.047);
+        }
+        let every = policy.background_every(0.148);
+        assert_eq!(every, 33, "0.148 · 0.175 / 0.0008 = 32.4");
+        // What was learnt carries to the next session.
+        assert_eq!(policy.continued(8).background_every(0.148), every);
+        let mut shadow = Shadow::new(true, false);
+        assert_eq!(
+            (0..every)
+                .filter(|_| shadow.due(true, 0.0, 0.0, every))
+                .count(),
+            1
+        );
+        // Where the draft-node has a machine of its own the target is as fast beside a step:
+        // every EVERY rounds.
+        let mut own = KPolicy::new(8);
+        own.observe(target_only, &round);
+        own.observe_target_step(false, 0.040);
+        own.observe_target_step(true, 0.040);
+        assert_eq!(own.background_every(0.148), 0);
+        let mut shadow = Shadow::new(true, false);
+        let steps = (0..4 * EVERY)
+            .filter(|_| shadow.due(true, 0.0, 0.0, 0))
+            .count();
+        assert_eq!(steps, 4);
     }
 }

@@ -76,6 +76,8 @@ struct Round {
     branches: usize,
     /// Where the draft's chain stops.
     min_confidence: f32,
+    /// Whether the draft-node computed in the background as the round began.
+    beside_background: bool,
     start: Instant,
     span: tracing::Span,
 }
@@ -133,6 +135,9 @@ impl<'e> Generation<'e> {
             && let Some(m) = self.drafters.model.as_mut()
         {
             m.hold_ahead(None);
+            if self.policy.catch_up_wanted() {
+                m.catch_up_in_background(&self.log);
+            }
         }
         // Sibling leaves beside the model's drafts (a token tree): the request's, or as many as
         // the policy expects to pay.
@@ -148,8 +153,10 @@ impl<'e> Generation<'e> {
             (Some(DrafterKind::Ngram), Some(b)) => b.min(plan.k),
             _ => 0,
         };
+        let model = self.drafters.model.as_ref();
         Round {
             min_confidence: self.job.stop_below(&self.policy, plan.k),
+            beside_background: model.is_some_and(|m| m.working_in_background()),
             plan,
             branches,
             start,
@@ -187,7 +194,10 @@ impl<'e> Generation<'e> {
             NgramOffer::default()
         };
         let model = attached && job.drafter.uses_model();
-        let held = self.drafters.model.as_ref().map_or(0, |m| m.held());
+        let drafter = self.drafters.model.as_ref();
+        let held = drafter.map_or(0, |m| m.held());
+        self.policy
+            .set_model_behind(drafter.is_some_and(|m| m.behind(log)));
         self.policy.choose(model, held, offer, remaining)
     }
 
@@ -371,7 +381,12 @@ impl<'e> Generation<'e> {
                 let earlier = self.drafters.ngram.proposed_from_history();
                 self.stats.history_rounds += u32::from(earlier);
             }
-            None => self.stats.target_only_rounds += 1,
+            None => {
+                self.stats.target_only_rounds += 1;
+                let beside = round.beside_background;
+                self.policy
+                    .observe_target_step(beside, verified.verify_wall);
+            }
         }
         // The policy learns the chain's acceptance by depth (siblings: observe_sibling), and by
         // the draft's confidence.
@@ -475,7 +490,8 @@ impl<'e> Generation<'e> {
         {
             let expected = self.policy.expected_draft_seconds(k).unwrap_or(0.0);
             let (could_pay, credit) = (self.policy.model_could_pay(), self.policy.explore_credit());
-            if self.shadow.due(could_pay, credit, expected) {
+            let every = self.policy.background_every(expected);
+            if self.shadow.due(could_pay, credit, expected, every) {
                 if k > 0 {
                     m.time_in_background(&self.log, k);
                 }

@@ -26,6 +26,36 @@ impl Ewma {
     }
 }
 
+/// How much slower the target's step runs while the draft-node computes beside it in the
+/// background (a timing step of the idle draft, a catch-up): nothing where the draft-node has a
+/// machine of its own; on one machine's two cores, where both models' decode steps are
+/// memory-bound and share its bandwidth, a sixth (the real pair, split: 47 ms against 40).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub(super) struct Interference {
+    /// A target-only round's verify, alone and beside a background step.
+    alone: Ewma,
+    beside: Ewma,
+}
+
+impl Interference {
+    pub(super) fn observe(&mut self, beside: bool, seconds: f64) {
+        if beside {
+            self.beside.add(seconds);
+        } else {
+            self.alone.add(seconds);
+        }
+    }
+
+    /// The target's slowdown beside a background step, as a fraction of its step alone;
+    /// `prior` until both have been timed.
+    pub(super) fn slowdown(&self, prior: f64) -> f64 {
+        match (self.alone.0, self.beside.0) {
+            (Some(alone), Some(beside)) if alone > 0.0 => (beside / alone - 1.0).max(0.0),
+            _ => prior,
+        }
+    }
+}
+
 /// A cost that grows with a size (positions verified, tokens drafted): a moving average per size
 /// seen, a least-squares line between and beyond them, and never less for a larger size than for
 /// a smaller one seen (measured noise would otherwise make a longer block look cheaper). With

@@ -753,3 +753,33 @@ fn an_idle_draft_is_kept_caught_up_only_after_the_model_drafted() {
     assert!(policy.catch_up_soon(true));
     assert!(!policy.catch_up_soon(false), "never on the target's cores");
 }
+
+#[test]
+fn no_catch_up_waits_for_a_probe_once_background_steps_measured_the_draft() {
+    // Credit enough for a probe, and none drafted by the model: a probe may come, and the
+    // draft-node is kept caught up for it.
+    let mut policy = KPolicy::new(8);
+    policy.set_first_probe_cost(0.0);
+    assert!(policy.catch_up_soon(true));
+    // A background step measured the draft's acceptance: no probe comes, so no catch-up
+    // (each would slow the target beside it for nothing).
+    policy.observe_shadow(4, 1);
+    assert!(!policy.catch_up_soon(true));
+}
+
+#[test]
+fn a_draft_behind_the_log_is_caught_up_before_it_drafts() {
+    let mut policy = KPolicy::new(ADAPTIVE_MAX_K);
+    simulate_on(&mut policy, pair(0.9, 0.001, 0.0, 0.02, 0.02), 100);
+    // Behind the log, the model sits the round out (where it would have drafted, a catch-up
+    // is asked for) ...
+    policy.set_model_behind(true);
+    let plan = policy.choose(true, 0, NgramOffer::default(), 100);
+    assert_ne!(plan.drafter, Some(DrafterKind::Model));
+    assert!(policy.catch_up_wanted());
+    // ... and drafts once caught up.
+    policy.set_model_behind(false);
+    let plan = policy.choose(true, 0, NgramOffer::default(), 100);
+    assert_eq!(plan.drafter, Some(DrafterKind::Model));
+    assert!(!policy.catch_up_wanted());
+}
