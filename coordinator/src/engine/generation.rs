@@ -196,8 +196,11 @@ impl<'e> Generation<'e> {
         let model = attached && job.drafter.uses_model();
         let drafter = self.drafters.model.as_ref();
         let held = drafter.map_or(0, |m| m.held());
+        // Where the draft shares the target's cores, a catch-up slows the target's round as
+        // much as a model round's feeding the gap would: the model round feeds it, as measured.
+        let own_cores = !self.engine.draft_shares_cores;
         self.policy
-            .set_model_behind(drafter.is_some_and(|m| m.behind(log)));
+            .set_model_behind(own_cores && drafter.is_some_and(|m| m.behind(log)));
         self.policy.choose(model, held, offer, remaining)
     }
 
