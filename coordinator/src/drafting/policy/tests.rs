@@ -540,6 +540,9 @@ fn a_draft_that_could_not_pay_even_if_always_right_is_not_probed() {
     policy.model.compute.observe(8, 0.0008);
     assert!(!policy.model_could_pay());
     policy.idle_seconds = 100.0;
+    // (the target as fast beside the draft's work: only the draft's hopelessness says no)
+    policy.observe_target_step(false, 0.00025);
+    policy.observe_target_step(true, 0.00025);
     assert!(!policy.catch_up_soon(true));
     assert_eq!(
         policy.choose(true, 0, NgramOffer::default(), 100),
@@ -739,6 +742,9 @@ fn an_idle_draft_is_kept_caught_up_only_after_the_model_drafted() {
     // draft-node up each round only slows the target beside it.
     let mut policy = KPolicy::new(8);
     policy.set_first_probe_cost(0.05);
+    // The draft-node has a machine of its own: the target is as fast beside its work.
+    policy.observe_target_step(false, 0.040);
+    policy.observe_target_step(true, 0.040);
     assert!(!policy.catch_up_soon(true));
     let model = RoundPlan {
         drafter: Some(DrafterKind::Model),
@@ -752,6 +758,12 @@ fn an_idle_draft_is_kept_caught_up_only_after_the_model_drafted() {
     policy.observe(model, &round);
     assert!(policy.catch_up_soon(true));
     assert!(!policy.catch_up_soon(false), "never on the target's cores");
+    // Where the target is a sixth slower beside a catch-up (one machine's two cores), the
+    // model is caught up only once it would draft.
+    for _ in 0..10 {
+        policy.observe_target_step(true, 0.047);
+    }
+    assert!(!policy.catch_up_soon(true));
 }
 
 #[test]
@@ -760,6 +772,8 @@ fn no_catch_up_waits_for_a_probe_once_background_steps_measured_the_draft() {
     // draft-node is kept caught up for it.
     let mut policy = KPolicy::new(8);
     policy.set_first_probe_cost(0.0);
+    policy.observe_target_step(false, 0.040);
+    policy.observe_target_step(true, 0.040);
     assert!(policy.catch_up_soon(true));
     // A background step measured the draft's acceptance: no probe comes, so no catch-up
     // (each would slow the target beside it for nothing).
