@@ -4,7 +4,7 @@ use super::costs::Ewma;
 use super::*;
 
 #[derive(Clone, Copy)]
-struct Pair {
+pub(super) struct Pair {
     alpha: f64,
     t_d: f64,
     rtt: f64,
@@ -17,7 +17,7 @@ struct Pair {
     stall_at: Option<usize>,
 }
 
-fn pair(alpha: f64, t_d: f64, rtt: f64, t1: f64, slope: f64) -> Pair {
+pub(super) fn pair(alpha: f64, t_d: f64, rtt: f64, t1: f64, slope: f64) -> Pair {
     Pair {
         alpha,
         t_d,
@@ -44,7 +44,7 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<RoundPlan> {
 }
 
 /// [`simulate`] from `policy` as it stands.
-fn simulate_on(policy: &mut KPolicy, pair: Pair, rounds: usize) -> Vec<RoundPlan> {
+pub(super) fn simulate_on(policy: &mut KPolicy, pair: Pair, rounds: usize) -> Vec<RoundPlan> {
     let Pair {
         alpha,
         t_d,
@@ -541,8 +541,7 @@ fn a_draft_that_could_not_pay_even_if_always_right_is_not_probed() {
     assert!(!policy.model_could_pay());
     policy.idle_seconds = 100.0;
     // (the target as fast beside the draft's work: only the draft's hopelessness says no)
-    policy.observe_target_step(false, 0.00025);
-    policy.observe_target_step(true, 0.00025);
+    on_a_machine_of_its_own(&mut policy, 0.00025);
     assert!(!policy.catch_up_soon(true));
     assert_eq!(
         policy.choose(true, 0, NgramOffer::default(), 100),
@@ -736,64 +735,9 @@ fn a_draft_better_on_this_text_than_the_last_grows_k_past_the_block_it_holds() {
     );
 }
 
-#[test]
-fn an_idle_draft_is_kept_caught_up_only_after_the_model_drafted() {
-    // A fresh session: the model has drafted no round, and no probe is near; catching the
-    // draft-node up each round only slows the target beside it.
-    let mut policy = KPolicy::new(8);
-    policy.set_first_probe_cost(0.05);
-    // The draft-node has a machine of its own: the target is as fast beside its work.
-    policy.observe_target_step(false, 0.040);
-    policy.observe_target_step(true, 0.040);
-    assert!(!policy.catch_up_soon(true));
-    let model = RoundPlan {
-        drafter: Some(DrafterKind::Model),
-        k: 1,
-    };
-    let round = RoundCosts {
-        drafted: 1,
-        verify_wall: 0.040,
-        ..RoundCosts::default()
-    };
-    policy.observe(model, &round);
-    assert!(policy.catch_up_soon(true));
-    assert!(!policy.catch_up_soon(false), "never on the target's cores");
-    // Where the target is a sixth slower beside a catch-up (one machine's two cores), the
-    // model is caught up only once it would draft.
-    for _ in 0..10 {
-        policy.observe_target_step(true, 0.047);
-    }
-    assert!(!policy.catch_up_soon(true));
-}
-
-#[test]
-fn no_catch_up_waits_for_a_probe_once_background_steps_measured_the_draft() {
-    // Credit enough for a probe, and none drafted by the model: a probe may come, and the
-    // draft-node is kept caught up for it.
-    let mut policy = KPolicy::new(8);
-    policy.set_first_probe_cost(0.0);
-    policy.observe_target_step(false, 0.040);
-    policy.observe_target_step(true, 0.040);
-    assert!(policy.catch_up_soon(true));
-    // A background step measured the draft's acceptance: no probe comes, so no catch-up
-    // (each would slow the target beside it for nothing).
-    policy.observe_shadow(4, 1);
-    assert!(!policy.catch_up_soon(true));
-}
-
-#[test]
-fn a_draft_behind_the_log_is_caught_up_before_it_drafts() {
-    let mut policy = KPolicy::new(ADAPTIVE_MAX_K);
-    simulate_on(&mut policy, pair(0.9, 0.001, 0.0, 0.02, 0.02), 100);
-    // Behind the log, the model sits the round out (where it would have drafted, a catch-up
-    // is asked for) ...
-    policy.set_model_behind(true);
-    let plan = policy.choose(true, 0, NgramOffer::default(), 100);
-    assert_ne!(plan.drafter, Some(DrafterKind::Model));
-    assert!(policy.catch_up_wanted());
-    // ... and drafts once caught up.
-    policy.set_model_behind(false);
-    let plan = policy.choose(true, 0, NgramOffer::default(), 100);
-    assert_eq!(plan.drafter, Some(DrafterKind::Model));
-    assert!(!policy.catch_up_wanted());
+/// The draft-node on a machine of its own: the target's step of `step` seconds is as fast
+/// beside the draft's background work as alone.
+pub(super) fn on_a_machine_of_its_own(policy: &mut KPolicy, step: f64) {
+    policy.observe_target_step(false, step);
+    policy.observe_target_step(true, step);
 }
