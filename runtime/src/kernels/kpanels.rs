@@ -11,6 +11,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use super::kquants::{QK_K, layout};
 use super::matmul::cast;
 use super::panels::{QLANES, drive, pack_nibbles, repack};
+use super::rows::Path;
 
 /// 256 activations quantized to signed bytes (x ≈ d · q, scale max|x| / 127, as
 /// the blocks of 32 are), with the integer sums of q per 16 and per 32.
@@ -193,15 +194,17 @@ pub(crate) fn trim_scratch() {
 #[derive(Debug)]
 pub(crate) struct KPanels {
     dtype: GgmlDType,
+    /// The products by `vpdpbusd` ([`super::x86_kvnni`]): the CPU runs [`Path::Avx512Vnni`].
+    vnni: bool,
     data: Vec<u8>,
     out_dim: usize,
     in_dim: usize,
 }
 
 impl KPanels {
-    /// `t` (out × in, in a multiple of 256, Q4_K, Q5_K or Q6_K); the caller checked the CPU runs
-    /// [`super::rows::Path::Avx2`] at least.
-    pub(crate) fn new(t: &QTensor) -> candle_core::Result<Self> {
+    /// `t` (out × in, in a multiple of 256, Q4_K, Q5_K or Q6_K), multiplied on `path` (or the
+    /// fastest this CPU runs below it); the caller checked the CPU runs [`Path::Avx2`] at least.
+    pub(crate) fn new(path: Path, t: &QTensor) -> candle_core::Result<Self> {
         let (out_dim, in_dim) = t.shape().dims2()?;
         let nsb = in_dim / QK_K;
         let bytes = t.data()?;
@@ -231,6 +234,7 @@ impl KPanels {
         };
         Ok(Self {
             dtype: t.dtype(),
+            vnni: path.supported() == Path::Avx512Vnni,
             data,
             out_dim,
             in_dim,
@@ -253,14 +257,15 @@ impl KPanels {
             }
             let x: &[Q8S] = x;
             let parallel = self.data.len() * 2 >= super::attention::PARALLEL_WORK;
-            let dtype = self.dtype;
+            let kind = (self.dtype, self.vnni);
             #[cfg(target_arch = "x86_64")]
             drive(QLANES, self.out_dim, rows, parallel, dst, |panels, out| {
-                // SAFETY: the CPU runs Path::Avx2 at least (checked by the caller of `new`).
-                unsafe { super::x86_kpanels::matmul(dtype, &self.data, nsb, panels, x, rows, out) }
+                // SAFETY: the CPU runs Path::Avx2 at least (checked by the caller of `new`), and
+                // Path::Avx512Vnni where `vnni` (`supported` in `new`).
+                unsafe { super::x86_kpanels::matmul(kind, &self.data, nsb, panels, x, rows, out) }
             });
             #[cfg(not(target_arch = "x86_64"))]
-            let _ = (x, parallel, dtype, dst);
+            let _ = (x, parallel, kind, dst);
         });
     }
 }

@@ -108,7 +108,7 @@ impl Matmul {
                 && matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
                 && t.shape().dims2()?.1 % kquants::QK_K == 0
             {
-                Self::KPanels(KPanels::new(&t)?)
+                Self::KPanels(KPanels::new(Path::detect(), &t)?)
             } else if REPACKED.contains(&t.dtype()) && !vnni_q8_0 && candle_repacks(&t)? {
                 Self::Repacked(QMatMul::from_arc(t)?)
             } else if matches!(

@@ -16,9 +16,9 @@
 //!   layouts) in panels too (`kpanels`, `x86_kpanels`) — on AVX-512 CPUs as well, where the
 //!   panels ran a decode step two to three times as fast as the AVX-512 kernels that decoded
 //!   each block once per output row (removed),
-//!   on AVX-512 the dense panels' tiles in 16-lane registers (`x86_dense512`) and the blocks of
-//!   32 in panels of 16 outputs multiplied by VNNI's `vpdpbusd` (`x86_vnni`), each the AVX2
-//!   panels' bits,
+//!   on AVX-512 the dense panels' tiles in 16-lane registers (`x86_dense512`), the blocks of
+//!   32 in panels of 16 outputs multiplied by VNNI's `vpdpbusd` (`x86_vnni`) and the K-quants'
+//!   panels' products by `vpdpbusd` too (`x86_kvnni`), each the AVX2 panels' bits,
 //!   candle's repacked kernel for Q8_0 (with AVX-VNNI only) and Q4_K (without AVX2) where
 //!   candle repacks the shape,
 //!   portable code (`rows`) elsewhere, candle's row-by-row product for the other types.
@@ -52,6 +52,8 @@ mod x86;
 mod x86_dense512;
 #[cfg(target_arch = "x86_64")]
 mod x86_kpanels;
+#[cfg(target_arch = "x86_64")]
+mod x86_kvnni;
 #[cfg(target_arch = "x86_64")]
 mod x86_panels;
 #[cfg(target_arch = "x86_64")]

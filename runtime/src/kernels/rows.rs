@@ -196,8 +196,9 @@ pub(crate) enum Path {
     /// [`Path::Avx2`] and AVX-512 F: the same panels, the dense ones in 16-lane tiles
     /// ([`super::x86_dense512`]), giving the AVX2 kernels' bits.
     Avx512,
-    /// [`Path::Avx512`] with BW and VNNI: the blocks of 32 in panels of 16 outputs multiplied by
-    /// `vpdpbusd` ([`super::x86_vnni`]), giving the AVX2 kernels' bits.
+    /// [`Path::Avx512`] with BW, VL and VNNI: the blocks of 32 in panels of 16 outputs
+    /// multiplied by `vpdpbusd` ([`super::x86_vnni`]), the K-quants' panels too
+    /// ([`super::x86_kvnni`]), giving the AVX2 kernels' bits.
     Avx512Vnni,
 }
 
@@ -228,6 +229,7 @@ impl Path {
                 return Path::Avx2;
             }
             let vnni = std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
                 && std::arch::is_x86_feature_detected!("avx512vnni");
             return if vnni { Path::Avx512Vnni } else { Path::Avx512 };
         }

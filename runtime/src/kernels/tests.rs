@@ -41,9 +41,9 @@ fn run(dtype: GgmlDType, path: Path, w: &[f32], x: &[f32], mkn: (usize, usize, u
         return dst;
     }
     match dtype {
-        GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => {
-            KPanels::new(&q).expect("panels").matmul(x, rows, &mut dst)
-        }
+        GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => KPanels::new(path, &q)
+            .expect("panels")
+            .matmul(x, rows, &mut dst),
         _ => Blocks::new(path, Arc::new(q))
             .expect("blocks")
             .matmul(x, rows, &mut dst)
@@ -93,12 +93,15 @@ const TYPES: [GgmlDType; 11] = [
     GgmlDType::Q6K,
 ];
 
-/// The paths that run `dtype`: the K-quants have one kernel, the AVX2 panels (on AVX-512 CPUs
-/// too).
+/// The paths that run `dtype`: the K-quants have two kernels, the AVX2 panels (on AVX-512 CPUs
+/// without VNNI too) and their products by VNNI.
 fn paths(dtype: GgmlDType) -> Vec<Path> {
     let all = Path::available();
     if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K) {
-        let paths: Vec<Path> = all.into_iter().filter(|p| *p == Path::Avx2).collect();
+        let paths: Vec<Path> = all
+            .into_iter()
+            .filter(|p| matches!(p, Path::Avx2 | Path::Avx512Vnni))
+            .collect();
         if paths.is_empty() {
             eprintln!("{dtype:?}: no AVX2 on this CPU, its kernels are not tested here");
         }
@@ -490,6 +493,38 @@ fn blocks_on_vnni_give_the_avx2_panels_bits() {
                 same_bits(&product(Path::Avx2, rows), &product(Path::Avx512Vnni, rows)),
                 "{dtype:?}, {rows} rows: the VNNI kernel differs from the AVX2 panels"
             );
+        }
+    }
+}
+
+#[test]
+fn k_quants_on_vnni_give_the_avx2_panels_bits() {
+    // `vpdpbusd`'s 32-bit sums are the AVX2 kernels' 16-bit pair sums, exactly: the same bits
+    // for every row, in tiles of 4 and their remainders (1 to 9 rows), over two super-blocks,
+    // split across threads (1,100 outputs), with the largest quants (a weight of ±1 in every
+    // block of 32) in one of the cases.
+    if Path::detect() < Path::Avx512Vnni {
+        eprintln!("no AVX-512 VNNI on this CPU: its K-quant kernels are not tested here");
+        return;
+    }
+    let (in_dim, out_dim) = (512, 1100);
+    let (w, x) = data(out_dim, in_dim, 9);
+    let extreme: Vec<f32> = (0..out_dim * in_dim)
+        .map(|i| if i % 32 == 0 { -1.0 } else { 1.0 })
+        .collect();
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
+        for w in [&w, &extreme] {
+            for rows in [1, 2, 3, 4, 5, 9] {
+                let mkn = (rows, in_dim, out_dim);
+                let x = &x[..rows * in_dim];
+                assert!(
+                    same_bits(
+                        &run(dtype, Path::Avx2, w, x, mkn),
+                        &run(dtype, Path::Avx512Vnni, w, x, mkn)
+                    ),
+                    "{dtype:?}, {rows} rows: the VNNI kernel differs from the AVX2 panels"
+                );
+            }
         }
     }
 }

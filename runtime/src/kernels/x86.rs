@@ -135,10 +135,22 @@ pub(crate) unsafe fn dense_tiles<E>(
     }
 }
 
+/// `rows` split into tiles of at most `max` rows, as even as can be (sizes one apart at most),
+/// as (first row, rows): a tile decodes its weights once for all its rows, so a last tile of one
+/// row after full ones cost nearly a decode step of its own (the Qwen2.5-Coder 1.5B Q4_K_M
+/// target on one AVX-512 core: 4 positions 66 ms, 5 positions 99 ms as tiles of 4 and 1).
+pub(crate) fn tiles(rows: usize, max: usize) -> impl Iterator<Item = (usize, usize)> {
+    let n = rows.div_ceil(max.max(1)).max(1);
+    let (base, extra) = (rows / n, rows % n);
+    (0..n)
+        .map(move |i| (i * base + i.min(extra), base + usize::from(i < extra)))
+        .filter(|&(_, t)| t > 0)
+}
+
 /// Runs a block kernel's tiles over panels `panels` of `w` (`per_panel` bytes each) against
 /// `rows` activation rows `x` (`per_row` elements each): one row `decode_panels` panels at a time
 /// (as many streams of weights in flight), more a panel at a time in tiles of at most
-/// `max_rows` rows: `tile(n, t, w, x, (rows, r0), out)`, n panels × rows r0..r0 + t, `w` and
+/// `max_rows` rows ([`tiles`]): `tile(n, t, w, x, (rows, r0), out)`, n panels × rows r0..r0 + t, `w` and
 /// `out` at the tile's first panel (`out`: `[panel][row][lanes]` for `panels`).
 ///
 /// # Safety
@@ -164,11 +176,8 @@ pub(crate) unsafe fn block_tiles<X>(
             p += decode_panels;
             continue;
         }
-        let mut r0 = 0;
-        while r0 < rows {
-            let t = max_rows.min(rows - r0);
+        for (r0, t) in tiles(rows, max_rows) {
             tile(1, t, wp, x, (rows, r0), &mut *op);
-            r0 += t;
         }
         p += 1;
     }
