@@ -337,6 +337,10 @@ enum BlocksLayout {
 
 impl Blocks {
     /// `t` (out × in, in a multiple of 32) for `path` (or the fastest path the CPU runs, if less).
+    #[allow(
+        unsafe_code,
+        reason = "measures the x86 kernels' tiles the CPU was checked for"
+    )]
     pub(crate) fn new(path: Path, t: Arc<QTensor>) -> candle_core::Result<Self> {
         let (out_dim, in_dim) = t.shape().dims2()?;
         let path = path.supported();
@@ -365,6 +369,17 @@ impl Blocks {
                 GgmlDType::Q8_0 => panels!(layout::Q8_0),
                 other => candle_core::bail!("no block-of-32 kernel for GGUF type {other:?}"),
             };
+            // What a one-row tile reads at a time here, measured now rather than in the first
+            // decode step.
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU runs `path` (`supported` above).
+            unsafe {
+                if vnni {
+                    super::x86_vnni::decode_panels();
+                } else {
+                    super::x86_panels::decode_panels();
+                }
+            }
             if vnni {
                 BlocksLayout::Vnni(t.dtype(), bytes)
             } else {
@@ -383,6 +398,15 @@ impl Blocks {
     /// (out, in).
     pub(crate) fn dims(&self) -> (usize, usize) {
         (self.out_dim, self.in_dim)
+    }
+
+    /// The repacked panels, where the weight is in panels.
+    #[cfg(test)]
+    pub(super) fn panels(&self) -> Option<&[u8]> {
+        match &self.layout {
+            BlocksLayout::Panels(_, data) | BlocksLayout::Vnni(_, data) => Some(data),
+            BlocksLayout::Gguf(_) => None,
+        }
     }
 
     /// `dst` (rows × out) = `lhs` (rows × in) · weightᵀ.

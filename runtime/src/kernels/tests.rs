@@ -452,7 +452,8 @@ fn tiles_of_a_fixed_row_count_give_the_whole_product() {
 #[test]
 fn blocks_on_vnni_give_the_avx2_panels_bits() {
     // The VNNI kernels' integer sums are exact and their float operations the AVX2 panels': the
-    // same bits for every row, whether it ran alone, in the decode tile of four panels or the
+    // same bits for every row, whether it ran alone, in the decode tile (of as many panels as
+    // this CPU reads best at a time) or the
     // multi-row tiles (1,100 outputs: a remainder past the panels of four; 9 rows: a tile of 8
     // and one of 1). For Q8_0, weights of −128 (a file may hold them; the quantizer never writes
     // them) included.
@@ -525,6 +526,70 @@ fn k_quants_on_vnni_give_the_avx2_panels_bits() {
                     "{dtype:?}, {rows} rows: the VNNI kernel differs from the AVX2 panels"
                 );
             }
+        }
+    }
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+#[allow(
+    unsafe_code,
+    reason = "calls the x86 block kernels on the paths this CPU runs"
+)]
+fn a_one_row_tile_gives_the_same_bits_however_many_panels_it_reads() {
+    // The panels a one-row tile reads at a time are measured per CPU (`decode_panels`): both
+    // choices give every output the same bits, for every block type (1,100 outputs: panels
+    // past the last whole group of four).
+    let (in_dim, out_dim) = (768, 1100);
+    let (w, x) = data(out_dim, in_dim, 1);
+    let mut xq = vec![super::rows::Q8::default(); in_dim / 32];
+    super::rows::quantize(&x, &mut xq);
+    let t = Tensor::from_slice(&w, (out_dim, in_dim), &Device::Cpu).expect("tensor");
+    for path in [Path::Avx2, Path::Avx512Vnni] {
+        if Path::detect() < path {
+            eprintln!("{path:?}: not on this CPU, its one-row tiles are not tested here");
+            continue;
+        }
+        let (lanes, many) = if path == Path::Avx2 { (8, 2) } else { (16, 4) };
+        let panels = out_dim.div_ceil(lanes);
+        for dtype in [GgmlDType::Q4_0, GgmlDType::Q5_1, GgmlDType::Q8_0] {
+            let q = Arc::new(QTensor::quantize(&t, dtype).expect("quantize"));
+            let b = Blocks::new(path, q).expect("blocks");
+            let data = b.panels().expect("panels");
+            let run = |streams: usize| {
+                let mut out = vec![0f32; panels * lanes];
+                let (nb, xq) = (in_dim / 32, &xq[..]);
+                macro_rules! run {
+                    ($m:ident, $b:ty) => {
+                        // SAFETY: the CPU runs `path` (checked above); whole panels, one row.
+                        unsafe {
+                            super::$m::blocks_with::<$b>(
+                                streams,
+                                data,
+                                nb,
+                                0..panels,
+                                xq,
+                                1,
+                                &mut out,
+                            )
+                        }
+                    };
+                }
+                use super::rows::layout::{Q4_0, Q5_1, Q8_0};
+                match (path, dtype) {
+                    (Path::Avx2, GgmlDType::Q4_0) => run!(x86_panels, Q4_0),
+                    (Path::Avx2, GgmlDType::Q5_1) => run!(x86_panels, Q5_1),
+                    (Path::Avx2, _) => run!(x86_panels, Q8_0),
+                    (_, GgmlDType::Q4_0) => run!(x86_vnni, Q4_0),
+                    (_, GgmlDType::Q5_1) => run!(x86_vnni, Q5_1),
+                    _ => run!(x86_vnni, Q8_0),
+                }
+                out
+            };
+            assert!(
+                same_bits(&run(1), &run(many)),
+                "{path:?} {dtype:?}: one panel at a time differs from {many}"
+            );
         }
     }
 }

@@ -24,7 +24,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::panels::{VLANES, panel_bytes};
-use super::rows::{Block, Q8, QK};
+use super::rows::{Block, Q8, QK, layout};
 
 /// Activation rows in a tile of one panel: a float accumulator and two integer sums per row,
 /// with the weights' registers and a broadcast, in 32 registers.
@@ -163,13 +163,13 @@ unsafe fn tile<B: Block, const P: usize, const T: usize>(
 
 /// Panels `panels` of `w` (blocks of 32 in panels of [`VLANES`]:
 /// [`super::panels::write_blocks`]) against `rows` activation rows `x` (`nb` quantized blocks
-/// each): `out` gets `[panel][row][VLANES]` for those panels. One row four panels at a time
-/// (four streams of weights in flight: Q8_0 1536 → 60000 from DRAM 2.76 ms against 3.11-3.24 for
-/// two panels and 3.31 for one), more in tiles of up to [`MAX_ROWS`].
+/// each): `out` gets `[panel][row][VLANES]` for those panels. One row `streams` panels at a time
+/// (4 or 1: [`decode_panels`]), more in tiles of up to [`MAX_ROWS`].
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI and F16C ([`super::rows::Path::Avx512Vnni`]).
-pub(crate) unsafe fn blocks<B: Block>(
+pub(super) unsafe fn blocks_with<B: Block>(
+    streams: usize,
     w: &[u8],
     nb: usize,
     panels: Range<usize>,
@@ -185,7 +185,7 @@ pub(crate) unsafe fn blocks<B: Block>(
             (w, per_panel, VLANES),
             panels,
             (x, nb),
-            (rows, 4, MAX_ROWS),
+            (rows, streams, MAX_ROWS),
             out,
             |n, t, wp, x, at, op| match (n, t) {
                 (4, _) => tile::<B, 4, 1>(wp, nb, x, at, op),
@@ -200,4 +200,36 @@ pub(crate) unsafe fn blocks<B: Block>(
             },
         )
     }
+}
+
+/// [`blocks_with`], a one-row tile taking [`decode_panels`] panels at a time.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI and F16C ([`super::rows::Path::Avx512Vnni`]).
+pub(crate) unsafe fn blocks<B: Block>(
+    w: &[u8],
+    nb: usize,
+    panels: Range<usize>,
+    x: &[Q8],
+    rows: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: the caller's.
+    unsafe { blocks_with::<B>(decode_panels(), w, nb, panels, x, rows, out) }
+}
+
+/// The panels a one-row tile takes at a time on this CPU, 4 or 1, measured the first time
+/// ([`super::x86::decode_streams`]).
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI and F16C ([`super::rows::Path::Avx512Vnni`]).
+pub(crate) unsafe fn decode_panels() -> usize {
+    static PANELS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PANELS.get_or_init(|| {
+        let block = panel_bytes::<layout::Q8_0, VLANES>();
+        super::x86::decode_streams(4, (block, VLANES), |n, w, nb, panels, x, out| {
+            // SAFETY: the caller's; whole panels of `w`, one row of `x`.
+            unsafe { blocks_with::<layout::Q8_0>(n, w, nb, panels, x, 1, out) }
+        })
+    })
 }
