@@ -453,9 +453,8 @@ fn tiles_of_a_fixed_row_count_give_the_whole_product() {
 fn blocks_on_vnni_give_the_avx2_panels_bits() {
     // The VNNI kernels' integer sums are exact and their float operations the AVX2 panels': the
     // same bits for every row, whether it ran alone, in the decode tile (of as many panels as
-    // this CPU reads best at a time) or the
-    // multi-row tiles (1,100 outputs: a remainder past the panels of four; 9 rows: a tile of 8
-    // and one of 1). For Q8_0, weights of −128 (a file may hold them; the quantizer never writes
+    // this CPU reads best at a time) or the multi-row tiles (1,100 outputs: a remainder past
+    // the panels of four; 9 rows: tiles of 5 and 4). For Q8_0, weights of −128 (a file may hold them; the quantizer never writes
     // them) included.
     if Path::detect() < Path::Avx512Vnni {
         eprintln!("no AVX-512 VNNI on this CPU: its block kernels are not tested here");
