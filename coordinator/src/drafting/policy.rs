@@ -486,15 +486,15 @@ impl KPolicy {
                 plan.k += 1;
             }
         }
-        if plan.drafter.is_none()
-            && ngram > 0
-            && cap > 0
-            && self.verify.seen[1..].iter().all(|&n| n == 0)
+        if plan.drafter.is_none() && ngram > 0 && cap > 0 && self.verify.seen[1] < TARGET_ONLY_FIRST
         {
             // A block's verify is timed only where a round drafts: at the prior slope (a
             // quarter of a step per position) short matches never pay, so the target's real
             // slope (nearly flat on a CPU's first positions) was never learnt and nothing was
-            // drafted in whole runs. One n-gram draft times it, charged as a probe.
+            // drafted in whole runs. One n-gram draft times it, charged as a probe, until the
+            // verify of two positions has been timed twice (probed only before any block was
+            // timed, one slow first block — a page fault, a step beside it — priced every
+            // block out for good).
             let price = self.verify_seconds(2)
                 - (1.0 + self.ngram[self.ngram_class].accept[0]) * self.verify_seconds(1);
             if self.explore_credit >= price {
@@ -683,8 +683,16 @@ impl KPolicy {
                 costs.observe_costs(round.drafted, round.draft_wall, round.draft_compute);
             }
         }
-        self.verify
-            .observe(round.drafted + round.siblings + 1, round.verify_wall);
+        // A verify of n positions does what n decode steps do, at once: a block timed slower
+        // than that was slowed by something else (a page fault, a step beside it), and at a
+        // size timed once it would price longer blocks out for good.
+        let n = round.drafted + round.siblings + 1;
+        let bound = if self.verify.seen[0] > 0 && n > 1 {
+            n as f64 * self.verify_seconds(1)
+        } else {
+            f64::INFINITY
+        };
+        self.verify.observe(n, round.verify_wall.min(bound));
         self.rounds = self.rounds.saturating_add(1);
         if self.rounds == EARLY_ROUNDS {
             self.early_verify = Some(self.verify.clone());

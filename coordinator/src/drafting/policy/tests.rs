@@ -43,6 +43,30 @@ fn simulate(pair: Pair, rounds: usize) -> Vec<RoundPlan> {
     simulate_on(&mut policy, pair, rounds)
 }
 
+/// A fixed-seed generator of uniform numbers in [0, 1).
+fn uniform() -> impl FnMut() -> f64 {
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    move || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Teaches `policy` a round of `plan` without a draft model: `accepted` drafts, the verify (the
+/// whole round) `wall` seconds.
+fn observe_verify(policy: &mut KPolicy, plan: RoundPlan, accepted: usize, wall: f64) {
+    let costs = RoundCosts {
+        drafted: plan.k,
+        accepted,
+        verify_wall: wall,
+        round_wall: wall,
+        ..RoundCosts::default()
+    };
+    policy.observe(plan, &costs);
+}
+
 /// [`simulate`] from `policy` as it stands.
 pub(super) fn simulate_on(policy: &mut KPolicy, pair: Pair, rounds: usize) -> Vec<RoundPlan> {
     let Pair {
@@ -58,13 +82,7 @@ pub(super) fn simulate_on(policy: &mut KPolicy, pair: Pair, rounds: usize) -> Ve
     policy.set_pipelining(pipelining);
     let mut plans = Vec::new();
     // A fixed-seed generator: each position is accepted with chance alpha.
-    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut uniform = move || {
-        state = state
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (state >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut uniform = uniform();
     // The length of the block drafted ahead and ready for the next round.
     let mut ready = 0;
     for round_index in 0..rounds {
@@ -698,15 +716,7 @@ fn a_fresh_policy_times_a_block_and_drafts_short_matches_on_a_flat_verify() {
         let k = plan.k;
         let accepted = usize::from(k > 0 && uniform() < 0.5);
         ngram_rounds += usize::from(plan.drafter == Some(DrafterKind::Ngram));
-        let v = verify(k + 1);
-        let costs = RoundCosts {
-            drafted: k,
-            accepted,
-            verify_wall: v,
-            round_wall: v,
-            ..RoundCosts::default()
-        };
-        policy.observe(plan, &costs);
+        observe_verify(&mut policy, plan, accepted, verify(k + 1));
     }
     assert!(ngram_rounds >= 150, "{ngram_rounds} n-gram rounds of 200");
 }
@@ -740,4 +750,37 @@ fn a_draft_better_on_this_text_than_the_last_grows_k_past_the_block_it_holds() {
 pub(super) fn on_a_machine_of_its_own(policy: &mut KPolicy, step: f64) {
     policy.observe_target_step(false, step);
     policy.observe_target_step(true, step);
+}
+
+#[test]
+fn a_slow_first_block_does_not_price_ngram_lookup_out_for_good() {
+    // Copied text (n-gram lookup right 9 times in 10) on a target whose verify costs 40 ms and
+    // 37 % more per position. The first drafted block takes 4 times its cost (a page fault,
+    // a step beside them): measured as they were, the verify line through them priced every
+    // block out for the rest of the process (1 drafted round of 300 after one slow block).
+    let v = |n: usize| 0.040 * (1.0 + 0.37 * (n as f64 - 1.0));
+    for slow_blocks in [0, 1] {
+        let mut policy = KPolicy::new(ADAPTIVE_MAX_K);
+        let offer = NgramOffer { len: 8, matched: 6 };
+        let mut uniform = uniform();
+        let (mut slow, mut drafted) = (slow_blocks, 0);
+        for _ in 0..300 {
+            let plan = policy.choose(false, 0, offer, 1000);
+            let k = plan.k;
+            let accepted = (0..k).take_while(|_| uniform() < 0.9).count();
+            let mut wall = v(k + 1);
+            if k > 0 {
+                drafted += 1;
+                if slow > 0 {
+                    slow -= 1;
+                    wall *= 4.0;
+                }
+            }
+            observe_verify(&mut policy, plan, accepted, wall);
+        }
+        assert!(
+            drafted >= 250,
+            "{slow_blocks} slow: {drafted} of 300 rounds drafted"
+        );
+    }
 }
