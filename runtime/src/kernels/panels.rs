@@ -16,6 +16,7 @@
 use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::OnceLock;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 
@@ -323,6 +324,8 @@ pub(super) fn pack_nibbles(q: impl Fn(usize, usize) -> u8, out: &mut [u8]) {
 #[derive(Debug)]
 pub(crate) struct Blocks {
     layout: BlocksLayout,
+    /// Panels the one-row tile reads at a time ([`decode_panels`]).
+    streams: usize,
     out_dim: usize,
     in_dim: usize,
 }
@@ -369,17 +372,6 @@ impl Blocks {
                 GgmlDType::Q8_0 => panels!(layout::Q8_0),
                 other => candle_core::bail!("no block-of-32 kernel for GGUF type {other:?}"),
             };
-            // What a one-row tile reads at a time here, measured now rather than in the first
-            // decode step.
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU runs `path` (`supported` above).
-            unsafe {
-                if vnni {
-                    super::x86_vnni::decode_panels();
-                } else {
-                    super::x86_panels::decode_panels();
-                }
-            }
             if vnni {
                 BlocksLayout::Vnni(t.dtype(), bytes)
             } else {
@@ -388,8 +380,17 @@ impl Blocks {
         } else {
             BlocksLayout::Gguf(t)
         };
+        let streams = match &layout {
+            // SAFETY: the CPU runs `path` (`supported` above).
+            #[cfg(target_arch = "x86_64")]
+            BlocksLayout::Panels(..) | BlocksLayout::Vnni(..) => unsafe {
+                decode_panels(matches!(layout, BlocksLayout::Vnni(..)))
+            },
+            _ => 1,
+        };
         Ok(Self {
             layout,
+            streams,
             out_dim,
             in_dim,
         })
@@ -423,7 +424,7 @@ impl Blocks {
             BlocksLayout::Panels(dtype, data) => (*dtype, data, false),
             BlocksLayout::Vnni(dtype, data) => (*dtype, data, true),
         };
-        let nb = self.in_dim / QK;
+        let (nb, streams) = (self.in_dim / QK, self.streams);
         XQ.with_borrow_mut(|x| {
             x.resize(rows * nb, Q8::default());
             for (xs, q) in lhs.chunks_exact(self.in_dim).zip(x.chunks_exact_mut(nb)) {
@@ -448,18 +449,51 @@ impl Blocks {
                 return drive(VLANES, self.out_dim, rows, parallel, dst, |panels, out| {
                     use super::x86_vnni::blocks as run;
                     // SAFETY: the CPU runs Path::Avx512Vnni (`supported` in `new`).
-                    unsafe { by_type!(run(data, nb, panels, x, rows, out)) }
+                    unsafe { by_type!(run(streams, data, nb, panels, x, rows, out)) }
                 });
             }
             #[cfg(target_arch = "x86_64")]
             drive(QLANES, self.out_dim, rows, parallel, dst, |panels, out| {
                 use super::x86_panels::blocks as run;
                 // SAFETY: the CPU runs Path::Avx2 at least (`supported` in `new`).
-                unsafe { by_type!(run(data, nb, panels, x, rows, out)) }
+                unsafe { by_type!(run(streams, data, nb, panels, x, rows, out)) }
             });
             #[cfg(not(target_arch = "x86_64"))]
-            let _ = (dtype, data, parallel, dst, vnni);
+            let _ = (dtype, data, parallel, dst, vnni, streams);
         });
         Ok(())
+    }
+}
+
+/// The panels the block kernels' one-row tile reads at a time on this CPU (`vnni`: the VNNI
+/// kernels', else the AVX2 ones'): their [`super::x86_vnni::DECODE_PANELS`] (or
+/// [`super::x86_panels::DECODE_PANELS`]) or one, whichever read a weight larger than the caches
+/// faster, measured once, when the first such weight loads ([`super::x86::decode_streams`]).
+///
+/// # Safety
+/// The CPU runs [`Path::Avx512Vnni`] where `vnni`, else [`Path::Avx2`].
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code, reason = "times the x86 kernels the CPU was checked for")]
+unsafe fn decode_panels(vnni: bool) -> usize {
+    use super::rows::layout::Q8_0;
+    use super::{x86, x86_panels, x86_vnni};
+    static VNNI: OnceLock<usize> = OnceLock::new();
+    static AVX2: OnceLock<usize> = OnceLock::new();
+    if vnni {
+        *VNNI.get_or_init(|| {
+            let block = (panel_bytes::<Q8_0, VLANES>(), VLANES);
+            x86::decode_streams(x86_vnni::DECODE_PANELS, block, |n, w, nb, p, x, out| {
+                // SAFETY: the caller's; whole panels of `w`, one row of `x`.
+                unsafe { x86_vnni::blocks::<Q8_0>(n, w, nb, p, x, 1, out) }
+            })
+        })
+    } else {
+        *AVX2.get_or_init(|| {
+            let block = (panel_bytes::<Q8_0, QLANES>(), QLANES);
+            x86::decode_streams(x86_panels::DECODE_PANELS, block, |n, w, nb, p, x, out| {
+                // SAFETY: the caller's; whole panels of `w`, one row of `x`.
+                unsafe { x86_panels::blocks::<Q8_0>(n, w, nb, p, x, 1, out) }
+            })
+        })
     }
 }

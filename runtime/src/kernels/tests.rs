@@ -536,7 +536,7 @@ fn k_quants_on_vnni_give_the_avx2_panels_bits() {
     reason = "calls the x86 block kernels on the paths this CPU runs"
 )]
 fn a_one_row_tile_gives_the_same_bits_however_many_panels_it_reads() {
-    // The panels a one-row tile reads at a time are measured per CPU (`decode_panels`): both
+    // The panels a one-row tile reads at a time are measured per CPU (`panels::decode_panels`): both
     // choices give every output the same bits, for every block type (1,100 outputs: panels
     // past the last whole group of four).
     let (in_dim, out_dim) = (768, 1100);
@@ -549,7 +549,11 @@ fn a_one_row_tile_gives_the_same_bits_however_many_panels_it_reads() {
             eprintln!("{path:?}: not on this CPU, its one-row tiles are not tested here");
             continue;
         }
-        let (lanes, many) = if path == Path::Avx2 { (8, 2) } else { (16, 4) };
+        let (lanes, many) = if path == Path::Avx2 {
+            (8, super::x86_panels::DECODE_PANELS)
+        } else {
+            (16, super::x86_vnni::DECODE_PANELS)
+        };
         let panels = out_dim.div_ceil(lanes);
         for dtype in [GgmlDType::Q4_0, GgmlDType::Q5_1, GgmlDType::Q8_0] {
             let q = Arc::new(QTensor::quantize(&t, dtype).expect("quantize"));
@@ -562,15 +566,7 @@ fn a_one_row_tile_gives_the_same_bits_however_many_panels_it_reads() {
                     ($m:ident, $b:ty) => {
                         // SAFETY: the CPU runs `path` (checked above); whole panels, one row.
                         unsafe {
-                            super::$m::blocks_with::<$b>(
-                                streams,
-                                data,
-                                nb,
-                                0..panels,
-                                xq,
-                                1,
-                                &mut out,
-                            )
+                            super::$m::blocks::<$b>(streams, data, nb, 0..panels, xq, 1, &mut out)
                         }
                     };
                 }

@@ -13,7 +13,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::panels::{Half, LANES, QLANES, panel_bytes};
-use super::rows::{Block, Q8, layout};
+use super::rows::{Block, Q8};
 use super::x86::{fifth, group};
 
 /// Activation rows in a tile of one panel: two registers per row (16 lanes), `2 · MAX_ROWS`
@@ -209,6 +209,10 @@ pub(crate) unsafe fn dense<L: Lanes>(
 /// Blocks ahead of the one a tile reads that its first rows ask the memory for.
 const BLOCKS_AHEAD: usize = 8;
 
+/// Panels a one-row tile may read at a time (as many streams of weights in flight), where this
+/// CPU reads that faster than one (`super::panels::decode_panels`).
+pub(crate) const DECODE_PANELS: usize = 2;
+
 /// Activation rows in a tile of a block kernel.
 const BLOCK_ROWS: usize = 4;
 
@@ -320,11 +324,12 @@ unsafe fn blocks_tile<B: Block, const P: usize, const T: usize>(
 
 /// Panels `panels` of `w` (blocks of 32 in panels: [`super::panels`]) against `rows` activation
 /// rows `x` (`nb` quantized blocks each): `out` gets `[panel][row][QLANES]` for those panels. One
-/// row `streams` panels at a time (2 or 1: [`decode_panels`]), more in tiles of [`BLOCK_ROWS`].
+/// row `streams` panels at a time ([`DECODE_PANELS`] or 1, whichever this CPU reads faster:
+/// `super::panels::decode_panels`), more in tiles of [`BLOCK_ROWS`].
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C ([`super::rows::Path::Avx2`]).
-pub(super) unsafe fn blocks_with<B: Block>(
+pub(crate) unsafe fn blocks<B: Block>(
     streams: usize,
     w: &[u8],
     nb: usize,
@@ -344,7 +349,7 @@ pub(super) unsafe fn blocks_with<B: Block>(
             (rows, streams, BLOCK_ROWS),
             out,
             |n, t, wp, x, at, op| match (n, t) {
-                (2, _) => blocks_tile::<B, 2, 1>(wp, nb, x, at, op),
+                (DECODE_PANELS, _) => blocks_tile::<B, DECODE_PANELS, 1>(wp, nb, x, at, op),
                 (_, 1) => blocks_tile::<B, 1, 1>(wp, nb, x, at, op),
                 (_, 2) => blocks_tile::<B, 1, 2>(wp, nb, x, at, op),
                 (_, 3) => blocks_tile::<B, 1, 3>(wp, nb, x, at, op),
@@ -352,36 +357,4 @@ pub(super) unsafe fn blocks_with<B: Block>(
             },
         )
     }
-}
-
-/// [`blocks_with`], a one-row tile taking [`decode_panels`] panels at a time.
-///
-/// # Safety
-/// The CPU has AVX2, FMA and F16C ([`super::rows::Path::Avx2`]).
-pub(crate) unsafe fn blocks<B: Block>(
-    w: &[u8],
-    nb: usize,
-    panels: Range<usize>,
-    x: &[Q8],
-    rows: usize,
-    out: &mut [f32],
-) {
-    // SAFETY: the caller's.
-    unsafe { blocks_with::<B>(decode_panels(), w, nb, panels, x, rows, out) }
-}
-
-/// The panels a one-row tile takes at a time on this CPU, 2 or 1, measured the first time
-/// ([`super::x86::decode_streams`]).
-///
-/// # Safety
-/// The CPU has AVX2, FMA and F16C ([`super::rows::Path::Avx2`]).
-pub(crate) unsafe fn decode_panels() -> usize {
-    static PANELS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PANELS.get_or_init(|| {
-        let block = panel_bytes::<layout::Q8_0, QLANES>();
-        super::x86::decode_streams(2, (block, QLANES), |n, w, nb, panels, x, out| {
-            // SAFETY: the caller's; whole panels of `w`, one row of `x`.
-            unsafe { blocks_with::<layout::Q8_0>(n, w, nb, panels, x, 1, out) }
-        })
-    })
 }

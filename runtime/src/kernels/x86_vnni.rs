@@ -24,7 +24,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::panels::{VLANES, panel_bytes};
-use super::rows::{Block, Q8, QK, layout};
+use super::rows::{Block, Q8, QK};
 
 /// Activation rows in a tile of one panel: a float accumulator and two integer sums per row,
 /// with the weights' registers and a broadcast, in 32 registers.
@@ -32,6 +32,10 @@ const MAX_ROWS: usize = 8;
 
 /// Blocks ahead of the one a tile reads that its first rows ask the memory for.
 const BLOCKS_AHEAD: usize = 4;
+
+/// Panels a one-row tile may read at a time (as many streams of weights in flight), where this
+/// CPU reads that faster than one (`super::panels::decode_panels`).
+pub(crate) const DECODE_PANELS: usize = 4;
 
 /// Four activation quants `qs[4g..4g + 4]` in every 32-bit lane (one broadcast load).
 #[target_feature(enable = "avx512f")]
@@ -164,11 +168,12 @@ unsafe fn tile<B: Block, const P: usize, const T: usize>(
 /// Panels `panels` of `w` (blocks of 32 in panels of [`VLANES`]:
 /// [`super::panels::write_blocks`]) against `rows` activation rows `x` (`nb` quantized blocks
 /// each): `out` gets `[panel][row][VLANES]` for those panels. One row `streams` panels at a time
-/// (4 or 1: [`decode_panels`]), more in tiles of up to [`MAX_ROWS`].
+/// ([`DECODE_PANELS`] or 1, whichever this CPU reads faster: `super::panels::decode_panels`),
+/// more in tiles of up to [`MAX_ROWS`].
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI and F16C ([`super::rows::Path::Avx512Vnni`]).
-pub(super) unsafe fn blocks_with<B: Block>(
+pub(crate) unsafe fn blocks<B: Block>(
     streams: usize,
     w: &[u8],
     nb: usize,
@@ -188,7 +193,7 @@ pub(super) unsafe fn blocks_with<B: Block>(
             (rows, streams, MAX_ROWS),
             out,
             |n, t, wp, x, at, op| match (n, t) {
-                (4, _) => tile::<B, 4, 1>(wp, nb, x, at, op),
+                (DECODE_PANELS, _) => tile::<B, DECODE_PANELS, 1>(wp, nb, x, at, op),
                 (_, 1) => tile::<B, 1, 1>(wp, nb, x, at, op),
                 (_, 2) => tile::<B, 1, 2>(wp, nb, x, at, op),
                 (_, 3) => tile::<B, 1, 3>(wp, nb, x, at, op),
@@ -200,36 +205,4 @@ pub(super) unsafe fn blocks_with<B: Block>(
             },
         )
     }
-}
-
-/// [`blocks_with`], a one-row tile taking [`decode_panels`] panels at a time.
-///
-/// # Safety
-/// The CPU has AVX-512 F, BW and VNNI and F16C ([`super::rows::Path::Avx512Vnni`]).
-pub(crate) unsafe fn blocks<B: Block>(
-    w: &[u8],
-    nb: usize,
-    panels: Range<usize>,
-    x: &[Q8],
-    rows: usize,
-    out: &mut [f32],
-) {
-    // SAFETY: the caller's.
-    unsafe { blocks_with::<B>(decode_panels(), w, nb, panels, x, rows, out) }
-}
-
-/// The panels a one-row tile takes at a time on this CPU, 4 or 1, measured the first time
-/// ([`super::x86::decode_streams`]).
-///
-/// # Safety
-/// The CPU has AVX-512 F, BW and VNNI and F16C ([`super::rows::Path::Avx512Vnni`]).
-pub(crate) unsafe fn decode_panels() -> usize {
-    static PANELS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PANELS.get_or_init(|| {
-        let block = panel_bytes::<layout::Q8_0, VLANES>();
-        super::x86::decode_streams(4, (block, VLANES), |n, w, nb, panels, x, out| {
-            // SAFETY: the caller's; whole panels of `w`, one row of `x`.
-            unsafe { blocks_with::<layout::Q8_0>(n, w, nb, panels, x, 1, out) }
-        })
-    })
 }
