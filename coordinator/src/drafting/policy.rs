@@ -41,6 +41,9 @@ const AHEAD_WINDOW: f64 = 2.0;
 const CARRIED_TRIALS: u32 = 4;
 /// Target-only rounds a session starts with.
 const TARGET_ONLY_FIRST: u32 = 2;
+/// Times the verify of two positions is timed before n-gram lookup is no longer probed to time
+/// it ([`KPolicy::choose`]).
+const TWO_POSITIONS_TIMED: u32 = 2;
 /// How much faster (as a fraction) drafting must look than target-only to be chosen: the
 /// estimates are noisy (acceptance from a few rounds, times on a shared machine), a near tie is
 /// as likely a loss as a gain, and K = 0 is safe.
@@ -486,7 +489,10 @@ impl KPolicy {
                 plan.k += 1;
             }
         }
-        if plan.drafter.is_none() && ngram > 0 && cap > 0 && self.verify.seen[1] < TARGET_ONLY_FIRST
+        if plan.drafter.is_none()
+            && ngram > 0
+            && cap > 0
+            && self.verify.seen[1] < TWO_POSITIONS_TIMED
         {
             // A block's verify is timed only where a round drafts: at the prior slope (a
             // quarter of a step per position) short matches never pay, so the target's real
