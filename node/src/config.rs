@@ -41,6 +41,13 @@ pub struct ModelSource {
     /// Caps the context below the model's own (sizes rope tables and caches).
     #[arg(long, env = "TANDEM_MAX_CONTEXT")]
     pub max_context: Option<usize>,
+    /// A draft-node's vocabulary: logits for the token ids below this and the added tokens only,
+    /// so that its output projection reads those rows alone (docs/architecture.md "The draft's
+    /// vocabulary"). 0: every token. Default: 65536 where the tokenizer is a byte-level BPE
+    /// (whose ids follow its merges, the commonest first), every token otherwise. A
+    /// target-node computes every token's logits and refuses this.
+    #[arg(long, env = "TANDEM_DRAFT_VOCAB")]
+    pub draft_vocab: Option<usize>,
 }
 
 /// Per-node limits; a request beyond one is refused with a status naming it.

@@ -65,6 +65,39 @@ pub struct NodeState {
     grammars: LazyGrammars,
 }
 
+/// The draft's vocabulary where one applies: [`ModelSource::draft_vocab`].
+const DRAFT_VOCAB: usize = 65536;
+
+/// The token ids whose logits a node's model computes ([`ModelSource::draft_vocab`]): the ids
+/// below the draft's vocabulary and every added token; None for every token.
+fn logit_ids(
+    role: Role,
+    draft_vocab: Option<usize>,
+    tokenizer: &Tokenizer,
+) -> Result<Option<Vec<u32>>> {
+    let below = match (role, draft_vocab) {
+        (Role::Target, None) => return Ok(None),
+        (Role::Target, Some(n)) => {
+            return Err(tandem_runtime::Error::invalid(
+                "draft_vocab",
+                n,
+                "a draft-node's: a target computes every token's logits",
+            )
+            .into());
+        }
+        (Role::Draft, Some(n)) => n,
+        (Role::Draft, None) if tokenizer.is_byte_level() => DRAFT_VOCAB,
+        (Role::Draft, None) => 0,
+    };
+    if below == 0 || below >= tokenizer.vocab_size() {
+        return Ok(None);
+    }
+    let mut ids: Vec<u32> = (0..below as u32).chain(tokenizer.added_ids()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    Ok(Some(ids))
+}
+
 impl NodeState {
     /// Loads the model and tokenizer `source` names (blocking: call before serving).
     pub fn load(role: Role, source: &ModelSource, limits: &LimitsArgs) -> Result<Self> {
@@ -77,14 +110,15 @@ impl NodeState {
         {
             return Err(tandem_runtime::Error::invalid("dtype", spec, "the CPU runs f32").into());
         }
+        let path = hub::resolve(&source.model)?;
+        let tokenizer = Tokenizer::for_model(&path)?;
         let options = LoadOptions {
             device,
             dtype,
             max_context: source.max_context,
+            logit_ids: logit_ids(role, source.draft_vocab, &tokenizer)?,
         };
-        let path = hub::resolve(&source.model)?;
         let model = Model::load(&path, &options)?;
-        let tokenizer = Tokenizer::for_model(&path)?;
         // A real one-token forward before the node serves (so before it is ready): a device
         // that cannot run the model fails here, naming why, not at the first request; and the
         // first forward's start-up costs (thread pools, page faults, kernels loaded) are not a
@@ -340,4 +374,46 @@ impl NodeState {
 
 fn invalid(field: &'static str, value: impl ToString, limit: impl ToString) -> Error {
     tandem_runtime::Error::invalid(field, value, limit).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(path: &str) -> Tokenizer {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+        Tokenizer::for_model(&dir.join(path)).expect("tokenizer")
+    }
+
+    #[test]
+    fn a_draft_computes_the_logits_of_its_vocabulary_and_a_target_of_every_token() {
+        let qwen = fixture("qwen2.5-vocab/qwen2.5-vocab.gguf");
+        let added: Vec<u32> = qwen.added_ids().collect();
+        assert!(added.contains(&151_645), "<|im_end|> is an added token");
+        let ids = logit_ids(Role::Draft, None, &qwen)
+            .expect("valid")
+            .expect("byte-level: a vocabulary");
+        assert_eq!(ids.len(), DRAFT_VOCAB + added.len());
+        assert!(ids.windows(2).all(|w| w[0] < w[1]));
+        assert!(ids.contains(&151_645) && !ids.contains(&(DRAFT_VOCAB as u32)));
+        let ids = logit_ids(Role::Draft, Some(1000), &qwen)
+            .expect("valid")
+            .expect("1000 < vocabulary");
+        assert_eq!(ids.len(), 1000 + added.len());
+        assert_eq!(logit_ids(Role::Draft, Some(0), &qwen).expect("valid"), None);
+        assert_eq!(
+            logit_ids(Role::Draft, Some(200_000), &qwen).expect("valid"),
+            None
+        );
+        assert_eq!(logit_ids(Role::Target, None, &qwen).expect("valid"), None);
+        let err = logit_ids(Role::Target, Some(1000), &qwen).expect_err("a target's");
+        assert!(
+            err.to_string().contains("a target computes every token"),
+            "{err}"
+        );
+        // SentencePiece ids do not follow frequency: every token unless asked.
+        let llama = fixture("stories260K");
+        assert!(!llama.is_byte_level());
+        assert_eq!(logit_ids(Role::Draft, None, &llama).expect("valid"), None);
+    }
 }

@@ -81,6 +81,11 @@ fn main() -> anyhow::Result<()> {
         device: parse_device(&std::env::var("BENCH_DEVICE").unwrap_or_else(|_| "cpu".into()))?,
         dtype,
         max_context: None,
+        // A draft's vocabulary: the ids below this.
+        logit_ids: std::env::var("BENCH_LOGITS_BELOW")
+            .ok()
+            .map(|n| n.parse().map(|n: u32| (0..n).collect()))
+            .transpose()?,
     };
     let m = Model::load(&model, &options)?;
     let mut cache = m.new_cache();

@@ -200,6 +200,11 @@ impl Tokenizer {
             .collect()
     }
 
+    /// The ids of every added token, special or not (a chat template's markup, a tool call's).
+    pub fn added_ids(&self) -> impl Iterator<Item = u32> {
+        self.inner.get_added_tokens_decoder().into_keys()
+    }
+
     /// A 64-bit FNV-1a hash over every token text and the special ids: equal hashes mean
     /// interchangeable vocabularies.
     pub fn vocab_hash(&self) -> u64 {

@@ -26,7 +26,7 @@ fn on_gpu(path: &Path, dtype: Option<DType>) -> Model {
     let options = LoadOptions {
         device: gpu(),
         dtype,
-        max_context: None,
+        ..Default::default()
     };
     Model::load(path, &options).expect("load on the GPU")
 }

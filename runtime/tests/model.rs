@@ -380,3 +380,43 @@ fn sharded_safetensors_load() {
         "{e}"
     );
 }
+
+#[test]
+fn a_model_with_some_tokens_logits_gives_those_tokens_the_whole_models_bits() {
+    let kept: Vec<u32> = (0..300).chain([400, 511]).collect();
+    let tokens = story_tokens();
+    for path in [
+        stories_dir(),
+        fixtures().join("llama-cpp/stories260K-q8_0.gguf"),
+        fixtures().join("llama-cpp/qwen2-q4_k_m.gguf"),
+        stories_gguf(QuantType::Q4_0),
+    ] {
+        let options = tandem_runtime::LoadOptions {
+            logit_ids: Some(kept.clone()),
+            ..Default::default()
+        };
+        let some = tandem_runtime::Model::load(&path, &options).expect("load");
+        let (full, some) = (
+            fresh_logits(&load(&path), &tokens),
+            fresh_logits(&some, &tokens),
+        );
+        for (all, row) in full.iter().zip(&some) {
+            for (id, (&a, &s)) in all.iter().zip(row).enumerate() {
+                if kept.contains(&(id as u32)) {
+                    assert_eq!(a.to_bits(), s.to_bits(), "{}: token {id}", path.display());
+                } else {
+                    assert_eq!(s, f32::NEG_INFINITY, "{}: token {id}", path.display());
+                }
+            }
+        }
+    }
+    let options = tandem_runtime::LoadOptions {
+        logit_ids: Some(vec![3, 512]),
+        ..Default::default()
+    };
+    let err = tandem_runtime::Model::load(&stories_dir(), &options).expect_err("id 512");
+    assert!(
+        err.to_string().contains("below the vocabulary size 512"),
+        "{err}"
+    );
+}

@@ -23,6 +23,7 @@ fn load_node(
         device: device.to_string(),
         dtype: None,
         max_context: None,
+        draft_vocab: None,
     };
     NodeState::load(role, &source, limits)
         .with_context(|| format!("loading the {} model", role.as_str()))

@@ -455,6 +455,10 @@ pub(crate) struct Llama {
     layers: Vec<Block>,
     norm: RmsNorm,
     lm_head: Matmul,
+    /// Where `lm_head` computes some tokens' logits only ([`crate::LoadOptions::logit_ids`]):
+    /// the token id of each of its outputs.
+    logit_ids: Option<Vec<u32>>,
+    vocab_size: usize,
     /// cos and sin of every position: the global layers' table, then the local layers' (their
     /// own base, no scaling) where the model has local layers, with their window.
     tables: Vec<Rope>,
@@ -479,7 +483,13 @@ fn rope_table(cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Rope> 
 }
 
 impl Llama {
-    pub(crate) fn load(vb: Vb, cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Self> {
+    pub(crate) fn load(
+        vb: Vb,
+        cfg: &ModelConfig,
+        dtype: DType,
+        device: &Device,
+        logit_ids: Option<Vec<u32>>,
+    ) -> Result<Self> {
         let m = vb.pp("model");
         let embed_tokens = m
             .pp("embed_tokens")
@@ -490,11 +500,26 @@ impl Llama {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(m.pp("norm"), cfg.hidden_size, cfg)?;
         // Tied embeddings reuse the embedding matrix, kept quantized in GGUF files.
-        let lm_head = if cfg.tie_word_embeddings {
+        let head = if cfg.tie_word_embeddings {
             m.pp("embed_tokens")
-                .matmul(cfg.vocab_size, cfg.hidden_size)?
         } else {
-            vb.pp("lm_head").matmul(cfg.vocab_size, cfg.hidden_size)?
+            vb.pp("lm_head")
+        };
+        if let Some(&id) = logit_ids
+            .iter()
+            .flatten()
+            .find(|&&id| id as usize >= cfg.vocab_size)
+        {
+            return Err(crate::Error::invalid(
+                "logit_ids",
+                id,
+                format!("ids must be below the vocabulary size {}", cfg.vocab_size),
+            ));
+        }
+        let logit_ids = logit_ids.filter(|ids| ids.len() < cfg.vocab_size);
+        let lm_head = match &logit_ids {
+            Some(ids) => head.matmul_rows(cfg.vocab_size, cfg.hidden_size, ids)?,
+            None => head.matmul(cfg.vocab_size, cfg.hidden_size)?,
         };
         let mut tables = vec![rope_table(cfg, dtype, device)?];
         let mut windows = vec![usize::MAX];
@@ -520,6 +545,8 @@ impl Llama {
             layers,
             norm,
             lm_head,
+            logit_ids,
+            vocab_size: cfg.vocab_size,
             tables,
             windows,
             dtype,
@@ -584,11 +611,14 @@ impl Llama {
             Tensor::cat(&parts, 1)?
         };
         let xs = self.norm.forward(&xs)?;
-        let logits = self
+        let mut logits = self
             .lm_head
             .forward(&xs)?
             .squeeze(0)?
             .to_dtype(DType::F32)?;
+        if let Some(ids) = &self.logit_ids {
+            logits = scatter_logits(&logits, ids, self.vocab_size)?;
+        }
         let mut start = 0;
         kept.into_iter()
             .map(|len| {
@@ -598,6 +628,23 @@ impl Llama {
             })
             .collect()
     }
+}
+
+/// Logits of (rows, `ids.len()`), those of the tokens `ids`, as rows over the whole vocabulary:
+/// every other token's -inf.
+fn scatter_logits(logits: &Tensor, ids: &[u32], vocab: usize) -> Result<Tensor> {
+    let rows = logits.to_vec2::<f32>()?;
+    let mut full = vec![f32::NEG_INFINITY; rows.len() * vocab];
+    for (out, row) in full.chunks_exact_mut(vocab).zip(&rows) {
+        for (&id, &x) in ids.iter().zip(row) {
+            out[id as usize] = x;
+        }
+    }
+    Ok(Tensor::from_vec(
+        full,
+        (rows.len(), vocab),
+        logits.device(),
+    )?)
 }
 
 impl Llama {

@@ -28,6 +28,10 @@ pub struct LoadOptions {
     pub dtype: Option<DType>,
     /// Caps the context below the model's own, which sizes the rope tables and the caches.
     pub max_context: Option<usize>,
+    /// The tokens whose logits the model computes, every other's -inf: a draft model's
+    /// vocabulary, its output projection read for those rows only (docs/architecture.md "The
+    /// draft's vocabulary"). None: every token (a target always).
+    pub logit_ids: Option<Vec<u32>>,
 }
 
 impl Default for LoadOptions {
@@ -36,6 +40,7 @@ impl Default for LoadOptions {
             device: Device::Cpu,
             dtype: None,
             max_context: None,
+            logit_ids: None,
         }
     }
 }
@@ -168,6 +173,7 @@ impl Model {
                 &config,
                 dtype,
                 device,
+                options.logit_ids.clone(),
             )?);
             Ok(Self {
                 config,
@@ -192,6 +198,7 @@ impl Model {
                 &config,
                 dtype,
                 device,
+                options.logit_ids.clone(),
             )?);
             Ok(Self {
                 config,

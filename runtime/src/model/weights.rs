@@ -209,6 +209,42 @@ impl<'a> Vb<'a> {
         }
     }
 
+    /// The rows `rows` (token ids below `out_dim`) of the `weight` of a linear layer of shape
+    /// (out, in), as one weight whose outputs are theirs in turn: a GGUF tensor's rows are
+    /// contiguous runs of blocks, copied as they are (each output is what the whole weight's
+    /// product gives for it, bit for bit, as for [`Self::fused_matmul`]).
+    pub(crate) fn matmul_rows(
+        &self,
+        out_dim: usize,
+        in_dim: usize,
+        rows: &[u32],
+    ) -> Result<Matmul> {
+        let name = self.name("weight");
+        match self.weights {
+            Weights::Gguf { tensors, .. } if tensors.device().is_cpu() => {
+                let t = self.weights.qtensor(&name, &[out_dim, in_dim])?;
+                let data = t.data()?;
+                let row = data.len() / out_dim;
+                let mut bytes = Vec::with_capacity(row * rows.len());
+                for &r in rows {
+                    bytes.extend_from_slice(&data[r as usize * row..][..row]);
+                }
+                let storage = candle_core::quantized::QStorage::from_data(
+                    std::borrow::Cow::Owned(bytes),
+                    &Device::Cpu,
+                    t.dtype(),
+                )?;
+                let kept = QTensor::new(storage, (rows.len(), in_dim))?;
+                Matmul::quantized(Arc::new(kept))
+            }
+            _ => {
+                let w = self.tensor("weight", &[out_dim, in_dim])?;
+                let ids = Tensor::new(rows, w.device())?;
+                Matmul::dense(w.index_select(&ids, 0)?)
+            }
+        }
+    }
+
     /// The `weight` of a linear layer of shape (out, in), kept quantized where it is.
     pub(crate) fn matmul(&self, out_dim: usize, in_dim: usize) -> Result<Matmul> {
         let name = self.name("weight");
