@@ -147,4 +147,40 @@ mod tests {
         assert_eq!(plan.drafter, Some(DrafterKind::Model));
         assert!(!policy.catch_up_wanted());
     }
+
+    #[test]
+    fn a_verify_beside_a_step_drafting_ahead_is_learnt_as_it_costs_alone() {
+        // A target step of 40 ms, 48 beside the draft's (one machine's two cores), or 40 (a
+        // machine of its own); a verify of 2 positions timed at 56.4 ms beside a step drafting
+        // ahead: 47 alone where a step beside slows it by a fifth, as timed where none does.
+        for (beside, alone) in [(0.048, 0.047), (0.040, 0.0564)] {
+            let mut policy = KPolicy::new(ADAPTIVE_MAX_K);
+            policy.observe_target_step(false, 0.040);
+            policy.observe_target_step(true, beside);
+            let model = RoundPlan {
+                drafter: Some(DrafterKind::Model),
+                k: 1,
+            };
+            let ahead = RoundCosts {
+                drafted: 1,
+                accepted: 1,
+                drafted_ahead: true,
+                drafted_next: 2,
+                verify_wall: 0.0564,
+                round_wall: 0.0564,
+                ..RoundCosts::default()
+            };
+            for _ in 0..20 {
+                let step = RoundCosts {
+                    verify_wall: 0.040,
+                    round_wall: 0.040,
+                    ..RoundCosts::default()
+                };
+                policy.observe(RoundPlan::TARGET_ONLY, &step);
+                policy.observe(model, &ahead);
+            }
+            let learnt = policy.expected_verify_seconds(2).expect("timed");
+            assert!((learnt - alone).abs() < 0.0005, "{learnt} against {alone}");
+        }
+    }
 }
