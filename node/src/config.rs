@@ -43,9 +43,10 @@ pub struct ModelSource {
     pub max_context: Option<usize>,
     /// A draft-node's vocabulary: logits for the token ids below this and the added tokens only,
     /// so that its output projection reads those rows alone (docs/architecture.md "The draft's
-    /// vocabulary"). 0: every token. Default: 65536 where the tokenizer is a byte-level BPE
-    /// (whose ids follow its merges, the commonest first), every token otherwise. A
-    /// target-node computes every token's logits and refuses this.
+    /// vocabulary"). 0: every token. Default: 100000 where the tokenizer is a byte-level BPE
+    /// (whose ids follow its merges, the commonest first; Qwen's and Llama 3's other scripts
+    /// lie above), every token otherwise. A target-node computes every token's logits and
+    /// refuses this.
     #[arg(long, env = "TANDEM_DRAFT_VOCAB")]
     pub draft_vocab: Option<usize>,
 }

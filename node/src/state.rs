@@ -65,8 +65,11 @@ pub struct NodeState {
     grammars: LazyGrammars,
 }
 
-/// The draft's vocabulary where one applies: [`ModelSource::draft_vocab`].
-const DRAFT_VOCAB: usize = 65536;
+/// The draft's vocabulary where one applies ([`ModelSource::draft_vocab`]): the byte-level BPEs
+/// built on cl100k (Qwen 2/2.5/3, Llama 3) hold English and code below it, other scripts above.
+/// At 65,536 the real Qwen draft's step cost 13 % less and its greedy drafts of tool calls lost
+/// their `}}}` (id 75,542): 4 tokens a round at K = 3 fell to 3.3-3.4.
+const DRAFT_VOCAB: usize = 100_000;
 
 /// The token ids whose logits a node's model computes ([`ModelSource::draft_vocab`]): the ids
 /// below the draft's vocabulary and every added token; None for every token.
