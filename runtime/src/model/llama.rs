@@ -5,6 +5,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::config::{Activation, Architecture, ModelConfig, RopeScaling};
+use super::head::Head;
 use super::weights::Vb;
 use crate::Result;
 use crate::kernels::{Gate, Matmul, Span, TreePaths, attention_cpu, gated};
@@ -454,11 +455,7 @@ pub(crate) struct Llama {
     embed_scale: Option<f64>,
     layers: Vec<Block>,
     norm: RmsNorm,
-    lm_head: Matmul,
-    /// Where `lm_head` computes some tokens' logits only ([`crate::LoadOptions::logit_ids`]):
-    /// the token id of each of its outputs.
-    logit_ids: Option<Vec<u32>>,
-    vocab_size: usize,
+    lm_head: Head,
     /// cos and sin of every position: the global layers' table, then the local layers' (their
     /// own base, no scaling) where the model has local layers, with their window.
     tables: Vec<Rope>,
@@ -505,22 +502,7 @@ impl Llama {
         } else {
             vb.pp("lm_head")
         };
-        if let Some(&id) = logit_ids
-            .iter()
-            .flatten()
-            .find(|&&id| id as usize >= cfg.vocab_size)
-        {
-            return Err(crate::Error::invalid(
-                "logit_ids",
-                id,
-                format!("ids must be below the vocabulary size {}", cfg.vocab_size),
-            ));
-        }
-        let logit_ids = logit_ids.filter(|ids| ids.len() < cfg.vocab_size);
-        let lm_head = match &logit_ids {
-            Some(ids) => head.matmul_rows(cfg.vocab_size, cfg.hidden_size, ids)?,
-            None => head.matmul(cfg.vocab_size, cfg.hidden_size)?,
-        };
+        let lm_head = Head::load(head, cfg, logit_ids)?;
         let mut tables = vec![rope_table(cfg, dtype, device)?];
         let mut windows = vec![usize::MAX];
         if cfg.local_layers.contains(&true) {
@@ -545,8 +527,6 @@ impl Llama {
             layers,
             norm,
             lm_head,
-            logit_ids,
-            vocab_size: cfg.vocab_size,
             tables,
             windows,
             dtype,
@@ -611,14 +591,7 @@ impl Llama {
             Tensor::cat(&parts, 1)?
         };
         let xs = self.norm.forward(&xs)?;
-        let mut logits = self
-            .lm_head
-            .forward(&xs)?
-            .squeeze(0)?
-            .to_dtype(DType::F32)?;
-        if let Some(ids) = &self.logit_ids {
-            logits = scatter_logits(&logits, ids, self.vocab_size)?;
-        }
+        let logits = self.lm_head.forward(&xs)?;
         let mut start = 0;
         kept.into_iter()
             .map(|len| {
@@ -628,23 +601,6 @@ impl Llama {
             })
             .collect()
     }
-}
-
-/// Logits of (rows, `ids.len()`), those of the tokens `ids`, as rows over the whole vocabulary:
-/// every other token's -inf.
-fn scatter_logits(logits: &Tensor, ids: &[u32], vocab: usize) -> Result<Tensor> {
-    let rows = logits.to_vec2::<f32>()?;
-    let mut full = vec![f32::NEG_INFINITY; rows.len() * vocab];
-    for (out, row) in full.chunks_exact_mut(vocab).zip(&rows) {
-        for (&id, &x) in ids.iter().zip(row) {
-            out[id as usize] = x;
-        }
-    }
-    Ok(Tensor::from_vec(
-        full,
-        (rows.len(), vocab),
-        logits.device(),
-    )?)
 }
 
 impl Llama {

@@ -4,6 +4,7 @@ mod config;
 pub(crate) use config::read_json;
 pub(crate) mod gguf;
 pub(crate) mod gguf_tokenizer;
+mod head;
 pub mod hub;
 pub(crate) mod llama;
 pub(crate) mod weights;
