@@ -197,13 +197,7 @@ impl<'a> Vb<'a> {
                 for t in &parts {
                     bytes.extend_from_slice(&t.data()?);
                 }
-                let storage = candle_core::quantized::QStorage::from_data(
-                    std::borrow::Cow::Owned(bytes),
-                    &Device::Cpu,
-                    dtype,
-                )?;
-                let fused = QTensor::new(storage, (total, in_dim))?;
-                Ok(Some(Matmul::quantized(Arc::new(fused))?))
+                Ok(Some(quantized_from_bytes(bytes, dtype, (total, in_dim))?))
             }
             _ => Ok(None),
         }
@@ -229,13 +223,7 @@ impl<'a> Vb<'a> {
                 for &r in rows {
                     bytes.extend_from_slice(&data[r as usize * row..][..row]);
                 }
-                let storage = candle_core::quantized::QStorage::from_data(
-                    std::borrow::Cow::Owned(bytes),
-                    &Device::Cpu,
-                    t.dtype(),
-                )?;
-                let kept = QTensor::new(storage, (rows.len(), in_dim))?;
-                Matmul::quantized(Arc::new(kept))
+                quantized_from_bytes(bytes, t.dtype(), (rows.len(), in_dim))
             }
             _ => {
                 let w = self.tensor("weight", &[out_dim, in_dim])?;
@@ -259,6 +247,21 @@ impl<'a> Vb<'a> {
             }
         }
     }
+}
+
+/// A CPU weight of `dtype` and `shape` (out, in) from its GGUF bytes, rows in turn: a fused
+/// layer's ([`Vb::fused_matmul`]) or some rows of one ([`Vb::matmul_rows`]).
+fn quantized_from_bytes(
+    bytes: Vec<u8>,
+    dtype: candle_core::quantized::GgmlDType,
+    shape: (usize, usize),
+) -> Result<Matmul> {
+    let storage = candle_core::quantized::QStorage::from_data(
+        std::borrow::Cow::Owned(bytes),
+        &Device::Cpu,
+        dtype,
+    )?;
+    Matmul::quantized(Arc::new(QTensor::new(storage, shape)?))
 }
 
 /// Maps a Hugging Face tensor name of an `architecture` model to llama.cpp's GGUF name.
