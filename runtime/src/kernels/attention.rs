@@ -185,18 +185,21 @@ struct Call<'a> {
 }
 
 /// Every call's (n, heads · d) rows, one call after the other (the calls share `heads` and
-/// `head_dim`).
+/// `head_dim`). A unit of work is one row's group of query heads that share a kv head
+/// ([`head_group`]): each key and value is read from memory once for all of them.
 fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
     let Some(first) = calls.first() else {
         return Vec::new();
     };
     let (heads, d) = (first.s.heads, first.s.head_dim);
-    // The first output chunk (of d) of each call.
+    let group = head_group(calls, heads);
+    let units_per_row = heads / group;
+    // The first unit of each call.
     let starts: Vec<usize> = calls
         .iter()
         .scan(0, |at, c| {
             let start = *at;
-            *at += c.s.n * heads;
+            *at += c.s.n * units_per_row;
             Some(start)
         })
         .collect();
@@ -205,7 +208,7 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
     let mut out = vec![0f32; total * d];
     #[cfg(target_arch = "x86_64")]
     let fused = Path::detect() != Path::Portable;
-    let one = |(index, out_row): (usize, &mut [f32])| {
+    let one = |(index, out_group): (usize, &mut [f32])| {
         let c = starts.partition_point(|&s| s <= index) - 1;
         let Call {
             q,
@@ -213,10 +216,14 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
             s,
             paths,
         } = &calls[c];
-        // Output (row i, head h) of a call is its chunk i · heads + h.
+        // Unit u of row i of a call: heads u · group.., output chunks i · heads + u · group...
         let local = index - starts[c];
-        let (i, h) = (local / heads, local % heads);
-        let q_row = &q[h * s.q_stride + i * d..][..d];
+        let (i, h) = (local / units_per_row, local % units_per_row * group);
+        let q_rows = QRows {
+            first: &q[h * s.q_stride + i * d..],
+            stride: s.q_stride,
+            d,
+        };
         let kv = h / (heads / s.kv_heads);
         // The positions the row sees, in order, piece by piece.
         let mut seen_pieces = [(&[][..], &[][..]); MAX_PIECES + MAX_TREE_DEPTH + 1];
@@ -267,11 +274,13 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
                 // SAFETY: `Path::detect` found AVX2 and FMA on this CPU.
                 #[allow(unsafe_code, reason = "a target-feature function, features checked")]
                 unsafe {
-                    attend_fma(q_row, rows, scores, out_row)
+                    attend_fma(q_rows, rows, scores, out_group)
                 };
                 return;
             }
-            attend::<false>(q_row, rows, scores, out_row);
+            for (g, out_row) in out_group.chunks_mut(d).enumerate() {
+                attend::<false>(q_rows.row(g), rows, scores, out_row);
+            }
         });
     };
     // Threads pay off sooner here than in a matmul: a decode row's keys and values come from
@@ -283,11 +292,44 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
         .map(|c| c.s.n * heads * (c.s.pos + c.s.n) * d)
         .sum();
     if work >= PARALLEL_WORK / 16 {
-        on_pool(&mut out, d, |i, row| one((i, row)));
+        on_pool(&mut out, group * d, |i, part| one((i, part)));
     } else {
-        out.chunks_mut(d).enumerate().for_each(one);
+        out.chunks_mut(group * d).enumerate().for_each(one);
     }
     out
+}
+
+/// How many query heads one unit of [`attention`]'s work attends: those sharing a kv head
+/// (grouped-query attention: 6 on the Qwen2.5-Coder 1.5B target, 7 on its 0.5B draft), halved
+/// while that leaves fewer units than the pool has threads (a decode step of a model with one
+/// kv head would run on one); 1 where the calls' groups differ.
+fn head_group(calls: &[Call<'_>], heads: usize) -> usize {
+    let shared = |c: &Call<'_>| heads / c.s.kv_heads.max(1);
+    let mut group = calls
+        .iter()
+        .map(shared)
+        .reduce(|a, b| if a == b { a } else { 1 })
+        .unwrap_or(1);
+    let rows: usize = calls.iter().map(|c| c.s.n).sum();
+    let threads = candle_core::utils::get_num_threads().max(1);
+    while group.is_multiple_of(2) && rows * heads / group < threads {
+        group /= 2;
+    }
+    group.max(1)
+}
+
+/// The query rows of a group of heads at one position: head g's at `first[g · stride..][..d]`.
+#[derive(Clone, Copy)]
+pub(super) struct QRows<'a> {
+    pub(super) first: &'a [f32],
+    pub(super) stride: usize,
+    pub(super) d: usize,
+}
+
+impl<'a> QRows<'a> {
+    pub(super) fn row(&self, g: usize) -> &'a [f32] {
+        &self.first[g * self.stride..][..self.d]
+    }
 }
 
 /// A token tree's query rows: for each, the tree rows it sees (its ancestors and itself,
@@ -314,10 +356,10 @@ impl TreePaths {
 /// The keys and values one query row sees, in pieces (each (keys, values) of the same
 /// positions), and the scale of its scores.
 #[derive(Clone, Copy)]
-struct Rows<'a> {
-    pieces: &'a [(&'a [f32], &'a [f32])],
-    d: usize,
-    scale: f32,
+pub(super) struct Rows<'a> {
+    pub(super) pieces: &'a [(&'a [f32], &'a [f32])],
+    pub(super) d: usize,
+    pub(super) scale: f32,
 }
 
 /// The most pieces a sequence's keys come in: a shared prefix's segments (one per turn of a
@@ -345,7 +387,7 @@ const KEYS: usize = 4;
 /// each multiply-add one rounding (FMA): the same order, so a row's result is still the same
 /// alone or in a block on a given CPU.
 #[inline(always)]
-fn attend<const FUSED: bool>(
+pub(super) fn attend<const FUSED: bool>(
     q_row: &[f32],
     rows: Rows,
     scores: &mut Vec<f32>,
@@ -417,11 +459,25 @@ fn key_scores<const FUSED: bool, const G: usize>(
     scores
 }
 
-/// [`attend`] compiled for AVX2 and FMA.
+/// [`attend`] with fused multiply-adds for each of a group of heads (`out_group`: their rows) on
+/// AVX2 and FMA: [`super::x86_attention`]'s where the head size and the group fit it, else the
+/// portable row compiled for these features, head by head.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn attend_fma(q_row: &[f32], rows: Rows, scores: &mut Vec<f32>, out_row: &mut [f32]) {
-    attend::<true>(q_row, rows, scores, out_row);
+fn attend_fma(q: QRows, rows: Rows, scores: &mut Vec<f32>, out_group: &mut [f32]) {
+    let group = out_group.len() / rows.d;
+    if super::x86_attention::fits(rows.d, group) {
+        // SAFETY: AVX2 and FMA enabled here; `rows.d` and the group fit; the rows are whole
+        // (`attention`), `q` holds the group's rows.
+        #[allow(unsafe_code, reason = "a target-feature function, features checked")]
+        unsafe {
+            super::x86_attention::attend(q, rows, scores, out_group)
+        };
+    } else {
+        for (g, out_row) in out_group.chunks_mut(rows.d).enumerate() {
+            attend::<true>(q.row(g), rows, scores, out_row);
+        }
+    }
 }
 
 /// Multiply-adds above which a call is split across threads.

@@ -26,7 +26,8 @@
 //!   take (candle's VNNI kernel too), to reproduce here what runs there.
 //! - `activation`: the MLP's gated activation (SiLU, GELU-tanh) vectorized, one pass.
 //! - `attention`: causal attention row by row over exactly the keys the row sees, in a fixed
-//!   order, read in place from the KV cache (AVX2 + FMA where the CPU has them).
+//!   order, read in place from the KV cache, a row's query heads that share a kv head together
+//!   (`x86_attention` on AVX2 + FMA: each key and value read from memory once for the group).
 //! - `rows::on_pool`: every kernel splits its work on candle's CPU pool, the one candle's own
 //!   operations use.
 //!
@@ -48,6 +49,8 @@ mod rows;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_attention;
 #[cfg(target_arch = "x86_64")]
 mod x86_dense512;
 #[cfg(target_arch = "x86_64")]
