@@ -404,12 +404,7 @@ pub(super) fn attend<const FUSED: bool>(
             scores.extend(key_scores::<FUSED, 1>(q_row, key, d, scale));
         }
     }
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for w in scores.iter_mut() {
-        *w = (*w - max).exp();
-        sum += *w;
-    }
+    let sum = exp_scores(scores);
     let values = pieces.iter().flat_map(|(_, values)| values.chunks_exact(d));
     for (w, value) in scores.iter().zip(values) {
         for (o, x) in out_row.iter_mut().zip(value) {
@@ -418,6 +413,18 @@ pub(super) fn attend<const FUSED: bool>(
     }
     let inv = 1.0 / sum;
     out_row.iter_mut().for_each(|o| *o *= inv);
+}
+
+/// Each score to exp(score − the largest), in order; their sum, added in order.
+#[inline]
+pub(super) fn exp_scores(scores: &mut [f32]) -> f32 {
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for w in scores.iter_mut() {
+        *w = (*w - max).exp();
+        sum += *w;
+    }
+    sum
 }
 
 /// The scores of `G` consecutive keys (`keys`: G · d). Each key's operations are those it has

@@ -15,7 +15,7 @@
 
 use std::arch::x86_64::*;
 
-use super::attention::{QRows, Rows};
+use super::attention::{QRows, Rows, exp_scores};
 
 /// Keys whose scores are computed together (their chains of multiply-adds overlap).
 const KEYS: usize = 4;
@@ -69,13 +69,7 @@ pub(super) unsafe fn attend(q: QRows, rows: Rows, scores: &mut Vec<f32>, out: &m
     }
     let mut inverse = [0f32; MAX_GROUP];
     for (row_scores, inverse) in scores.chunks_exact_mut(keys.max(1)).zip(&mut inverse) {
-        let max = row_scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for w in row_scores.iter_mut() {
-            *w = (*w - max).exp();
-            sum += *w;
-        }
-        *inverse = 1.0 / sum;
+        *inverse = 1.0 / exp_scores(row_scores);
     }
     let mut at = 0;
     for tile in pieces.iter().flat_map(|(_, v)| v.chunks(TILE * d)) {
