@@ -278,9 +278,7 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
                 };
                 return;
             }
-            for (g, out_row) in out_group.chunks_mut(d).enumerate() {
-                attend::<false>(q_rows.row(g), rows, scores, out_row);
-            }
+            attend_each::<false>(q_rows, rows, scores, out_group);
         });
     };
     // Threads pay off sooner here than in a matmul: a decode row's keys and values come from
@@ -304,7 +302,7 @@ fn attention(calls: &[Call<'_>], span: Span) -> Vec<f32> {
 /// while that leaves fewer units than the pool has threads (a decode step of a model with one
 /// kv head would run on one); 1 where the calls' groups differ.
 fn head_group(calls: &[Call<'_>], heads: usize) -> usize {
-    let shared = |c: &Call<'_>| heads / c.s.kv_heads.max(1);
+    let shared = |c: &Call<'_>| (heads / c.s.kv_heads).max(1);
     let mut group = calls
         .iter()
         .map(shared)
@@ -315,7 +313,7 @@ fn head_group(calls: &[Call<'_>], heads: usize) -> usize {
     while group.is_multiple_of(2) && rows * heads / group < threads {
         group /= 2;
     }
-    group.max(1)
+    group
 }
 
 /// The query rows of a group of heads at one position: head g's at `first[g · stride..][..d]`.
@@ -387,7 +385,7 @@ const KEYS: usize = 4;
 /// each multiply-add one rounding (FMA): the same order, so a row's result is still the same
 /// alone or in a block on a given CPU.
 #[inline(always)]
-pub(super) fn attend<const FUSED: bool>(
+fn attend<const FUSED: bool>(
     q_row: &[f32],
     rows: Rows,
     scores: &mut Vec<f32>,
@@ -413,6 +411,19 @@ pub(super) fn attend<const FUSED: bool>(
     }
     let inv = 1.0 / sum;
     out_row.iter_mut().for_each(|o| *o *= inv);
+}
+
+/// [`attend`] for each head of a group in turn (`out_group`: their rows).
+#[inline(always)]
+pub(super) fn attend_each<const FUSED: bool>(
+    q: QRows,
+    rows: Rows,
+    scores: &mut Vec<f32>,
+    out_group: &mut [f32],
+) {
+    for (g, out_row) in out_group.chunks_mut(rows.d).enumerate() {
+        attend::<FUSED>(q.row(g), rows, scores, out_row);
+    }
 }
 
 /// Each score to exp(score − the largest), in order; their sum, added in order.
@@ -481,9 +492,7 @@ fn attend_fma(q: QRows, rows: Rows, scores: &mut Vec<f32>, out_group: &mut [f32]
             super::x86_attention::attend(q, rows, scores, out_group)
         };
     } else {
-        for (g, out_row) in out_group.chunks_mut(rows.d).enumerate() {
-            attend::<true>(q.row(g), rows, scores, out_row);
-        }
+        attend_each::<true>(q, rows, scores, out_group);
     }
 }
 

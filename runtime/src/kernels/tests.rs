@@ -710,3 +710,48 @@ fn the_isa_cap_holds_the_kernels_below_it() {
     }
     assert_eq!(Path::named("avx-512"), None);
 }
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn a_group_of_heads_in_registers_has_the_portable_rows_bits() {
+    use super::attention::{QRows, Rows, attend_each};
+    if Path::detect() == Path::Portable {
+        eprintln!("no AVX2 and FMA on this CPU: the register rows never run here");
+        return;
+    }
+    // Head sizes of 1, 4, 5 and 8 registers of values (the 64-column blocks and the 8s); groups
+    // of 1, 3 and 7 heads, their query rows a stride apart; keys in two pieces (a shared prefix,
+    // then the sequence's own) of a part tile and of tiles and a remainder, neither a multiple
+    // of the keys scored together; a zero key (a score of ±0).
+    for (d, group) in [(16, 1), (64, 7), (80, 3), (128, 3)] {
+        // Keys then values, 37 + 130 rows each; the query rows.
+        let (mut kv, q) = data(2 * (37 + 130), d, group * 3);
+        kv[5 * d..6 * d].fill(0.0);
+        let (k, v) = kv.split_at(167 * d);
+        let ((k1, k2), (v1, v2)) = (k.split_at(37 * d), v.split_at(37 * d));
+        let q = QRows {
+            first: &q,
+            stride: 3 * d,
+            d,
+        };
+        let pieces = [(k1, v1), (k2, v2)];
+        let rows = Rows {
+            pieces: &pieces,
+            d,
+            scale: 0.125,
+        };
+        let (mut portable, mut registers) = (vec![0f32; group * d], vec![0f32; group * d]);
+        let mut scores = Vec::new();
+        attend_each::<true>(q, rows, &mut scores, &mut portable);
+        // SAFETY: Path::detect found AVX2 and FMA; d and the group fit; the pieces are whole
+        // rows.
+        #[allow(unsafe_code, reason = "a target-feature function, features checked")]
+        unsafe {
+            super::x86_attention::attend(q, rows, &mut scores, &mut registers)
+        };
+        assert!(
+            same_bits(&registers, &portable),
+            "head size {d}, {group} heads"
+        );
+    }
+}
