@@ -194,6 +194,7 @@ async fn start_engine(
         Some(cluster) => {
             let mut engine = cluster.engine(k).await?;
             configure(&mut engine);
+            engine.warm_up_logged().await;
             tracing::info!(
                 target_model = %engine.target().info.model_name,
                 draft_model = ?engine.draft.get().map(|d| d.primary().info.model_name.clone()),
@@ -215,6 +216,7 @@ async fn start_engine(
                 connect_until_ready(&connecting, || async {
                     let mut engine = Engine::connect(&targets, &drafts, k, &node_tls).await?;
                     configure(&mut engine);
+                    engine.warm_up_logged().await;
                     tracing::info!(
                         target_nodes = %targets.join(", "),
                         target_model = %engine.target().info.model_name,

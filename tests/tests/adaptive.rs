@@ -386,3 +386,47 @@ async fn chains_cut_where_the_draft_is_unsure_keep_greedy_output_equal_to_target
     let message = format!("{:?}", refused.expect_err("a bound past 1"));
     assert!(message.contains("draft_min_confidence"), "{message}");
 }
+
+#[tokio::test]
+async fn an_engine_times_its_nodes_before_the_first_request_and_keeps_only_their_costs() {
+    use tandem_coordinator::engine::warm_up::{WARM_UP_TEXT, WarmUp};
+    let (target, draft) = (stories(), stories_q8());
+    let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
+    let engine = cluster.engine(None).await.expect("engine");
+    match engine.warm_up().await.expect("warm-up") {
+        WarmUp::Timed {
+            target,
+            beside,
+            draft,
+            k,
+        } => assert!(
+            target > 0.0 && beside > 0.0 && draft > 0.0 && k > 0,
+            "{target} {beside} {draft} {k}"
+        ),
+        WarmUp::Skipped => panic!("an adaptive engine with a draft-node warms up"),
+    }
+    // What it timed is what the next lone session starts from: nothing left to time.
+    assert_eq!(engine.warm_up().await.expect("again"), WarmUp::Skipped);
+    // Nothing to time where requests' K is fixed or there is no draft-node.
+    let fixed = cluster.engine(Some(4)).await.expect("engine");
+    assert_eq!(fixed.warm_up().await.expect("fixed K"), WarmUp::Skipped);
+    let alone = tandem_tests::cluster(&target, None, &LimitsArgs::default()).await;
+    let alone = alone.engine(None).await.expect("engine");
+    assert_eq!(alone.warm_up().await.expect("no draft"), WarmUp::Skipped);
+    // Its sessions left no prefix a tenant finds: the same text is new to a request, and the
+    // request's own entries are found by the next (so this check can fail).
+    let prompt = tokenizer(&target).encode(WARM_UP_TEXT).expect("encode");
+    let expected = target_only(&target, &prompt, 40);
+    let first = generate(&engine, &adaptive(&prompt, 40, None, "")).await;
+    assert_eq!(first.token_ids, expected, "{}", describe(&first));
+    assert_eq!(
+        first.stats.cached_tokens, 0,
+        "the warm-up's prefix is its own"
+    );
+    let second = generate(&engine, &adaptive(&prompt, 40, None, "")).await;
+    assert_eq!(second.token_ids, expected, "{}", describe(&second));
+    assert!(
+        second.stats.cached_tokens > 0,
+        "a tenant finds its own prefix"
+    );
+}

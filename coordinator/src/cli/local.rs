@@ -72,6 +72,7 @@ pub async fn start_local(
     )
     .await?;
     let engine = cluster.engine(draft_tokens).await?;
+    engine.warm_up_logged().await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     tokio::spawn(crate::api::serve(

@@ -194,7 +194,7 @@ impl KPolicy {
         let mut next = Self::new(max_k);
         next.verify = self.early_verify.as_ref().unwrap_or(&self.verify).clone();
         next.guess = self.guess;
-        next.interference = self.interference;
+        next.interference = self.interference.carried();
         next.guesses = self.guesses.min(CARRIED_TRIALS);
         next.siblings = self.siblings.clone();
         next.confidence = self.confidence.carried();
@@ -684,6 +684,7 @@ impl KPolicy {
             let cap = (CREDIT_CAP_TOKENS * self.verify_seconds(1)).max(self.probe_cost(self.max_k));
             self.explore_credit = (self.explore_credit + wall * PROBE_BUDGET).min(cap);
         }
+        self.earn_background(wall);
         if let Some(drafter) = plan.drafter {
             // How long the round took against what the model, as it stood, predicts for a round
             // that went as this one did (whether its drafts were ready, whether the next block

@@ -37,20 +37,23 @@ pub struct Shadow {
     /// their positions.
     pending: Option<(usize, Vec<u32>)>,
     pacing: Pacing,
+    /// What the last step took in all (the gap it fed first included), once one was timed.
+    last_task: Option<f64>,
     on: bool,
 }
 
 /// When the next background step comes.
 #[derive(Debug)]
 enum Pacing {
-    /// After [`EVERY`] rounds without the model (the draft-node's own cores); the count so far.
+    /// After [`EVERY`] rounds without the model (the draft-node's own cores), once what the
+    /// steps slow the target beside them fits the policy's budget; the count so far.
     Rounds(usize),
     /// Where the draft shares the target's cores (the all-in-one mode), a step slows the target
     /// down by what it takes: it comes once the policy's exploration credit pays for it (what
     /// the last step took, the gap it fed first included, where one was timed), and is charged
     /// to it ([`KPolicy::spend`]). Every 16 rounds instead, the real pair's roleplay prompt ran
     /// the draft model alone at 0.84× target-only while the model drafted 9 rounds of 153.
-    Budget { step: Option<f64> },
+    Budget,
 }
 
 impl Shadow {
@@ -60,10 +63,11 @@ impl Shadow {
         Self {
             pending: None,
             pacing: if sharing_cores {
-                Pacing::Budget { step: None }
+                Pacing::Budget
             } else {
                 Pacing::Rounds(0)
             },
+            last_task: None,
             on: greedy,
         }
     }
@@ -72,8 +76,8 @@ impl Shadow {
     /// Where the draft shares the target's cores, what it took is charged to the policy's
     /// exploration credit.
     pub fn drafted(&mut self, t: &Timing, policy: &mut KPolicy) {
-        if let Pacing::Budget { step } = &mut self.pacing {
-            *step = Some(t.task_secs);
+        self.last_task = Some(t.task_secs);
+        if let Pacing::Budget = self.pacing {
             policy.spend(t.task_secs);
         }
         if self.on && !t.tokens.is_empty() {
@@ -99,13 +103,23 @@ impl Shadow {
         self.pending = None;
     }
 
+    /// What the last step took in all, the gap it fed first included (`None`: none timed yet).
+    pub fn last_task(&self) -> Option<f64> {
+        self.last_task
+    }
+
     /// Counts a round without the draft model; true when a background step is due: none is
-    /// waiting to be compared, and enough such rounds have passed (own cores: [`EVERY`], or
-    /// `every` where the policy found the steps slowing the target,
-    /// [`KPolicy::background_every`]) or the policy's exploration `credit` pays for a step
-    /// (shared cores: what the last took, else `expected_step` seconds),
+    /// waiting to be compared, and (own cores) [`EVERY`] such rounds have passed and the step
+    /// is `affordable` ([`KPolicy::background_affordable`]), or (shared cores) the policy's
+    /// exploration `credit` pays for it (what the last took, else `expected_step` seconds);
     /// [`SPREAD_WHEN_HOPELESS`] times more where the draft `could_pay` no matter its acceptance.
-    pub fn due(&mut self, could_pay: bool, credit: f64, expected_step: f64, every: usize) -> bool {
+    pub fn due(
+        &mut self,
+        could_pay: bool,
+        credit: f64,
+        expected_step: f64,
+        affordable: bool,
+    ) -> bool {
         if !self.on || self.pending.is_some() {
             return false;
         }
@@ -113,13 +127,14 @@ impl Shadow {
         match &mut self.pacing {
             Pacing::Rounds(rounds) => {
                 *rounds += 1;
-                if *rounds >= EVERY.max(every) * spread {
+                if *rounds >= EVERY * spread && affordable {
                     *rounds = 0;
                     return true;
                 }
             }
-            Pacing::Budget { step } => {
-                return credit >= step.unwrap_or(expected_step) * spread as f64;
+            Pacing::Budget => {
+                let step = self.last_task.unwrap_or(expected_step);
+                return credit >= step * spread as f64;
             }
         }
         false
@@ -150,7 +165,7 @@ mod tests {
         log.extend(&[10, 11]);
         shadow.compare(&log, &mut policy);
         assert!(
-            !shadow.due(true, 0.0, 0.0, 0),
+            !shadow.due(true, 0.0, 0.0, true),
             "still waiting for two positions"
         );
         log.extend(&[12, 99, 5]);
@@ -162,20 +177,22 @@ mod tests {
         assert_eq!(policy.shadow_acceptance(), [3, 4]);
         // Compared: the next step is due after `EVERY` rounds.
         assert_eq!(
-            (0..EVERY).filter(|_| shadow.due(true, 0.0, 0.0, 0)).count(),
+            (0..EVERY)
+                .filter(|_| shadow.due(true, 0.0, 0.0, true))
+                .count(),
             1
         );
-        assert!(!shadow.due(true, 0.0, 0.0, 0));
+        assert!(!shadow.due(true, 0.0, 0.0, true));
         // A draft that could not pay even if always right: steps much further apart.
         let spread = EVERY * SPREAD_WHEN_HOPELESS;
         // (one round counted already, by the call above)
         assert_eq!(
             (2..spread)
-                .filter(|_| shadow.due(false, 0.0, 0.0, 0))
+                .filter(|_| shadow.due(false, 0.0, 0.0, true))
                 .count(),
             0
         );
-        assert!(shadow.due(false, 0.0, 0.0, 0));
+        assert!(shadow.due(false, 0.0, 0.0, true));
     }
 
     #[test]
@@ -194,7 +211,7 @@ mod tests {
         shadow.drafted(&timing(0, &[1, 2]), &mut policy);
         shadow.compare(&TokenLog::new(&[1, 2, 3]), &mut policy);
         assert_eq!(policy.shadow_acceptance(), [0, 0]);
-        assert!(!(0..10).any(|_| shadow.due(true, 0.0, 0.0, 0)));
+        assert!(!(0..10).any(|_| shadow.due(true, 0.0, 0.0, true)));
     }
 
     #[test]
@@ -203,8 +220,8 @@ mod tests {
         let mut shadow = Shadow::new(true, true);
         // Before any step was timed, the expected cost decides, against the credit (however
         // many rounds earned it).
-        assert!(!shadow.due(true, 0.09, 0.1, 0));
-        assert!(shadow.due(true, 0.1, 0.1, 0));
+        assert!(!shadow.due(true, 0.09, 0.1, true));
+        assert!(shadow.due(true, 0.1, 0.1, true));
         // A step that took 0.2 s in all (the gap it fed and its drafts) is charged to the
         // policy's credit, and prices the next step, whatever the estimate.
         let mut step = timing(3, &[10, 11]);
@@ -212,14 +229,14 @@ mod tests {
         let credit = policy.explore_credit();
         shadow.drafted(&step, &mut policy);
         assert!((credit - 0.2 - policy.explore_credit()).abs() < 1e-12);
-        assert!(!shadow.due(true, 1.0, 0.1, 0), "waiting to be compared");
+        assert!(!shadow.due(true, 1.0, 0.1, true), "waiting to be compared");
         shadow.compare(&TokenLog::new(&[1, 2, 3, 10, 11]), &mut policy);
-        assert!(!shadow.due(true, 0.15, 0.1, 0));
-        assert!(shadow.due(true, 0.2, 0.1, 0));
+        assert!(!shadow.due(true, 0.15, 0.1, true));
+        assert!(shadow.due(true, 0.2, 0.1, true));
         // A draft that could not pay: the step costs as much as many.
         let hopeless = 0.2 * SPREAD_WHEN_HOPELESS as f64;
-        assert!(!shadow.due(false, hopeless * 0.99, 0.1, 0));
-        assert!(shadow.due(false, hopeless, 0.1, 0));
+        assert!(!shadow.due(false, hopeless * 0.99, 0.1, true));
+        assert!(shadow.due(false, hopeless, 0.1, true));
         // On its own cores a step is not charged.
         let mut own = Shadow::new(true, false);
         let credit = policy.explore_credit();
@@ -228,43 +245,48 @@ mod tests {
     }
 
     #[test]
-    fn own_cores_steps_come_as_far_apart_as_what_they_slow_the_target_needs() {
-        let mut policy = KPolicy::new(8);
-        let target_only = crate::drafting::policy::RoundPlan::TARGET_ONLY;
-        let round = crate::drafting::policy::RoundCosts {
+    fn own_cores_steps_come_once_what_they_slowed_the_target_fits_its_budget() {
+        use crate::drafting::policy::{RoundCosts, RoundPlan};
+        let step = RoundCosts {
             verify_wall: 0.040,
-            ..Default::default()
+            ..RoundCosts::default()
         };
-        policy.observe(target_only, &round);
-        // A step of 4 drafts at 37 ms, its slowdown of the target not yet seen: the prior's
-        // (a tenth), within 2 % of the target's time: 0.148 · 0.1 / (0.02 · 0.040) = 18.5.
-        assert_eq!(policy.background_every(0.148), 19);
-        // Beside a step the target took 47 ms against 40 alone (one machine's two cores).
-        for _ in 0..10 {
-            policy.observe_target_step(false, 0.040);
-            policy.observe_target_step(true, 0.047);
-        }
-        let every = policy.background_every(0.148);
-        assert_eq!(every, 33, "0.148 · 0.175 / 0.0008 = 32.4");
-        // What was learnt carries to the next session.
-        assert_eq!(policy.continued(8).background_every(0.148), every);
+        // One machine's two cores: the target's step 40 ms alone, 52 beside a background step
+        // (three tenths slower), learnt by an earlier session; this one starts with no credit.
+        let mut learnt = KPolicy::new(8);
+        learnt.observe_target_step(false, 0.040);
+        learnt.observe_target_step(true, 0.052);
+        let mut policy = learnt.continued(8);
+        // A step that keeps the draft-node busy 0.1 s is expected to cost the target 30 ms: 2 %
+        // of 40 ms a round pays for it after 38 rounds.
+        let rounds_until_affordable = |policy: &mut KPolicy| {
+            (1..1000)
+                .find(|_| {
+                    policy.observe(RoundPlan::TARGET_ONLY, &step);
+                    policy.background_affordable(0.1)
+                })
+                .expect("affordable")
+        };
+        assert_eq!(rounds_until_affordable(&mut policy), 38);
+        // The step ran: the target's steps beside it took 70 and 55 ms (its gap's feed, then its
+        // drafts), 45 ms lost. The next waits until that is paid too.
+        policy.observe_target_step(true, 0.070);
+        policy.observe_target_step(true, 0.055);
+        assert!(!policy.background_affordable(0.1));
+        let next = rounds_until_affordable(&mut policy);
+        assert!(next > 38 + 45 / 2, "{next} rounds");
         let mut shadow = Shadow::new(true, false);
-        assert_eq!(
-            (0..every)
-                .filter(|_| shadow.due(true, 0.0, 0.0, every))
-                .count(),
-            1
-        );
+        assert!(!(0..4 * EVERY).any(|_| shadow.due(true, 0.0, 0.0, false)));
+        assert!(shadow.due(true, 0.0, 0.0, true), "past EVERY rounds");
         // Where the draft-node has a machine of its own the target is as fast beside a step:
-        // every EVERY rounds.
+        // every EVERY rounds, from the first.
         let mut own = KPolicy::new(8);
-        own.observe(target_only, &round);
         own.observe_target_step(false, 0.040);
         own.observe_target_step(true, 0.040);
-        assert_eq!(own.background_every(0.148), 0);
+        assert!(own.continued(8).background_affordable(0.1));
         let mut shadow = Shadow::new(true, false);
         let steps = (0..4 * EVERY)
-            .filter(|_| shadow.due(true, 0.0, 0.0, 0))
+            .filter(|_| shadow.due(true, 0.0, 0.0, true))
             .count();
         assert_eq!(steps, 4);
     }

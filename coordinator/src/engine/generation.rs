@@ -493,8 +493,9 @@ impl<'e> Generation<'e> {
         {
             let expected = self.policy.expected_draft_seconds(k).unwrap_or(0.0);
             let (could_pay, credit) = (self.policy.model_could_pay(), self.policy.explore_credit());
-            let every = self.policy.background_every(expected);
-            if self.shadow.due(could_pay, credit, expected, every) {
+            let task = self.shadow.last_task().unwrap_or(expected);
+            let affordable = self.policy.background_affordable(task);
+            if self.shadow.due(could_pay, credit, expected, affordable) {
                 if k > 0 {
                     m.time_in_background(&self.log, k);
                 }

@@ -4,8 +4,8 @@
 //! phases (docs/architecture.md "Data flow of one round"). Beside them: what a generation is
 //! asked and gives back ([`job`]), a generation's statistics ([`stats`]), what sessions
 //! learnt for the next to start from (`learnt`), the coordinator's metrics ([`metrics`]), an
-//! engine that may still be connecting ([`late_engine`]), and the engine of the in-process cluster
-//! ([`local`]).
+//! engine that may still be connecting ([`late_engine`]), the engine of the in-process cluster
+//! ([`local`]), and the nodes timed before the first request ([`warm_up`]).
 //!
 //! Uses [`crate::drafting`] and [`crate::nodes`]; the APIs above it use it.
 
@@ -17,6 +17,7 @@ mod learnt;
 pub mod local;
 pub mod metrics;
 pub mod stats;
+pub mod warm_up;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};

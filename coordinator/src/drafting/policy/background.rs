@@ -1,12 +1,12 @@
 //! The idle draft-node's background work, as the policy decides it: when it is kept caught up
 //! with the log ([`KPolicy::catch_up_soon`], [`KPolicy::set_model_behind`]), and how far apart
-//! its timing steps come, by what they slow the target's steps beside them
-//! ([`KPolicy::background_every`]; docs/adaptive-k.md, "Probing, and never being slower").
+//! its timing steps come, by what they slowed the target's steps beside them
+//! ([`KPolicy::background_affordable`]; docs/adaptive-k.md, "Probing, and never being slower").
 
 use super::{KPolicy, RECENT_ROUNDS};
 
-/// Share of the target's time that the idle draft's background timing steps may cost it by
-/// slowing the target's steps beside them ([`KPolicy::background_every`]).
+/// Share of the target's time that the idle draft's background work may cost it by slowing the
+/// target's steps beside it ([`KPolicy::background_affordable`]).
 const BACKGROUND_BUDGET: f64 = 0.02;
 /// The target's slowdown beside a background step assumed until both have been timed.
 const PRIOR_SLOWDOWN: f64 = 0.1;
@@ -66,18 +66,22 @@ impl KPolicy {
         self.interference.observe(beside, seconds);
     }
 
-    /// Rounds without the model between two background timing steps of `step` seconds, so that
-    /// what they slow the target's steps beside them stays within [`BACKGROUND_BUDGET`] of its
-    /// time: the step's time times the slowdown, over the budget of one round. Nothing where the
-    /// draft-node has a machine of its own; on one machine's two cores, some thirty rounds.
-    pub fn background_every(&self, step: f64) -> usize {
+    /// Whether a background timing step that keeps the draft-node busy `task` seconds (the gap
+    /// it feeds first included) fits the budget: what the target's steps beside background work
+    /// have measured slower than alone stays within [`BACKGROUND_BUDGET`] of the session's time
+    /// so far, this step's expected loss (its time at the learnt slowdown) included. Always where
+    /// the draft-node has a machine of its own (no slowdown). Priced by the step's drafts alone,
+    /// on one machine's two cores a step came every ~30 rounds, but each first fed the ~30
+    /// tokens committed since the last, at 2-3× the step's time: the real pair's writing prompts
+    /// lost 5-6 % of their target steps' time beside them (docs/benchmarks/prompts.md, session 31).
+    pub fn background_affordable(&self, task: f64) -> bool {
         let slowdown = self.interference.slowdown(PRIOR_SLOWDOWN);
-        let rounds = step * slowdown / (BACKGROUND_BUDGET * self.verify_seconds(1));
-        if rounds.is_finite() {
-            rounds.ceil() as usize
-        } else {
-            0
-        }
+        slowdown <= FREE_SLOWDOWN || self.interference.credit() >= task * slowdown
+    }
+
+    /// Earns the background budget of a round of `wall` seconds.
+    pub(super) fn earn_background(&mut self, wall: f64) {
+        self.interference.earn(wall * BACKGROUND_BUDGET);
     }
 }
 

@@ -35,14 +35,40 @@ pub(super) struct Interference {
     /// A target-only round's verify, alone and beside a background step.
     alone: Ewma,
     beside: Ewma,
+    /// Seconds the target's steps may still lose beside this session's background work: its
+    /// budget earned so far ([`Self::earn`]), less what each step beside it measured slower than
+    /// the target's step alone. A session starts with none.
+    #[serde(skip)]
+    credit: f64,
 }
 
 impl Interference {
     pub(super) fn observe(&mut self, beside: bool, seconds: f64) {
         if beside {
+            if let Some(alone) = self.alone.0 {
+                self.credit -= (seconds - alone).max(0.0);
+            }
             self.beside.add(seconds);
         } else {
             self.alone.add(seconds);
+        }
+    }
+
+    /// Adds `seconds` to what the target's steps may lose beside background work.
+    pub(super) fn earn(&mut self, seconds: f64) {
+        self.credit += seconds;
+    }
+
+    /// What the target's steps may still lose beside background work, in seconds.
+    pub(super) fn credit(&self) -> f64 {
+        self.credit
+    }
+
+    /// The slowdown learnt, for a new session: without the last session's credit.
+    pub(super) fn carried(&self) -> Self {
+        Self {
+            credit: 0.0,
+            ..*self
         }
     }
 

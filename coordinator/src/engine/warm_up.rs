@@ -1,0 +1,187 @@
+//! Before the first request, the nodes' costs timed on a prompt of the engine's own
+//! ([`Engine::warm_up`]): the target's step alone, the draft-node's step alone, and the target's
+//! step beside one of the draft's. A fresh process's first generation so starts from measured
+//! costs as every later one does, instead of timing the draft-node beside its own first steps:
+//! with the real Qwen pair on one machine's two cores (split), that background step slowed the
+//! target's first two steps from 38 to 50-60 ms, 4 % of a 19-token answer
+//! (docs/benchmarks/prompts.md, sessions 30 and 31). As vLLM and text-generation-inference warm
+//! up before they report ready, the coordinator's readiness waits for it.
+//!
+//! Only costs are kept: the warm-up's text says nothing of a tenant's acceptance, and its
+//! sessions use a salt of their own, so no tenant's request finds or leaves its prefix-cache
+//! entries.
+
+use std::time::{Duration, Instant};
+
+use tandem_runtime::{SamplingParams, TokenLog};
+
+use super::Engine;
+use super::job::tenant_salt;
+use crate::drafting::block::Ask;
+use crate::drafting::policy::{ADAPTIVE_MAX_K, KPolicy, RoundCosts, RoundPlan, Timing};
+use crate::drafting::shadow::shadow_len;
+use crate::error::{Error, Result};
+use crate::nodes::links::{Draft, NodeSession, SessionSpec, Target};
+
+/// What the engine warms up on: any text does, only the costs are kept.
+pub const WARM_UP_TEXT: &str = "Write a short story about a lighthouse keeper who finds a message in a \
+                    bottle, then summarize it in one sentence.";
+/// Target steps timed alone, after a first that is not (it may still fault weights in).
+const TARGET_STEPS: usize = 2;
+/// A warm-up that has not ended by then is given up (a node that stopped answering): requests
+/// then time the nodes as they go, as without a warm-up.
+pub const WARM_UP_DEADLINE: Duration = Duration::from_secs(30);
+
+/// What a warm-up did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum WarmUp {
+    /// Nothing to learn: no draft-node answered, requests' K is fixed, or what was learnt is
+    /// already known (a policy file of this pair).
+    Skipped,
+    /// The costs measured, in seconds: the target's step alone and beside a draft step, and the
+    /// draft-node's step of `k` tokens.
+    Timed {
+        target: f64,
+        beside: f64,
+        draft: f64,
+        k: usize,
+    },
+}
+
+impl Engine {
+    /// Times the nodes once on the engine's own prompt, and keeps what it measured as what the
+    /// last lone session learnt ([`super::learnt`]): the first adaptive generation then knows
+    /// the draft-node's cost and its slowdown of the target without a background step beside
+    /// its first rounds. Skipped where there is no draft-node yet, where K is fixed, or where a
+    /// policy file already gave this pair's costs. An error where a node failed or did not
+    /// answer within [`WARM_UP_DEADLINE`]: nothing is kept, and generations time the nodes as
+    /// they go.
+    pub async fn warm_up(&self) -> Result<WarmUp> {
+        let Some(drafts) = self.draft.get() else {
+            return Ok(WarmUp::Skipped);
+        };
+        let max_k = ADAPTIVE_MAX_K.min(drafts.primary().limits().max_draft_tokens as usize);
+        let start = self.learnt.start(1, max_k);
+        if self.default_draft_tokens.is_some() || max_k == 0 || start.draft_timed() {
+            return Ok(WarmUp::Skipped);
+        }
+        let prompt = self.tokenizer.encode(WARM_UP_TEXT)?;
+        let spec = SessionSpec {
+            session_id: "warm-up".to_string(),
+            sampling: SamplingParams::greedy(),
+            max_len: prompt.len() + TARGET_STEPS + 2 + max_k,
+            top_logprobs: None,
+            constraint: None,
+            cache_salt: tenant_salt("warm-up", "engine"),
+        };
+        let log = TokenLog::new(&prompt);
+        let timed = async {
+            let target = self
+                .targets
+                .open::<Target>(self.targets.pick(), &spec, &log);
+            let draft = drafts.open::<Draft>(drafts.pick(), &spec, &log);
+            let (target, draft) = tokio::join!(target, draft);
+            let (mut target, mut draft) = (target.session?, draft.session?);
+            let k = shadow_len(max_k, usize::MAX);
+            let timed = time_nodes((&mut target, &mut draft), log, max_k, k).await;
+            target.close();
+            draft.close();
+            timed
+        };
+        let (policy, warm) = tokio::time::timeout(WARM_UP_DEADLINE, timed)
+            .await
+            .map_err(|_| Error::TimedOut {
+                node: "target-node or draft-node",
+                secs: WARM_UP_DEADLINE.as_secs_f64(),
+            })??;
+        self.learnt.keep(1.0, policy);
+        Ok(warm)
+    }
+}
+
+impl Engine {
+    /// [`Self::warm_up`], its outcome logged: a failed warm-up costs only what it would have
+    /// spared the first requests.
+    pub async fn warm_up_logged(&self) {
+        match self.warm_up().await {
+            Ok(WarmUp::Skipped) => {}
+            Ok(WarmUp::Timed {
+                target,
+                beside,
+                draft,
+                k,
+            }) => tracing::info!(
+                target_step_ms = target * 1e3,
+                target_beside_draft_ms = beside * 1e3,
+                draft_step_ms = draft * 1e3,
+                draft_tokens = k,
+                "nodes timed before the first request"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "the nodes were not timed before the first request: the first generations time them")
+            }
+        }
+    }
+}
+
+/// Steps both sessions past `log` and times them: the target's step alone (after an untimed
+/// first), the draft's step of `k` alone (feeding one token, as a round's step does), then a
+/// target step beside a draft step. The policy (of K up to `max_k`) that learnt those costs,
+/// and what they were.
+async fn time_nodes(
+    (target, draft): (&mut NodeSession<Target>, &mut NodeSession<Draft>),
+    mut log: TokenLog,
+    max_k: usize,
+    k: usize,
+) -> Result<(KPolicy, WarmUp)> {
+    let mut policy = KPolicy::new(max_k);
+    let mut alone = 0.0;
+    for i in 0..=TARGET_STEPS {
+        if i > 0 {
+            // The draft-node keeps up untimed, so that its timed step feeds one token.
+            draft.draft(&log, Ask::default()).await?;
+        }
+        let (seconds, token) = target_step(target, &log).await?;
+        log.extend(&[token]);
+        if i > 0 {
+            alone = seconds;
+            policy.observe_target_step(false, seconds);
+            let round = RoundCosts {
+                verify_wall: seconds,
+                ..RoundCosts::default()
+            };
+            policy.observe(RoundPlan::TARGET_ONLY, &round);
+        }
+    }
+    let from = log.len();
+    let began = Instant::now();
+    let drafted = draft.draft(&log, Ask::chain(k)).await?;
+    let wall_secs = began.elapsed().as_secs_f64();
+    policy.observe_timing(&Timing {
+        k: drafted.tokens.len().min(k),
+        wall_secs,
+        compute_secs: drafted.compute_secs,
+        task_secs: wall_secs,
+        from,
+        tokens: drafted.tokens,
+    });
+    let (beside, drafted) =
+        tokio::join!(target_step(target, &log), draft.draft(&log, Ask::chain(k)));
+    drafted?;
+    let (beside, _) = beside?;
+    policy.observe_target_step(true, beside);
+    let warm = WarmUp::Timed {
+        target: alone,
+        beside,
+        draft: wall_secs,
+        k,
+    };
+    Ok((policy, warm))
+}
+
+/// One target-only step of `target` past `log`: its wall seconds and the token it chose.
+async fn target_step(target: &mut NodeSession<Target>, log: &TokenLog) -> Result<(f64, u32)> {
+    let began = Instant::now();
+    let verdict = target.verify(log, (&[], &[], &[])).await?;
+    Ok((began.elapsed().as_secs_f64(), verdict.next_token))
+}
