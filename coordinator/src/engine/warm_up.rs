@@ -22,12 +22,16 @@ use crate::drafting::policy::{ADAPTIVE_MAX_K, KPolicy, RoundCosts, RoundPlan, Ti
 use crate::drafting::shadow::shadow_len;
 use crate::error::{Error, Result};
 use crate::nodes::links::{Draft, NodeSession, SessionSpec, Target};
+use crate::nodes::steps::DraftQ;
 
 /// What the engine warms up on: any text does, only the costs are kept.
 pub const WARM_UP_TEXT: &str = "Write a short story about a lighthouse keeper who finds a message in a \
                     bottle, then summarize it in one sentence.";
 /// Target steps timed alone, after a first that is not (it may still fault weights in).
 const TARGET_STEPS: usize = 2;
+/// Positions of the blocks whose verify is timed after them: two of 2, which n-gram lookup
+/// would otherwise probe to time ([`KPolicy::choose`]), and one of 4 for the slope.
+const BLOCKS: [usize; 3] = [2, 2, 4];
 /// A warm-up that has not ended by then is given up (a node that stopped answering): requests
 /// then time the nodes as they go, as without a warm-up.
 pub const WARM_UP_DEADLINE: Duration = Duration::from_secs(30);
@@ -69,7 +73,7 @@ impl Engine {
         let spec = SessionSpec {
             session_id: "warm-up".to_string(),
             sampling: SamplingParams::greedy(),
-            max_len: prompt.len() + TARGET_STEPS + 2 + max_k,
+            max_len: prompt.len() + 2 * (TARGET_STEPS + BLOCKS.iter().sum::<usize>()) + max_k,
             top_logprobs: None,
             constraint: None,
             cache_salt: tenant_salt("warm-up", "engine"),
@@ -125,9 +129,9 @@ impl Engine {
 }
 
 /// Steps both sessions past `log` and times them: the target's step alone (after an untimed
-/// first), the draft's step of `k` alone (feeding one token, as a round's step does), then a
-/// target step beside a draft step. The policy (of K up to `max_k`) that learnt those costs,
-/// and what they were.
+/// first) and its verify of blocks of [`BLOCKS`] positions, the draft's step of `k` alone
+/// (feeding one token, as a round's step does), then a target step beside a draft step. The
+/// policy (of K up to `max_k`) that learnt those costs, and what they were.
 async fn time_nodes(
     (target, draft): (&mut NodeSession<Target>, &mut NodeSession<Draft>),
     mut log: TokenLog,
@@ -136,23 +140,36 @@ async fn time_nodes(
 ) -> Result<(KPolicy, WarmUp)> {
     let mut policy = KPolicy::new(max_k);
     let mut alone = 0.0;
-    for i in 0..=TARGET_STEPS {
-        if i > 0 {
-            // The draft-node keeps up untimed, so that its timed step feeds one token.
-            draft.draft(&log, Ask::default()).await?;
+    let sizes = std::iter::repeat_n(1, TARGET_STEPS + 1).chain(BLOCKS);
+    for (i, n) in sizes.enumerate() {
+        // Drafts the target is unlikely to accept (its own last token again): only the cost of
+        // the block's verify is learnt, never an acceptance.
+        let last = log.tokens().last().copied().unwrap_or_default();
+        let drafts = vec![last; n - 1];
+        let q: Vec<DraftQ> = drafts.iter().map(|&t| DraftQ::one_hot(t)).collect();
+        let began = Instant::now();
+        let verdict = target.verify(&log, (&drafts, &q, &[])).await?;
+        let seconds = began.elapsed().as_secs_f64();
+        log.extend(&drafts[..verdict.accepted.min(drafts.len())]);
+        log.extend(&[verdict.next_token]);
+        if i == 0 {
+            continue;
         }
-        let (seconds, token) = target_step(target, &log).await?;
-        log.extend(&[token]);
-        if i > 0 {
+        if n == 1 {
             alone = seconds;
             policy.observe_target_step(false, seconds);
-            let round = RoundCosts {
-                verify_wall: seconds,
-                ..RoundCosts::default()
-            };
-            policy.observe(RoundPlan::TARGET_ONLY, &round);
         }
+        let round = RoundCosts {
+            drafted: n - 1,
+            accepted: verdict.accepted,
+            verify_wall: seconds,
+            ..RoundCosts::default()
+        };
+        policy.observe(RoundPlan::TARGET_ONLY, &round);
     }
+    // The draft-node catches up untimed, so that its timed step feeds one token.
+    let behind = TokenLog::new(&log.tokens()[..log.len() - 1]);
+    draft.draft(&behind, Ask::default()).await?;
     let from = log.len();
     let began = Instant::now();
     let drafted = draft.draft(&log, Ask::chain(k)).await?;
