@@ -388,20 +388,20 @@ async fn chains_cut_where_the_draft_is_unsure_keep_greedy_output_equal_to_target
 }
 
 #[tokio::test]
-async fn an_engine_times_its_nodes_before_the_first_request_and_keeps_only_their_costs() {
+async fn an_engine_times_its_nodes_before_the_first_request_in_a_prefix_of_its_own() {
     use tandem_coordinator::engine::warm_up::{WARM_UP_TEXT, WarmUp};
     let (target, draft) = (stories(), stories_q8());
     let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
     let engine = cluster.engine(None).await.expect("engine");
     match engine.warm_up().await.expect("warm-up") {
         WarmUp::Timed {
-            target,
+            target: step,
             beside,
-            draft,
+            draft: drafted,
             k,
         } => assert!(
-            target > 0.0 && beside > 0.0 && draft > 0.0 && k > 0,
-            "{target} {beside} {draft} {k}"
+            step > 0.0 && beside > 0.0 && drafted > 0.0 && k > 0,
+            "{step} {beside} {drafted} {k}"
         ),
         WarmUp::Skipped => panic!("an adaptive engine with a draft-node warms up"),
     }

@@ -61,10 +61,8 @@ enum Background {
     Time,
 }
 
-/// A session back from a background task, with the step it ran when it timed one (the length
-/// of the log it drafted past, the step, and the whole task's wall seconds, the gap it fed
-/// first included).
-type Lent = (NodeSession<Draft>, Option<(usize, DraftBlock, f64)>);
+/// A session back from a background task, with the step it timed when it ran one.
+type Lent = (NodeSession<Draft>, Option<Timing>);
 
 /// A draft-node at least this many committed tokens behind is worth catching up.
 const CATCH_UP_LAG: usize = 2;
@@ -74,6 +72,45 @@ const BACKGROUND_DEADLINE: Duration = Duration::from_secs(10);
 /// A re-attachment replays the whole log: on a CPU draft of 0.5B parameters prefill runs at a
 /// few hundred tokens/s, so a long prompt alone can take longer than the flat deadline.
 const BACKGROUND_PER_TOKEN: Duration = Duration::from_millis(20);
+
+/// Drafts `k` tokens past `log` on `session`, timed as a round's step is: the gap since the
+/// session last drafted (a few target-only rounds' tokens, more where steps are spaced out) is
+/// fed first, timed apart, so that the step feeds one token, as a step after a target-only
+/// round does. A draft-node that sends more than asked is not believed past `k`. (A background
+/// timing step's, and the engine's warm-up's.)
+pub(crate) async fn time_step(
+    session: &mut NodeSession<Draft>,
+    log: &TokenLog,
+    k: usize,
+) -> Result<Timing> {
+    let began = Instant::now();
+    let from = log.len();
+    let fed = fed_before_step(from, session.held_len());
+    if fed > 0 {
+        session
+            .draft(&TokenLog::new(&log.tokens()[..from - 1]), Ask::default())
+            .await?;
+    }
+    let start = Instant::now();
+    let mut p = session.draft(log, Ask::chain(k)).await?;
+    p.tokens.truncate(k);
+    Ok(Timing {
+        k: p.tokens.len(),
+        wall_secs: start.elapsed().as_secs_f64(),
+        compute_secs: p.compute_secs,
+        task_secs: began.elapsed().as_secs_f64(),
+        fed,
+        from,
+        tokens: p.tokens,
+    })
+}
+
+/// Tokens a timing step past a log of `len` feeds before its step, on a session that holds
+/// `held` ([`time_step`]): the gap but the last token, where it is at least [`CATCH_UP_LAG`].
+fn fed_before_step(len: usize, held: usize) -> usize {
+    let gap = len.saturating_sub(held);
+    if gap >= CATCH_UP_LAG { gap - 1 } else { 0 }
+}
 
 /// The deadline of a background task that may feed up to `tokens` tokens.
 fn background_deadline(tokens: usize) -> Duration {
@@ -116,6 +153,14 @@ impl ModelDrafter {
             .is_some_and(|s| log.len().saturating_sub(s.held_len()) >= CATCH_UP_LAG)
     }
 
+    /// Tokens a timing step past `log` would feed before its drafts ([`time_step`]); 0 where
+    /// the session is not attached and idle.
+    pub fn fed_before_step(&self, log: &TokenLog) -> usize {
+        self.session
+            .as_ref()
+            .map_or(0, |s| fed_before_step(log.len(), s.held_len()))
+    }
+
     /// Whether the draft-node is computing for a background task (a catch-up or a timing step;
     /// not a re-attachment, which mostly waits): a target step now runs beside it.
     pub fn working_in_background(&self) -> bool {
@@ -153,14 +198,7 @@ impl ModelDrafter {
                 }
                 self.pending = None;
                 self.session = Some(session);
-                return step.map(|(from, p, task_secs)| Timing {
-                    k: p.tokens.len(),
-                    wall_secs: p.wall_secs,
-                    compute_secs: p.compute_secs,
-                    task_secs,
-                    from,
-                    tokens: p.tokens,
-                });
+                return step;
             }
             Ok(Err(e)) => {
                 tracing::info!(error = %e, ?kind, retry_in = ?self.backoff, "draft-node unavailable");
@@ -253,40 +291,18 @@ impl ModelDrafter {
         };
         let (tx, rx) = oneshot::channel();
         let log = log.clone();
-        let from = log.len();
-        // A timed step is priced as a round's step: the gap since the session last drafted (a
-        // few target-only rounds' tokens, more where steps are spaced out) is fed first, untimed,
-        // so that the step feeds one token, as a step after a target-only round does.
-        let behind = (kind == Background::Time
-            && from.saturating_sub(session.held_len()) >= CATCH_UP_LAG)
-            .then(|| TokenLog::new(&log.tokens()[..from - 1]));
-        let deadline = background_deadline(from.saturating_sub(session.held_len()) + k);
+        let deadline = background_deadline(log.len().saturating_sub(session.held_len()) + k);
         let health = self.channels.get(self.current).map(|r| r.health.clone());
         tokio::spawn(async move {
-            let began = Instant::now();
             let run = async {
-                if let Some(behind) = &behind {
-                    session.draft(behind, Ask::default()).await?;
+                if kind == Background::Time {
+                    time_step(&mut session, &log, k).await.map(Some)
+                } else {
+                    session.draft(&log, Ask::chain(k)).await.map(|_| None)
                 }
-                let start = Instant::now();
-                let p = session.draft(&log, Ask::chain(k)).await?;
-                Ok::<_, Error>((p, start.elapsed().as_secs_f64()))
             };
             let result = match tokio::time::timeout(deadline, run).await {
-                Ok(Ok((mut p, wall_secs))) => Ok((
-                    session,
-                    (kind == Background::Time).then(|| {
-                        // A draft-node that sends more than asked is not believed past `k`.
-                        p.tokens.truncate(k);
-                        let step = DraftBlock {
-                            compute_secs: p.compute_secs,
-                            wall_secs,
-                            tokens: p.tokens,
-                            ..DraftBlock::default()
-                        };
-                        (from, step, began.elapsed().as_secs_f64())
-                    }),
-                )),
+                Ok(Ok(timing)) => Ok((session, timing)),
                 Ok(Err(e)) => Err(e),
                 Err(_) => {
                     let what = format!("a background {kind:?} step within {deadline:?}");

@@ -366,9 +366,14 @@ impl KPolicy {
         self.model.timed()
     }
 
-    /// Learns the draft-node's cost from a step timed in the background.
+    /// Learns the draft-node's cost from a step timed in the background, and what feeding the
+    /// gap before it cost a token.
     pub fn observe_timing(&mut self, t: &Timing) {
         self.model.observe_costs(t.k, t.wall_secs, t.compute_secs);
+        if t.fed > 0 {
+            let feed = (t.task_secs - t.wall_secs).max(0.0) / t.fed as f64;
+            self.model.feed.add(feed);
+        }
     }
 
     /// Learns the draft's acceptance (and its guesses) from `k` drafts of a greedy background
@@ -608,18 +613,15 @@ impl KPolicy {
         }
     }
 
-    /// The time a probe drafting `k` may lose against target-only decoding: its round with
-    /// every draft refused (it commits one token). A probe is made where the model's expected
-    /// acceptance does not pay: priced at that expectation (a prior of 0.6 made a probe of the
-    /// real pair look nearly free, 3 ms), the first probe came a few rounds into a fresh
-    /// process's first answer and, refused, cost it 26 ms, 3-5 % of a short answer.
+    /// The time a probe drafting `k` is expected to lose against target-only decoding of the
+    /// tokens it commits.
     fn probe_cost(&self, k: usize) -> f64 {
         if !self.model.timed() {
             return self.first_probe_cost;
         }
         // Priced as the round is planned (drafted ahead of where that pays), calibrated.
         let round = self.calibrated_round(DrafterKind::Model, k, self.verify_seconds(k + 1));
-        (round - self.verify_seconds(1)).max(0.0)
+        (round - self.model.expected_tokens(k) * self.verify_seconds(1)).max(0.0)
     }
 
     /// A one-line account of the estimates (for debug logs).
@@ -740,6 +742,8 @@ pub struct Timing {
     pub compute_secs: f64,
     /// The whole background task's wall seconds: the step and the gap it fed first.
     pub task_secs: f64,
+    /// Tokens of that gap.
+    pub fed: usize,
     pub from: usize,
     pub tokens: Vec<u32>,
 }

@@ -491,11 +491,11 @@ impl<'e> Generation<'e> {
             && !crowded
             && let Some(m) = self.drafters.model.as_mut()
         {
-            let expected = self.policy.expected_draft_seconds(k).unwrap_or(0.0);
+            let fed = m.fed_before_step(&self.log);
+            let task = self.policy.background_task_seconds(k, fed).unwrap_or(0.0);
             let (could_pay, credit) = (self.policy.model_could_pay(), self.policy.explore_credit());
-            let task = self.shadow.last_task().unwrap_or(expected);
             let affordable = self.policy.background_affordable(task);
-            if self.shadow.due(could_pay, credit, expected, affordable) {
+            if self.shadow.due(could_pay, credit, task, affordable) {
                 if k > 0 {
                     m.time_in_background(&self.log, k);
                 }

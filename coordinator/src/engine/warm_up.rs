@@ -1,15 +1,16 @@
 //! Before the first request, the nodes' costs timed on a prompt of the engine's own
-//! ([`Engine::warm_up`]): the target's step alone, the draft-node's step alone, and the target's
-//! step beside one of the draft's. A fresh process's first generation so starts from measured
-//! costs as every later one does, instead of timing the draft-node beside its own first steps:
-//! with the real Qwen pair on one machine's two cores (split), that background step slowed the
-//! target's first two steps from 38 to 50-60 ms, 4 % of a 19-token answer
-//! (docs/benchmarks/prompts.md, sessions 30 and 31). As vLLM and text-generation-inference warm
-//! up before they report ready, the coordinator's readiness waits for it.
+//! ([`Engine::warm_up`]): the target's step alone and its verify of short blocks, the
+//! draft-node's step alone (and its feed of the tokens before it), and the target's step beside
+//! one of the draft's. A fresh process's first generation so starts from measured costs as every
+//! later one does, instead of timing the draft-node beside its own first steps: with the real
+//! Qwen pair on one machine's two cores (split), that background step slowed the target's first
+//! two steps from 38 to 50-60 ms, 4 % of a 19-token answer (docs/benchmarks/prompts.md, sessions
+//! 30 and 31). As vLLM and text-generation-inference warm up before they report ready, the
+//! coordinator's readiness waits for it.
 //!
-//! Only costs are kept: the warm-up's text says nothing of a tenant's acceptance, and its
-//! sessions use a salt of their own, so no tenant's request finds or leaves its prefix-cache
-//! entries.
+//! Only costs are kept: the warm-up's text says nothing of a tenant's acceptance (its blocks
+//! are verified as target-only rounds, which teach none), and its sessions use a salt of their
+//! own, so no tenant's request finds or leaves its prefix-cache entries.
 
 use std::time::{Duration, Instant};
 
@@ -18,7 +19,8 @@ use tandem_runtime::{SamplingParams, TokenLog};
 use super::Engine;
 use super::job::tenant_salt;
 use crate::drafting::block::Ask;
-use crate::drafting::policy::{ADAPTIVE_MAX_K, KPolicy, RoundCosts, RoundPlan, Timing};
+use crate::drafting::model::time_step;
+use crate::drafting::policy::{ADAPTIVE_MAX_K, KPolicy, RoundCosts, RoundPlan};
 use crate::drafting::shadow::shadow_len;
 use crate::error::{Error, Result};
 use crate::nodes::links::{Draft, NodeSession, SessionSpec, Target};
@@ -30,11 +32,11 @@ pub const WARM_UP_TEXT: &str = "Write a short story about a lighthouse keeper wh
 /// Target steps timed alone, after a first that is not (it may still fault weights in).
 const TARGET_STEPS: usize = 2;
 /// Positions of the blocks whose verify is timed after them: two of 2, which n-gram lookup
-/// would otherwise probe to time ([`KPolicy::choose`]), and one of 4 for the slope.
+/// would otherwise probe to time (`KPolicy::choose`), and one of 4 for the slope.
 const BLOCKS: [usize; 3] = [2, 2, 4];
 /// A warm-up that has not ended by then is given up (a node that stopped answering): requests
 /// then time the nodes as they go, as without a warm-up.
-pub const WARM_UP_DEADLINE: Duration = Duration::from_secs(30);
+const WARM_UP_DEADLINE: Duration = Duration::from_secs(30);
 
 /// What a warm-up did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -64,7 +66,11 @@ impl Engine {
         let Some(drafts) = self.draft.get() else {
             return Ok(WarmUp::Skipped);
         };
-        let max_k = ADAPTIVE_MAX_K.min(drafts.primary().limits().max_draft_tokens as usize);
+        // As a request's K is bounded: by both nodes' limits.
+        let limit = |node: &crate::nodes::NodeHandle| node.limits().max_draft_tokens as usize;
+        let max_k = ADAPTIVE_MAX_K
+            .min(limit(drafts.primary()))
+            .min(limit(self.target()));
         let start = self.learnt.start(1, max_k);
         if self.default_draft_tokens.is_some() || max_k == 0 || start.draft_timed() {
             return Ok(WarmUp::Skipped);
@@ -73,7 +79,9 @@ impl Engine {
         let spec = SessionSpec {
             session_id: "warm-up".to_string(),
             sampling: SamplingParams::greedy(),
-            max_len: prompt.len() + 2 * (TARGET_STEPS + BLOCKS.iter().sum::<usize>()) + max_k,
+            // The untimed step, the timed ones, the blocks (each may commit all its positions),
+            // the step beside the draft's, and the draft's last drafts past them.
+            max_len: prompt.len() + 1 + TARGET_STEPS + BLOCKS.iter().sum::<usize>() + 1 + max_k,
             top_logprobs: None,
             constraint: None,
             cache_salt: tenant_salt("warm-up", "engine"),
@@ -101,9 +109,7 @@ impl Engine {
         self.learnt.keep(1.0, policy);
         Ok(warm)
     }
-}
 
-impl Engine {
     /// [`Self::warm_up`], its outcome logged: a failed warm-up costs only what it would have
     /// spared the first requests.
     pub async fn warm_up_logged(&self) {
@@ -122,16 +128,18 @@ impl Engine {
                 "nodes timed before the first request"
             ),
             Err(e) => {
-                tracing::warn!(error = %e, "the nodes were not timed before the first request: the first generations time them")
+                let error = tandem_proto::error_chain(&e);
+                tracing::warn!(%error, "the nodes were not timed before the first request: the first generations time them");
             }
         }
     }
 }
 
 /// Steps both sessions past `log` and times them: the target's step alone (after an untimed
-/// first) and its verify of blocks of [`BLOCKS`] positions, the draft's step of `k` alone
-/// (feeding one token, as a round's step does), then a target step beside a draft step. The
-/// policy (of K up to `max_k`) that learnt those costs, and what they were.
+/// first) and its verify of blocks of [`BLOCKS`] positions (of fewer where `max_k` is), the
+/// draft's step of `k` alone ([`time_step`]: the tokens before it fed first), then a target step
+/// beside a draft step. The policy (of K up to `max_k`) that learnt those costs, and what they
+/// were.
 async fn time_nodes(
     (target, draft): (&mut NodeSession<Target>, &mut NodeSession<Draft>),
     mut log: TokenLog,
@@ -140,8 +148,11 @@ async fn time_nodes(
 ) -> Result<(KPolicy, WarmUp)> {
     let mut policy = KPolicy::new(max_k);
     let mut alone = 0.0;
-    let sizes = std::iter::repeat_n(1, TARGET_STEPS + 1).chain(BLOCKS);
-    for (i, n) in sizes.enumerate() {
+    let blocks = BLOCKS.into_iter().filter(|&n| n <= max_k + 1);
+    for (i, n) in std::iter::repeat_n(1, TARGET_STEPS + 1)
+        .chain(blocks)
+        .enumerate()
+    {
         // Drafts the target is unlikely to accept (its own last token again): only the cost of
         // the block's verify is learnt, never an acceptance.
         let last = log.tokens().last().copied().unwrap_or_default();
@@ -152,7 +163,8 @@ async fn time_nodes(
         let seconds = began.elapsed().as_secs_f64();
         log.extend(&drafts[..verdict.accepted.min(drafts.len())]);
         log.extend(&[verdict.next_token]);
-        if i == 0 {
+        // The first step may still fault weights in; a refused block was a plain step.
+        if i == 0 || verdict.refused.is_some() {
             continue;
         }
         if n == 1 {
@@ -167,38 +179,25 @@ async fn time_nodes(
         };
         policy.observe(RoundPlan::TARGET_ONLY, &round);
     }
-    // The draft-node catches up untimed, so that its timed step feeds one token.
-    let behind = TokenLog::new(&log.tokens()[..log.len() - 1]);
-    draft.draft(&behind, Ask::default()).await?;
-    let from = log.len();
+    let timing = time_step(draft, &log, k).await?;
+    policy.observe_timing(&timing);
     let began = Instant::now();
-    let drafted = draft.draft(&log, Ask::chain(k)).await?;
-    let wall_secs = began.elapsed().as_secs_f64();
-    policy.observe_timing(&Timing {
-        k: drafted.tokens.len().min(k),
-        wall_secs,
-        compute_secs: drafted.compute_secs,
-        task_secs: wall_secs,
-        from,
-        tokens: drafted.tokens,
-    });
-    let (beside, drafted) =
-        tokio::join!(target_step(target, &log), draft.draft(&log, Ask::chain(k)));
+    let (verified, drafted) = tokio::join!(
+        async {
+            let verdict = target.verify(&log, (&[], &[], &[])).await;
+            (verdict, began.elapsed().as_secs_f64())
+        },
+        draft.draft(&log, Ask::chain(k))
+    );
+    let (verdict, beside) = verified;
+    verdict?;
     drafted?;
-    let (beside, _) = beside?;
     policy.observe_target_step(true, beside);
     let warm = WarmUp::Timed {
         target: alone,
         beside,
-        draft: wall_secs,
+        draft: timing.wall_secs,
         k,
     };
     Ok((policy, warm))
-}
-
-/// One target-only step of `target` past `log`: its wall seconds and the token it chose.
-async fn target_step(target: &mut NodeSession<Target>, log: &TokenLog) -> Result<(f64, u32)> {
-    let began = Instant::now();
-    let verdict = target.verify(log, (&[], &[], &[])).await?;
-    Ok((began.elapsed().as_secs_f64(), verdict.next_token))
 }

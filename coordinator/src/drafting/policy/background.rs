@@ -8,6 +8,8 @@ use super::{KPolicy, RECENT_ROUNDS};
 /// Share of the target's time that the idle draft's background work may cost it by slowing the
 /// target's steps beside it ([`KPolicy::background_affordable`]).
 const BACKGROUND_BUDGET: f64 = 0.02;
+/// The most background budget a session holds, in target steps' budget.
+const BACKGROUND_CAP_ROUNDS: f64 = 100.0;
 /// The target's slowdown beside a background step assumed until both have been timed.
 const PRIOR_SLOWDOWN: f64 = 0.1;
 /// A slowdown of the target beside the draft's background work small enough to ignore.
@@ -67,21 +69,33 @@ impl KPolicy {
     }
 
     /// Whether a background timing step that keeps the draft-node busy `task` seconds (the gap
-    /// it feeds first included) fits the budget: what the target's steps beside background work
-    /// have measured slower than alone stays within [`BACKGROUND_BUDGET`] of the session's time
-    /// so far, this step's expected loss (its time at the learnt slowdown) included. Always where
-    /// the draft-node has a machine of its own (no slowdown). Priced by the step's drafts alone,
-    /// on one machine's two cores a step came every ~30 rounds, but each first fed the ~30
-    /// tokens committed since the last, at 2-3× the step's time: the real pair's writing prompts
-    /// lost 5-6 % of their target steps' time beside them (docs/benchmarks/prompts.md, session 31).
+    /// it feeds first included, [`Self::background_task_seconds`]) fits the budget: what the
+    /// target's steps beside background work have measured slower than alone stays within
+    /// [`BACKGROUND_BUDGET`] of the session's time so far, this step's expected loss (its time at
+    /// the learnt slowdown) included. Always where the draft-node has a machine of its own (no
+    /// slowdown). Priced by the step's drafts alone, on one machine's two cores a step came
+    /// every ~30 rounds, but each first fed the ~30 tokens committed since the last, at 2-3×
+    /// the step's time: the real pair's writing prompts lost 5-6 % of their target steps' time
+    /// beside them (docs/benchmarks/prompts.md, session 31). Where feeding the gap alone costs
+    /// the target more than the budget earns in the rounds that made it, no step comes again.
     pub fn background_affordable(&self, task: f64) -> bool {
         let slowdown = self.interference.slowdown(PRIOR_SLOWDOWN);
         slowdown <= FREE_SLOWDOWN || self.interference.credit() >= task * slowdown
     }
 
-    /// Earns the background budget of a round of `wall` seconds.
+    /// Earns the background budget of a round of `wall` seconds, up to that of
+    /// [`BACKGROUND_CAP_ROUNDS`] target steps: a long stretch of model rounds does not buy a
+    /// burst of steps every 4 rounds once the model stops drafting.
     pub(super) fn earn_background(&mut self, wall: f64) {
-        self.interference.earn(wall * BACKGROUND_BUDGET);
+        let cap = BACKGROUND_CAP_ROUNDS * BACKGROUND_BUDGET * self.verify_seconds(1);
+        self.interference.earn(wall * BACKGROUND_BUDGET, cap);
+    }
+
+    /// Expected seconds of a background timing step of `k` drafts that first feeds `fed`
+    /// tokens (as the last steps fed them; nothing before one has), once the draft is timed.
+    pub fn background_task_seconds(&self, k: usize, fed: usize) -> Option<f64> {
+        let feed = self.model.feed.0.unwrap_or(0.0);
+        Some(self.expected_draft_seconds(k)? + fed as f64 * feed)
     }
 }
 
@@ -150,6 +164,27 @@ mod tests {
         let plan = policy.choose(true, 0, NgramOffer::default(), 100);
         assert_eq!(plan.drafter, Some(DrafterKind::Model));
         assert!(!policy.catch_up_wanted());
+    }
+
+    #[test]
+    fn a_background_step_is_priced_with_the_gap_it_feeds_first() {
+        // A step of 4 drafts timed at 68 ms after feeding 20 tokens in 100 ms more: 5 ms a
+        // token, so a step that would first feed 30 tokens is expected to take 68 + 150 ms.
+        let mut policy = KPolicy::new(8);
+        assert_eq!(policy.background_task_seconds(4, 30), None, "not timed");
+        policy.observe_timing(&super::super::Timing {
+            k: 4,
+            wall_secs: 0.068,
+            compute_secs: 0.068,
+            task_secs: 0.168,
+            fed: 20,
+            from: 100,
+            tokens: vec![1, 2, 3, 4],
+        });
+        let task = policy.background_task_seconds(4, 30).expect("timed");
+        let drafts = policy.expected_draft_seconds(4).expect("timed");
+        assert!((drafts - 0.068).abs() < 1e-9, "{drafts}");
+        assert!((task - (0.068 + 30.0 * 0.005)).abs() < 1e-9, "{task}");
     }
 
     #[test]

@@ -54,9 +54,9 @@ impl Interference {
         }
     }
 
-    /// Adds `seconds` to what the target's steps may lose beside background work.
-    pub(super) fn earn(&mut self, seconds: f64) {
-        self.credit += seconds;
+    /// Adds `seconds` to what the target's steps may lose beside background work, up to `cap`.
+    pub(super) fn earn(&mut self, seconds: f64, cap: f64) {
+        self.credit = (self.credit + seconds).min(cap.max(self.credit));
     }
 
     /// What the target's steps may still lose beside background work, in seconds.
@@ -191,6 +191,9 @@ pub(super) struct DrafterCosts {
     pub(super) calibrated: u32,
     /// Acceptance assumed where no round has reached a position.
     pub(super) prior: f64,
+    /// Seconds a token of the gap a background step feeds before its drafts.
+    #[serde(default)]
+    pub(super) feed: Ewma,
 }
 
 impl Default for DrafterCosts {
@@ -209,6 +212,7 @@ impl DrafterCosts {
             calibration: 1.0,
             calibrated: 0,
             prior,
+            feed: Ewma::default(),
         }
     }
 

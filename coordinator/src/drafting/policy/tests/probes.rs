@@ -1,5 +1,4 @@
-//! What probes of the draft cost a session: priced at what they lose refused, charged what
-//! they lost.
+//! What probes of the draft cost a session: charged what they lost.
 
 use super::*;
 
@@ -37,26 +36,4 @@ fn probes_that_lose_more_than_their_price_are_spaced_by_what_they_lost() {
         "probes lost {:.1} % of the time",
         100.0 * lost / total
     );
-}
-
-/// A draft timed before the session (the engine's warm-up) with the prior's acceptance, on a
-/// text it never drafts right (the real pair, split: a step of 39 ms, the draft 17 ms a token):
-/// no probe until the session has earned what one loses refused, so a short answer pays
-/// nothing to learn. Priced at the prior's acceptance, a probe came at round 6.
-#[test]
-fn a_probe_waits_until_the_session_has_earned_what_it_loses_refused() {
-    let mut policy = KPolicy::new(ADAPTIVE_MAX_K);
-    policy.observe_timing(&Timing {
-        k: 4,
-        wall_secs: 0.069,
-        compute_secs: 0.068,
-        task_secs: 0.069,
-        from: 0,
-        tokens: Vec::new(),
-    });
-    let plans = simulate_on(&mut policy, pair(0.0, 0.017, 0.001, 0.039, 0.25), 100);
-    let first = plans.iter().position(|p| p.k > 0).expect("a probe");
-    // Refused, a probe loses some 22 ms (its round as planned, less the step it replaces): 2 %
-    // of 39 ms a round pays for it after some 28 rounds.
-    assert!(first >= 20, "the first probe at round {first}");
 }
