@@ -79,9 +79,9 @@ impl Engine {
         let spec = SessionSpec {
             session_id: "warm-up".to_string(),
             sampling: SamplingParams::greedy(),
-            // The untimed step, the timed ones, the blocks (each may commit all its positions),
+            // The untimed step and blocks, the timed ones (each may commit all its positions),
             // the step beside the draft's, and the draft's last drafts past them.
-            max_len: prompt.len() + 1 + TARGET_STEPS + BLOCKS.iter().sum::<usize>() + 1 + max_k,
+            max_len: prompt.len() + 1 + TARGET_STEPS + 2 * BLOCKS.iter().sum::<usize>() + 1 + max_k,
             top_logprobs: None,
             constraint: None,
             cache_salt: tenant_salt("warm-up", "engine"),
@@ -135,8 +135,8 @@ impl Engine {
     }
 }
 
-/// Steps both sessions past `log` and times them: the target's step alone (after an untimed
-/// first) and its verify of blocks of [`BLOCKS`] positions (of fewer where `max_k` is), the
+/// Steps both sessions past `log` and times them: the target's step alone and its verify of
+/// blocks of [`BLOCKS`] positions (of fewer where `max_k` is; each size's first untimed), the
 /// draft's step of `k` alone ([`time_step`]: the tokens before it fed first), then a target step
 /// beside a draft step. The policy (of K up to `max_k`) that learnt those costs, and what they
 /// were.
@@ -148,11 +148,15 @@ async fn time_nodes(
 ) -> Result<(KPolicy, WarmUp)> {
     let mut policy = KPolicy::new(max_k);
     let mut alone = 0.0;
-    let blocks = BLOCKS.into_iter().filter(|&n| n <= max_k + 1);
-    for (i, n) in std::iter::repeat_n(1, TARGET_STEPS + 1)
-        .chain(blocks)
-        .enumerate()
-    {
+    // Each size's first verify is untimed (it may still fault weights or scratch memory in: on
+    // one machine's two cores a first block of 2 positions, timed, read 40 ms against a 26 ms
+    // step and priced the model out of every later session), then the timed ones.
+    let sizes = || BLOCKS.into_iter().filter(|&n| n <= max_k + 1);
+    let mut firsts = vec![1];
+    firsts.extend(sizes().filter(|n| !firsts.contains(n)).collect::<Vec<_>>());
+    let timed = std::iter::repeat_n(1, TARGET_STEPS).chain(sizes());
+    let steps = firsts.into_iter().map(|n| (n, false));
+    for (n, timed) in steps.chain(timed.map(|n| (n, true))) {
         // Drafts the target is unlikely to accept (its own last token again): only the cost of
         // the block's verify is learnt, never an acceptance.
         let last = log.tokens().last().copied().unwrap_or_default();
@@ -163,8 +167,8 @@ async fn time_nodes(
         let seconds = began.elapsed().as_secs_f64();
         log.extend(&drafts[..verdict.accepted.min(drafts.len())]);
         log.extend(&[verdict.next_token]);
-        // The first step may still fault weights in; a refused block was a plain step.
-        if i == 0 || verdict.refused.is_some() {
+        // A refused block was a plain step.
+        if !timed || verdict.refused.is_some() {
             continue;
         }
         if n == 1 {
