@@ -18,13 +18,12 @@ use tandem_runtime::{SamplingParams, TokenLog};
 
 use super::Engine;
 use super::job::tenant_salt;
-use crate::drafting::block::Ask;
+use crate::drafting::block::{Ask, DraftBlock};
 use crate::drafting::model::time_step;
 use crate::drafting::policy::{ADAPTIVE_MAX_K, KPolicy, RoundCosts, RoundPlan};
 use crate::drafting::shadow::shadow_len;
 use crate::error::{Error, Result};
 use crate::nodes::links::{Draft, NodeSession, SessionSpec, Target};
-use crate::nodes::steps::DraftQ;
 
 /// What the engine warms up on: any text does, only the costs are kept.
 pub const WARM_UP_TEXT: &str = "Write a short story about a lighthouse keeper who finds a message in a \
@@ -152,18 +151,21 @@ async fn time_nodes(
     // one machine's two cores a first block of 2 positions, timed, read 40 ms against a 26 ms
     // step and priced the model out of every later session), then the timed ones.
     let sizes = || BLOCKS.into_iter().filter(|&n| n <= max_k + 1);
-    let mut firsts = vec![1];
-    firsts.extend(sizes().filter(|n| !firsts.contains(n)).collect::<Vec<_>>());
-    let timed = std::iter::repeat_n(1, TARGET_STEPS).chain(sizes());
-    let steps = firsts.into_iter().map(|n| (n, false));
-    for (n, timed) in steps.chain(timed.map(|n| (n, true))) {
+    // BLOCKS is sorted: one of each size.
+    let mut firsts: Vec<usize> = std::iter::once(1).chain(sizes()).collect();
+    firsts.dedup();
+    let warm = firsts.into_iter().map(|n| (n, false));
+    let measured = std::iter::repeat_n(1, TARGET_STEPS).chain(sizes());
+    for (n, timed) in warm.chain(measured.map(|n| (n, true))) {
         // Drafts the target is unlikely to accept (its own last token again): only the cost of
         // the block's verify is learnt, never an acceptance.
         let last = log.tokens().last().copied().unwrap_or_default();
-        let drafts = vec![last; n - 1];
-        let q: Vec<DraftQ> = drafts.iter().map(|&t| DraftQ::one_hot(t)).collect();
+        let block = DraftBlock::one_hot(vec![last; n - 1], Vec::new(), 0.0);
+        let drafts = &block.tokens;
         let began = Instant::now();
-        let verdict = target.verify(&log, (&drafts, &q, &[])).await?;
+        let verdict = target
+            .verify(&log, (drafts, &block.q, &block.parents))
+            .await?;
         let seconds = began.elapsed().as_secs_f64();
         log.extend(&drafts[..verdict.accepted.min(drafts.len())]);
         log.extend(&[verdict.next_token]);
