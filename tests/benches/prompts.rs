@@ -25,7 +25,14 @@
 //! BENCH_CATEGORIES (default: all 15), BENCH_TOKENS (default 96), BENCH_CPUS (default `0,1`: the
 //! target's and the draft's core in `split`), BENCH_REPEATS (default 1: the whole prompt set
 //! again, each time in the same order; the medians are over prompts and repeats: one
-//! generation's tokens/s on this shared 2-core machine varies by ±10 %).
+//! generation's tokens/s on this shared 2-core machine varies by ±10 %),
+//! BENCH_VERIFY_POSITION (default 0.25: what each drafted token adds to a verify, in steps).
+//!
+//! Then, per category, the copy bound of the target-only answers (`tandem_tests::copy_bound`):
+//! how much of them follows a recurrence of their last two tokens in the prompt, the answer so
+//! far or the category's earlier answers, and the most n-gram lookup could speed them up if it
+//! knew which match holds, with each drafted token adding BENCH_VERIFY_POSITION of a step (0.25:
+//! the target's verify of 4 positions took 1.75 of its steps at 64 and 700 positions, session 30).
 
 use std::collections::BTreeMap;
 
@@ -34,6 +41,7 @@ use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
 use tandem_tests::bench::{env_list, env_usize, median};
+use tandem_tests::copy_bound::{CopyBound, copy_bound};
 use tandem_tests::processes::Proc;
 
 const PROMPTS: [&str; 2] = [
@@ -131,11 +139,19 @@ async fn main() -> anyhow::Result<()> {
     let chosen = env_list("BENCH_CATEGORIES", "");
     let prompts = prompts(env_usize("BENCH_PER_CATEGORY", 1), &chosen)?;
     let repeats = env_usize("BENCH_REPEATS", 1);
+    let tokenizer = tandem_runtime::Tokenizer::for_model(&target)?;
+    let per_position: f64 =
+        std::env::var("BENCH_VERIFY_POSITION").map_or(Ok(0.25), |v| v.parse())?;
+    // Per category: the target-only answers of the first repeat, and their copy bounds.
+    let mut answers: BTreeMap<String, (Vec<Vec<u32>>, Vec<CopyBound>)> = BTreeMap::new();
     println!(
         "| setup | category | variant | tok/s | × target-only | α | tokens/round | rounds model / n-gram (earlier outputs) / target |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    for setup in env_list("BENCH_SETUPS", "split,one") {
+    for (s, setup) in env_list("BENCH_SETUPS", "split,one")
+        .into_iter()
+        .enumerate()
+    {
         let procs = start(&setup, &target, &draft);
         let mut client = CoordinatorClient::connect(procs[0].url()).await?;
         let warm = request(&prompts[0].1, "target-only", 4, "warm-up".into());
@@ -158,7 +174,16 @@ async fn main() -> anyhow::Result<()> {
                     .entry((category.clone(), variant.clone()))
                     .or_default();
                 match &base {
-                    None => base = Some((st.tokens_per_second, done.token_ids.clone())),
+                    None => {
+                        base = Some((st.tokens_per_second, done.token_ids.clone()));
+                        let (earlier, bounds) = answers.entry(category.clone()).or_default();
+                        if repeat == 0 && s == 0 {
+                            let ids = tokenizer.encode(prompt)?;
+                            let b = copy_bound(earlier, &ids, &done.token_ids, per_position);
+                            bounds.push(b);
+                            earlier.push(done.token_ids.clone());
+                        }
+                    }
                     Some((_, ids)) => anyhow::ensure!(
                         &done.token_ids == ids,
                         "{setup} {category} {variant}: greedy output differs from target-only"
@@ -200,5 +225,28 @@ async fn main() -> anyhow::Result<()> {
         }
         drop(procs);
     }
+    print_bounds(&answers, per_position);
     Ok(())
+}
+
+/// The copy bounds per category (median over its prompts) and their geometric mean.
+fn print_bounds(answers: &BTreeMap<String, (Vec<Vec<u32>>, Vec<CopyBound>)>, per_position: f64) {
+    println!(
+        "\n| category | answer tokens copied | copy bound × (a drafted token: {per_position} of a step) |"
+    );
+    println!("|---|---|---|");
+    let mut logs = Vec::new();
+    for (category, (_, bounds)) in answers {
+        let copied = bounds
+            .iter()
+            .map(|b| b.copied as f64 / b.tokens.max(1) as f64);
+        let bound = median(bounds.iter().map(|b| b.speedup).collect());
+        logs.push(bound.ln());
+        println!(
+            "| {category} | {:.0} % | {bound:.2}× |",
+            100.0 * median(copied.collect())
+        );
+    }
+    let geomean = (logs.iter().sum::<f64>() / logs.len().max(1) as f64).exp();
+    println!("| geometric mean | | {geomean:.2}× |");
 }

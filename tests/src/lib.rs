@@ -2,6 +2,7 @@
 //! binaries as processes, and the in-process generator the distributed output is compared to.
 
 pub mod bench;
+pub mod copy_bound;
 pub mod faults;
 pub mod gate;
 pub mod held;

@@ -1,0 +1,110 @@
+//! What model-free drafting could make of an answer at most: the prompts bench's bound for
+//! n-gram lookup (issue 54). At each position of the answer, the longest run of it that follows
+//! any earlier occurrence of its last [`MIN_MATCH`] tokens, in the prompt, the answer so far or
+//! the tenant's earlier answers. A drafter that knew which of its matches holds would propose
+//! exactly that run: one round verifies it, and costs a step plus `per_position` of a step for
+//! each proposed token; where nothing holds, a round is one step. A real drafter proposes some
+//! tokens that are refused, misses some runs (it continues the latest, longest match and a few
+//! branches, not every occurrence), and pays for its proposals where the target alone would
+//! have been cheaper, so it stays below this bound.
+
+/// The shortest suffix looked up: the n-gram drafter's own shortest match.
+pub const MIN_MATCH: usize = 2;
+
+/// One answer's bound.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CopyBound {
+    /// Answer tokens that rounds of copied text carried (each round's last token, the target's
+    /// own, is not counted).
+    pub copied: usize,
+    pub tokens: usize,
+    /// Answer tokens per step of cost: the most n-gram lookup could speed this answer up.
+    pub speedup: f64,
+}
+
+/// The bound of `answer` to `prompt`, with `earlier` answers of the same tenant to copy from
+/// too, when verifying a block costs a step plus `per_position` of a step for each drafted token.
+pub fn copy_bound(
+    earlier: &[Vec<u32>],
+    prompt: &[u32],
+    answer: &[u32],
+    per_position: f64,
+) -> CopyBound {
+    let mut text = prompt.to_vec();
+    let (mut i, mut cost, mut copied) = (0, 0.0, 0);
+    while i < answer.len() {
+        let rest = &answer[i..];
+        let run = earlier
+            .iter()
+            .map(Vec::as_slice)
+            .chain(std::iter::once(text.as_slice()))
+            .map(|t| longest_run(t, &text, rest))
+            .max()
+            .unwrap_or(0)
+            .min(rest.len() - 1);
+        cost += 1.0 + per_position * run as f64;
+        copied += run;
+        text.extend_from_slice(&rest[..=run]);
+        i += run + 1;
+    }
+    CopyBound {
+        copied,
+        tokens: answer.len(),
+        speedup: if cost > 0.0 {
+            answer.len() as f64 / cost
+        } else {
+            1.0
+        },
+    }
+}
+
+/// The longest prefix of `rest` that follows an occurrence in `source` of `text`'s last
+/// [`MIN_MATCH`] tokens.
+fn longest_run(source: &[u32], text: &[u32], rest: &[u32]) -> usize {
+    let Some(key) = text.len().checked_sub(MIN_MATCH).map(|s| &text[s..]) else {
+        return 0;
+    };
+    source
+        .windows(MIN_MATCH)
+        .enumerate()
+        .filter(|(_, w)| *w == key)
+        .map(|(s, _)| {
+            let after = &source[s + MIN_MATCH..];
+            after.iter().zip(rest).take_while(|(a, b)| a == b).count()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copied_run_costs_one_round_and_the_rest_a_step_each() {
+        // The answer copies 5 6 7 8 after "3 4" (the prompt's), then says 9 and 10, unseen.
+        let prompt = [1, 2, 3, 4, 5, 6, 7, 8];
+        let answer = [3, 4, 5, 6, 7, 8, 9, 10];
+        let b = copy_bound(&[], &prompt, &answer, 0.25);
+        // Rounds: 3 (nothing before it to match: the key is the prompt's "7 8", never followed
+        // by 3), 4 ("8 3" never seen), 5 6 7 8 9 (after "3 4": 4 copied, 9 the target's), 10.
+        assert_eq!(b.copied, 4);
+        assert_eq!(b.tokens, 8);
+        let cost = 1.0 + 1.0 + (1.0 + 4.0 * 0.25) + 1.0;
+        assert!((b.speedup - 8.0 / cost).abs() < 1e-12, "{b:?}");
+    }
+
+    #[test]
+    fn any_occurrence_counts_and_so_do_earlier_answers() {
+        // "1 2" occurs twice in the prompt: followed by 9, then by 3 4 5. The longer run holds.
+        let prompt = [1, 2, 9, 0, 1, 2, 3, 4, 5, 0, 1, 2];
+        let answer = [3, 4, 5, 6, 0];
+        assert_eq!(copy_bound(&[], &prompt, &answer, 0.25).copied, 3);
+        // An earlier answer that went on with 6 carries one more.
+        let earlier = vec![vec![1, 2, 3, 4, 5, 6, 7]];
+        assert_eq!(copy_bound(&earlier, &prompt, &answer, 0.25).copied, 4);
+        // With nothing to copy the bound is the target alone.
+        let b = copy_bound(&[], &[7, 7], &[8, 9], 0.25);
+        assert_eq!((b.copied, b.speedup), (0, 1.0));
+    }
+}
