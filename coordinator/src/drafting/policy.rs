@@ -153,7 +153,7 @@ impl KPolicy {
             ngram: PRIOR_NGRAM_ACCEPT.map(DrafterCosts::with_prior),
             ngram_class: 0,
             // Sized for every K, so that sessions with other bounds share what they learn.
-            verify: SizeCost::paced(ADAPTIVE_MAX_K + 1, PRIOR_VERIFY_SLOPE),
+            verify: SizeCost::new(ADAPTIVE_MAX_K + 1, PRIOR_VERIFY_SLOPE),
             early_verify: None,
             rounds: 0,
             guess: PRIOR_ACCEPT,

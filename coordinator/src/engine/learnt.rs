@@ -19,7 +19,7 @@ use crate::drafting::policy::KPolicy;
 /// Load classes: 1, 2, 3-4, 5-8, 9-16, 17-32 and more generations at once.
 const CLASSES: usize = 7;
 /// The format of a policy file ([`Saved`]).
-const SAVED_VERSION: u32 = 2;
+const SAVED_VERSION: u32 = 1;
 /// How often a policy file is written at most (a session that ends sooner after the last write
 /// is saved with the next).
 const SAVE_EVERY: Duration = Duration::from_secs(5);

@@ -85,20 +85,12 @@ impl Interference {
 /// A cost that grows with a size (positions verified, tokens drafted): a moving average per size
 /// seen, a least-squares line between and beyond them, and never less for a larger size than for
 /// a smaller one seen (measured noise would otherwise make a longer block look cheaper). With
-/// one size seen, other sizes scale by `1 + prior_slope · (size − 1)`. A paced cost
-/// ([`Self::paced`]) moves every size's average as size 1's moves.
+/// one size seen, other sizes scale by `1 + prior_slope · (size − 1)`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct SizeCost {
     by_size: Vec<Ewma>,
     pub(super) seen: Vec<u32>,
     prior_slope: f64,
-    /// Whether every size follows size 1's pace: the verify's, where size 1 (a target step) is
-    /// timed every round and larger blocks now and then. A stretch where the machine ran slower
-    /// (on one machine's two cores, five target steps at 70–95 ms against 38) raised the step's
-    /// average above those of blocks last timed before it; floored to the step's, every block
-    /// up to 9 positions looked as cheap as one, and n-gram lookup's 8 drafts were verified
-    /// for nothing at 98 ms. Paced, a block costs what it did relative to a step.
-    paced: bool,
     /// What the estimates follow from, refitted by each observation: the policy asks for some
     /// hundred estimates a round, which on a 0.2 ms target cost a few per cent of its speed
     /// when each was fitted afresh.
@@ -120,17 +112,8 @@ impl SizeCost {
             by_size: vec![Ewma::default(); max_size],
             seen: vec![0; max_size],
             prior_slope,
-            paced: false,
             fit: None,
             floor: vec![0.0; max_size],
-        }
-    }
-
-    /// A cost whose sizes all follow size 1's moves ([`SizeCost`]'s `paced`).
-    pub(super) fn paced(max_size: usize, prior_slope: f64) -> Self {
-        Self {
-            paced: true,
-            ..Self::new(max_size, prior_slope)
         }
     }
 
@@ -138,17 +121,8 @@ impl SizeCost {
         let Some(i) = size.checked_sub(1).filter(|&i| i < self.by_size.len()) else {
             return;
         };
-        let before = self.by_size[i].0;
         self.by_size[i].add(seconds);
         self.seen[i] += 1;
-        // Size 1's move scales every other size's average.
-        if let (true, 0, Some(before), Some(after)) = (self.paced, i, before, self.by_size[0].0)
-            && before > 0.0
-        {
-            for e in self.by_size[1..].iter_mut() {
-                e.0 = e.0.map(|v| v * after / before);
-            }
-        }
         let seen = || {
             self.by_size
                 .iter()
@@ -309,42 +283,5 @@ impl DrafterCosts {
             self.compute.observe(k, compute);
             self.overhead.add((wall - compute).max(0.0));
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_paced_cost_keeps_every_size_in_step_with_size_one() {
-        let mut paced = SizeCost::paced(9, 0.25);
-        let mut fixed = SizeCost::new(9, 0.25);
-        for cost in [&mut paced, &mut fixed] {
-            for _ in 0..10 {
-                cost.observe(1, 0.038);
-            }
-            cost.observe(2, 0.042);
-            cost.observe(9, 0.064);
-        }
-        let ratio = |c: &SizeCost, n| c.seconds(n).unwrap() / c.seconds(1).unwrap();
-        let before: Vec<f64> = (1..=9).map(|n| ratio(&paced, n)).collect();
-        // A slow stretch: five steps at 80 ms (the step's average rises to 61 ms).
-        for cost in [&mut paced, &mut fixed] {
-            for _ in 0..5 {
-                cost.observe(1, 0.080);
-            }
-        }
-        assert!(paced.seconds(1).unwrap() > 0.060);
-        assert!((ratio(&paced, 2) - 0.042 / 0.038).abs() < 1e-9);
-        assert!((ratio(&paced, 9) - 0.064 / 0.038).abs() < 1e-9);
-        // Sizes never seen (the line through those seen) keep their ratio too.
-        for n in 1..=9 {
-            assert!((ratio(&paced, n) - before[n - 1]).abs() < 1e-9, "{n}");
-        }
-        // Unpaced, the step's average passed the blocks' and its floor flattened them: a block
-        // of 2 as cheap as a step, of 9 at 1.05 of one.
-        assert_eq!(ratio(&fixed, 2), 1.0);
-        assert!(ratio(&fixed, 9) < 1.06);
     }
 }
