@@ -593,9 +593,9 @@ impl KPolicy {
     }
 
     /// A class of n-gram match never tried starts from the nearest class tried (its acceptance
-    /// as a prior worth [`PRIOR_WEIGHT`] rounds), not from the fixed prior: on a text that loops,
-    /// every class is accepted, and a class first met at the prior lost its rounds to the draft
-    /// model.
+    /// as a prior worth [`PRIOR_WEIGHT`] rounds) where that is above its own prior: on a text
+    /// that loops, every class is accepted, and a class first met at the prior lost its rounds
+    /// to the draft model.
     fn seed_ngram_class(&mut self) {
         let c = self.ngram_class;
         if self.ngram[c].tried[0] > 0 {
@@ -608,7 +608,11 @@ impl KPolicy {
         if let Some(d) = donor {
             let (accept, tried) = (self.ngram[d].accept, self.ngram[d].tried);
             let seeded = &mut self.ngram[c];
-            seeded.accept = accept;
+            // Seeding only raises a class's prior: seeded down from two-token matches refused
+            // in prose, five-token matches (copied text) were never drafted again, and summaries
+            // lost n-gram lookup for the rest of the process.
+            let own = seeded.accept;
+            seeded.accept = std::array::from_fn(|i| accept[i].max(own[i]));
             seeded.tried = tried.map(|t| t.min(PRIOR_WEIGHT));
         }
     }

@@ -589,6 +589,15 @@ fn an_ngram_class_never_tried_starts_from_the_nearest_class_tried() {
     policy.ngram[0].tried = [9; ADAPTIVE_MAX_K];
     policy.choose(false, 0, NgramOffer { len: 4, matched: 2 }, 100);
     assert_eq!(policy.ngram[0].accept, [0.2; ADAPTIVE_MAX_K]);
+    // A class is never seeded below its own prior: two-token matches refused in prose say
+    // nothing of copied text's five.
+    let mut policy = KPolicy::new(8);
+    policy.ngram[0].accept = [0.05; ADAPTIVE_MAX_K];
+    policy.ngram[0].tried = [50; ADAPTIVE_MAX_K];
+    let prior = policy.ngram[2].accept;
+    policy.choose(false, 0, NgramOffer { len: 4, matched: 5 }, 100);
+    assert_eq!(policy.ngram[2].accept, prior);
+    assert!(prior[0] > 0.5);
 }
 
 /// Drafts that cannot pay, as a fresh process meets them: every round n-gram lookup offers a
