@@ -176,8 +176,8 @@ async fn main() -> anyhow::Result<()> {
                 match &base {
                     None => {
                         base = Some((st.tokens_per_second, done.token_ids.clone()));
-                        let (earlier, bounds) = answers.entry(category.clone()).or_default();
                         if repeat == 0 && s == 0 {
+                            let (earlier, bounds) = answers.entry(category.clone()).or_default();
                             let ids = tokenizer.encode(prompt)?;
                             let b = copy_bound(earlier, &ids, &done.token_ids, per_position);
                             bounds.push(b);

@@ -2,11 +2,13 @@
 //! n-gram lookup (issue 54). At each position of the answer, the longest run of it that follows
 //! any earlier occurrence of its last [`MIN_MATCH`] tokens, in the prompt, the answer so far or
 //! the tenant's earlier answers. A drafter that knew which of its matches holds would propose
-//! exactly that run: one round verifies it, and costs a step plus `per_position` of a step for
-//! each proposed token; where nothing holds, a round is one step. A real drafter proposes some
-//! tokens that are refused, misses some runs (it continues the latest, longest match and a few
-//! branches, not every occurrence), and pays for its proposals where the target alone would
-//! have been cheaper, so it stays below this bound.
+//! exactly that run: one round verifies it, however long (the policy drafts at most 8), and
+//! costs a step plus `per_position` of a step for each proposed token; where nothing holds, a
+//! round is one step. A match in the text itself continues past its end as a loop, as the
+//! drafter proposes one. A real drafter proposes some tokens that are refused, misses some runs
+//! (it continues the latest, longest match and a few branches, not every occurrence), and pays
+//! for its proposals where the target alone would have been cheaper, so it stays below this
+//! bound.
 
 /// The shortest suffix looked up: the n-gram drafter's own shortest match.
 pub const MIN_MATCH: usize = 2;
@@ -36,9 +38,8 @@ pub fn copy_bound(
         let rest = &answer[i..];
         let run = earlier
             .iter()
-            .map(Vec::as_slice)
-            .chain(std::iter::once(text.as_slice()))
-            .map(|t| longest_run(t, &text, rest))
+            .map(|t| longest_run(t, &text, rest, false))
+            .chain(std::iter::once(longest_run(&text, &text, rest, true)))
             .max()
             .unwrap_or(0)
             .min(rest.len() - 1);
@@ -59,8 +60,9 @@ pub fn copy_bound(
 }
 
 /// The longest prefix of `rest` that follows an occurrence in `source` of `text`'s last
-/// [`MIN_MATCH`] tokens.
-fn longest_run(source: &[u32], text: &[u32], rest: &[u32]) -> usize {
+/// [`MIN_MATCH`] tokens. In the text itself (`periodic`), a match `d` tokens back continues past
+/// its end with period `d`, as the n-gram drafter proposes a loop.
+fn longest_run(source: &[u32], text: &[u32], rest: &[u32], periodic: bool) -> usize {
     let Some(key) = text.len().checked_sub(MIN_MATCH).map(|s| &text[s..]) else {
         return 0;
     };
@@ -70,7 +72,13 @@ fn longest_run(source: &[u32], text: &[u32], rest: &[u32]) -> usize {
         .filter(|(_, w)| *w == key)
         .map(|(s, _)| {
             let after = &source[s + MIN_MATCH..];
-            after.iter().zip(rest).take_while(|(a, b)| a == b).count()
+            match (periodic, after.len()) {
+                (_, 0) => 0,
+                (true, d) => (0..rest.len())
+                    .take_while(|&j| after[j % d] == rest[j])
+                    .count(),
+                (false, _) => after.iter().zip(rest).take_while(|(a, b)| a == b).count(),
+            }
         })
         .max()
         .unwrap_or(0)
@@ -106,5 +114,18 @@ mod tests {
         // With nothing to copy the bound is the target alone.
         let b = copy_bound(&[], &[7, 7], &[8, 9], 0.25);
         assert_eq!((b.copied, b.speedup), (0, 1.0));
+    }
+
+    #[test]
+    fn a_loop_is_followed_past_the_end_of_the_text() {
+        // "1 2 3" twice: after "2 3" (3 back) the loop goes on 1 2 3 1 2 3, past the text's end.
+        let prompt = [9, 1, 2, 3, 1, 2, 3];
+        let answer = [1, 2, 3, 1, 2, 3, 5];
+        let b = copy_bound(&[], &prompt, &answer, 0.25);
+        assert_eq!(b.copied, 6);
+        assert!(
+            (b.speedup - 7.0 / (1.0 + 6.0 * 0.25)).abs() < 1e-12,
+            "{b:?}"
+        );
     }
 }

@@ -611,9 +611,12 @@ impl KPolicy {
             // Seeding only raises a class's prior: seeded down from two-token matches refused
             // in prose, five-token matches (copied text) were never drafted again, and summaries
             // lost n-gram lookup for the rest of the process.
-            let own = seeded.accept;
-            seeded.accept = std::array::from_fn(|i| accept[i].max(own[i]));
-            seeded.tried = tried.map(|t| t.min(PRIOR_WEIGHT));
+            for i in 0..ADAPTIVE_MAX_K {
+                if accept[i] > seeded.accept[i] {
+                    seeded.accept[i] = accept[i];
+                    seeded.tried[i] = tried[i].min(PRIOR_WEIGHT);
+                }
+            }
         }
     }
 

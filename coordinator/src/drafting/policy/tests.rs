@@ -594,10 +594,15 @@ fn an_ngram_class_never_tried_starts_from_the_nearest_class_tried() {
     let mut policy = KPolicy::new(8);
     policy.ngram[0].accept = [0.05; ADAPTIVE_MAX_K];
     policy.ngram[0].tried = [50; ADAPTIVE_MAX_K];
+    policy.ngram[0].accept[1] = 0.9;
     let prior = policy.ngram[2].accept;
     policy.choose(false, 0, NgramOffer { len: 4, matched: 5 }, 100);
-    assert_eq!(policy.ngram[2].accept, prior);
     assert!(prior[0] > 0.5);
+    // Raised where the donor is above it (and weighted as a prior there), kept elsewhere.
+    assert_eq!(policy.ngram[2].accept[0], prior[0]);
+    assert_eq!(policy.ngram[2].tried[0], 0);
+    assert_eq!(policy.ngram[2].accept[1], 0.9);
+    assert_eq!(policy.ngram[2].tried[1], PRIOR_WEIGHT);
 }
 
 /// Drafts that cannot pay, as a fresh process meets them: every round n-gram lookup offers a
