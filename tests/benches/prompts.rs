@@ -40,7 +40,7 @@ use serde_json::json;
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
-use tandem_tests::bench::{env_list, env_usize, median};
+use tandem_tests::bench::{env_list, env_usize, geometric_mean, median};
 use tandem_tests::copy_bound::{CopyBound, copy_bound};
 use tandem_tests::processes::Proc;
 
@@ -200,10 +200,10 @@ async fn main() -> anyhow::Result<()> {
                 f.rounds[3] += st.target_only_rounds;
             }
         }
-        let mut logs: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+        let mut ratios: BTreeMap<String, Vec<f64>> = BTreeMap::new();
         for ((category, variant), f) in &figures {
             let ratio = median(f.ratio.clone());
-            logs.entry(variant.clone()).or_default().push(ratio.ln());
+            ratios.entry(variant.clone()).or_default().push(ratio);
             let [m, n, h, t] = f.rounds;
             println!(
                 "| {setup} | {category} | {variant} | {:.1} | {ratio:.2}× | {:.2} | {:.2} | {m} / {n} ({h}) / {t} |",
@@ -219,8 +219,8 @@ async fn main() -> anyhow::Result<()> {
                 "rounds_model_ngram_history_target": f.rounds});
             println!("{row}");
         }
-        for (variant, l) in logs {
-            let geomean = (l.iter().sum::<f64>() / l.len() as f64).exp();
+        for (variant, r) in ratios {
+            let geomean = geometric_mean(&r);
             println!("| {setup} | geometric mean | {variant} | | {geomean:.2}× | | | |");
         }
         drop(procs);
@@ -235,18 +235,17 @@ fn print_bounds(answers: &BTreeMap<String, (Vec<Vec<u32>>, Vec<CopyBound>)>, per
         "\n| category | answer tokens copied | copy bound × (a drafted token: {per_position} of a step) |"
     );
     println!("|---|---|---|");
-    let mut logs = Vec::new();
+    let mut all = Vec::new();
     for (category, (_, bounds)) in answers {
         let copied = bounds
             .iter()
             .map(|b| b.copied as f64 / b.tokens.max(1) as f64);
         let bound = median(bounds.iter().map(|b| b.speedup).collect());
-        logs.push(bound.ln());
+        all.push(bound);
         println!(
             "| {category} | {:.0} % | {bound:.2}× |",
             100.0 * median(copied.collect())
         );
     }
-    let geomean = (logs.iter().sum::<f64>() / logs.len().max(1) as f64).exp();
-    println!("| geometric mean | | {geomean:.2}× |");
+    println!("| geometric mean | | {:.2}× |", geometric_mean(&all));
 }

@@ -70,6 +70,11 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
     }
 }
 
+/// The geometric mean of `ratios` (1 where there are none).
+pub fn geometric_mean(ratios: &[f64]) -> f64 {
+    (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len().max(1) as f64).exp()
+}
+
 /// A comma-separated list from the environment, or `default`.
 pub fn env_list(name: &str, default: &str) -> Vec<String> {
     std::env::var(name)
