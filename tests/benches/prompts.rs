@@ -26,22 +26,33 @@
 //! target's and the draft's core in `split`), BENCH_REPEATS (default 1: the whole prompt set
 //! again, each time in the same order; the medians are over prompts and repeats: one
 //! generation's tokens/s on this shared 2-core machine varies by ±10 %),
-//! BENCH_VERIFY_POSITION (default 0.25: what each drafted token adds to a verify, in steps).
+//! BENCH_VERIFY_POSITION (default 0.25: what each drafted token adds to a verify, in steps),
+//! BENCH_ANSWERS (a file to which each target-only answer of the first repeat is appended as a
+//! JSON line with its category, its prompt's token ids and the category's earlier answers).
 //!
 //! Then, per category, the copy bound of the target-only answers (`tandem_tests::copy_bound`):
 //! how much of them follows a recurrence of their last two tokens in the prompt, the answer so
 //! far or the category's earlier answers, and the most n-gram lookup could speed them up if it
 //! knew which match holds, with each drafted token adding BENCH_VERIFY_POSITION of a step (0.25:
 //! the target's verify of 4 positions took 1.75 of its steps at 64 and 700 positions, session 30).
+//! Beside it, n-gram lookup's own proposals (`look_up_in`, 8 tokens, over the answer so far and
+//! the category's earlier answers) replayed against each answer (`copy_bound::replay`): the
+//! share they carry, and the speedup were each round to verify the whole proposal or only the
+//! part that holds. The gap from the bound to the latter is the drafter's choice of match; from
+//! the latter to the bench's n-gram row, the policy's choices and the real costs.
 
 use std::collections::BTreeMap;
 
 use serde_json::json;
+use tandem_coordinator::drafting::ngram::look_up_in;
+use tandem_coordinator::drafting::policy::ADAPTIVE_MAX_K;
+use tandem_coordinator::drafting::suffix::SuffixIndex;
+use tandem_coordinator::engine::history::DEFAULT_HISTORY_TOKENS;
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
 use tandem_tests::bench::{env_list, env_usize, geometric_mean, median};
-use tandem_tests::copy_bound::{CopyBound, copy_bound};
+use tandem_tests::copy_bound::{CopyBound, Replay, copy_bound, replay};
 use tandem_tests::processes::Proc;
 
 const PROMPTS: [&str; 2] = [
@@ -50,6 +61,10 @@ const PROMPTS: [&str; 2] = [
 ];
 /// The system prompt of a turn that names none.
 const SYSTEM: &str = "You are a helpful assistant.";
+
+/// Per category: the target-only answers of the first repeat, and what copying could make of
+/// each (the bound, and n-gram lookup's own proposals replayed).
+type Answers = BTreeMap<String, (Vec<Vec<u32>>, Vec<(CopyBound, Replay)>)>;
 
 /// One variant's figures in one category, over its prompts.
 #[derive(Debug, Default)]
@@ -143,7 +158,8 @@ async fn main() -> anyhow::Result<()> {
     let per_position: f64 =
         std::env::var("BENCH_VERIFY_POSITION").map_or(Ok(0.25), |v| v.parse())?;
     // Per category: the target-only answers of the first repeat, and their copy bounds.
-    let mut answers: BTreeMap<String, (Vec<Vec<u32>>, Vec<CopyBound>)> = BTreeMap::new();
+    let mut answers = Answers::new();
+    let dump = std::env::var_os("BENCH_ANSWERS");
     println!(
         "| setup | category | variant | tok/s | × target-only | α | tokens/round | rounds model / n-gram (earlier outputs) / target |"
     );
@@ -180,7 +196,20 @@ async fn main() -> anyhow::Result<()> {
                             let (earlier, bounds) = answers.entry(category.clone()).or_default();
                             let ids = tokenizer.encode(prompt)?;
                             let b = copy_bound(earlier, &ids, &done.token_ids, per_position);
-                            bounds.push(b);
+                            let r = replayed(earlier, &ids, &done.token_ids, per_position);
+                            bounds.push((b, r));
+                            if let Some(path) = &dump {
+                                let line = json!({"category": category, "prompt": ids,
+                                    "answer": done.token_ids, "earlier": earlier});
+                                let mut file = std::fs::OpenOptions::new()
+                                    .create(true)
+                                    .append(true)
+                                    .open(path)?;
+                                std::io::Write::write_all(
+                                    &mut file,
+                                    format!("{line}\n").as_bytes(),
+                                )?;
+                            }
                             earlier.push(done.token_ids.clone());
                         }
                     }
@@ -229,23 +258,52 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The copy bounds per category (median over its prompts) and their geometric mean.
-fn print_bounds(answers: &BTreeMap<String, (Vec<Vec<u32>>, Vec<CopyBound>)>, per_position: f64) {
-    println!(
-        "\n| category | answer tokens copied | copy bound × (a drafted token: {per_position} of a step) |"
-    );
-    println!("|---|---|---|");
-    let mut all = Vec::new();
-    for (category, (_, bounds)) in answers {
-        let copied = bounds
-            .iter()
-            .map(|b| b.copied as f64 / b.tokens.max(1) as f64);
-        let bound = median(bounds.iter().map(|b| b.speedup).collect());
-        all.push(bound);
-        println!(
-            "| {category} | {:.0} % | {bound:.2}× |",
-            100.0 * median(copied.collect())
-        );
+/// n-gram lookup's proposals of [`ADAPTIVE_MAX_K`] tokens, over the text so far and the
+/// tenant's `earlier` answers as the coordinator keeps them, replayed against `answer`.
+fn replayed(earlier: &[Vec<u32>], prompt: &[u32], answer: &[u32], per_position: f64) -> Replay {
+    let mut index = SuffixIndex::new(DEFAULT_HISTORY_TOKENS);
+    for text in earlier {
+        index.add(text);
     }
-    println!("| geometric mean | | {:.2}× |", geometric_mean(&all));
+    replay(prompt, answer, per_position, |text| {
+        look_up_in(Some(&index), text, ADAPTIVE_MAX_K, 0).0.tokens
+    })
+}
+
+/// The copy bounds per category (median over its prompts), n-gram lookup's proposals replayed
+/// beside them, and their geometric means.
+fn print_bounds(answers: &Answers, per_position: f64) {
+    println!("\nA drafted token: {per_position} of a step; proposals of {ADAPTIVE_MAX_K} tokens.");
+    println!(
+        "| category | answer tokens copied | copy bound × | n-gram lookup's proposals: copied | verified whole × | verified where they hold × |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut all: [Vec<f64>; 3] = Default::default();
+    for (category, (_, results)) in answers {
+        let share = |n: usize, of: usize| 100.0 * n as f64 / of.max(1) as f64;
+        let figures = [
+            median(
+                results
+                    .iter()
+                    .map(|(b, _)| share(b.copied, b.tokens))
+                    .collect(),
+            ),
+            median(results.iter().map(|(b, _)| b.speedup).collect()),
+            median(
+                results
+                    .iter()
+                    .map(|(b, r)| share(r.copied, b.tokens))
+                    .collect(),
+            ),
+            median(results.iter().map(|(_, r)| r.whole).collect()),
+            median(results.iter().map(|(_, r)| r.knowing).collect()),
+        ];
+        for (all, x) in all.iter_mut().zip([figures[1], figures[3], figures[4]]) {
+            all.push(x);
+        }
+        let [a, b, c, d, e] = figures;
+        println!("| {category} | {a:.0} % | {b:.2}× | {c:.0} % | {d:.2}× | {e:.2}× |");
+    }
+    let [b, d, e] = all.map(|x| geometric_mean(&x));
+    println!("| geometric mean | | {b:.2}× | | {d:.2}× | {e:.2}× |");
 }

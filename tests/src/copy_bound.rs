@@ -59,6 +59,61 @@ pub fn copy_bound(
     }
 }
 
+/// What a drafter's own proposals could make of one answer ([`replay`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Replay {
+    /// Answer tokens its proposals carried.
+    pub copied: usize,
+    /// Answer tokens per step where each round verifies the whole proposal (as a round that
+    /// drafts it does; a position with no proposal is a step).
+    pub whole: f64,
+    /// Answer tokens per step where each round verifies only the part that holds (a policy that
+    /// knew where a proposal fails), as the copy bound counts a round.
+    pub knowing: f64,
+}
+
+/// `answer` replayed against `propose` (the text so far → the drafter's proposal): at each
+/// position one round verifies the proposal and commits its accepted prefix and the target's
+/// token. Set beside [`copy_bound`], it says how much of the bound the drafter's choice of match
+/// leaves (here, not in the policy), with a verify costing a step plus `per_position` of a step
+/// per drafted token.
+pub fn replay(
+    prompt: &[u32],
+    answer: &[u32],
+    per_position: f64,
+    mut propose: impl FnMut(&[u32]) -> Vec<u32>,
+) -> Replay {
+    let mut text = prompt.to_vec();
+    let (mut i, mut whole, mut knowing, mut copied) = (0, 0.0, 0.0, 0);
+    while i < answer.len() {
+        let rest = &answer[i..];
+        let proposal = propose(&text);
+        let run = proposal
+            .iter()
+            .zip(rest)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(rest.len() - 1);
+        whole += 1.0 + per_position * proposal.len() as f64;
+        knowing += 1.0 + per_position * run as f64;
+        copied += run;
+        text.extend_from_slice(&rest[..=run]);
+        i += run + 1;
+    }
+    let speedup = |cost: f64| {
+        if cost > 0.0 {
+            answer.len() as f64 / cost
+        } else {
+            1.0
+        }
+    };
+    Replay {
+        copied,
+        whole: speedup(whole),
+        knowing: speedup(knowing),
+    }
+}
+
 /// The longest prefix of `rest` that follows an occurrence in `source` of `text`'s last
 /// [`MIN_MATCH`] tokens. In the text itself (`periodic`), a match `d` tokens back continues past
 /// its end with period `d`, as the n-gram drafter proposes a loop.
@@ -114,6 +169,22 @@ mod tests {
         // With nothing to copy the bound is the target alone.
         let b = copy_bound(&[], &[7, 7], &[8, 9], 0.25);
         assert_eq!((b.copied, b.speedup), (0, 1.0));
+    }
+
+    #[test]
+    fn a_replay_verifies_each_proposal_and_commits_what_holds() {
+        // The drafter proposes 5 6 7 after "... 4" and nothing elsewhere; the answer holds 5 6
+        // then goes 0.
+        let propose = |text: &[u32]| match text.last() {
+            Some(4) => vec![5, 6, 7],
+            _ => Vec::new(),
+        };
+        let r = replay(&[1, 2, 3, 4], &[5, 6, 0, 9], 0.25, propose);
+        assert_eq!(r.copied, 2);
+        // Rounds: 5 6 0 (3 proposed, 2 held), 9 (nothing proposed).
+        let (whole, knowing) = (1.0 + 3.0 * 0.25 + 1.0, 1.0 + 2.0 * 0.25 + 1.0);
+        assert!((r.whole - 4.0 / whole).abs() < 1e-12, "{r:?}");
+        assert!((r.knowing - 4.0 / knowing).abs() < 1e-12, "{r:?}");
     }
 
     #[test]

@@ -126,7 +126,7 @@ pub fn propose_tree(tokens: &[u32], k: usize, branches: usize) -> Lookup {
 
 /// [`propose_tree`] over `tokens`, or a chain continuing the longest match in `history` where it
 /// is longer (and at least [`MIN_HISTORY_MATCH`]): whether it came from there too.
-fn look_up_in(
+pub fn look_up_in(
     history: Option<&SuffixIndex>,
     tokens: &[u32],
     k: usize,

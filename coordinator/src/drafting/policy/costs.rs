@@ -86,13 +86,6 @@ impl Interference {
 /// seen, a least-squares line between and beyond them, and never less for a larger size than for
 /// a smaller one seen (measured noise would otherwise make a longer block look cheaper). With
 /// one size seen, other sizes scale by `1 + prior_slope · (size − 1)`.
-///
-/// Size 1 is timed far more often than the others (every round that drafts nothing), so it
-/// moves first: where its average has risen since a larger size was last timed (a slow stretch
-/// of the machine, a longer context), that size's cost is taken to have risen by as much. Floored
-/// to size 1's alone, every block looked as cheap as one step after five slow steps (the real
-/// pair on one machine: 70–95 ms against 38, and n-gram lookup's 8 drafts then verified for
-/// nothing). Only a rise counts: a stale size is never made cheaper than it was timed.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct SizeCost {
     by_size: Vec<Ewma>,
@@ -102,13 +95,7 @@ pub(super) struct SizeCost {
     /// hundred estimates a round, which on a 0.2 ms target cost a few per cent of its speed
     /// when each was fitted afresh.
     fit: Option<Fit>,
-    /// For each size, size 1's average when that size was last timed.
-    #[serde(default)]
-    base: Vec<Option<f64>>,
-    /// For each size seen, its average raised by size 1's rise since (the estimate where seen).
-    #[serde(default)]
-    current: Vec<Option<f64>>,
-    /// For each size, the largest current cost at that size or below (the floor of an estimate).
+    /// For each size, the largest cost seen at that size or below (the floor of an estimate).
     floor: Vec<f64>,
 }
 
@@ -126,8 +113,6 @@ impl SizeCost {
             seen: vec![0; max_size],
             prior_slope,
             fit: None,
-            base: vec![None; max_size],
-            current: vec![None; max_size],
             floor: vec![0.0; max_size],
         }
     }
@@ -138,22 +123,11 @@ impl SizeCost {
         };
         self.by_size[i].add(seconds);
         self.seen[i] += 1;
-        let one = self.by_size[0].0;
-        self.base.resize(self.by_size.len(), None);
-        self.base[i] = one;
-        self.current = (self.by_size.iter().zip(&self.base))
-            .map(|(e, base)| {
-                let rise = one
-                    .zip(*base)
-                    .map_or(0.0, |(now, then)| (now - then).max(0.0));
-                e.0.map(|v| v + rise)
-            })
-            .collect();
         let seen = || {
-            self.current
+            self.by_size
                 .iter()
                 .enumerate()
-                .filter_map(|(i, c)| c.map(|v| ((i + 1) as f64, v)))
+                .filter_map(|(i, e)| e.0.map(|v| ((i + 1) as f64, v)))
         };
         let count = seen().count() as f64;
         self.fit = if count == 1.0 {
@@ -169,14 +143,14 @@ impl SizeCost {
             Some(Fit::Line { mx, my, slope })
         };
         let mut floor = 0.0;
-        for (f, c) in self.floor.iter_mut().zip(&self.current) {
-            floor = c.map_or(floor, |v| f64::max(floor, v));
+        for (f, e) in self.floor.iter_mut().zip(&self.by_size) {
+            floor = e.0.map_or(floor, |v| f64::max(floor, v));
             *f = floor;
         }
     }
 
-    /// The estimate for `size`: the moving average where it was seen (raised by size 1's rise
-    /// since), else from the fit; never less than a smaller size seen. `None` before any size was seen.
+    /// The estimate for `size`: the moving average where it was seen, else from the fit; never
+    /// less than a smaller size seen. `None` before any size was seen.
     pub(super) fn seconds(&self, size: usize) -> Option<f64> {
         let n = size as f64;
         let raw = match self.fit? {
@@ -184,8 +158,8 @@ impl SizeCost {
                 let scale = |x: f64| 1.0 + self.prior_slope * (x - 1.0);
                 seconds * scale(n) / scale(size)
             }
-            Fit::Line { mx, my, slope } => match size.checked_sub(1).map(|i| self.current.get(i)) {
-                Some(Some(Some(v))) => *v,
+            Fit::Line { mx, my, slope } => match size.checked_sub(1).map(|i| self.by_size.get(i)) {
+                Some(Some(Ewma(Some(v)))) => *v,
                 _ => (my + slope * (n - mx)).max(1e-6),
             },
         };
