@@ -201,14 +201,7 @@ async fn main() -> anyhow::Result<()> {
                             if let Some(path) = &dump {
                                 let line = json!({"category": category, "prompt": ids,
                                     "answer": done.token_ids, "earlier": earlier});
-                                let mut file = std::fs::OpenOptions::new()
-                                    .create(true)
-                                    .append(true)
-                                    .open(path)?;
-                                std::io::Write::write_all(
-                                    &mut file,
-                                    format!("{line}\n").as_bytes(),
-                                )?;
+                                append_line(path, &line)?;
                             }
                             earlier.push(done.token_ids.clone());
                         }
@@ -256,6 +249,16 @@ async fn main() -> anyhow::Result<()> {
     }
     print_bounds(&answers, per_position);
     Ok(())
+}
+
+/// Appends `line` to the file at `path` (`BENCH_ANSWERS`).
+fn append_line(path: &std::ffi::OsStr, line: &serde_json::Value) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    writeln!(file, "{line}")
 }
 
 /// n-gram lookup's proposals of [`ADAPTIVE_MAX_K`] tokens, over the text so far and the
