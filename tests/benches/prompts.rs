@@ -283,29 +283,24 @@ fn print_bounds(answers: &Answers, per_position: f64) {
     println!("|---|---|---|---|---|---|");
     let mut all: [Vec<f64>; 3] = Default::default();
     for (category, (_, results)) in answers {
+        let med = |f: &dyn Fn(&CopyBound, &Replay) -> f64| {
+            median(results.iter().map(|(b, r)| f(b, r)).collect())
+        };
         let share = |n: usize, of: usize| 100.0 * n as f64 / of.max(1) as f64;
-        let figures = [
-            median(
-                results
-                    .iter()
-                    .map(|(b, _)| share(b.copied, b.tokens))
-                    .collect(),
-            ),
-            median(results.iter().map(|(b, _)| b.speedup).collect()),
-            median(
-                results
-                    .iter()
-                    .map(|(b, r)| share(r.copied, b.tokens))
-                    .collect(),
-            ),
-            median(results.iter().map(|(_, r)| r.whole).collect()),
-            median(results.iter().map(|(_, r)| r.knowing).collect()),
+        let bound_copied = med(&|b, _| share(b.copied, b.tokens));
+        let replay_copied = med(&|b, r| share(r.copied, b.tokens));
+        let speedups = [
+            med(&|b, _| b.speedup),
+            med(&|_, r| r.whole),
+            med(&|_, r| r.knowing),
         ];
-        for (all, x) in all.iter_mut().zip([figures[1], figures[3], figures[4]]) {
+        for (all, x) in all.iter_mut().zip(speedups) {
             all.push(x);
         }
-        let [a, b, c, d, e] = figures;
-        println!("| {category} | {a:.0} % | {b:.2}× | {c:.0} % | {d:.2}× | {e:.2}× |");
+        let [b, d, e] = speedups;
+        println!(
+            "| {category} | {bound_copied:.0} % | {b:.2}× | {replay_copied:.0} % | {d:.2}× | {e:.2}× |"
+        );
     }
     let [b, d, e] = all.map(|x| geometric_mean(&x));
     println!("| geometric mean | | {b:.2}× | | {d:.2}× | {e:.2}× |");

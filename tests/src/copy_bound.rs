@@ -51,11 +51,16 @@ pub fn copy_bound(
     CopyBound {
         copied,
         tokens: answer.len(),
-        speedup: if cost > 0.0 {
-            answer.len() as f64 / cost
-        } else {
-            1.0
-        },
+        speedup: per_step(answer.len(), cost),
+    }
+}
+
+/// `tokens` per step of `cost`; 1 (the target alone) for an empty answer.
+fn per_step(tokens: usize, cost: f64) -> f64 {
+    if cost > 0.0 {
+        tokens as f64 / cost
+    } else {
+        1.0
     }
 }
 
@@ -100,17 +105,10 @@ pub fn replay(
         text.extend_from_slice(&rest[..=run]);
         i += run + 1;
     }
-    let speedup = |cost: f64| {
-        if cost > 0.0 {
-            answer.len() as f64 / cost
-        } else {
-            1.0
-        }
-    };
     Replay {
         copied,
-        whole: speedup(whole),
-        knowing: speedup(knowing),
+        whole: per_step(answer.len(), whole),
+        knowing: per_step(answer.len(), knowing),
     }
 }
 
