@@ -40,6 +40,14 @@
 //! share they carry, and the speedup were each round to verify the whole proposal or only the
 //! part that holds. The gap from the bound to the latter is the drafter's choice of match; from
 //! the latter to the bench's n-gram row, the policy's choices and the real costs.
+//!
+//! Last, per category, the drafting bounds (`tandem_tests::drafting_bound`): the draft model
+//! (loaded in this process once the setups are done) reads each target-only answer, and an
+//! oracle that knew where each chain holds schedules the rounds: the model's chains alone and
+//! with copying at BENCH_DRAFT_STEP of a step per model draft (default 0.38), the same with
+//! drafting wholly hidden (free), and the draft's top-2 paths (a tree's, its other branches
+//! unpaid) with copying. No policy over these drafters passes the last (on this verify cost).
+//! Beside them, with no oracle, the model's chains at the best fixed K and confidence stop.
 
 use std::collections::BTreeMap;
 
@@ -51,8 +59,10 @@ use tandem_coordinator::engine::history::DEFAULT_HISTORY_TOKENS;
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
+use tandem_runtime::{LoadOptions, Model};
 use tandem_tests::bench::{env_list, env_usize, geometric_mean, median};
-use tandem_tests::copy_bound::{CopyBound, Replay, copy_bound, replay};
+use tandem_tests::copy_bound::{CopyBound, Replay, copy_bound, copy_runs, replay};
+use tandem_tests::drafting_bound::{Drafter, chained, fastest, read, runs_where};
 use tandem_tests::processes::Proc;
 
 const PROMPTS: [&str; 2] = [
@@ -62,9 +72,8 @@ const PROMPTS: [&str; 2] = [
 /// The system prompt of a turn that names none.
 const SYSTEM: &str = "You are a helpful assistant.";
 
-/// Per category: the target-only answers of the first repeat, and what copying could make of
-/// each (the bound, and n-gram lookup's own proposals replayed).
-type Answers = BTreeMap<String, (Vec<Vec<u32>>, Vec<(CopyBound, Replay)>)>;
+/// Per category: its prompts' token ids and target-only answers (the first repeat's), in order.
+type Answers = BTreeMap<String, Vec<(Vec<u32>, Vec<u32>)>>;
 
 /// One variant's figures in one category, over its prompts.
 #[derive(Debug, Default)]
@@ -157,7 +166,6 @@ async fn main() -> anyhow::Result<()> {
     let tokenizer = tandem_runtime::Tokenizer::for_model(&target)?;
     let per_position: f64 =
         std::env::var("BENCH_VERIFY_POSITION").map_or(Ok(0.25), |v| v.parse())?;
-    // Per category: the target-only answers of the first repeat, and their copy bounds.
     let mut answers = Answers::new();
     let dump = std::env::var_os("BENCH_ANSWERS");
     println!(
@@ -193,17 +201,15 @@ async fn main() -> anyhow::Result<()> {
                     None => {
                         base = Some((st.tokens_per_second, done.token_ids.clone()));
                         if repeat == 0 && s == 0 {
-                            let (earlier, bounds) = answers.entry(category.clone()).or_default();
+                            let answered = answers.entry(category.clone()).or_default();
                             let ids = tokenizer.encode(prompt)?;
-                            let b = copy_bound(earlier, &ids, &done.token_ids, per_position);
-                            let r = replayed(earlier, &ids, &done.token_ids, per_position);
-                            bounds.push((b, r));
                             if let Some(path) = &dump {
+                                let earlier: Vec<_> = answered.iter().map(|(_, a)| a).collect();
                                 let line = json!({"category": category, "prompt": ids,
                                     "answer": done.token_ids, "earlier": earlier});
                                 append_line(path, &line)?;
                             }
-                            earlier.push(done.token_ids.clone());
+                            answered.push((ids, done.token_ids.clone()));
                         }
                     }
                     Some((_, ids)) => anyhow::ensure!(
@@ -248,7 +254,7 @@ async fn main() -> anyhow::Result<()> {
         drop(procs);
     }
     print_bounds(&answers, per_position);
-    Ok(())
+    print_drafting_bounds(&answers, per_position, &draft)
 }
 
 /// Appends `line` to the file at `path` (`BENCH_ANSWERS`).
@@ -282,7 +288,13 @@ fn print_bounds(answers: &Answers, per_position: f64) {
     );
     println!("|---|---|---|---|---|---|");
     let mut all: [Vec<f64>; 3] = Default::default();
-    for (category, (_, results)) in answers {
+    for (category, answered) in answers {
+        let results: Vec<(CopyBound, Replay)> = with_earlier(answered)
+            .map(|(earlier, prompt, answer)| {
+                let b = copy_bound(&earlier, prompt, answer, per_position);
+                (b, replayed(&earlier, prompt, answer, per_position))
+            })
+            .collect();
         let med = |f: &dyn Fn(&CopyBound, &Replay) -> f64| {
             median(results.iter().map(|(b, r)| f(b, r)).collect())
         };
@@ -304,4 +316,99 @@ fn print_bounds(answers: &Answers, per_position: f64) {
     }
     let [b, d, e] = all.map(|x| geometric_mean(&x));
     println!("| geometric mean | | {b:.2}× | | {d:.2}× | {e:.2}× |");
+}
+
+/// A category's answers in order, each with the answers before it (the tenant's earlier ones)
+/// and its prompt.
+fn with_earlier(
+    answered: &[(Vec<u32>, Vec<u32>)],
+) -> impl Iterator<Item = (Vec<Vec<u32>>, &[u32], &[u32])> {
+    answered.iter().enumerate().map(|(j, (prompt, answer))| {
+        let earlier = answered[..j].iter().map(|(_, a)| a.clone()).collect();
+        (earlier, prompt.as_slice(), answer.as_slice())
+    })
+}
+
+/// The drafting bounds per category (`tandem_tests::drafting_bound`, medians over its prompts):
+/// the draft model reads each target-only answer after its prompt, and where its greedy choice
+/// (or one of its two likeliest) is the answer's token its chain would hold. A model draft costs
+/// BENCH_DRAFT_STEP of a target step (default 0.38: the draft's step against the target's at 64
+/// and 700 positions, docs/benchmarks/kernels.md, session 30) serially, nothing where drafting
+/// is wholly hidden; the top-2 paths are a tree's that holds, its other branches unpaid. Beside
+/// the oracle, no oracle: the model's chains at the K and confidence stop (the policy's two
+/// knobs, `drafting_bound::chained`) that give the category's best median, serially.
+fn print_drafting_bounds(
+    answers: &Answers,
+    per_position: f64,
+    draft: &std::path::Path,
+) -> anyhow::Result<()> {
+    let draft_step: f64 = std::env::var("BENCH_DRAFT_STEP").map_or(Ok(0.38), |v| v.parse())?;
+    let tokenizer = tandem_runtime::Tokenizer::for_model(draft)?;
+    // The draft-node's vocabulary on a byte-level BPE (node/src/state.rs `DRAFT_VOCAB`).
+    let ids = (0..100_000).chain(tokenizer.added_ids()).collect();
+    let options = LoadOptions {
+        logit_ids: Some(ids),
+        ..LoadOptions::default()
+    };
+    let model = Model::load(draft, &options)?;
+    println!("\nA model draft: {draft_step} of a step serially.");
+    println!(
+        "| category | draft's greedy choice held | in its top 2 | model chains at the best K and confidence stop, serial × (K, stop) | oracle: model chains, serial × | model chains and copying, serial × | the same, drafting hidden × | top-2 paths and copying, drafting hidden × |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let settings: Vec<(usize, f32)> = (1..=ADAPTIVE_MAX_K)
+        .flat_map(|k| [0.0, 0.3, 0.5, 0.7, 0.9].map(|c| (k, c)))
+        .collect();
+    let mut all: [Vec<f64>; 5] = Default::default();
+    for (category, answered) in answers {
+        // Per answer: the shares held, the oracle's four bounds, then each setting's chains.
+        let mut rows: Vec<Vec<f64>> = Vec::new();
+        for (earlier, prompt, answer) in with_earlier(answered) {
+            let reading = read(&model, prompt, answer)?;
+            let held = |top: usize| reading.rank.iter().map(|&r| r < top).collect::<Vec<_>>();
+            let (greedy, top2) = (runs_where(&held(1)), runs_where(&held(2)));
+            let copy = copy_runs(&earlier, prompt, answer);
+            let drafter = |runs, per_token| Drafter { runs, per_token };
+            let copying = drafter(&copy, 0.0);
+            let model = drafter(&greedy, draft_step);
+            let share = |top| {
+                let n = held(top).iter().filter(|&&h| h).count();
+                100.0 * n as f64 / answer.len().max(1) as f64
+            };
+            let mut row = vec![
+                share(1),
+                share(2),
+                fastest(&[model], per_position),
+                fastest(&[model, copying], per_position),
+                fastest(&[drafter(&greedy, 0.0), copying], per_position),
+                fastest(&[drafter(&top2, 0.0), copying], per_position),
+            ];
+            row.extend(
+                settings
+                    .iter()
+                    .map(|&s| chained(model, &reading.confidence, s, per_position)),
+            );
+            rows.push(row);
+        }
+        let m: Vec<f64> = (0..rows[0].len())
+            .map(|c| median(rows.iter().map(|r| r[c]).collect()))
+            .collect();
+        let (best, (k, stop)) = m[6..].iter().zip(&settings).fold(
+            (1.0, (0, 0.0)),
+            |b, (&x, &s)| if x > b.0 { (x, s) } else { b },
+        );
+        for (all, x) in all
+            .iter_mut()
+            .zip(std::iter::once(best).chain(m[2..6].to_vec()))
+        {
+            all.push(x);
+        }
+        println!(
+            "| {category} | {:.0} % | {:.0} % | {best:.2}× ({k}, {stop}) | {:.2}× | {:.2}× | {:.2}× | {:.2}× |",
+            m[0], m[1], m[2], m[3], m[4], m[5]
+        );
+    }
+    let [e, a, b, c, d] = all.map(|x| geometric_mean(&x));
+    println!("| geometric mean | | | {e:.2}× | {a:.2}× | {b:.2}× | {c:.2}× | {d:.2}× |");
+    Ok(())
 }

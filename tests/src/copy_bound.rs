@@ -24,6 +24,26 @@ pub struct CopyBound {
     pub speedup: f64,
 }
 
+/// At each position of `answer` (after `prompt`), the longest run of it from there on that
+/// follows an occurrence of the text's last [`MIN_MATCH`] tokens, in the text itself or in the
+/// tenant's `earlier` answers: what a drafter that knew which match holds would propose there.
+pub fn copy_runs(earlier: &[Vec<u32>], prompt: &[u32], answer: &[u32]) -> Vec<usize> {
+    let mut text = prompt.to_vec();
+    let mut runs = Vec::with_capacity(answer.len());
+    for (i, &token) in answer.iter().enumerate() {
+        let rest = &answer[i..];
+        let run = earlier
+            .iter()
+            .map(|t| longest_run(t, &text, rest, false))
+            .chain(std::iter::once(longest_run(&text, &text, rest, true)))
+            .max()
+            .unwrap_or(0);
+        runs.push(run);
+        text.push(token);
+    }
+    runs
+}
+
 /// The bound of `answer` to `prompt`, with `earlier` answers of the same tenant to copy from
 /// too, when verifying a block costs a step plus `per_position` of a step for each drafted token.
 pub fn copy_bound(
@@ -32,20 +52,12 @@ pub fn copy_bound(
     answer: &[u32],
     per_position: f64,
 ) -> CopyBound {
-    let mut text = prompt.to_vec();
+    let runs = copy_runs(earlier, prompt, answer);
     let (mut i, mut cost, mut copied) = (0, 0.0, 0);
     while i < answer.len() {
-        let rest = &answer[i..];
-        let run = earlier
-            .iter()
-            .map(|t| longest_run(t, &text, rest, false))
-            .chain(std::iter::once(longest_run(&text, &text, rest, true)))
-            .max()
-            .unwrap_or(0)
-            .min(rest.len() - 1);
+        let run = runs[i].min(answer.len() - 1 - i);
         cost += 1.0 + per_position * run as f64;
         copied += run;
-        text.extend_from_slice(&rest[..=run]);
         i += run + 1;
     }
     CopyBound {

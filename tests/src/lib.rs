@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod copy_bound;
+pub mod drafting_bound;
 pub mod faults;
 pub mod gate;
 pub mod held;

@@ -1,0 +1,191 @@
+//! What any chain of drafts could make of an answer at most, the draft model's and copying's
+//! together: the prompts bench's bound for speculation itself (issue 54), beside the copy bound
+//! ([`crate::copy_bound`]) that counts copying alone.
+//!
+//! Each drafter is known by its runs: at each position of the answer, how many of the answer's
+//! tokens from there on its chain would hold (the draft model's greedy chain holds as long as its
+//! choice at each position, given the answer so far, is the answer's token; n-gram lookup's
+//! longest copy holds as [`crate::copy_bound`] counts it). An oracle that knew every run would
+//! schedule rounds to spend the least: a round drafts a run of K tokens with one drafter (or
+//! none) and costs a step, `per_position` of a step per drafted token for its verify, and the
+//! drafter's own cost per token (the draft model's step; copying's is nothing). [`fastest`] finds
+//! that schedule. No real policy knows the runs, nor drafts for free, so every chain policy over
+//! these drafters stays below it; with the draft model's cost set to 0 (drafting wholly hidden
+//! behind verifies, as drafting ahead at best would) it bounds any pipelining of them as well.
+
+use tandem_runtime::{Logits, Model};
+
+#[cfg(test)]
+use crate::copy_bound::{copy_bound, copy_runs};
+
+/// One drafter: where its chain would hold, and what each drafted token costs it in steps of the
+/// target (besides the verify's `per_position`).
+#[derive(Debug, Clone, Copy)]
+pub struct Drafter<'a> {
+    /// At each position of the answer, the tokens from there on that its chain would hold.
+    pub runs: &'a [usize],
+    pub per_token: f64,
+}
+
+/// At each position, how many positions from there on in a row are `held`.
+pub fn runs_where(held: &[bool]) -> Vec<usize> {
+    let mut runs = vec![0; held.len()];
+    let mut run = 0;
+    for (r, &h) in runs.iter_mut().zip(held).rev() {
+        run = if h { run + 1 } else { 0 };
+        *r = run;
+    }
+    runs
+}
+
+/// Answer tokens per step of the cheapest schedule of rounds over `drafters` (all of one
+/// answer's length): each round commits the tokens it drafted that hold and the target's next.
+/// 1 (the target alone) for an empty answer.
+pub fn fastest(drafters: &[Drafter], per_position: f64) -> f64 {
+    let n = drafters.iter().map(|d| d.runs.len()).max().unwrap_or(0);
+    // cost[i]: the least to commit the answer from position i on.
+    let mut cost = vec![0.0_f64; n + 1];
+    for i in (0..n).rev() {
+        let mut best = 1.0 + cost[i + 1];
+        for d in drafters {
+            // A round's last token is the target's own: at most n - 1 - i drafts.
+            for k in 1..=d.runs[i].min(n - 1 - i) {
+                let round = 1.0 + (per_position + d.per_token) * k as f64;
+                best = best.min(round + cost[i + k + 1]);
+            }
+        }
+        cost[i] = best;
+    }
+    if n == 0 { 1.0 } else { n as f64 / cost[0] }
+}
+
+/// Answer tokens per step where each round drafts a chain of at most `k` tokens with the
+/// drafter of `runs`, stopping before a draft (but its first) whose `confidence` is below
+/// `min_confidence`, as the policy's chains do (no oracle: the round pays for every draft and
+/// commits the part that holds and the target's token).
+pub fn chained(
+    drafter: Drafter,
+    confidence: &[f32],
+    (k, min_confidence): (usize, f32),
+    per_position: f64,
+) -> f64 {
+    let n = drafter.runs.len();
+    let (mut i, mut cost) = (0, 0.0);
+    while i < n {
+        let most = k.min(n - 1 - i);
+        let drafted = (0..most)
+            .take_while(|&j| j == 0 || confidence[i + j] >= min_confidence)
+            .count();
+        let held = drafter.runs[i].min(drafted);
+        cost += 1.0 + (per_position + drafter.per_token) * drafted as f64;
+        i += held + 1;
+    }
+    if n == 0 { 1.0 } else { n as f64 / cost }
+}
+
+/// How a model reads an answer: at each of its tokens, the token's rank among the model's
+/// logits (0: the model's greedy choice) and the model's confidence there (its largest
+/// probability).
+#[derive(Debug, Clone, Default)]
+pub struct Reading {
+    pub rank: Vec<usize>,
+    pub confidence: Vec<f32>,
+}
+
+/// `model` reading `answer` after `prompt`, as the target wrote it.
+pub fn read(model: &Model, prompt: &[u32], answer: &[u32]) -> anyhow::Result<Reading> {
+    let Some((_, before_last)) = answer.split_last() else {
+        return Ok(Reading::default());
+    };
+    let mut cache = model.new_cache();
+    let mut rows = model.forward(prompt, &mut cache, Logits::Last)?;
+    if !before_last.is_empty() {
+        rows.extend(model.forward(before_last, &mut cache, Logits::All)?);
+    }
+    anyhow::ensure!(rows.len() == answer.len(), "one row of logits per token");
+    let mut reading = Reading::default();
+    for (row, &t) in rows.iter().zip(answer) {
+        let own = row[t as usize];
+        reading.rank.push(row.iter().filter(|&&x| x > own).count());
+        let top = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f32 = row.iter().map(|&x| (x - top).exp()).sum();
+        reading.confidence.push(1.0 / sum);
+    }
+    Ok(reading)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_counts_the_held_positions_that_follow_in_a_row() {
+        let held = [true, true, false, true, false, false, true];
+        assert_eq!(runs_where(&held), vec![2, 1, 0, 1, 0, 0, 1]);
+        assert!(runs_where(&[]).is_empty());
+    }
+
+    #[test]
+    fn the_fastest_schedule_drafts_each_run_with_its_cheapest_drafter() {
+        // 6 tokens. The model holds 0..4 (4 tokens), copying holds 2..5 (3 tokens).
+        let model = runs_where(&[true, true, true, true, false, false]);
+        let copy = runs_where(&[false, false, true, true, true, false]);
+        let p = 0.25;
+        // The target alone: 6 steps.
+        assert_eq!(fastest(&[], p), 1.0);
+        let m = Drafter {
+            runs: &model,
+            per_token: 0.5,
+        };
+        let c = Drafter {
+            runs: &copy,
+            per_token: 0.0,
+        };
+        // Model alone: draft 4 at 0 (1 + 4 · 0.75 = 4 steps for 5 tokens), then a step: 5 steps.
+        assert!((fastest(&[m], p) - 6.0 / 5.0).abs() < 1e-12);
+        // Both: the model's 1 draft at 0 (1.75 for tokens 0 and 1), then copying's 3 at 2 (1.75
+        // for 2..5) = 3.5, cheaper than the model's 4 at 0 (5 in all) or steps to 2 then copying
+        // (3.75).
+        assert!((fastest(&[m, c], p) - 6.0 / 3.5).abs() < 1e-12);
+        // A drafter that costs nothing and holds everywhere: one round of 5 drafts.
+        let all = runs_where(&[true; 6]);
+        let free = Drafter {
+            runs: &all,
+            per_token: 0.0,
+        };
+        assert!((fastest(&[free], p) - 6.0 / 2.25).abs() < 1e-12);
+    }
+
+    #[test]
+    fn over_copying_alone_the_fastest_schedule_is_the_copy_bound() {
+        let prompt = [1, 2, 9, 0, 1, 2, 3, 4, 5, 0, 1, 2];
+        let answer = [3, 4, 5, 6, 0, 1, 2, 3, 4, 7];
+        let runs = copy_runs(&[], &prompt, &answer);
+        let bound = copy_bound(&[], &prompt, &answer, 0.25);
+        assert!(bound.copied >= 5, "{bound:?}");
+        let copying = Drafter {
+            runs: &runs,
+            per_token: 0.0,
+        };
+        assert!((fastest(&[copying], 0.25) - bound.speedup).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_chain_pays_for_every_draft_and_stops_where_the_draft_is_unsure() {
+        // 6 tokens; the model holds 0..3 and 4..5.
+        let runs = runs_where(&[true, true, true, false, true, false]);
+        let model = Drafter {
+            runs: &runs,
+            per_token: 0.5,
+        };
+        let sure = [1.0; 6];
+        // K = 2, rounds at 0 (0 1 drafted and held, 2 the target's: 2.5 steps), 3 (3 4 drafted,
+        // 3 refused: 2.5), 4 (the last draft, 4, held: 1.75).
+        assert!((chained(model, &sure, (2, 0.0), 0.25) - 6.0 / 6.75).abs() < 1e-12);
+        // Unsure at 1 and 4: a round drafts only its first token there.
+        let unsure = [1.0, 0.2, 1.0, 1.0, 0.2, 1.0];
+        // Rounds at 0 (0 drafted, cut before 1: 1.75 for 0 1), 2 (2 3 drafted, 3 refused: 2.5
+        // for 2 3), 4 (4 drafted: 1.75 for 4 5).
+        assert!((chained(model, &unsure, (2, 0.5), 0.25) - 6.0 / 6.0).abs() < 1e-12);
+    }
+}
