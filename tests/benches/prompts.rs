@@ -26,15 +26,15 @@
 //! target's and the draft's core in `split`), BENCH_REPEATS (default 1: the whole prompt set
 //! again, each time in the same order; the medians are over prompts and repeats: one
 //! generation's tokens/s on this shared 2-core machine varies by ±10 %),
-//! BENCH_VERIFY_POSITION (default 0.25: what each drafted token adds to a verify, in steps),
+//! BENCH_VERIFY_STEPS (what the target's verify of 0, 1, … drafts costs in its steps; default
+//! [`VERIFY_STEPS`], measured; past the list each draft adds its last difference),
 //! BENCH_ANSWERS (a file to which each target-only answer of the first repeat is appended as a
 //! JSON line with its category, its prompt's token ids and the category's earlier answers).
 //!
 //! Then, per category, the copy bound of the target-only answers (`tandem_tests::copy_bound`):
 //! how much of them follows a recurrence of their last two tokens in the prompt, the answer so
 //! far or the category's earlier answers, and the most n-gram lookup could speed them up if it
-//! knew which match holds, with each drafted token adding BENCH_VERIFY_POSITION of a step (0.25:
-//! the target's verify of 4 positions took 1.75 of its steps at 64 and 700 positions, session 30).
+//! knew which match holds, each round costing the verify of its drafts (BENCH_VERIFY_STEPS).
 //! Beside it, n-gram lookup's own proposals (`look_up_in`, 8 tokens, over the answer so far and
 //! the category's earlier answers) replayed against each answer (`copy_bound::replay`): the
 //! share they carry, and the speedup were each round to verify the whole proposal or only the
@@ -47,7 +47,8 @@
 //! with copying at BENCH_DRAFT_STEP of a step per model draft (default 0.38), the same with
 //! drafting wholly hidden (free), and the draft's top-2 paths (a tree's, its other branches
 //! unpaid) with copying. No policy over these drafters passes the last (on this verify cost).
-//! Beside them, with no oracle, the model's chains at the best fixed K and confidence stop.
+//! Beside them, with no oracle, the model's chains at the best fixed K and confidence stop,
+//! serially and drafting ahead.
 
 use std::collections::BTreeMap;
 
@@ -61,7 +62,7 @@ use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
 use tandem_runtime::{LoadOptions, Model};
 use tandem_tests::bench::{env_list, env_usize, geometric_mean, median};
-use tandem_tests::copy_bound::{CopyBound, Replay, copy_bound, copy_runs, replay};
+use tandem_tests::copy_bound::{CopyBound, Replay, VerifyCost, copy_bound, copy_runs, replay};
 use tandem_tests::drafting_bound::{Drafter, chained, fastest, read, runs_where};
 use tandem_tests::processes::Proc;
 
@@ -69,6 +70,11 @@ const PROMPTS: [&str; 2] = [
     include_str!("../../fixtures/prompts/spec-bench-52.jsonl"),
     include_str!("../../fixtures/prompts/edits-and-tools-8.jsonl"),
 ];
+/// The target's verify of 0..=8 drafts in its steps (`BENCH_VERIFY_STEPS`): the Qwen 1.5B
+/// Q4_K_M target at 400 positions, one thread on one core of this 2-core EPYC, session 34
+/// (`BENCH_ROWS=1,2,3,4,5,6,7,8,9 BENCH_CONTEXT=400 cargo bench -p tandem-runtime --bench
+/// verify`): ~0.3 of a step a draft up to 7, then a second tile of rows at 8.
+const VERIFY_STEPS: &str = "1,1.20,1.49,1.79,2.08,2.37,2.66,3.05,3.98";
 /// The system prompt of a turn that names none.
 const SYSTEM: &str = "You are a helpful assistant.";
 
@@ -164,8 +170,12 @@ async fn main() -> anyhow::Result<()> {
     let prompts = prompts(env_usize("BENCH_PER_CATEGORY", 1), &chosen)?;
     let repeats = env_usize("BENCH_REPEATS", 1);
     let tokenizer = tandem_runtime::Tokenizer::for_model(&target)?;
-    let per_position: f64 =
-        std::env::var("BENCH_VERIFY_POSITION").map_or(Ok(0.25), |v| v.parse())?;
+    let verify = VerifyCost::measured(
+        env_list("BENCH_VERIFY_STEPS", VERIFY_STEPS)
+            .iter()
+            .map(|v| v.parse())
+            .collect::<Result<_, _>>()?,
+    )?;
     let mut answers = Answers::new();
     let dump = std::env::var_os("BENCH_ANSWERS");
     println!(
@@ -253,8 +263,8 @@ async fn main() -> anyhow::Result<()> {
         }
         drop(procs);
     }
-    print_bounds(&answers, per_position);
-    print_drafting_bounds(&answers, per_position, &draft)
+    print_bounds(&answers, &verify);
+    print_drafting_bounds(&answers, &verify, &draft)
 }
 
 /// Appends `line` to the file at `path` (`BENCH_ANSWERS`).
@@ -269,20 +279,22 @@ fn append_line(path: &std::ffi::OsStr, line: &serde_json::Value) -> std::io::Res
 
 /// n-gram lookup's proposals of [`ADAPTIVE_MAX_K`] tokens, over the text so far and the
 /// tenant's `earlier` answers as the coordinator keeps them, replayed against `answer`.
-fn replayed(earlier: &[Vec<u32>], prompt: &[u32], answer: &[u32], per_position: f64) -> Replay {
+fn replayed(earlier: &[Vec<u32>], prompt: &[u32], answer: &[u32], verify: &VerifyCost) -> Replay {
     let mut index = SuffixIndex::new(DEFAULT_HISTORY_TOKENS);
     for text in earlier {
         index.add(text);
     }
-    replay(prompt, answer, per_position, |text| {
+    replay(prompt, answer, verify, |text| {
         look_up_in(Some(&index), text, ADAPTIVE_MAX_K, 0).0.tokens
     })
 }
 
 /// The copy bounds per category (median over its prompts), n-gram lookup's proposals replayed
 /// beside them, and their geometric means.
-fn print_bounds(answers: &Answers, per_position: f64) {
-    println!("\nA drafted token: {per_position} of a step; proposals of {ADAPTIVE_MAX_K} tokens.");
+fn print_bounds(answers: &Answers, verify: &VerifyCost) {
+    println!(
+        "\nA verify of 0, 1, … drafts: {verify:?} steps; proposals of {ADAPTIVE_MAX_K} tokens."
+    );
     println!(
         "| category | answer tokens copied | copy bound × | n-gram lookup's proposals: copied | verified whole × | verified where they hold × |"
     );
@@ -291,8 +303,8 @@ fn print_bounds(answers: &Answers, per_position: f64) {
     for (category, answered) in answers {
         let results: Vec<(CopyBound, Replay)> = with_earlier(answered)
             .map(|(earlier, prompt, answer)| {
-                let b = copy_bound(&earlier, prompt, answer, per_position);
-                (b, replayed(&earlier, prompt, answer, per_position))
+                let b = copy_bound(&earlier, prompt, answer, verify);
+                (b, replayed(&earlier, prompt, answer, verify))
             })
             .collect();
         let med = |f: &dyn Fn(&CopyBound, &Replay) -> f64| {
@@ -336,10 +348,11 @@ fn with_earlier(
 /// and 700 positions, docs/benchmarks/kernels.md, session 30) serially, nothing where drafting
 /// is wholly hidden; the top-2 paths are a tree's that holds, its other branches unpaid. Beside
 /// the oracle, no oracle: the model's chains at the K and confidence stop (the policy's two
-/// knobs, `drafting_bound::chained`) that give the category's best median, serially.
+/// knobs, `drafting_bound::chained`) that give the category's best median, serially and
+/// drafting ahead (a chain free after a round whose chain and guess held).
 fn print_drafting_bounds(
     answers: &Answers,
-    per_position: f64,
+    verify: &VerifyCost,
     draft: &std::path::Path,
 ) -> anyhow::Result<()> {
     let draft_step: f64 = std::env::var("BENCH_DRAFT_STEP").map_or(Ok(0.38), |v| v.parse())?;
@@ -353,62 +366,83 @@ fn print_drafting_bounds(
     let model = Model::load(draft, &options)?;
     println!("\nA model draft: {draft_step} of a step serially.");
     println!(
-        "| category | draft's greedy choice held | in its top 2 | model chains at the best K and confidence stop, serial × (K, stop) | oracle: model chains, serial × | model chains and copying, serial × | the same, drafting hidden × | top-2 paths and copying, drafting hidden × |"
+        "| category | draft's greedy choice held | in its top 2 | model chains at the best K and confidence stop, serial × (K, stop) | the same, drafting ahead × (K, stop) | oracle: model chains, serial × | model chains and copying, serial × | the same, drafting hidden × | top-2 paths and copying, drafting hidden × |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let settings: Vec<(usize, f32)> = (1..=ADAPTIVE_MAX_K)
         .flat_map(|k| [0.0, 0.3, 0.5, 0.7, 0.9].map(|c| (k, c)))
         .collect();
-    let mut all: [Vec<f64>; 5] = Default::default();
+    let costs = (verify, draft_step);
+    let mut all: [Vec<f64>; 6] = Default::default();
     for (category, answered) in answers {
-        // Per answer: the shares held, the oracle's four bounds, then each setting's chains.
         let mut rows: Vec<Vec<f64>> = Vec::new();
         for (earlier, prompt, answer) in with_earlier(answered) {
-            let reading = read(&model, prompt, answer)?;
-            let held = |top: usize| reading.rank.iter().map(|&r| r < top).collect::<Vec<_>>();
-            let (greedy, top2) = (runs_where(&held(1)), runs_where(&held(2)));
-            let copy = copy_runs(&earlier, prompt, answer);
-            let drafter = |runs, per_token| Drafter { runs, per_token };
-            let copying = drafter(&copy, 0.0);
-            let model = drafter(&greedy, draft_step);
-            let share = |top| {
-                let n = held(top).iter().filter(|&&h| h).count();
-                100.0 * n as f64 / answer.len().max(1) as f64
-            };
-            let mut row = vec![
-                share(1),
-                share(2),
-                fastest(&[model], per_position),
-                fastest(&[model, copying], per_position),
-                fastest(&[drafter(&greedy, 0.0), copying], per_position),
-                fastest(&[drafter(&top2, 0.0), copying], per_position),
-            ];
-            row.extend(
-                settings
-                    .iter()
-                    .map(|&s| chained(model, &reading.confidence, s, per_position)),
-            );
-            rows.push(row);
+            rows.push(drafting_row(
+                &model,
+                (&earlier, prompt, answer),
+                costs,
+                &settings,
+            )?);
         }
         let m: Vec<f64> = (0..rows[0].len())
             .map(|c| median(rows.iter().map(|r| r[c]).collect()))
             .collect();
-        let (best, (k, stop)) = m[6..].iter().zip(&settings).fold(
-            (1.0, (0, 0.0)),
-            |b, (&x, &s)| if x > b.0 { (x, s) } else { b },
-        );
-        for (all, x) in all
-            .iter_mut()
-            .zip(std::iter::once(best).chain(m[2..6].to_vec()))
-        {
+        // The setting with the best median: serial, then drafting ahead.
+        let best = |of: &[f64]| {
+            of.iter().zip(&settings).fold(
+                (1.0, (0, 0.0)),
+                |b, (&x, &s)| if x > b.0 { (x, s) } else { b },
+            )
+        };
+        let (chains, ahead) = m[6..].split_at(settings.len());
+        let [(serial, (k, stop)), (ahead, (k2, stop2))] = [best(chains), best(ahead)];
+        for (all, x) in all.iter_mut().zip([serial, ahead, m[2], m[3], m[4], m[5]]) {
             all.push(x);
         }
         println!(
-            "| {category} | {:.0} % | {:.0} % | {best:.2}× ({k}, {stop}) | {:.2}× | {:.2}× | {:.2}× | {:.2}× |",
+            "| {category} | {:.0} % | {:.0} % | {serial:.2}× ({k}, {stop}) | {ahead:.2}× ({k2}, {stop2}) | {:.2}× | {:.2}× | {:.2}× | {:.2}× |",
             m[0], m[1], m[2], m[3], m[4], m[5]
         );
     }
-    let [e, a, b, c, d] = all.map(|x| geometric_mean(&x));
-    println!("| geometric mean | | | {e:.2}× | {a:.2}× | {b:.2}× | {c:.2}× | {d:.2}× |");
+    let [e, f, a, b, c, d] = all.map(|x| geometric_mean(&x));
+    println!("| geometric mean | | | {e:.2}× | {f:.2}× | {a:.2}× | {b:.2}× | {c:.2}× | {d:.2}× |");
     Ok(())
+}
+
+/// One answer's drafting figures ([`print_drafting_bounds`]): the shares of its tokens that are
+/// the draft's greedy choice and in its top 2; the oracle's four bounds; then the model's chains
+/// at each setting serially, then the same drafting ahead.
+fn drafting_row(
+    model: &Model,
+    (earlier, prompt, answer): (&[Vec<u32>], &[u32], &[u32]),
+    (verify, draft_step): (&VerifyCost, f64),
+    settings: &[(usize, f32)],
+) -> anyhow::Result<Vec<f64>> {
+    let reading = read(model, prompt, answer)?;
+    let held = |top: usize| reading.rank.iter().map(|&r| r < top).collect::<Vec<_>>();
+    let (greedy, top2) = (runs_where(&held(1)), runs_where(&held(2)));
+    let copy = copy_runs(earlier, prompt, answer);
+    let drafter = |runs, per_token| Drafter { runs, per_token };
+    let copying = drafter(&copy, 0.0);
+    let chains = drafter(&greedy, draft_step);
+    let share = |top| {
+        let n = held(top).iter().filter(|&&h| h).count();
+        100.0 * n as f64 / answer.len().max(1) as f64
+    };
+    let mut row = vec![
+        share(1),
+        share(2),
+        fastest(&[chains], verify),
+        fastest(&[chains, copying], verify),
+        fastest(&[drafter(&greedy, 0.0), copying], verify),
+        fastest(&[drafter(&top2, 0.0), copying], verify),
+    ];
+    for ahead in [false, true] {
+        row.extend(
+            settings
+                .iter()
+                .map(|&s| chained(chains, &reading.confidence, s, verify, ahead)),
+        );
+    }
+    Ok(row)
 }

@@ -3,7 +3,7 @@
 //! any earlier occurrence of its last [`MIN_MATCH`] tokens, in the prompt, the answer so far or
 //! the tenant's earlier answers. A drafter that knew which of its matches holds would propose
 //! exactly that run: one round verifies it, however long (the policy drafts at most 8), and
-//! costs a step plus `per_position` of a step for each proposed token; where nothing holds, a
+//! costs the target's verify of that many drafts ([`VerifyCost`]); where nothing holds, a
 //! round is one step. A match in the text itself continues past its end as a loop, as the
 //! drafter proposes one. A real drafter proposes some tokens that are refused, misses some runs
 //! (it continues the latest, longest match and a few branches, not every occurrence), and pays
@@ -12,6 +12,36 @@
 
 /// The shortest suffix looked up: the n-gram drafter's own shortest match.
 pub const MIN_MATCH: usize = 2;
+
+/// What the target's verify costs, in its steps, by the drafts it checks (0: a plain step).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifyCost(Vec<f64>);
+
+impl VerifyCost {
+    /// A step plus `per_position` of a step for each draft.
+    pub fn linear(per_position: f64) -> Self {
+        Self(vec![1.0, 1.0 + per_position])
+    }
+
+    /// Measured: `steps[k]` for `k` drafts (`steps[0]` is 1); past the table each draft adds
+    /// its last difference.
+    pub fn measured(steps: Vec<f64>) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            steps.len() >= 2 && steps[0] == 1.0 && steps.windows(2).all(|w| w[0] <= w[1]),
+            "verify costs start at 1 (a step) and never fall: {steps:?}"
+        );
+        Ok(Self(steps))
+    }
+
+    /// The verify of `k` drafts, in steps.
+    pub fn of(&self, k: usize) -> f64 {
+        let (n, last) = (self.0.len(), self.0[self.0.len() - 1]);
+        match self.0.get(k) {
+            Some(&steps) => steps,
+            None => last + (last - self.0[n - 2]) * (k + 1 - n) as f64,
+        }
+    }
+}
 
 /// One answer's bound.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -45,18 +75,18 @@ pub fn copy_runs(earlier: &[Vec<u32>], prompt: &[u32], answer: &[u32]) -> Vec<us
 }
 
 /// The bound of `answer` to `prompt`, with `earlier` answers of the same tenant to copy from
-/// too, when verifying a block costs a step plus `per_position` of a step for each drafted token.
+/// too, when verifying a block costs `verify`.
 pub fn copy_bound(
     earlier: &[Vec<u32>],
     prompt: &[u32],
     answer: &[u32],
-    per_position: f64,
+    verify: &VerifyCost,
 ) -> CopyBound {
     let runs = copy_runs(earlier, prompt, answer);
     let (mut i, mut cost, mut copied) = (0, 0.0, 0);
     while i < answer.len() {
         let run = runs[i].min(answer.len() - 1 - i);
-        cost += 1.0 + per_position * run as f64;
+        cost += verify.of(run);
         copied += run;
         i += run + 1;
     }
@@ -92,12 +122,11 @@ pub struct Replay {
 /// `answer` replayed against `propose` (the text so far → the drafter's proposal): at each
 /// position one round verifies the proposal and commits its accepted prefix and the target's
 /// token. Set beside [`copy_bound`], it says how much of the bound the drafter's choice of match
-/// leaves (here, not in the policy), with a verify costing a step plus `per_position` of a step
-/// per drafted token.
+/// leaves (here, not in the policy), with a verify costing `verify`.
 pub fn replay(
     prompt: &[u32],
     answer: &[u32],
-    per_position: f64,
+    verify: &VerifyCost,
     mut propose: impl FnMut(&[u32]) -> Vec<u32>,
 ) -> Replay {
     let mut text = prompt.to_vec();
@@ -111,8 +140,8 @@ pub fn replay(
             .take_while(|(a, b)| a == b)
             .count()
             .min(rest.len() - 1);
-        whole += 1.0 + per_position * proposal.len() as f64;
-        knowing += 1.0 + per_position * run as f64;
+        whole += verify.of(proposal.len());
+        knowing += verify.of(run);
         copied += run;
         text.extend_from_slice(&rest[..=run]);
         i += run + 1;
@@ -158,7 +187,7 @@ mod tests {
         // The answer copies 5 6 7 8 after "3 4" (the prompt's), then says 9 and 10, unseen.
         let prompt = [1, 2, 3, 4, 5, 6, 7, 8];
         let answer = [3, 4, 5, 6, 7, 8, 9, 10];
-        let b = copy_bound(&[], &prompt, &answer, 0.25);
+        let b = copy_bound(&[], &prompt, &answer, &VerifyCost::linear(0.25));
         // Rounds: 3 (nothing before it to match: the key is the prompt's "7 8", never followed
         // by 3), 4 ("8 3" never seen), 5 6 7 8 9 (after "3 4": 4 copied, 9 the target's), 10.
         assert_eq!(b.copied, 4);
@@ -172,12 +201,18 @@ mod tests {
         // "1 2" occurs twice in the prompt: followed by 9, then by 3 4 5. The longer run holds.
         let prompt = [1, 2, 9, 0, 1, 2, 3, 4, 5, 0, 1, 2];
         let answer = [3, 4, 5, 6, 0];
-        assert_eq!(copy_bound(&[], &prompt, &answer, 0.25).copied, 3);
+        assert_eq!(
+            copy_bound(&[], &prompt, &answer, &VerifyCost::linear(0.25)).copied,
+            3
+        );
         // An earlier answer that went on with 6 carries one more.
         let earlier = vec![vec![1, 2, 3, 4, 5, 6, 7]];
-        assert_eq!(copy_bound(&earlier, &prompt, &answer, 0.25).copied, 4);
+        assert_eq!(
+            copy_bound(&earlier, &prompt, &answer, &VerifyCost::linear(0.25)).copied,
+            4
+        );
         // With nothing to copy the bound is the target alone.
-        let b = copy_bound(&[], &[7, 7], &[8, 9], 0.25);
+        let b = copy_bound(&[], &[7, 7], &[8, 9], &VerifyCost::linear(0.25));
         assert_eq!((b.copied, b.speedup), (0, 1.0));
     }
 
@@ -189,7 +224,12 @@ mod tests {
             Some(4) => vec![5, 6, 7],
             _ => Vec::new(),
         };
-        let r = replay(&[1, 2, 3, 4], &[5, 6, 0, 9], 0.25, propose);
+        let r = replay(
+            &[1, 2, 3, 4],
+            &[5, 6, 0, 9],
+            &VerifyCost::linear(0.25),
+            propose,
+        );
         assert_eq!(r.copied, 2);
         // Rounds: 5 6 0 (3 proposed, 2 held), 9 (nothing proposed).
         let (whole, knowing) = (1.0 + 3.0 * 0.25 + 1.0, 1.0 + 2.0 * 0.25 + 1.0);
@@ -202,11 +242,23 @@ mod tests {
         // "1 2 3" twice: after "2 3" (3 back) the loop goes on 1 2 3 1 2 3, past the text's end.
         let prompt = [9, 1, 2, 3, 1, 2, 3];
         let answer = [1, 2, 3, 1, 2, 3, 5];
-        let b = copy_bound(&[], &prompt, &answer, 0.25);
+        let b = copy_bound(&[], &prompt, &answer, &VerifyCost::linear(0.25));
         assert_eq!(b.copied, 6);
         assert!(
             (b.speedup - 7.0 / (1.0 + 6.0 * 0.25)).abs() < 1e-12,
             "{b:?}"
         );
+    }
+
+    #[test]
+    fn a_measured_verify_goes_on_past_its_table_at_its_last_difference() {
+        let v = VerifyCost::measured(vec![1.0, 1.2, 1.5]).expect("valid");
+        assert_eq!((v.of(0), v.of(2)), (1.0, 1.5));
+        assert!((v.of(4) - 2.1).abs() < 1e-12);
+        assert!((VerifyCost::linear(0.25).of(4) - 2.0).abs() < 1e-12);
+        // Not a step at 0 drafts, or falling: refused.
+        assert!(VerifyCost::measured(vec![1.2, 1.5]).is_err());
+        assert!(VerifyCost::measured(vec![1.0, 1.5, 1.4]).is_err());
+        assert!(VerifyCost::measured(vec![1.0]).is_err());
     }
 }

@@ -7,19 +7,21 @@
 //! choice at each position, given the answer so far, is the answer's token; n-gram lookup's
 //! longest copy holds as [`crate::copy_bound`] counts it). An oracle that knew every run would
 //! schedule rounds to spend the least: a round drafts a run of K tokens with one drafter (or
-//! none) and costs a step, `per_position` of a step per drafted token for its verify, and the
-//! drafter's own cost per token (the draft model's step; copying's is nothing). [`fastest`] finds
+//! none) and costs the target's verify of K drafts ([`VerifyCost`]) and the drafter's own cost
+//! per token (the draft model's step; copying's is nothing). [`fastest`] finds
 //! that schedule. No real policy knows the runs, nor drafts for free, so every chain policy over
 //! these drafters stays below it; with the draft model's cost set to 0 (drafting wholly hidden
 //! behind verifies, as drafting ahead at best would) it bounds any pipelining of them as well.
 
 use tandem_runtime::{Logits, Model};
 
+use crate::copy_bound::VerifyCost;
+
 #[cfg(test)]
 use crate::copy_bound::{copy_bound, copy_runs};
 
 /// One drafter: where its chain would hold, and what each drafted token costs it in steps of the
-/// target (besides the verify's `per_position`).
+/// target (besides the verify).
 #[derive(Debug, Clone, Copy)]
 pub struct Drafter<'a> {
     /// At each position of the answer, the tokens from there on that its chain would hold.
@@ -41,7 +43,7 @@ pub fn runs_where(held: &[bool]) -> Vec<usize> {
 /// Answer tokens per step of the cheapest schedule of rounds over `drafters` (all of one
 /// answer's length): each round commits the tokens it drafted that hold and the target's next.
 /// 1 (the target alone) for an empty answer.
-pub fn fastest(drafters: &[Drafter], per_position: f64) -> f64 {
+pub fn fastest(drafters: &[Drafter], verify: &VerifyCost) -> f64 {
     let n = drafters.iter().map(|d| d.runs.len()).max().unwrap_or(0);
     // cost[i]: the least to commit the answer from position i on.
     let mut cost = vec![0.0_f64; n + 1];
@@ -50,7 +52,7 @@ pub fn fastest(drafters: &[Drafter], per_position: f64) -> f64 {
         for d in drafters {
             // A round's last token is the target's own: at most n - 1 - i drafts.
             for k in 1..=d.runs[i].min(n - 1 - i) {
-                let round = 1.0 + (per_position + d.per_token) * k as f64;
+                let round = verify.of(k) + d.per_token * k as f64;
                 best = best.min(round + cost[i + k + 1]);
             }
         }
@@ -62,22 +64,27 @@ pub fn fastest(drafters: &[Drafter], per_position: f64) -> f64 {
 /// Answer tokens per step where each round drafts a chain of at most `k` tokens with the
 /// drafter of `runs`, stopping before a draft (but its first) whose `confidence` is below
 /// `min_confidence`, as the policy's chains do (no oracle: the round pays for every draft and
-/// commits the part that holds and the target's token).
+/// commits the part that holds and the target's token). Drafting `ahead`, the chain after a
+/// round whose every draft held and whose next token the drafter guessed (its run went on) was
+/// drafted during that round's verify, and costs nothing (on another machine's core).
 pub fn chained(
     drafter: Drafter,
     confidence: &[f32],
     (k, min_confidence): (usize, f32),
-    per_position: f64,
+    verify: &VerifyCost,
+    ahead: bool,
 ) -> f64 {
     let n = drafter.runs.len();
-    let (mut i, mut cost) = (0, 0.0);
+    let (mut i, mut cost, mut free) = (0, 0.0, false);
     while i < n {
         let most = k.min(n - 1 - i);
         let drafted = (0..most)
             .take_while(|&j| j == 0 || confidence[i + j] >= min_confidence)
             .count();
         let held = drafter.runs[i].min(drafted);
-        cost += 1.0 + (per_position + drafter.per_token) * drafted as f64;
+        let per_token = if free { 0.0 } else { drafter.per_token };
+        cost += verify.of(drafted) + per_token * drafted as f64;
+        free = ahead && drafted > 0 && drafter.runs[i] > drafted;
         i += held + 1;
     }
     if n == 0 { 1.0 } else { n as f64 / cost }
@@ -130,7 +137,7 @@ mod tests {
         // 6 tokens. The model holds 0..4 (4 tokens), copying holds 2..5 (3 tokens).
         let model = runs_where(&[true, true, true, true, false, false]);
         let copy = runs_where(&[false, false, true, true, true, false]);
-        let p = 0.25;
+        let p = &VerifyCost::linear(0.25);
         // The target alone: 6 steps.
         assert_eq!(fastest(&[], p), 1.0);
         let m = Drafter {
@@ -161,13 +168,13 @@ mod tests {
         let prompt = [1, 2, 9, 0, 1, 2, 3, 4, 5, 0, 1, 2];
         let answer = [3, 4, 5, 6, 0, 1, 2, 3, 4, 7];
         let runs = copy_runs(&[], &prompt, &answer);
-        let bound = copy_bound(&[], &prompt, &answer, 0.25);
+        let bound = copy_bound(&[], &prompt, &answer, &VerifyCost::linear(0.25));
         assert!(bound.copied >= 5, "{bound:?}");
         let copying = Drafter {
             runs: &runs,
             per_token: 0.0,
         };
-        assert!((fastest(&[copying], 0.25) - bound.speedup).abs() < 1e-12);
+        assert!((fastest(&[copying], &VerifyCost::linear(0.25)) - bound.speedup).abs() < 1e-12);
     }
 
     #[test]
@@ -179,13 +186,18 @@ mod tests {
             per_token: 0.5,
         };
         let sure = [1.0; 6];
+        let p = &VerifyCost::linear(0.25);
         // K = 2, rounds at 0 (0 1 drafted and held, 2 the target's: 2.5 steps), 3 (3 4 drafted,
         // 3 refused: 2.5), 4 (the last draft, 4, held: 1.75).
-        assert!((chained(model, &sure, (2, 0.0), 0.25) - 6.0 / 6.75).abs() < 1e-12);
+        assert!((chained(model, &sure, (2, 0.0), p, false) - 6.0 / 6.75).abs() < 1e-12);
         // Unsure at 1 and 4: a round drafts only its first token there.
         let unsure = [1.0, 0.2, 1.0, 1.0, 0.2, 1.0];
         // Rounds at 0 (0 drafted, cut before 1: 1.75 for 0 1), 2 (2 3 drafted, 3 refused: 2.5
         // for 2 3), 4 (4 drafted: 1.75 for 4 5).
-        assert!((chained(model, &unsure, (2, 0.5), 0.25) - 6.0 / 6.0).abs() < 1e-12);
+        assert!((chained(model, &unsure, (2, 0.5), p, false) - 6.0 / 6.0).abs() < 1e-12);
+        // Drafting ahead, sure: the round at 0 held both drafts and the guess of 2, so the one
+        // at 3 was drafted during its verify (its drafts free: 1.5); the one at 4 follows a
+        // refusal and pays (1.75).
+        assert!((chained(model, &sure, (2, 0.0), p, true) - 6.0 / 5.75).abs() < 1e-12);
     }
 }
