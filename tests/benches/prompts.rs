@@ -432,10 +432,10 @@ fn drafting_row(
     let mut row = vec![
         share(1),
         share(2),
-        fastest(&[chains], verify),
-        fastest(&[chains, copying], verify),
-        fastest(&[drafter(&greedy, 0.0), copying], verify),
-        fastest(&[drafter(&top2, 0.0), copying], verify),
+        fastest(&[chains], verify).speedup,
+        fastest(&[chains, copying], verify).speedup,
+        fastest(&[drafter(&greedy, 0.0), copying], verify).speedup,
+        fastest(&[drafter(&top2, 0.0), copying], verify).speedup,
     ];
     for ahead in [false, true] {
         row.extend(

@@ -2,29 +2,36 @@
 //! n-gram lookup (issue 54). At each position of the answer, the longest run of it that follows
 //! any earlier occurrence of its last [`MIN_MATCH`] tokens, in the prompt, the answer so far or
 //! the tenant's earlier answers. A drafter that knew which of its matches holds would propose
-//! exactly that run: one round verifies it, however long (the policy drafts at most 8), and
-//! costs the target's verify of that many drafts ([`VerifyCost`]); where nothing holds, a
+//! exactly that run: rounds of at most as many drafts as the policy drafts verify it, each
+//! costing the target's verify of its drafts ([`VerifyCost`]); where nothing holds, a
 //! round is one step. A match in the text itself continues past its end as a loop, as the
 //! drafter proposes one. A real drafter proposes some tokens that are refused, misses some runs
 //! (it continues the latest, longest match and a few branches, not every occurrence), and pays
 //! for its proposals where the target alone would have been cheaper, so it stays below this
 //! bound.
 
+use crate::drafting_bound::{Drafter, fastest};
+
 /// The shortest suffix looked up: the n-gram drafter's own shortest match.
 pub const MIN_MATCH: usize = 2;
 
-/// What the target's verify costs, in its steps, by the drafts it checks (0: a plain step).
+/// What the target's verify costs, in its steps, by the drafts it checks (0: a plain step), up
+/// to the most a round drafts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct VerifyCost(Vec<f64>);
 
 impl VerifyCost {
-    /// A step plus `per_position` of a step for each draft.
-    pub fn linear(per_position: f64) -> Self {
-        Self(vec![1.0, 1.0 + per_position])
+    /// A step plus `per_position` of a step for each draft, up to `max_drafts`.
+    pub fn linear(per_position: f64, max_drafts: usize) -> Self {
+        Self(
+            (0..=max_drafts)
+                .map(|k| 1.0 + per_position * k as f64)
+                .collect(),
+        )
     }
 
-    /// Measured: `steps[k]` for `k` drafts (`steps[0]` is 1); past the table each draft adds
-    /// its last difference.
+    /// Measured: `steps[k]` for `k` drafts (`steps[0]` is 1); a round drafts at most
+    /// `steps.len() - 1`.
     pub fn measured(steps: Vec<f64>) -> anyhow::Result<Self> {
         anyhow::ensure!(
             steps.len() >= 2 && steps[0] == 1.0 && steps.windows(2).all(|w| w[0] <= w[1]),
@@ -33,13 +40,14 @@ impl VerifyCost {
         Ok(Self(steps))
     }
 
-    /// The verify of `k` drafts, in steps.
+    /// The most drafts a round verifies.
+    pub fn max_drafts(&self) -> usize {
+        self.0.len() - 1
+    }
+
+    /// The verify of `k` drafts (at most [`Self::max_drafts`]), in steps.
     pub fn of(&self, k: usize) -> f64 {
-        let (n, last) = (self.0.len(), self.0[self.0.len() - 1]);
-        match self.0.get(k) {
-            Some(&steps) => steps,
-            None => last + (last - self.0[n - 2]) * (k + 1 - n) as f64,
-        }
+        self.0[k]
     }
 }
 
@@ -75,7 +83,8 @@ pub fn copy_runs(earlier: &[Vec<u32>], prompt: &[u32], answer: &[u32]) -> Vec<us
 }
 
 /// The bound of `answer` to `prompt`, with `earlier` answers of the same tenant to copy from
-/// too, when verifying a block costs `verify`.
+/// too, when verifying a block costs `verify`: the cheapest schedule of rounds over the copy
+/// runs ([`crate::drafting_bound::fastest`]).
 pub fn copy_bound(
     earlier: &[Vec<u32>],
     prompt: &[u32],
@@ -83,22 +92,20 @@ pub fn copy_bound(
     verify: &VerifyCost,
 ) -> CopyBound {
     let runs = copy_runs(earlier, prompt, answer);
-    let (mut i, mut cost, mut copied) = (0, 0.0, 0);
-    while i < answer.len() {
-        let run = runs[i].min(answer.len() - 1 - i);
-        cost += verify.of(run);
-        copied += run;
-        i += run + 1;
-    }
+    let copying = Drafter {
+        runs: &runs,
+        per_token: 0.0,
+    };
+    let schedule = fastest(&[copying], verify);
     CopyBound {
-        copied,
+        copied: schedule.drafted,
         tokens: answer.len(),
-        speedup: per_step(answer.len(), cost),
+        speedup: schedule.speedup,
     }
 }
 
 /// `tokens` per step of `cost`; 1 (the target alone) for an empty answer.
-fn per_step(tokens: usize, cost: f64) -> f64 {
+pub(crate) fn per_step(tokens: usize, cost: f64) -> f64 {
     if cost > 0.0 {
         tokens as f64 / cost
     } else {
@@ -133,7 +140,8 @@ pub fn replay(
     let (mut i, mut whole, mut knowing, mut copied) = (0, 0.0, 0.0, 0);
     while i < answer.len() {
         let rest = &answer[i..];
-        let proposal = propose(&text);
+        let mut proposal = propose(&text);
+        proposal.truncate(verify.max_drafts());
         let run = proposal
             .iter()
             .zip(rest)
@@ -187,7 +195,7 @@ mod tests {
         // The answer copies 5 6 7 8 after "3 4" (the prompt's), then says 9 and 10, unseen.
         let prompt = [1, 2, 3, 4, 5, 6, 7, 8];
         let answer = [3, 4, 5, 6, 7, 8, 9, 10];
-        let b = copy_bound(&[], &prompt, &answer, &VerifyCost::linear(0.25));
+        let b = copy_bound(&[], &prompt, &answer, &VerifyCost::linear(0.25, 8));
         // Rounds: 3 (nothing before it to match: the key is the prompt's "7 8", never followed
         // by 3), 4 ("8 3" never seen), 5 6 7 8 9 (after "3 4": 4 copied, 9 the target's), 10.
         assert_eq!(b.copied, 4);
@@ -202,17 +210,17 @@ mod tests {
         let prompt = [1, 2, 9, 0, 1, 2, 3, 4, 5, 0, 1, 2];
         let answer = [3, 4, 5, 6, 0];
         assert_eq!(
-            copy_bound(&[], &prompt, &answer, &VerifyCost::linear(0.25)).copied,
+            copy_bound(&[], &prompt, &answer, &VerifyCost::linear(0.25, 8)).copied,
             3
         );
         // An earlier answer that went on with 6 carries one more.
         let earlier = vec![vec![1, 2, 3, 4, 5, 6, 7]];
         assert_eq!(
-            copy_bound(&earlier, &prompt, &answer, &VerifyCost::linear(0.25)).copied,
+            copy_bound(&earlier, &prompt, &answer, &VerifyCost::linear(0.25, 8)).copied,
             4
         );
         // With nothing to copy the bound is the target alone.
-        let b = copy_bound(&[], &[7, 7], &[8, 9], &VerifyCost::linear(0.25));
+        let b = copy_bound(&[], &[7, 7], &[8, 9], &VerifyCost::linear(0.25, 8));
         assert_eq!((b.copied, b.speedup), (0, 1.0));
     }
 
@@ -227,7 +235,7 @@ mod tests {
         let r = replay(
             &[1, 2, 3, 4],
             &[5, 6, 0, 9],
-            &VerifyCost::linear(0.25),
+            &VerifyCost::linear(0.25, 8),
             propose,
         );
         assert_eq!(r.copied, 2);
@@ -242,7 +250,7 @@ mod tests {
         // "1 2 3" twice: after "2 3" (3 back) the loop goes on 1 2 3 1 2 3, past the text's end.
         let prompt = [9, 1, 2, 3, 1, 2, 3];
         let answer = [1, 2, 3, 1, 2, 3, 5];
-        let b = copy_bound(&[], &prompt, &answer, &VerifyCost::linear(0.25));
+        let b = copy_bound(&[], &prompt, &answer, &VerifyCost::linear(0.25, 8));
         assert_eq!(b.copied, 6);
         assert!(
             (b.speedup - 7.0 / (1.0 + 6.0 * 0.25)).abs() < 1e-12,
@@ -251,11 +259,10 @@ mod tests {
     }
 
     #[test]
-    fn a_measured_verify_goes_on_past_its_table_at_its_last_difference() {
+    fn a_measured_verify_is_its_table() {
         let v = VerifyCost::measured(vec![1.0, 1.2, 1.5]).expect("valid");
-        assert_eq!((v.of(0), v.of(2)), (1.0, 1.5));
-        assert!((v.of(4) - 2.1).abs() < 1e-12);
-        assert!((VerifyCost::linear(0.25).of(4) - 2.0).abs() < 1e-12);
+        assert_eq!((v.of(0), v.of(2), v.max_drafts()), (1.0, 1.5, 2));
+        assert_eq!(VerifyCost::linear(0.25, 4).of(4), 2.0);
         // Not a step at 0 drafts, or falling: refused.
         assert!(VerifyCost::measured(vec![1.2, 1.5]).is_err());
         assert!(VerifyCost::measured(vec![1.0, 1.5, 1.4]).is_err());

@@ -15,10 +15,7 @@
 
 use tandem_runtime::{Logits, Model};
 
-use crate::copy_bound::VerifyCost;
-
-#[cfg(test)]
-use crate::copy_bound::{copy_bound, copy_runs};
+use crate::copy_bound::{VerifyCost, per_step};
 
 /// One drafter: where its chain would hold, and what each drafted token costs it in steps of the
 /// target (besides the verify).
@@ -40,25 +37,45 @@ pub fn runs_where(held: &[bool]) -> Vec<usize> {
     runs
 }
 
-/// Answer tokens per step of the cheapest schedule of rounds over `drafters` (all of one
-/// answer's length): each round commits the tokens it drafted that hold and the target's next.
-/// 1 (the target alone) for an empty answer.
-pub fn fastest(drafters: &[Drafter], verify: &VerifyCost) -> f64 {
+/// The cheapest schedule of rounds over some drafters ([`fastest`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Schedule {
+    /// Answer tokens per step: 1 (the target alone) for an empty answer.
+    pub speedup: f64,
+    /// Answer tokens its rounds drafted (the rest are the target's own).
+    pub drafted: usize,
+}
+
+/// The cheapest schedule of rounds over `drafters` (all of one answer's length): each round
+/// drafts at most [`VerifyCost::max_drafts`] tokens that hold with one drafter (or none) and
+/// commits them and the target's next.
+pub fn fastest(drafters: &[Drafter], verify: &VerifyCost) -> Schedule {
     let n = drafters.iter().map(|d| d.runs.len()).max().unwrap_or(0);
-    // cost[i]: the least to commit the answer from position i on.
+    // cost[i]: the least to commit the answer from position i on; drafts[i]: the drafts of
+    // the round that starts there.
     let mut cost = vec![0.0_f64; n + 1];
+    let mut drafts = vec![0; n];
     for i in (0..n).rev() {
-        let mut best = 1.0 + cost[i + 1];
+        cost[i] = 1.0 + cost[i + 1];
         for d in drafters {
             // A round's last token is the target's own: at most n - 1 - i drafts.
-            for k in 1..=d.runs[i].min(n - 1 - i) {
-                let round = verify.of(k) + d.per_token * k as f64;
-                best = best.min(round + cost[i + k + 1]);
+            for k in 1..=d.runs[i].min(n - 1 - i).min(verify.max_drafts()) {
+                let round = verify.of(k) + d.per_token * k as f64 + cost[i + k + 1];
+                if round < cost[i] {
+                    (cost[i], drafts[i]) = (round, k);
+                }
             }
         }
-        cost[i] = best;
     }
-    if n == 0 { 1.0 } else { n as f64 / cost[0] }
+    let (mut i, mut drafted) = (0, 0);
+    while i < n {
+        drafted += drafts[i];
+        i += drafts[i] + 1;
+    }
+    Schedule {
+        speedup: per_step(n, cost[0]),
+        drafted,
+    }
 }
 
 /// Answer tokens per step where each round drafts a chain of at most `k` tokens with the
@@ -87,7 +104,7 @@ pub fn chained(
         free = ahead && drafted > 0 && drafter.runs[i] > drafted;
         i += held + 1;
     }
-    if n == 0 { 1.0 } else { n as f64 / cost }
+    per_step(n, cost)
 }
 
 /// How a model reads an answer: at each of its tokens, the token's rank among the model's
@@ -137,9 +154,9 @@ mod tests {
         // 6 tokens. The model holds 0..4 (4 tokens), copying holds 2..5 (3 tokens).
         let model = runs_where(&[true, true, true, true, false, false]);
         let copy = runs_where(&[false, false, true, true, true, false]);
-        let p = &VerifyCost::linear(0.25);
+        let p = &VerifyCost::linear(0.25, 8);
         // The target alone: 6 steps.
-        assert_eq!(fastest(&[], p), 1.0);
+        assert_eq!(fastest(&[], p).speedup, 1.0);
         let m = Drafter {
             runs: &model,
             per_token: 0.5,
@@ -149,32 +166,36 @@ mod tests {
             per_token: 0.0,
         };
         // Model alone: draft 4 at 0 (1 + 4 · 0.75 = 4 steps for 5 tokens), then a step: 5 steps.
-        assert!((fastest(&[m], p) - 6.0 / 5.0).abs() < 1e-12);
+        assert!((fastest(&[m], p).speedup - 6.0 / 5.0).abs() < 1e-12);
         // Both: the model's 1 draft at 0 (1.75 for tokens 0 and 1), then copying's 3 at 2 (1.75
         // for 2..5) = 3.5, cheaper than the model's 4 at 0 (5 in all) or steps to 2 then copying
         // (3.75).
-        assert!((fastest(&[m, c], p) - 6.0 / 3.5).abs() < 1e-12);
+        assert!((fastest(&[m, c], p).speedup - 6.0 / 3.5).abs() < 1e-12);
+        assert_eq!(fastest(&[m, c], p).drafted, 4);
         // A drafter that costs nothing and holds everywhere: one round of 5 drafts.
         let all = runs_where(&[true; 6]);
         let free = Drafter {
             runs: &all,
             per_token: 0.0,
         };
-        assert!((fastest(&[free], p) - 6.0 / 2.25).abs() < 1e-12);
+        assert!((fastest(&[free], p).speedup - 6.0 / 2.25).abs() < 1e-12);
     }
 
     #[test]
-    fn over_copying_alone_the_fastest_schedule_is_the_copy_bound() {
-        let prompt = [1, 2, 9, 0, 1, 2, 3, 4, 5, 0, 1, 2];
-        let answer = [3, 4, 5, 6, 0, 1, 2, 3, 4, 7];
-        let runs = copy_runs(&[], &prompt, &answer);
-        let bound = copy_bound(&[], &prompt, &answer, &VerifyCost::linear(0.25));
-        assert!(bound.copied >= 5, "{bound:?}");
+    fn a_run_longer_than_a_round_drafts_takes_several_rounds() {
+        // Copying holds the whole answer of 6 tokens; a round drafts at most 2.
+        let runs = runs_where(&[true; 6]);
         let copying = Drafter {
             runs: &runs,
             per_token: 0.0,
         };
-        assert!((fastest(&[copying], &VerifyCost::linear(0.25)) - bound.speedup).abs() < 1e-12);
+        let s = fastest(&[copying], &VerifyCost::linear(0.25, 2));
+        // Rounds at 0 (0 1 drafted, 2 the target's: 1.5 steps) and 3 (3 4, then 5: 1.5).
+        assert_eq!(s.drafted, 4);
+        assert!((s.speedup - 6.0 / 3.0).abs() < 1e-12);
+        // Where an extra draft costs more than a step, it is not drafted.
+        let steep = VerifyCost::measured(vec![1.0, 1.2, 2.5]).expect("valid");
+        assert_eq!(fastest(&[copying], &steep).drafted, 3);
     }
 
     #[test]
@@ -186,7 +207,7 @@ mod tests {
             per_token: 0.5,
         };
         let sure = [1.0; 6];
-        let p = &VerifyCost::linear(0.25);
+        let p = &VerifyCost::linear(0.25, 8);
         // K = 2, rounds at 0 (0 1 drafted and held, 2 the target's: 2.5 steps), 3 (3 4 drafted,
         // 3 refused: 2.5), 4 (the last draft, 4, held: 1.75).
         assert!((chained(model, &sure, (2, 0.0), p, false) - 6.0 / 6.75).abs() < 1e-12);
