@@ -27,7 +27,7 @@
 //! again, each time in the same order; the medians are over prompts and repeats: one
 //! generation's tokens/s on this shared 2-core machine varies by ±10 %),
 //! BENCH_VERIFY_STEPS (what the target's verify of 0, 1, … drafts costs in its steps; default
-//! [`VERIFY_STEPS`], measured; past the list each draft adds its last difference),
+//! [`VERIFY_STEPS`], measured; a round drafts at most as many as the list goes to),
 //! BENCH_ANSWERS (a file to which each target-only answer of the first repeat is appended as a
 //! JSON line with its category, its prompt's token ids and the category's earlier answers).
 //!

@@ -78,7 +78,8 @@ pub fn fastest(drafters: &[Drafter], verify: &VerifyCost) -> Schedule {
     }
 }
 
-/// Answer tokens per step where each round drafts a chain of at most `k` tokens with the
+/// Answer tokens per step where each round drafts a chain of at most `k` tokens (and at most
+/// [`VerifyCost::max_drafts`]) with the
 /// drafter of `runs`, stopping before a draft (but its first) whose `confidence` is below
 /// `min_confidence`, as the policy's chains do (no oracle: the round pays for every draft and
 /// commits the part that holds and the target's token). Drafting `ahead`, the chain after a
@@ -94,7 +95,7 @@ pub fn chained(
     let n = drafter.runs.len();
     let (mut i, mut cost, mut free) = (0, 0.0, false);
     while i < n {
-        let most = k.min(n - 1 - i);
+        let most = k.min(n - 1 - i).min(verify.max_drafts());
         let drafted = (0..most)
             .take_while(|&j| j == 0 || confidence[i + j] >= min_confidence)
             .count();
