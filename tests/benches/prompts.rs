@@ -48,7 +48,11 @@
 //! drafting wholly hidden (free), and the draft's top-2 paths (a tree's, its other branches
 //! unpaid) with copying. No policy over these drafters passes the last (on this verify cost).
 //! Beside them, with no oracle, the model's chains at the best fixed K and confidence stop,
-//! serially and drafting ahead.
+//! serially, drafting ahead (the round the longer of its verify and the step drafting ahead),
+//! and the same with the verify slower beside that step by each of BENCH_BESIDE (fractions,
+//! default `0.24,0.5`: medians of the target's step beside a draft step against alone over
+//! coordinator starts on one machine's two cores at two times of one day, scripts/interference.sh,
+//! docs/benchmarks/prompts.md, session 35).
 
 use std::collections::BTreeMap;
 
@@ -348,14 +352,22 @@ fn with_earlier(
 /// and 700 positions, docs/benchmarks/kernels.md, session 30) serially, nothing where drafting
 /// is wholly hidden; the top-2 paths are a tree's that holds, its other branches unpaid. Beside
 /// the oracle, no oracle: the model's chains at the K and confidence stop (the policy's two
-/// knobs, `drafting_bound::chained`) that give the category's best median, serially and
-/// drafting ahead (a chain free after a round whose chain and guess held).
+/// knobs, `drafting_bound::chained`) that give the category's best median, serially, drafting
+/// ahead (a chain free after a round whose chain and guess held), and drafting ahead with the
+/// verify slower beside the step by each of BENCH_BESIDE (default `0.24,0.5`).
 fn print_drafting_bounds(
     answers: &Answers,
     verify: &VerifyCost,
     draft: &std::path::Path,
 ) -> anyhow::Result<()> {
-    let draft_step: f64 = std::env::var("BENCH_DRAFT_STEP").map_or(Ok(0.38), |v| v.parse())?;
+    let number = |name: &str, default: f64| -> anyhow::Result<f64> {
+        Ok(std::env::var(name).map_or(Ok(default), |v| v.parse())?)
+    };
+    let draft_step = number("BENCH_DRAFT_STEP", 0.38)?;
+    let beside = env_list("BENCH_BESIDE", "0.24,0.5")
+        .iter()
+        .map(|v| v.parse())
+        .collect::<Result<Vec<f64>, _>>()?;
     let tokenizer = tandem_runtime::Tokenizer::for_model(draft)?;
     // The draft-node's vocabulary on a byte-level BPE (node/src/state.rs `DRAFT_VOCAB`).
     let ids = (0..100_000).chain(tokenizer.added_ids()).collect();
@@ -364,16 +376,31 @@ fn print_drafting_bounds(
         ..LoadOptions::default()
     };
     let model = Model::load(draft, &options)?;
-    println!("\nA model draft: {draft_step} of a step serially.");
     println!(
-        "| category | draft's greedy choice held | in its top 2 | model chains at the best K and confidence stop, serial × (K, stop) | the same, drafting ahead × (K, stop) | oracle: model chains, serial × | model chains and copying, serial × | the same, drafting hidden × | top-2 paths and copying, drafting hidden × |"
+        "\nA model draft: {draft_step} of a step serially; a verify beside a step drafting ahead slower by {beside:?} on one machine's two cores."
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    let slowed: Vec<String> = beside
+        .iter()
+        .map(|b| {
+            format!(
+                " drafting ahead, the verify {:.0} % slower beside × (K, stop) |",
+                b * 100.0
+            )
+        })
+        .collect();
+    println!(
+        "| category | draft's greedy choice held | in its top 2 | model chains at the best K and confidence stop, serial × (K, stop) | the same, drafting ahead × (K, stop) |{} oracle: model chains, serial × | model chains and copying, serial × | the same, drafting hidden × | top-2 paths and copying, drafting hidden × |",
+        slowed.concat()
+    );
+    println!(
+        "|---|---|---|---|---|{}---|---|---|---|",
+        "---|".repeat(beside.len())
+    );
     let settings: Vec<(usize, f32)> = (1..=ADAPTIVE_MAX_K)
         .flat_map(|k| [0.0, 0.3, 0.5, 0.7, 0.9].map(|c| (k, c)))
         .collect();
-    let costs = (verify, draft_step);
-    let mut all: [Vec<f64>; 6] = Default::default();
+    let costs = (verify, draft_step, beside.as_slice());
+    let mut all: Vec<Vec<f64>> = vec![Vec::new(); beside.len() + 6];
     for (category, answered) in answers {
         let mut rows: Vec<Vec<f64>> = Vec::new();
         for (earlier, prompt, answer) in with_earlier(answered) {
@@ -387,35 +414,49 @@ fn print_drafting_bounds(
         let m: Vec<f64> = (0..rows[0].len())
             .map(|c| median(rows.iter().map(|r| r[c]).collect()))
             .collect();
-        // The setting with the best median: serial, then drafting ahead.
+        // The setting with the best median: serial, drafting ahead, and slowed beside each.
         let best = |of: &[f64]| {
             of.iter().zip(&settings).fold(
                 (1.0, (0, 0.0)),
                 |b, (&x, &s)| if x > b.0 { (x, s) } else { b },
             )
         };
-        let (chains, ahead) = m[6..].split_at(settings.len());
-        let [(serial, (k, stop)), (ahead, (k2, stop2))] = [best(chains), best(ahead)];
-        for (all, x) in all.iter_mut().zip([serial, ahead, m[2], m[3], m[4], m[5]]) {
+        let chained: Vec<(f64, (usize, f32))> = m[6..].chunks(settings.len()).map(best).collect();
+        let row = chained.iter().map(|c| c.0).chain(m[2..6].iter().copied());
+        for (all, x) in all.iter_mut().zip(row) {
             all.push(x);
         }
+        let chains: Vec<String> = chained
+            .iter()
+            .map(|(x, (k, stop))| format!("{x:.2}× ({k}, {stop})"))
+            .collect();
         println!(
-            "| {category} | {:.0} % | {:.0} % | {serial:.2}× ({k}, {stop}) | {ahead:.2}× ({k2}, {stop2}) | {:.2}× | {:.2}× | {:.2}× | {:.2}× |",
-            m[0], m[1], m[2], m[3], m[4], m[5]
+            "| {category} | {:.0} % | {:.0} % | {} | {:.2}× | {:.2}× | {:.2}× | {:.2}× |",
+            m[0],
+            m[1],
+            chains.join(" | "),
+            m[2],
+            m[3],
+            m[4],
+            m[5]
         );
     }
-    let [e, f, a, b, c, d] = all.map(|x| geometric_mean(&x));
-    println!("| geometric mean | | | {e:.2}× | {f:.2}× | {a:.2}× | {b:.2}× | {c:.2}× | {d:.2}× |");
+    let means: Vec<String> = all
+        .iter()
+        .map(|x| format!("{:.2}×", geometric_mean(x)))
+        .collect();
+    println!("| geometric mean | | | {} |", means.join(" | "));
     Ok(())
 }
 
 /// One answer's drafting figures ([`print_drafting_bounds`]): the shares of its tokens that are
 /// the draft's greedy choice and in its top 2; the oracle's four bounds; then the model's chains
-/// at each setting serially, then the same drafting ahead.
+/// at each setting serially, drafting ahead, and drafting ahead with the verify slowed beside
+/// the step by each of `beside`.
 fn drafting_row(
     model: &Model,
     (earlier, prompt, answer): (&[Vec<u32>], &[u32], &[u32]),
-    (verify, draft_step): (&VerifyCost, f64),
+    (verify, draft_step, beside): (&VerifyCost, f64, &[f64]),
     settings: &[(usize, f32)],
 ) -> anyhow::Result<Vec<f64>> {
     let reading = read(model, prompt, answer)?;
@@ -437,7 +478,10 @@ fn drafting_row(
         fastest(&[drafter(&greedy, 0.0), copying], verify).speedup,
         fastest(&[drafter(&top2, 0.0), copying], verify).speedup,
     ];
-    for ahead in [false, true] {
+    let aheads = [None, Some(0.0)]
+        .into_iter()
+        .chain(beside.iter().map(|&b| Some(b)));
+    for ahead in aheads {
         row.extend(
             settings
                 .iter()

@@ -79,31 +79,47 @@ pub fn fastest(drafters: &[Drafter], verify: &VerifyCost) -> Schedule {
 }
 
 /// Answer tokens per step where each round drafts a chain of at most `k` tokens (and at most
-/// [`VerifyCost::max_drafts`]) with the
-/// drafter of `runs`, stopping before a draft (but its first) whose `confidence` is below
-/// `min_confidence`, as the policy's chains do (no oracle: the round pays for every draft and
-/// commits the part that holds and the target's token). Drafting `ahead`, the chain after a
-/// round whose every draft held and whose next token the drafter guessed (its run went on) was
-/// drafted during that round's verify, and costs nothing (on another machine's core).
+/// [`VerifyCost::max_drafts`]) with the drafter of `runs`, stopping before a draft (but its
+/// first) whose `confidence` is below `min_confidence`, as the policy's chains do (no oracle:
+/// the round pays for every draft and commits the part that holds and the target's token).
+///
+/// `ahead`: `None` drafts then verifies. `Some(slowdown)` drafts ahead, as the engine's pipeline
+/// does: during each round's verify the drafter drafts its guess of the target's token and the
+/// next round's chain past it (on another core), the round taking the longer of the two, its
+/// verify slowed by `slowdown` (a fraction) where the two share one machine; the next round's
+/// chain is then free where this round's chain held whole and the run went on (the guess right),
+/// and drafted serially again where not.
 pub fn chained(
     drafter: Drafter,
     confidence: &[f32],
     (k, min_confidence): (usize, f32),
     verify: &VerifyCost,
-    ahead: bool,
+    ahead: Option<f64>,
 ) -> f64 {
     let n = drafter.runs.len();
+    let most = |i: usize| k.min((n - 1).saturating_sub(i)).min(verify.max_drafts());
     let (mut i, mut cost, mut free) = (0, 0.0, false);
     while i < n {
-        let most = k.min(n - 1 - i).min(verify.max_drafts());
-        let drafted = (0..most)
+        let drafted = (0..most(i))
             .take_while(|&j| j == 0 || confidence[i + j] >= min_confidence)
             .count();
         let held = drafter.runs[i].min(drafted);
         let per_token = if free { 0.0 } else { drafter.per_token };
-        cost += verify.of(drafted) + per_token * drafted as f64;
-        free = ahead && drafted > 0 && drafter.runs[i] > drafted;
-        i += held + 1;
+        cost += per_token * drafted as f64;
+        let next = i + held + 1;
+        match ahead {
+            // The guess and the next chain (none past the answer's end).
+            Some(slowdown) if drafted > 0 && next < n => {
+                let step = drafter.per_token * (most(next) + 1) as f64;
+                cost += (verify.of(drafted) * (1.0 + slowdown)).max(step);
+                free = drafter.runs[i] > drafted;
+            }
+            _ => {
+                cost += verify.of(drafted);
+                free = false;
+            }
+        }
+        i = next;
     }
     per_step(n, cost)
 }
@@ -211,15 +227,28 @@ mod tests {
         let p = &VerifyCost::linear(0.25, 8);
         // K = 2, rounds at 0 (0 1 drafted and held, 2 the target's: 2.5 steps), 3 (3 4 drafted,
         // 3 refused: 2.5), 4 (the last draft, 4, held: 1.75).
-        assert!((chained(model, &sure, (2, 0.0), p, false) - 6.0 / 6.75).abs() < 1e-12);
+        assert!((chained(model, &sure, (2, 0.0), p, None) - 6.0 / 6.75).abs() < 1e-12);
         // Unsure at 1 and 4: a round drafts only its first token there.
         let unsure = [1.0, 0.2, 1.0, 1.0, 0.2, 1.0];
         // Rounds at 0 (0 drafted, cut before 1: 1.75 for 0 1), 2 (2 3 drafted, 3 refused: 2.5
         // for 2 3), 4 (4 drafted: 1.75 for 4 5).
-        assert!((chained(model, &unsure, (2, 0.5), p, false) - 6.0 / 6.0).abs() < 1e-12);
-        // Drafting ahead, sure: the round at 0 held both drafts and the guess of 2, so the one
-        // at 3 was drafted during its verify (its drafts free: 1.5); the one at 4 follows a
-        // refusal and pays (1.75).
-        assert!((chained(model, &sure, (2, 0.0), p, true) - 6.0 / 5.75).abs() < 1e-12);
+        assert!((chained(model, &unsure, (2, 0.5), p, None) - 6.0 / 6.0).abs() < 1e-12);
+        // Drafting ahead, sure: the round at 0 (2.5) drafted the guess of 2 and the chain at 3
+        // during its verify (3 tokens, 1.5: as long as the verify), and held both drafts and
+        // the guess, so the round at 3 had its drafts free (the verify beside the guess and the
+        // one draft left at 4: 1.5); the one at 4 follows a refusal and pays, nothing to draft
+        // ahead past the end (1.75).
+        assert!((chained(model, &sure, (2, 0.0), p, Some(0.0)) - 6.0 / 5.75).abs() < 1e-12);
+        // A verify a fifth slower beside the step drafting ahead: 1.8 where one was beside.
+        let slowed = 2.8 + 1.8 + 1.75;
+        assert!((chained(model, &sure, (2, 0.0), p, Some(0.2)) - 6.0 / slowed).abs() < 1e-12);
+        // A draft step of 0.8: the step drafting ahead outlasts the verify (2.4 against 1.5 at
+        // 0, 1.6 at 3), and the round waits for it.
+        let slow = Drafter {
+            runs: &runs,
+            per_token: 0.8,
+        };
+        let waited = (1.6 + 2.4) + 1.6 + (0.8 + 1.25);
+        assert!((chained(slow, &sure, (2, 0.0), p, Some(0.0)) - 6.0 / waited).abs() < 1e-12);
     }
 }
