@@ -21,7 +21,7 @@ pub use config::{LimitsArgs, ModelSource, NodeArgs};
 pub use error::{Error, Result};
 pub use serve::{Shutdown, announce_listening, bind_http, run, serve, serve_until_signal, stopped};
 pub use sessions::{SessionSlot, SessionTable};
-pub use state::{Limits, NodeState, Role};
+pub use state::{Limits, NodeState, Role, logit_ids};
 pub use stream::{Incoming, Session, drive_session};
 pub use telemetry::{Telemetry, init_telemetry};
 pub use worker::{Batch, ModelThread};

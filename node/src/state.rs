@@ -72,8 +72,9 @@ pub struct NodeState {
 const DRAFT_VOCAB: usize = 100_000;
 
 /// The token ids whose logits a node's model computes ([`ModelSource::draft_vocab`]): the ids
-/// below the draft's vocabulary and every added token; None for every token.
-fn logit_ids(
+/// below the draft's vocabulary and every added token; None for every token. (Public for the
+/// prompts bench, which loads the draft as a draft-node would.)
+pub fn logit_ids(
     role: Role,
     draft_vocab: Option<usize>,
     tokenizer: &Tokenizer,

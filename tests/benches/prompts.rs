@@ -369,10 +369,9 @@ fn print_drafting_bounds(
         .map(|v| v.parse())
         .collect::<Result<Vec<f64>, _>>()?;
     let tokenizer = tandem_runtime::Tokenizer::for_model(draft)?;
-    // The draft-node's vocabulary on a byte-level BPE (node/src/state.rs `DRAFT_VOCAB`).
-    let ids = (0..100_000).chain(tokenizer.added_ids()).collect();
+    // The draft-node's vocabulary, as a draft-node of default settings computes it.
     let options = LoadOptions {
-        logit_ids: Some(ids),
+        logit_ids: tandem_node::logit_ids(tandem_node::Role::Draft, None, &tokenizer)?,
         ..LoadOptions::default()
     };
     let model = Model::load(draft, &options)?;
