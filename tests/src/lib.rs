@@ -153,8 +153,13 @@ pub async fn patient_engine(cluster: &LocalCluster, k: usize) -> Engine {
 /// cluster's own, say), K fixed at `k` for requests that name none, patient with draft steps and
 /// opens ([`PATIENT`]).
 pub async fn engine_through(cluster: &LocalCluster, draft_url: &str, k: usize) -> Engine {
+    engine_to(&format!("http://{}", cluster.target_addr), draft_url, k).await
+}
+
+/// [`engine_through`] with the target-node at `target_url` (a [`link::Link`] in front of it).
+pub async fn engine_to(target_url: &str, draft_url: &str, k: usize) -> Engine {
     let mut engine = Engine::connect(
-        &[format!("http://{}", cluster.target_addr)],
+        &[target_url.to_string()],
         &[draft_url.to_string()],
         Some(k),
         &Default::default(),

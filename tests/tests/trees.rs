@@ -6,7 +6,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_coordinator::Engine;
 use tandem_coordinator::engine::Outcome;
 use tandem_node::LimitsArgs;
 use tandem_runtime::SamplingParams;
@@ -135,11 +134,7 @@ async fn a_trees_chain_is_drafted_past_during_the_verify() {
     };
     let link = Link::start(cluster.target_addr, far).await.expect("link");
     let draft_url = format!("http://{}", cluster.draft_addr.expect("a draft"));
-    let mut engine = Engine::connect(&[link.url()], &[draft_url], Some(4), &Default::default())
-        .await
-        .expect("engine");
-    engine.draft_step_slack = PATIENT;
-    engine.draft_open_grace = PATIENT;
+    let engine = engine_to(&link.url(), &draft_url, 4).await;
     let prompt = tokenizer(&stories())
         .encode("Once upon a time")
         .expect("encode");
