@@ -27,7 +27,7 @@ use serde_json::json;
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
-use tandem_tests::bench::{env_list, median, pairs, target_args};
+use tandem_tests::bench::{env_list, env_parsed, median, pairs, target_args};
 use tandem_tests::processes::Proc;
 use tandem_tests::tokenizer;
 
@@ -37,13 +37,6 @@ const PROMPTS: [&str; 4] = [
     "Tom and Sue went",
     "One day, a girl named Lily",
 ];
-
-fn numbers(name: &str, default: &str) -> anyhow::Result<Vec<usize>> {
-    env_list(name, default)
-        .iter()
-        .map(|s| s.parse().map_err(|e| anyhow::anyhow!("{name}: `{s}`: {e}")))
-        .collect()
-}
 
 /// The `q`-quantile of `xs` (nearest rank).
 fn quantile(mut xs: Vec<f64>, q: f64) -> f64 {
@@ -104,11 +97,11 @@ async fn wave(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let reps: usize = numbers("BENCH_REPS", "1")?[0];
-    let sessions = numbers("BENCH_SESSIONS", "1,4,8,16,64")?;
+    let reps: usize = env_parsed("BENCH_REPS", "1")?[0];
+    let sessions = env_parsed::<usize>("BENCH_SESSIONS", "1,4,8,16,64")?;
     let batches = env_list("BENCH_BATCH", "64,1");
     let one_process = env_list("BENCH_ONE_PROCESS", "");
-    let tokens = numbers("BENCH_TOKENS", "64")?[0];
+    let tokens: usize = env_parsed("BENCH_TOKENS", "64")?[0];
     let variants = env_list("BENCH_VARIANTS", "target-only,auto,4");
     let target_args = target_args();
     let cpus: Vec<String> = std::env::var("BENCH_CPUS")

@@ -27,20 +27,10 @@ use serde_json::json;
 use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
-use tandem_tests::bench::{env_list, env_usize, median, pairs, target_args};
+use tandem_tests::bench::{env_list, env_parsed, env_usize, median, pairs, target_args};
 use tandem_tests::link::{Link, LinkSpec};
 use tandem_tests::processes::Proc;
 use tandem_tests::tokenizer;
-
-fn parse_list<T: std::str::FromStr>(name: &str, default: &str) -> anyhow::Result<Vec<T>>
-where
-    T::Err: std::fmt::Display,
-{
-    env_list(name, default)
-        .iter()
-        .map(|s| s.parse().map_err(|e| anyhow::anyhow!("{name}: `{s}`: {e}")))
-        .collect()
-}
 
 /// One variant's numbers over the repetitions.
 #[derive(Default)]
@@ -65,8 +55,8 @@ struct Samples {
 #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 async fn main() -> anyhow::Result<()> {
     let reps = env_usize("BENCH_REPS", 3);
-    let rtts: Vec<u64> = parse_list("BENCH_RTT_MS", "0,5,20,50")?;
-    let mbits: Vec<f64> = parse_list("BENCH_MBIT", "0,100,10")?;
+    let rtts: Vec<u64> = env_parsed("BENCH_RTT_MS", "0,5,20,50")?;
+    let mbits: Vec<f64> = env_parsed("BENCH_MBIT", "0,100,10")?;
     let variants = env_list("BENCH_VARIANTS", "target-only,auto,4,8");
     let drafter = std::env::var("BENCH_DRAFTER").unwrap_or_else(|_| "auto".into());
     let temperature: f32 = std::env::var("BENCH_TEMPERATURE")

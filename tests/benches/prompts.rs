@@ -65,7 +65,7 @@ use tandem_proto::v1;
 use tandem_proto::v1::coordinator_client::CoordinatorClient;
 use tandem_runtime::SamplingParams;
 use tandem_runtime::{LoadOptions, Model};
-use tandem_tests::bench::{env_list, env_usize, geometric_mean, median};
+use tandem_tests::bench::{env_list, env_parsed, env_usize, geometric_mean, median};
 use tandem_tests::copy_bound::{CopyBound, Replay, VerifyCost, copy_bound, copy_runs, replay};
 use tandem_tests::drafting_bound::{Drafter, chained, fastest, read, runs_where};
 use tandem_tests::processes::Proc;
@@ -174,12 +174,7 @@ async fn main() -> anyhow::Result<()> {
     let prompts = prompts(env_usize("BENCH_PER_CATEGORY", 1), &chosen)?;
     let repeats = env_usize("BENCH_REPEATS", 1);
     let tokenizer = tandem_runtime::Tokenizer::for_model(&target)?;
-    let verify = VerifyCost::measured(
-        env_list("BENCH_VERIFY_STEPS", VERIFY_STEPS)
-            .iter()
-            .map(|v| v.parse())
-            .collect::<Result<_, _>>()?,
-    )?;
+    let verify = VerifyCost::measured(env_parsed("BENCH_VERIFY_STEPS", VERIFY_STEPS)?)?;
     let mut answers = Answers::new();
     let dump = std::env::var_os("BENCH_ANSWERS");
     println!(
@@ -360,14 +355,8 @@ fn print_drafting_bounds(
     verify: &VerifyCost,
     draft: &std::path::Path,
 ) -> anyhow::Result<()> {
-    let number = |name: &str, default: f64| -> anyhow::Result<f64> {
-        Ok(std::env::var(name).map_or(Ok(default), |v| v.parse())?)
-    };
-    let draft_step = number("BENCH_DRAFT_STEP", 0.38)?;
-    let beside = env_list("BENCH_BESIDE", "0.24,0.5")
-        .iter()
-        .map(|v| v.parse())
-        .collect::<Result<Vec<f64>, _>>()?;
+    let draft_step: f64 = std::env::var("BENCH_DRAFT_STEP").map_or(Ok(0.38), |v| v.parse())?;
+    let beside = env_parsed("BENCH_BESIDE", "0.24,0.5")?;
     let tokenizer = tandem_runtime::Tokenizer::for_model(draft)?;
     // The draft-node's vocabulary, as a draft-node of default settings computes it.
     let options = LoadOptions {

@@ -85,6 +85,17 @@ pub fn env_list(name: &str, default: &str) -> Vec<String> {
         .collect()
 }
 
+/// [`env_list`], each item parsed: an error names the variable and the item.
+pub fn env_parsed<T: std::str::FromStr>(name: &str, default: &str) -> anyhow::Result<Vec<T>>
+where
+    T::Err: std::fmt::Display,
+{
+    env_list(name, default)
+        .iter()
+        .map(|s| s.parse().map_err(|e| anyhow::anyhow!("{name}: `{s}`: {e}")))
+        .collect()
+}
+
 /// More arguments of the benchmarks' target-nodes, from BENCH_TARGET_ARGS (whitespace-separated,
 /// e.g. `--device cuda`).
 pub fn target_args() -> Vec<String> {
@@ -110,10 +121,7 @@ pub fn reps() -> usize {
 
 /// `BENCH_K` (default 4,8).
 pub fn ks() -> anyhow::Result<Vec<usize>> {
-    Ok(env_list("BENCH_K", "4,8")
-        .iter()
-        .map(|k| k.parse())
-        .collect::<Result<_, _>>()?)
+    env_parsed("BENCH_K", "4,8")
 }
 
 /// The pairs named in `wanted`: `stories260k` (the real stories260K, f32, with a Q8_0 copy as
