@@ -156,8 +156,24 @@ pub async fn engine_through(cluster: &LocalCluster, draft_url: &str, k: usize) -
     engine_to(&format!("http://{}", cluster.target_addr), draft_url, k).await
 }
 
-/// [`engine_through`] with the target-node at `target_url` (a [`link::Link`] in front of it).
-pub async fn engine_to(target_url: &str, draft_url: &str, k: usize) -> Engine {
+/// [`engine_through`] on `cluster`'s own draft-node, with its target-node 50 ms away behind a
+/// [`link::Link`] (returned, to keep it up): its verify gives the draft's steps (a few
+/// milliseconds on the tests' models) the time to draft ahead, however loaded the machine.
+pub async fn engine_far_target(cluster: &LocalCluster, k: usize) -> (link::Link, Engine) {
+    let far = link::LinkSpec {
+        rtt: std::time::Duration::from_millis(50),
+        bits_per_second: None,
+    };
+    let link = link::Link::start(cluster.target_addr, far)
+        .await
+        .expect("link");
+    let draft_url = format!("http://{}", cluster.draft_addr.expect("a draft"));
+    let engine = engine_to(&link.url(), &draft_url, k).await;
+    (link, engine)
+}
+
+/// An engine with its target-node at `target_url` ([`engine_through`]).
+async fn engine_to(target_url: &str, draft_url: &str, k: usize) -> Engine {
     let mut engine = Engine::connect(
         &[target_url.to_string()],
         &[draft_url.to_string()],

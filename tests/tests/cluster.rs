@@ -7,7 +7,6 @@ use std::sync::Arc;
 use tandem_node::LimitsArgs;
 use tandem_proto::v1;
 use tandem_runtime::SamplingParams;
-use tandem_tests::link::{Link, LinkSpec};
 use tandem_tests::*;
 
 fn prompt(text: &str) -> Vec<u32> {
@@ -264,17 +263,10 @@ async fn the_reported_times_add_up_and_drafting_ahead_is_counted_once() {
     let cluster = cluster(&target, Some(&draft), &LimitsArgs::default()).await;
     // The nodes as other processes (an engine connected to them, not the in-process cluster's
     // own, whose passes take turns on the same cores and draft nothing ahead: below), the
-    // target 50 ms away: its verify gives the draft's steps (a few milliseconds here) the time
-    // to draft ahead, however loaded the machine (beside the target's own verify, a draft step
+    // target 50 ms away ([`engine_far_target`]): beside the target's own verify, a draft step
     // slowed by a loaded machine to 9 ms against a 1 ms verify was, rightly, not drafted ahead,
-    // and no block was).
-    let far = LinkSpec {
-        rtt: std::time::Duration::from_millis(50),
-        bits_per_second: None,
-    };
-    let link = Link::start(cluster.target_addr, far).await.expect("link");
-    let draft_url = format!("http://{}", cluster.draft_addr.expect("a draft"));
-    let engine = engine_to(&link.url(), &draft_url, 4).await;
+    // and no block was.
+    let (_link, engine) = engine_far_target(&cluster, 4).await;
     // A draft that agrees with the target: every draft accepted, blocks drafted during the
     // verify are used.
     let req = request(

@@ -4,13 +4,11 @@
 //! sessions' trees and chains are verified together in one forward pass.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tandem_coordinator::engine::Outcome;
 use tandem_node::LimitsArgs;
 use tandem_runtime::SamplingParams;
 use tandem_runtime::quantize::{QuantType, quantize_to_gguf};
-use tandem_tests::link::{Link, LinkSpec};
 use tandem_tests::*;
 
 /// A Q4_0 copy of the story model in `dir`: a draft often right, sometimes second-best.
@@ -123,18 +121,11 @@ async fn a_trees_chain_is_drafted_past_during_the_verify() {
     // A draft often right, sometimes second-best: most rounds are trees (some are one path,
     // sent as a chain); while the target verifies one, the draft-node drafts past its chain,
     // used by the next round where the chain was accepted whole and the guess was right.
-    // The target 50 ms away: its verify gives the draft's steps (a few milliseconds here) the
-    // time to draft ahead, however loaded the machine.
+    // The target 50 ms away ([`engine_far_target`]), so that the draft drafts ahead.
     let dir = tempfile::tempdir().expect("temp dir");
     let draft = q4_draft(dir.path());
     let cluster = cluster(&stories(), Some(&draft), &LimitsArgs::default()).await;
-    let far = LinkSpec {
-        rtt: Duration::from_millis(50),
-        bits_per_second: None,
-    };
-    let link = Link::start(cluster.target_addr, far).await.expect("link");
-    let draft_url = format!("http://{}", cluster.draft_addr.expect("a draft"));
-    let engine = engine_to(&link.url(), &draft_url, 4).await;
+    let (_link, engine) = engine_far_target(&cluster, 4).await;
     let prompt = tokenizer(&stories())
         .encode("Once upon a time")
         .expect("encode");
