@@ -15,12 +15,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::error::{Error, Result};
 use tandem_runtime::KvPrefix;
 
-/// One open session's memory, and whether it has a message the node works on.
+/// One open session's memory, whether it has a message the node works on, and how many it has
+/// answered.
 #[derive(Debug, Default)]
 struct Open {
     /// The session's id (as its open named it).
     id: String,
     working: bool,
+    answered: u32,
     /// KV-cache bytes of its own storage, and what is reserved for it to grow to.
     held: usize,
     reserved: usize,
@@ -105,6 +107,7 @@ impl SessionTable {
                 id: id.to_string(),
                 // Admitted on its open, which the node works on now.
                 working: true,
+                answered: 0,
                 held: 0,
                 reserved: kv_bytes - new_segments,
                 prefix,
@@ -134,9 +137,15 @@ impl SessionTable {
         (self.lock().reserved(), self.kv_budget)
     }
 
-    /// Whether the open session `id` has a message the node has taken and not yet answered.
-    pub fn working(&self, id: &str) -> bool {
-        self.lock().open.values().any(|o| o.working && o.id == id)
+    /// Whether the open session `id` has a message the node has taken and not yet answered;
+    /// and the messages answered on its latest stream (the one opened last with that id: a
+    /// replay's, where the stream it replaced is still closing).
+    pub fn report(&self, id: &str) -> (bool, u32) {
+        let t = self.lock();
+        let of_id = || t.open.iter().filter(|(_, o)| o.id == id);
+        let working = of_id().any(|(_, o)| o.working);
+        let latest = of_id().max_by_key(|&(key, _)| *key);
+        (working, latest.map_or(0, |(_, o)| o.answered))
     }
 
     /// The segments open sessions read ([`KvPrefix::held`]'s ids).
@@ -161,9 +170,17 @@ impl SessionSlot {
         self.with(|o| o.held = bytes);
     }
 
-    /// The session has a message the node works on (taken, not yet answered), or not.
-    pub fn set_working(&self, working: bool) {
-        self.with(|o| o.working = working);
+    /// The session has a message the node works on (taken, not yet answered).
+    pub fn take(&self) {
+        self.with(|o| o.working = true);
+    }
+
+    /// The node has answered the session's message: it works on none.
+    pub fn answered(&self) {
+        self.with(|o| {
+            o.working = false;
+            o.answered = o.answered.saturating_add(1);
+        });
     }
 
     /// The session now reads `prefix` (its positions published) and reserves `kv_bytes` for
@@ -200,9 +217,18 @@ mod tests {
         let a = table.acquire("a", 0, None).expect("first");
         let b = table.acquire("b", 0, None).expect("second");
         // Taken on its open, which the node works on until it answers.
-        assert!(table.working("a") && table.working("b"));
-        a.set_working(false);
-        assert!(!table.working("a") && table.working("b") && !table.working("c"));
+        assert_eq!(
+            (table.report("a"), table.report("b")),
+            ((true, 0), (true, 0))
+        );
+        a.answered();
+        assert_eq!(table.report("a"), (false, 1));
+        assert_eq!(
+            (table.report("b"), table.report("c")),
+            ((true, 0), (false, 0))
+        );
+        a.take();
+        assert_eq!(table.report("a"), (true, 1));
         let err = table
             .acquire("s", 0, None)
             .expect_err("third is over the limit");

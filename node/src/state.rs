@@ -190,9 +190,13 @@ impl NodeState {
     }
 
     /// What the node is, serves and holds; whether session `session` (if named) has a message
-    /// the node is working on.
+    /// the node is working on, and how many it has answered.
     pub fn info(&self, session: &str) -> v1::NodeInfo {
         let l = &self.limits;
+        let (working, answered) = match session {
+            "" => (false, 0),
+            id => self.sessions.report(id),
+        };
         v1::NodeInfo {
             role: self.role.as_str().into(),
             model_name: self.model.name(),
@@ -212,7 +216,8 @@ impl NodeState {
             stop_token_ids: self.stop_token_ids.clone(),
             host_id: crate::host::host_id(),
             cpus: crate::host::cpus(),
-            session_working: !session.is_empty() && self.sessions.working(session),
+            session_working: working,
+            session_answered: answered,
         }
     }
 

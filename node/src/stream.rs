@@ -164,7 +164,7 @@ async fn serve<S: Session>(
             return Ok(()); // nobody listens any more
         }
         if let Some((_, slot, _)) = session.as_ref() {
-            slot.set_working(false);
+            slot.answered();
         }
     }
 }
@@ -235,7 +235,7 @@ async fn run_work<S: Session>(
     work: S::Work,
 ) -> Result<(Open<S>, S::Response)> {
     let (s, slot, salt) = open;
-    slot.set_working(true);
+    slot.take();
     let st = Arc::clone(state);
     let start = std::time::Instant::now();
     let held = s.held().len;

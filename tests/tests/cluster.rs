@@ -305,3 +305,38 @@ async fn the_reported_times_add_up_and_drafting_ahead_is_counted_once() {
         "the nodes' waited-for compute exceeds the decode time: {st:?}"
     );
 }
+
+/// A target reply still on its way when its call's deadline passes is waited for, not taken
+/// for lost: the target-node sits farther than the deadline (a 400 ms round trip against a
+/// 100 ms floor), so the first verify's reply arrives after it, when the node, asked, has
+/// answered the verify and works on nothing. The node says so; the generation goes on exact,
+/// its session never replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_on_its_way_at_the_deadline_is_waited_for_not_replayed() {
+    let cluster = cluster(&stories(), None, &LimitsArgs::default()).await;
+    let far = link::LinkSpec {
+        rtt: std::time::Duration::from_millis(400),
+        bits_per_second: None,
+    };
+    let link = link::Link::start(cluster.target_addr, far)
+        .await
+        .expect("link");
+    let mut engine = tandem_coordinator::engine::Engine::connect(
+        &[link.url()],
+        &[],
+        Some(0),
+        &Default::default(),
+    )
+    .await
+    .expect("engine");
+    engine.call_floor = std::time::Duration::from_millis(100);
+    let req = request(&prompt("Once upon a time"), 4, 0, &SamplingParams::greedy());
+    let out = generate(&engine, &req).await;
+    assert!(
+        engine.metrics.target_late_calls.get() >= 1,
+        "the first verify's reply came after its deadline"
+    );
+    assert_eq!(out.stats.repairs, 0, "no session replayed");
+    let alone = in_process(&stories(), None, &req);
+    assert_eq!(out.token_ids, alone.token_ids);
+}

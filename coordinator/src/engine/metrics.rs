@@ -64,7 +64,8 @@ pub struct CoordinatorMetrics {
     /// `other` one (a failover).
     pub target_replays: LabeledCounter,
     pub drafts_lost: Counter,
-    /// Target calls past their deadline on a node that was working on them: waited for again.
+    /// Target calls past their deadline on a node that was working on them, or had answered
+    /// them (the reply on its way): waited for again.
     pub target_late_calls: Counter,
     pub draft_reattaches: Counter,
     pub draft_stalls: Counter,
@@ -167,7 +168,7 @@ impl CoordinatorMetrics {
             (
                 "tandem_target_late_calls",
                 "Target calls past their deadline on a node still working on them (queued behind \
-                 other sessions' work): waited for, not replayed",
+                 other sessions' work) or whose reply was on its way: waited for, not replayed",
                 &self.target_late_calls,
             ),
             (

@@ -74,7 +74,7 @@ pub struct Engine {
     /// least: past it the generation starts with the target alone.
     pub draft_open_grace: Duration,
     /// A target call's deadline floor ([`crate::nodes::call_deadline`]): a call later than that, on a node
-    /// that is not working on it, is taken for lost and its session replayed.
+    /// that neither works on it nor has answered it, is taken for lost and its session replayed.
     pub call_floor: Duration,
     /// What the last session at each load learnt of the nodes' costs and the draft's acceptance.
     learnt: Learnt,

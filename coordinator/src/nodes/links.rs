@@ -7,6 +7,8 @@
 use crate::error::{Error, Result};
 use prost::Message;
 use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 use tandem_proto::v1::draft_service_client::DraftServiceClient;
 use tandem_proto::v1::target_service_client::TargetServiceClient;
@@ -42,6 +44,9 @@ struct SessionLink<Req, Resp> {
     tx: mpsc::Sender<Req>,
     rx: Streaming<Resp>,
     traffic: Traffic,
+    /// Replies received on the stream (its open's included): what the node's
+    /// `session_answered` is compared with.
+    received: Arc<AtomicU32>,
 }
 
 impl<Req: Message, Resp: Message + Default> SessionLink<Req, Resp> {
@@ -52,6 +57,7 @@ impl<Req: Message, Resp: Message + Default> SessionLink<Req, Resp> {
         match self.rx.message().await {
             Ok(Some(reply)) => {
                 self.traffic.received += reply.encoded_len() as u64 + FRAME_HEADER;
+                self.received.fetch_add(1, Ordering::Relaxed);
                 Ok(reply)
             }
             Ok(None) => Err(closed(self.node)),
@@ -259,12 +265,15 @@ pub struct NodeSession<W: Wire> {
     pub queued: Duration,
     /// Prompt tokens its last open took from the node's prefix cache.
     pub cached_tokens: u32,
+    /// Replies received on its current stream ([`Self::replies_received`]).
+    received: Arc<AtomicU32>,
 }
 
 impl<W: Wire> NodeSession<W> {
     /// Opens a session holding `log` (the prompt, or everything committed on a replay).
     pub async fn open(channel: Channel, spec: SessionSpec, log: &TokenLog) -> Result<Self> {
-        let (link, opened) = Self::start(&channel, &spec, log).await?;
+        let received = Arc::default();
+        let (link, opened) = Self::start(&channel, &spec, log, &received).await?;
         Ok(Self {
             channel,
             spec,
@@ -275,6 +284,7 @@ impl<W: Wire> NodeSession<W> {
             replica: 0,
             queued: Duration::from_micros(opened.queued_micros),
             cached_tokens: opened.cached_tokens,
+            received,
         })
     }
 
@@ -284,11 +294,14 @@ impl<W: Wire> NodeSession<W> {
         self.channel = channel;
     }
 
+    /// Opens a stream, its replies counted in `received` (from 0).
     async fn start(
         channel: &Channel,
         spec: &SessionSpec,
         log: &TokenLog,
+        received: &Arc<AtomicU32>,
     ) -> Result<(SessionLink<W::Req, W::Resp>, v1::Opened)> {
+        received.store(0, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(2);
         let rx = W::connect(channel.clone(), ReceiverStream::new(rx))
             .await
@@ -301,6 +314,7 @@ impl<W: Wire> NodeSession<W> {
             tx,
             rx,
             traffic: Traffic::default(),
+            received: Arc::clone(received),
         };
         let reply = link.call(W::open(spec.open(log))).await?;
         match W::classify(reply) {
@@ -313,7 +327,7 @@ impl<W: Wire> NodeSession<W> {
     /// Replays `log` into a new session, replacing this one.
     #[tracing::instrument(skip_all, fields(node = W::NODE, len = log.len()))]
     pub async fn replay(&mut self, log: &TokenLog) -> Result<()> {
-        let (link, opened) = Self::start(&self.channel, &self.spec, log).await?;
+        let (link, opened) = Self::start(&self.channel, &self.spec, log, &self.received).await?;
         let old = std::mem::replace(&mut self.link, link);
         old.close(W::close());
         self.past += old.traffic;
@@ -357,6 +371,12 @@ impl<W: Wire> NodeSession<W> {
             node: W::NODE,
             attempts: MAX_ATTEMPTS,
         })
+    }
+
+    /// The count of replies received on the session's current stream (its open's included; a
+    /// replay's stream counts from 0), readable while a call is under way.
+    pub fn replies_received(&self) -> Arc<AtomicU32> {
+        Arc::clone(&self.received)
     }
 
     /// The session's id (as the nodes log it).

@@ -347,14 +347,13 @@ impl Replicas {
         Ok(replica.handle.clone())
     }
 
-    /// Whether replica `i` answers in time ([`info_within`]) that it works on a message of
-    /// session `id`.
-    pub async fn working_on(&self, i: usize, id: &str) -> bool {
+    /// What replica `i` says of session `id` (`session_working`, `session_answered`), where
+    /// it answers in time ([`info_within`]).
+    pub async fn info_on(&self, i: usize, id: &str) -> Option<v1::NodeInfo> {
         let ask = v1::InfoRequest {
             session_id: id.to_string(),
         };
-        let info = info_within(&self.at(i).handle.channel, ask).await;
-        info.is_some_and(|info| info.session_working)
+        info_within(&self.at(i).handle.channel, ask).await
     }
 
     /// Replica `chosen`, then the others: where a draft session that lost `chosen` is opened

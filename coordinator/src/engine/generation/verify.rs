@@ -1,5 +1,6 @@
 //! The target's verify of a round's block, with the replay that survives a lost session.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
 use crate::error::{Error, Result};
@@ -41,6 +42,7 @@ pub(super) async fn on_target(
             n => (home + n as usize - 1) % engine.targets.len(),
         };
         let id = target.session_id().to_string();
+        let received = target.replies_received();
         let error = {
             let call = async {
                 if attempt > 0 {
@@ -56,18 +58,13 @@ pub(super) async fn on_target(
                 target.verify(log, block).await
             };
             tokio::pin!(call);
-            // Late is not lost while the node works on the message (queued behind other
-            // sessions' work: many opening at once): the call is waited for again, not
-            // abandoned and replayed into a node already behind.
+            let mut late = Late::default();
             loop {
                 match tokio::time::timeout(deadline, &mut call).await {
                     Ok(Ok(verdict)) => return Ok(verdict),
                     Ok(Err(e)) if !session_lost(&e) => return Err(e),
                     Ok(Err(e)) => break e,
-                    Err(_) if engine.targets.working_on(replica, &id).await => {
-                        engine.metrics.target_late_calls.inc_by(1);
-                        tracing::info!(waited = ?deadline, "target-node late but working");
-                    }
+                    Err(_) if late.waited_for(engine, replica, &id, &received).await => {}
                     Err(_) => {
                         let what = format!("a verify within {deadline:?}");
                         engine.targets.missed(replica, &what);
@@ -101,4 +98,43 @@ pub(super) async fn on_target(
         backoff = (backoff * 2).min(TARGET_BACKOFF_MAX);
     }
     unreachable!("the attempts are unbounded")
+}
+
+/// A verify past its deadline: what its node said of it so far.
+#[derive(Debug, Default)]
+struct Late {
+    /// The node had answered it, its reply not yet arrived.
+    reply_awaited: bool,
+}
+
+impl Late {
+    /// Whether the verify is waited for one more deadline, not taken for lost: its node, asked
+    /// in time, works on it (queued behind other sessions' work: many opening at once), or has
+    /// answered it and its reply is on its way (more answered on the stream than `received`:
+    /// it arrives within a deadline, or was dropped on the way, so this is waited for once).
+    /// Late is not lost: a call abandoned there would be replayed into a node already behind.
+    async fn waited_for(
+        &mut self,
+        engine: &Engine,
+        replica: usize,
+        session: &str,
+        received: &AtomicU32,
+    ) -> bool {
+        // Read before asking: a reply that arrives while the node answers is not missed.
+        let before = received.load(Ordering::Relaxed);
+        let Some(info) = engine.targets.info_on(replica, session).await else {
+            return false;
+        };
+        let on_its_way = !self.reply_awaited && info.session_answered > before;
+        if info.session_working {
+            tracing::info!("target-node late but working");
+        } else if on_its_way {
+            self.reply_awaited = true;
+            tracing::info!("target-node answered: its reply is on its way");
+        } else {
+            return false;
+        }
+        engine.metrics.target_late_calls.inc_by(1);
+        true
+    }
 }
