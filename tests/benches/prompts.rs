@@ -29,7 +29,11 @@
 //! BENCH_VERIFY_STEPS (what the target's verify of 0, 1, … drafts costs in its steps; default
 //! [`VERIFY_STEPS`], measured; a round drafts at most as many as the list goes to),
 //! BENCH_ANSWERS (a file to which each target-only answer of the first repeat is appended as a
-//! JSON line with its category, its prompt's token ids and the category's earlier answers).
+//! JSON line with its category, its prompt's token ids and the category's earlier answers),
+//! BENCH_BASELINE (`split` only, with TANDEM_PREBUILT: the name of a coordinator binary beside
+//! the others, a build from before a change copied there under another name; started on the
+//! same nodes, pinned as the other, its default run as the variant `baseline`, alternated
+//! prompt by prompt with the rest).
 //!
 //! Then, per category, the copy bound of the target-only answers (`tandem_tests::copy_bound`):
 //! how much of them follows a recurrence of their last two tokens in the prompt, the answer so
@@ -144,7 +148,8 @@ fn request(prompt: &str, variant: &str, tokens: usize, tenant: String) -> v1::Ge
     }
 }
 
-/// The setup's coordinator (and the nodes it needs, kept alive beside it).
+/// The setup's coordinator (and the nodes it needs, kept alive beside it); in `split`, last,
+/// the `BENCH_BASELINE` coordinator on the same nodes where one is named.
 fn start(setup: &str, target: &std::path::Path, draft: &std::path::Path) -> Vec<Proc> {
     let cpus = env_list("BENCH_CPUS", "0,1");
     let (target_cpu, draft_cpu) = (&cpus[0], &cpus[cpus.len() - 1]);
@@ -154,7 +159,21 @@ fn start(setup: &str, target: &std::path::Path, draft: &std::path::Path) -> Vec<
             let t = Proc::node_on("target-node", target, &[], Some(target_cpu));
             let d = Proc::node_on("draft-node", draft, &[], Some(draft_cpu));
             let c = Proc::coordinator(&t.url(), &d.url(), &[], Some(target_cpu));
-            vec![c, t, d]
+            let mut procs = vec![c, t, d];
+            if let Ok(name) = std::env::var("BENCH_BASELINE") {
+                let args = [
+                    "serve",
+                    "--target",
+                    &procs[1].url(),
+                    "--draft",
+                    &procs[2].url(),
+                ];
+                let args = [&args[..], &["--listen", "127.0.0.1:0"]].concat();
+                let baseline = Proc::start_pinned(&name, &args, target_cpu);
+                baseline.wait_ready();
+                procs.push(baseline);
+            }
+            procs
         }
     }
 }
@@ -187,8 +206,14 @@ async fn main() -> anyhow::Result<()> {
     {
         let procs = start(&setup, &target, &draft);
         let mut client = CoordinatorClient::connect(procs[0].url()).await?;
-        let warm = request(&prompts[0].1, "target-only", 4, "warm-up".into());
-        tandem_coordinator::client::run(&mut client, warm, |_| {}).await?;
+        let mut baseline = match procs.get(3) {
+            Some(b) => Some(CoordinatorClient::connect(b.url()).await?),
+            None => None,
+        };
+        for c in std::iter::once(&mut client).chain(baseline.as_mut()) {
+            let warm = request(&prompts[0].1, "target-only", 4, "warm-up".into());
+            tandem_coordinator::client::run(c, warm, |_| {}).await?;
+        }
         let mut figures: BTreeMap<(String, String), Figures> = BTreeMap::new();
         for (category, prompt, repeat) in
             (0..repeats).flat_map(|r| prompts.iter().map(move |(c, p)| (c, p, r)))
@@ -196,9 +221,16 @@ async fn main() -> anyhow::Result<()> {
             let mut base: Option<(f64, Vec<u32>)> = None;
             for variant in &variants {
                 let tenant = format!("{category} {variant} #{repeat}");
+                let (to, sent) = match (variant.as_str(), baseline.as_mut()) {
+                    ("baseline", Some(b)) => (b, "auto"),
+                    ("baseline", None) => {
+                        anyhow::bail!("{setup}: the baseline runs in split, with BENCH_BASELINE")
+                    }
+                    _ => (&mut client, variant.as_str()),
+                };
                 let done = tandem_coordinator::client::run(
-                    &mut client,
-                    request(prompt, variant, tokens, tenant),
+                    to,
+                    request(prompt, sent, tokens, tenant),
                     |_| {},
                 )
                 .await?;
