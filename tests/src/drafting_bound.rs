@@ -86,10 +86,9 @@ pub fn fastest(drafters: &[Drafter], verify: &VerifyCost) -> Schedule {
 /// `ahead`: `None` drafts then verifies. `Some(slowdown)` drafts ahead, as the engine's pipeline
 /// does: during each round's verify the drafter drafts its guess of the target's token and the
 /// next round's chain past it (on another core), the round taking the longer of the two, its
-/// verify slowed by `slowdown` (a fraction) while the step runs beside it, where the two share
-/// one machine (a verify longer than the step is slowed over the step's length only); the next
-/// round's chain is then free where this round's chain held whole and the run went on (the
-/// guess right), and drafted serially again where not.
+/// verify slowed by `slowdown` (a fraction) where the two share one machine; the next round's
+/// chain is then free where this round's chain held whole and the run went on (the guess right),
+/// and drafted serially again where not.
 pub fn chained(
     drafter: Drafter,
     confidence: &[f32],
@@ -112,8 +111,7 @@ pub fn chained(
             // The guess and the next chain (none past the answer's end).
             Some(slowdown) if drafted > 0 && next < n => {
                 let step = drafter.per_token * (most(next) + 1) as f64;
-                let alone = verify.of(drafted);
-                cost += (alone + slowdown * alone.min(step)).max(step);
+                cost += (verify.of(drafted) * (1.0 + slowdown)).max(step);
                 free = drafter.runs[i] > drafted;
             }
             _ => {
@@ -241,9 +239,8 @@ mod tests {
         // one draft left at 4: 1.5); the one at 4 follows a refusal and pays, nothing to draft
         // ahead past the end (1.75).
         assert!((chained(model, &sure, (2, 0.0), p, Some(0.0)) - 6.0 / 5.75).abs() < 1e-12);
-        // A verify a fifth slower while the step drafting ahead runs beside it: 1.8 at 0 (the
-        // step as long as the verify), 1.7 at 3 (the guess and one draft, 1.0 of its 1.5).
-        let slowed = 2.8 + 1.7 + 1.75;
+        // A verify a fifth slower beside the step drafting ahead: 1.8 where one was beside.
+        let slowed = 2.8 + 1.8 + 1.75;
         assert!((chained(model, &sure, (2, 0.0), p, Some(0.2)) - 6.0 / slowed).abs() < 1e-12);
         // A draft step of 0.8: the step drafting ahead outlasts the verify (2.4 against 1.5 at
         // 0, 1.6 at 3), and the round waits for it.

@@ -26,11 +26,10 @@ impl Ewma {
     }
 }
 
-/// How much slower the target's step runs while the draft-node computes beside it (in the
-/// background: a timing step of the idle draft, a catch-up; or drafting ahead during a verify,
-/// [`Self::beside`]): nothing where the draft-node has a machine of its own; on one machine's
-/// two cores a sixth to a half (the real pair, split: 47 ms against 40 in session 31; 24–56 %
-/// over coordinator starts in session 35, `scripts/interference.sh`).
+/// How much slower the target's step runs while the draft-node computes beside it in the
+/// background (a timing step of the idle draft, a catch-up): nothing where the draft-node has a
+/// machine of its own; on one machine's two cores, where both models' decode steps are
+/// memory-bound and share its bandwidth, a sixth (the real pair, split: 47 ms against 40).
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub(super) struct Interference {
     /// A target-only round's verify, alone and beside a background step.
@@ -70,27 +69,6 @@ impl Interference {
         Self {
             credit: 0.0,
             ..*self
-        }
-    }
-
-    /// A verify of `verify` seconds alone, beside a draft step of `step` seconds' compute
-    /// (drafting ahead): slowed by [`Self::slowdown`] while the two overlap, so a verify longer
-    /// than the step only over the step's length. On one machine's two cores the real pair's
-    /// verify of 2 positions took 87 ms beside a step drafting ahead against 52 alone, of 8
-    /// positions 172 against 141: some 32 ms more whatever its length
-    /// (docs/benchmarks/prompts.md, session 35).
-    pub(super) fn beside(&self, verify: f64, step: f64) -> f64 {
-        verify + self.slowdown(0.0) * verify.min(step)
-    }
-
-    /// What a verify timed `wall` seconds beside a step of `step` seconds' compute cost alone:
-    /// the inverse of [`Self::beside`].
-    pub(super) fn alone(&self, wall: f64, step: f64) -> f64 {
-        let slowdown = self.slowdown(0.0);
-        if wall <= step * (1.0 + slowdown) {
-            wall / (1.0 + slowdown)
-        } else {
-            wall - slowdown * step
         }
     }
 
@@ -304,28 +282,6 @@ impl DrafterCosts {
         if k > 0 {
             self.compute.observe(k, compute);
             self.overhead.add((wall - compute).max(0.0));
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_verify_is_slowed_only_while_the_step_beside_it_runs() {
-        let mut interference = Interference::default();
-        // Not timed beside a step yet: no slowdown.
-        assert_eq!(interference.beside(0.100, 0.050), 0.100);
-        interference.observe(false, 0.040);
-        interference.observe(true, 0.060);
-        // Half slower: a verify shorter than the step throughout, a longer one over the
-        // step's 50 ms only.
-        assert!((interference.beside(0.030, 0.050) - 0.045).abs() < 1e-12);
-        assert!((interference.beside(0.140, 0.050) - 0.165).abs() < 1e-12);
-        for (verify, step) in [(0.030, 0.050), (0.140, 0.050), (0.050, 0.050), (0.1, 0.0)] {
-            let wall = interference.beside(verify, step);
-            assert!((interference.alone(wall, step) - verify).abs() < 1e-12);
         }
     }
 }

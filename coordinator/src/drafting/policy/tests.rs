@@ -481,22 +481,6 @@ fn a_block_drafted_ahead_grows_to_the_long_run_k_where_that_saves_more_than_it_d
 }
 
 #[test]
-fn a_verify_longer_than_the_step_beside_it_is_slowed_over_the_step_only() {
-    // Verify 40 ms flat, 4 ms a draft, always right, its guess too; on one machine's two cores
-    // the target's step is half slower beside the draft's. Drafting the guess and 4 ahead
-    // (20 ms) during the verify of K = 4 slows it over those 20 ms (50 ms), and saves the next
-    // round's 16 ms of drafts: 34 ms a round against the verify's 40. Slowed over its whole
-    // length (60 ms), it would cost more than it saves, and nothing was drafted ahead.
-    let mut policy = measured(0.040, 0.004, 1.0);
-    for _ in 0..200 {
-        policy.observe_guess(true);
-    }
-    policy.observe_target_step(false, 0.040);
-    policy.observe_target_step(true, 0.060);
-    assert_eq!(policy.ahead_len(4), 4);
-}
-
-#[test]
 fn a_right_guess_is_the_next_positions_acceptance_where_greedy() {
     let mut policy = measured(0.010, 0.004, 0.5);
     policy.observe_guess_after(1, true, false);
