@@ -1,9 +1,8 @@
 //! Whether a node replica answers. A call to it that misses its deadline (a draft session's
 //! open, step, catch-up or timing step; a verify the node neither works on nor has answered; a
-//! round-trip probe)
-//! marks it **down**: new generations then neither open a session there nor wait for one (the
-//! draft-node's are left out at once; a target replica that is down is picked last), and the
-//! generations it served re-attach elsewhere or later. The round-trip probe of every replica
+//! round-trip probe) marks it **down**: new generations then neither open a session there nor
+//! wait for one (the draft-node's are left out at once; a target replica that is down is picked
+//! last), and the generations it served re-attach elsewhere or later. The round-trip probe of every replica
 //! ([`crate::nodes::replicas`]) asks a down one again every [`DOWN_PROBE`], and any answer marks
 //! it up: drafting resumes. A silent link so costs one deadline, once, not one per generation.
 
