@@ -8,7 +8,9 @@
 # Starts the target-node pinned to core A, the draft-node to core B and `coordinator serve`
 # beside the target, STARTS times, and reads what the coordinator's warm-up timed before its
 # first request (`engine/warm_up.rs`): the target's step alone and beside a draft-node step of 4
-# tokens. Prints each start's pair and the median slowdown (beside / alone − 1).
+# tokens. Prints each start's pair and the median slowdown (beside / alone − 1). With
+# NODES=once the nodes start once and only the coordinator STARTS times: what one process's
+# sample reads on the same nodes (docs/benchmarks/prompts.md, "Session 36").
 #
 # Environment: TANDEM_QWEN_DIR (default ~/.cache/tandem/models: scripts/fetch-qwen-pair.sh),
 # TARGET, DRAFT (the .gguf files; default the Qwen pair there), CORES ("0 1": A and B), STARTS
@@ -36,7 +38,7 @@ stop() {
     for p in "${pids[@]}"; do wait "$p" 2> /dev/null || true; done
     pids=()
 }
-trap 'stop; rm -rf "$logs"' EXIT
+trap 'stop; kill "${coordinator:-}" 2> /dev/null; rm -rf "$logs"' EXIT
 
 # Waits until FILE has a line matching PATTERN, while process PID lives.
 await() {
@@ -55,9 +57,8 @@ for x in s: x.bind(("127.0.0.1", 0))
 print(*(x.getsockname()[1] for x in s))'
 }
 
-pairs=()
-for n in $(seq "$starts"); do
-    read -r tp dp cp <<< "$(ports)"
+# Starts the target-node and the draft-node, each pinned to its core, on ports $tp and $dp.
+nodes() {
     RUST_LOG=info taskset -c "$core_a" "$bin/target-node" --model "$target" \
         --listen "127.0.0.1:$tp" > "$logs/target" 2>&1 &
     pids+=($!)
@@ -66,15 +67,27 @@ for n in $(seq "$starts"); do
         --listen "127.0.0.1:$dp" > "$logs/draft" 2>&1 &
     pids+=($!)
     await "$logs/draft" listening "${pids[-1]}"
+}
+
+pairs=()
+for n in $(seq "$starts"); do
+    if [ "${NODES:-each}" != once ] || [ "$n" = 1 ]; then
+        read -r tp dp cp <<< "$(ports)"
+        nodes
+    else
+        read -r _ _ cp <<< "$(ports)"
+    fi
     RUST_LOG=info NO_COLOR=1 taskset -c "$core_a" "$bin/coordinator" serve \
         --target "http://127.0.0.1:$tp" --draft "http://127.0.0.1:$dp" \
         --listen "127.0.0.1:$cp" > "$logs/coordinator" 2>&1 &
-    pids+=($!)
-    await "$logs/coordinator" "nodes timed\|not timed" "${pids[-1]}"
+    coordinator=$!
+    await "$logs/coordinator" "nodes timed\|not timed" "$coordinator"
     line=$(sed 's/\x1b\[[0-9;]*m//g' "$logs/coordinator" | grep "nodes timed" || true)
     alone=$(grep -o 'target_step_ms=[0-9.]*' <<< "$line" | cut -d= -f2)
     beside=$(grep -o 'target_beside_draft_ms=[0-9.]*' <<< "$line" | cut -d= -f2)
-    stop
+    kill "$coordinator" 2> /dev/null || true
+    wait "$coordinator" 2> /dev/null || true
+    [ "${NODES:-each}" = once ] || stop
     [ -n "$alone" ] || { echo "start $n: the warm-up did not time the nodes" >&2; continue; }
     printf 'start %d: target step %.1f ms alone, %.1f ms beside the draft step\n' \
         "$n" "$alone" "$beside"
