@@ -162,17 +162,8 @@ fn start(setup: &str, target: &std::path::Path, draft: &std::path::Path) -> Vec<
             let c = Proc::coordinator(&t.url(), &d.url(), &[], Some(target_cpu));
             let mut procs = vec![c, t, d];
             if let Ok(name) = std::env::var("BENCH_BASELINE") {
-                let args = [
-                    "serve",
-                    "--target",
-                    &procs[1].url(),
-                    "--draft",
-                    &procs[2].url(),
-                ];
-                let args = [&args[..], &["--listen", "127.0.0.1:0"]].concat();
-                let baseline = Proc::start_pinned(&name, &args, target_cpu);
-                baseline.wait_ready();
-                procs.push(baseline);
+                let (t, d) = (procs[1].url(), procs[2].url());
+                procs.push(Proc::coordinator_named(&name, &t, &d, target_cpu));
             }
             procs
         }
@@ -219,9 +210,9 @@ async fn main() -> anyhow::Result<()> {
         let runs = (0..repeats).flat_map(|r| prompts.iter().map(move |(c, p)| (c, p, r)));
         for (i, (category, prompt, repeat)) in runs.enumerate() {
             let mut base: Option<(f64, Vec<u32>)> = None;
-            // After target-only, the others in turn and then in reverse, prompt by prompt: run
-            // always in one order, two identical coordinators read 1.19× and 1.25× over four
-            // categories (tool calls 1.16 and 1.51×), the later one the faster.
+            // After target-only, the others in turn and then in reverse, prompt by prompt, so
+            // that none always runs right after target-only (two identical coordinators still
+            // differ by their warm-up samples: docs/benchmarks/prompts.md, session 36).
             let mut order = variants.clone();
             if i % 2 == 1 {
                 order[1..].reverse();

@@ -160,16 +160,21 @@ pub async fn engine_through(cluster: &LocalCluster, draft_url: &str, k: usize) -
 /// [`link::Link`] (returned, to keep it up): its verify gives the draft's steps (a few
 /// milliseconds on the tests' models) the time to draft ahead, however loaded the machine.
 pub async fn engine_far_target(cluster: &LocalCluster, k: usize) -> (link::Link, Engine) {
-    let far = link::LinkSpec {
-        rtt: std::time::Duration::from_millis(50),
-        bits_per_second: None,
-    };
-    let link = link::Link::start(cluster.target_addr, far)
-        .await
-        .expect("link");
+    let link = target_behind(cluster, std::time::Duration::from_millis(50)).await;
     let draft_url = format!("http://{}", cluster.draft_addr.expect("a draft"));
     let engine = engine_to(&link.url(), &draft_url, k).await;
     (link, engine)
+}
+
+/// A [`link::Link`] of round trip `rtt` (no bandwidth cap) in front of `cluster`'s target-node.
+pub async fn target_behind(cluster: &LocalCluster, rtt: std::time::Duration) -> link::Link {
+    let far = link::LinkSpec {
+        rtt,
+        bits_per_second: None,
+    };
+    link::Link::start(cluster.target_addr, far)
+        .await
+        .expect("link")
 }
 
 /// An engine with its target-node at `target_url` ([`engine_through`]).

@@ -375,19 +375,32 @@ impl Proc {
         extra: &[&str],
         cpus: Option<&str>,
     ) -> Self {
+        Self::serving("coordinator", (target_url, draft_url), extra, cpus)
+    }
+
+    /// [`Self::coordinator`] from the binary `name` beside the others (with `TANDEM_PREBUILT`:
+    /// a build from before a change, copied there under another name), no extra arguments.
+    pub fn coordinator_named(name: &str, target_url: &str, draft_url: &str, cpus: &str) -> Self {
+        let coordinator = Self::serving(name, (target_url, draft_url), &[], Some(cpus));
+        coordinator.wait_ready();
+        coordinator
+    }
+
+    /// `name serve` in front of the target-node and draft-node at `nodes`' URLs.
+    fn serving(name: &str, nodes: (&str, &str), extra: &[&str], cpus: Option<&str>) -> Self {
         let mut args = vec![
             "serve",
             "--target",
-            target_url,
+            nodes.0,
             "--draft",
-            draft_url,
+            nodes.1,
             "--listen",
             "127.0.0.1:0",
         ];
         args.extend_from_slice(extra);
         match cpus {
-            Some(cpus) => Self::start_pinned("coordinator", &args, cpus),
-            None => Self::start("coordinator", &args),
+            Some(cpus) => Self::start_pinned(name, &args, cpus),
+            None => Self::start(name, &args),
         }
     }
 

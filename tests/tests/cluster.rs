@@ -314,13 +314,7 @@ async fn the_reported_times_add_up_and_drafting_ahead_is_counted_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_on_its_way_at_the_deadline_is_waited_for_not_replayed() {
     let cluster = cluster(&stories(), None, &LimitsArgs::default()).await;
-    let far = link::LinkSpec {
-        rtt: std::time::Duration::from_millis(400),
-        bits_per_second: None,
-    };
-    let link = link::Link::start(cluster.target_addr, far)
-        .await
-        .expect("link");
+    let link = target_behind(&cluster, std::time::Duration::from_millis(400)).await;
     let mut engine = tandem_coordinator::engine::Engine::connect(
         &[link.url()],
         &[],
